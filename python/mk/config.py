@@ -99,7 +99,7 @@ class ModelConfig:
         if isinstance(values.get("eos_token_id"), list):
             eos = values["eos_token_id"]
             if len(eos) != 1:
-                raise ConfigError("config.json: 'eos_token_id' must be one id, got a list of " f"{len(eos)}")
+                raise ConfigError(f"config.json: 'eos_token_id' must be one id, got a list of {len(eos)}")
             values["eos_token_id"] = eos[0]
         if isinstance(values.get("layer_types"), list):
             values["layer_types"] = tuple(values["layer_types"])
@@ -208,7 +208,11 @@ def _validate(c: ModelConfig) -> None:
         need(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, f"must be a positive integer, got {v!r}")
     for name in ("first_k_dense_replace", "prefix_dense_sliding_window_pattern", "eos_token_id"):
         v = getattr(c, name)
-        need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, name, f"must be a non-negative integer, got {v!r}")
+        need(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+            name,
+            f"must be a non-negative integer, got {v!r}",
+        )
     for name in ("rms_norm_eps", "rope_theta", "logit_scale"):
         v = getattr(c, name)
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0

@@ -1,0 +1,83 @@
+//! Rust mirror of `cuda/abi.h`. Field order, types and padding must match the header exactly;
+//! the test below checks them against the layout nvcc compiled (cuda/abi_probe.cu).
+
+/// See `MkAddRmsnormArgs` in cuda/abi.h.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct MkAddRmsnormArgs {
+    pub x: u64,
+    pub delta: u64,
+    pub gamma: u64,
+    pub out: u64,
+    pub rows: i32,
+    pub dim: i32,
+    pub eps: f32,
+    pub reserved: i32,
+}
+
+// SAFETY: plain-old-data with the C layout the kernel expects; passed by value as a kernel
+// parameter.
+unsafe impl cudarc::driver::DeviceRepr for MkAddRmsnormArgs {}
+
+/// Must equal `MK_ABI_VERSION` in cuda/abi.h.
+pub const ABI_VERSION: u64 = 1;
+
+/// The values `mk_abi_layout` in cuda/abi_probe.cu holds, in its order, computed on the Rust side.
+pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
+    use std::mem::{offset_of, size_of};
+    type A = MkAddRmsnormArgs;
+    vec![
+        ("MK_ABI_VERSION", ABI_VERSION),
+        ("sizeof(MkAddRmsnormArgs)", size_of::<A>() as u64),
+        ("MkAddRmsnormArgs.x", offset_of!(A, x) as u64),
+        ("MkAddRmsnormArgs.delta", offset_of!(A, delta) as u64),
+        ("MkAddRmsnormArgs.gamma", offset_of!(A, gamma) as u64),
+        ("MkAddRmsnormArgs.out", offset_of!(A, out) as u64),
+        ("MkAddRmsnormArgs.rows", offset_of!(A, rows) as u64),
+        ("MkAddRmsnormArgs.dim", offset_of!(A, dim) as u64),
+        ("MkAddRmsnormArgs.eps", offset_of!(A, eps) as u64),
+        ("MkAddRmsnormArgs.reserved", offset_of!(A, reserved) as u64),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use object::{Object, ObjectSection, ObjectSymbol};
+
+    /// Reads the `u64` array `symbol` out of a cubin (an ELF file) without a GPU.
+    fn read_u64_symbol(cubin: &[u8], symbol: &str) -> Vec<u64> {
+        let elf = object::File::parse(cubin).expect("cubin is ELF");
+        let sym = elf.symbols().find(|s| s.name() == Ok(symbol)).unwrap_or_else(|| panic!("{symbol} not in cubin"));
+        let section = elf.section_by_index(sym.section_index().expect("defined symbol")).unwrap();
+        let data = section.data().unwrap();
+        let start = (sym.address() - section.address()) as usize;
+        data[start..start + sym.size() as usize]
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    }
+
+    fn probe_cubin() -> &'static [u8] {
+        crate::gpu::cubin("abi_probe").expect("abi_probe cubin embedded")
+    }
+
+    #[test]
+    fn abi_layout_matches_nvcc() {
+        let compiled = read_u64_symbol(probe_cubin(), "mk_abi_layout");
+        let expected = expected_probe_layout();
+        assert_eq!(compiled.len(), expected.len(), "probe table and Rust list differ in length");
+        for ((name, want), got) in expected.iter().zip(&compiled) {
+            assert_eq!(got, want, "{name}: nvcc compiled {got}, Rust mirror has {want}");
+        }
+    }
+
+    #[test]
+    fn probe_reader_sees_a_wrong_layout() {
+        // The comparison must be able to fail: shift one field and it has to differ.
+        let compiled = read_u64_symbol(probe_cubin(), "mk_abi_layout");
+        let mut wrong = expected_probe_layout();
+        wrong[4].1 += 4;
+        assert!(wrong.iter().zip(&compiled).any(|((_, w), g)| w != g));
+    }
+}

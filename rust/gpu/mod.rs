@@ -1,0 +1,172 @@
+//! Driver-API access to the GPU: load the embedded cubins, launch kernels on a caller's stream.
+//!
+//! The CUDA driver is loaded at run time (cudarc's dynamic loading), so the crate links and the
+//! Python package imports on machines with no GPU; only opening a device reports an error there.
+
+pub mod abi;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, DriverError, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+
+mod embedded {
+    include!(concat!(env!("OUT_DIR"), "/cubins.rs"));
+}
+pub use embedded::{CUBINS, GENCODE, NVCC_VERSION};
+
+/// The embedded cubin built from `cuda/<name>.cu`.
+pub fn cubin(name: &str) -> Option<&'static [u8]> {
+    CUBINS.iter().find(|(n, _)| *n == name).map(|(_, bytes)| *bytes)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    #[error("no CUDA driver (libcuda.so) on this machine: the GPU path needs an NVIDIA GPU and its driver")]
+    NoDriver,
+    #[error("CUDA device {ordinal} does not exist ({count} visible)")]
+    NoDevice { ordinal: usize, count: i32 },
+    #[error(
+        "mk's kernels are built for Hopper (sm_90a); device {ordinal} ({name}) is compute capability {major}.{minor}"
+    )]
+    UnsupportedDevice { ordinal: usize, name: String, major: i32, minor: i32 },
+    #[error("CUDA driver error while trying to {action}: {source}")]
+    Driver { action: &'static str, source: DriverError },
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+}
+
+trait Context<T> {
+    fn during(self, action: &'static str) -> Result<T, GpuError>;
+}
+
+impl<T> Context<T> for Result<T, DriverError> {
+    fn during(self, action: &'static str) -> Result<T, GpuError> {
+        self.map_err(|source| GpuError::Driver { action, source })
+    }
+}
+
+/// True when a CUDA driver can be loaded and sees at least one device.
+pub fn available() -> bool {
+    // SAFETY: only tries to dlopen libcuda.
+    if !unsafe { sys::is_culib_present() } {
+        return false;
+    }
+    CudaContext::device_count().map(|n| n > 0).unwrap_or(false)
+}
+
+/// One device's primary context (the one PyTorch uses too) and the loaded kernels.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    _kernels: Arc<CudaModule>,
+    add_rmsnorm: CudaFunction,
+}
+
+/// Threads per block of `mk_add_rmsnorm`; with 4 vectors of 8 per thread it covers rows of 8192.
+const NORM_THREADS: u32 = 256;
+const NORM_MAX_DIM: i32 = 4 * 8 * NORM_THREADS as i32;
+
+impl Gpu {
+    /// Opens device `ordinal` once per process and returns the shared handle.
+    pub fn shared(ordinal: usize) -> Result<Arc<Gpu>, GpuError> {
+        static OPEN: OnceLock<Mutex<HashMap<usize, Arc<Gpu>>>> = OnceLock::new();
+        let mut open = OPEN.get_or_init(Default::default).lock().unwrap();
+        if let Some(gpu) = open.get(&ordinal) {
+            return Ok(gpu.clone());
+        }
+        let gpu = Arc::new(Gpu::open(ordinal)?);
+        open.insert(ordinal, gpu.clone());
+        Ok(gpu)
+    }
+
+    fn open(ordinal: usize) -> Result<Gpu, GpuError> {
+        // SAFETY: only tries to dlopen libcuda.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(GpuError::NoDriver);
+        }
+        let count = CudaContext::device_count().during("count devices")?;
+        if ordinal >= count.max(0) as usize {
+            return Err(GpuError::NoDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal).during("retain the device's primary context")?;
+        let (major, minor) = ctx.compute_capability().during("read the compute capability")?;
+        if (major, minor) != (9, 0) {
+            let name = ctx.name().unwrap_or_default();
+            return Err(GpuError::UnsupportedDevice { ordinal, name, major, minor });
+        }
+        let image = cubin("kernels").expect("kernels cubin is embedded by build.rs");
+        let kernels = ctx.load_module(Ptx::from_binary(image.to_vec())).during("load the embedded kernels")?;
+        let add_rmsnorm = kernels.load_function("mk_add_rmsnorm").during("find mk_add_rmsnorm")?;
+        Ok(Gpu { ctx, _kernels: kernels, add_rmsnorm })
+    }
+
+    /// Fused residual add + RMSNorm (see `MkAddRmsnormArgs`), enqueued on `stream`.
+    ///
+    /// # Safety
+    /// The pointers in `args` must be device memory of this device, sized as the struct says,
+    /// and `stream` a live stream of this device's primary context (or null for the default).
+    pub unsafe fn add_rmsnorm(&self, args: &MkAddRmsnormArgs, stream: sys::CUstream) -> Result<(), GpuError> {
+        if args.rows <= 0 || args.dim <= 0 || args.dim % 8 != 0 || args.dim > NORM_MAX_DIM {
+            return Err(GpuError::InvalidArgument(format!(
+                "add_rmsnorm needs rows > 0 and 0 < dim <= {NORM_MAX_DIM} with dim % 8 == 0; got rows={}, dim={}",
+                args.rows, args.dim
+            )));
+        }
+        if args.x == 0 || args.gamma == 0 || args.out == 0 {
+            return Err(GpuError::InvalidArgument("add_rmsnorm: null x, gamma or out pointer".into()));
+        }
+        let stream = self.ctx.wrap_borrowed_stream(stream);
+        let cfg =
+            LaunchConfig { grid_dim: (args.rows as u32, 1, 1), block_dim: (NORM_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let mut launch = stream.launch_builder(&self.add_rmsnorm);
+        launch.arg(args);
+        launch.launch(cfg).during("launch mk_add_rmsnorm")?;
+        Ok(())
+    }
+}
+
+pub use abi::MkAddRmsnormArgs;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_cuda_source_is_embedded() {
+        let mut sources: Vec<String> = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/cuda"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "cu"))
+            .map(|p| p.file_stem().unwrap().to_string_lossy().into_owned())
+            .collect();
+        sources.sort();
+        let embedded: Vec<String> = CUBINS.iter().map(|(n, _)| n.to_string()).collect();
+        assert_eq!(sources, embedded);
+        for (name, bytes) in CUBINS {
+            assert_eq!(&bytes[..4], b"\x7fELF", "{name} is not a cubin");
+        }
+    }
+
+    #[test]
+    fn kernels_cubin_exports_the_norm_kernel_for_sm90a() {
+        use object::{Object, ObjectSymbol};
+        let elf = object::File::parse(cubin("kernels").unwrap()).unwrap();
+        assert!(elf.symbols().any(|s| s.name() == Ok("mk_add_rmsnorm")));
+        // With CUDA ELF ABI 8, e_flags carry the SM version in bits 8..16 (0x5a = 90).
+        let flags = match elf.flags() {
+            object::FileFlags::Elf { e_flags, .. } => e_flags.0,
+            other => panic!("unexpected flags {other:?}"),
+        };
+        assert_eq!((flags >> 8) & 0xff, 90, "cubin is not built for sm_90: e_flags={flags:#x}");
+    }
+
+    #[test]
+    fn opening_without_a_driver_is_a_clear_error() {
+        if available() {
+            return; // a GPU machine: the GPU tests cover opening
+        }
+        let err = Gpu::shared(0).err().expect("no GPU here");
+        assert!(matches!(err, GpuError::NoDriver | GpuError::NoDevice { .. }), "{err}");
+    }
+}

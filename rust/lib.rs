@@ -1,0 +1,9 @@
+//! mk's control plane: everything the host does around the decode megakernel.
+//!
+//! The logic modules are plain Rust (tested with `cargo test`); the PyO3 surface lives in
+//! `python` and is compiled only with the `python` feature (maturin turns it on).
+
+pub mod gpu;
+
+#[cfg(feature = "python")]
+mod python;

@@ -1,0 +1,68 @@
+//! The PyO3 surface, `mk._native`: thin wrappers that convert arguments and errors. No logic
+//! lives here; each function calls into a plain-Rust module.
+
+mod errors;
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::gpu::{self, Gpu, MkAddRmsnormArgs};
+
+/// True when a CUDA driver is present and sees a device.
+#[pyfunction]
+fn gpu_available(py: Python<'_>) -> bool {
+    py.detach(gpu::available)
+}
+
+/// How the embedded kernels were built.
+#[pyfunction]
+fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let info = PyDict::new(py);
+    info.set_item("nvcc", gpu::NVCC_VERSION)?;
+    info.set_item("gencode", gpu::GENCODE)?;
+    let cubins = PyDict::new(py);
+    for (name, bytes) in gpu::CUBINS {
+        cubins.set_item(*name, bytes.len())?;
+    }
+    info.set_item("cubins", cubins)?;
+    info.set_item("abi_version", gpu::abi::ABI_VERSION)?;
+    Ok(info)
+}
+
+/// Fused residual add + RMSNorm on device `device`, enqueued on `stream` (a CUstream handle,
+/// e.g. `torch.cuda.current_stream().cuda_stream`). Pointers are raw device addresses of bf16
+/// tensors: x [rows, dim] (updated in place when delta != 0), delta [rows, dim] or 0,
+/// gamma [dim], out [rows, dim].
+#[pyfunction]
+#[pyo3(signature = (device, stream, x, delta, gamma, out, rows, dim, eps))]
+#[allow(clippy::too_many_arguments)]
+fn add_rmsnorm(
+    py: Python<'_>,
+    device: usize,
+    stream: u64,
+    x: u64,
+    delta: u64,
+    gamma: u64,
+    out: u64,
+    rows: i32,
+    dim: i32,
+    eps: f32,
+) -> PyResult<()> {
+    let args = MkAddRmsnormArgs { x, delta, gamma, out, rows, dim, eps, reserved: 0 };
+    py.detach(|| {
+        let gpu = Gpu::shared(device)?;
+        // SAFETY: the Python wrapper (mk.ops) passes pointers of live CUDA tensors of this
+        // device with the shapes above, and torch's current stream of that device.
+        unsafe { gpu.add_rmsnorm(&args, stream as usize as _) }
+    })
+    .map_err(errors::to_py)
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("GpuError", m.py().get_type::<errors::GpuError>())?;
+    m.add_function(wrap_pyfunction!(gpu_available, m)?)?;
+    m.add_function(wrap_pyfunction!(build_info, m)?)?;
+    m.add_function(wrap_pyfunction!(add_rmsnorm, m)?)?;
+    Ok(())
+}

@@ -96,6 +96,8 @@ class ModelConfig:
                 values[field.name] = raw[field.name]
             elif field.default is dataclasses.MISSING:
                 raise ConfigError(f"config.json: missing required field '{field.name}'")
+        if raw.get("tie_word_embeddings", True) is not True:
+            raise ConfigError("config.json: 'tie_word_embeddings' must be true: mk computes logits with the embedding")
         if isinstance(values.get("eos_token_id"), list):
             eos = values["eos_token_id"]
             if len(eos) != 1:

@@ -4,6 +4,7 @@ import pytest
 def _gpu_ready() -> bool:
     try:
         import torch
+
         from mk import _native
     except ImportError:
         return False

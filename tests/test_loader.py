@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from mk.config import ConfigError, ModelConfig
 from mk.model import CheckpointError, load_checkpoint, load_weights, synthetic_weights, write_checkpoint
 from mk.model.names import expected_shapes
@@ -21,7 +23,6 @@ from mk.tokenizer_files import (
     build_tokenizer,
     render_chat,
 )
-from safetensors.torch import load_file, save_file
 
 CFG = ModelConfig.tiny()
 L1 = "model.layers.1."

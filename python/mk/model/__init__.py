@@ -9,12 +9,23 @@ import torch
 
 from mk.model.checkpoint import write_checkpoint
 from mk.model.loader import CheckpointError, load_checkpoint, load_weights
+from mk.model.paged import KVMappingError, PageAllocator, PagedKV
 from mk.model.synthetic import synthetic_weights
 
 if TYPE_CHECKING:
     from mk.model.reference import Model
 
-__all__ = ["CheckpointError", "load", "load_checkpoint", "load_weights", "synthetic_weights", "write_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "KVMappingError",
+    "PageAllocator",
+    "PagedKV",
+    "load",
+    "load_checkpoint",
+    "load_weights",
+    "synthetic_weights",
+    "write_checkpoint",
+]
 
 
 def load(

@@ -7,14 +7,11 @@ Usage: python benches/norm.py [--json out.json]
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import HBM_BYTES_PER_S, print_table, time_graph, write_json  # noqa: E402
-from mk import ops  # noqa: E402
+from common import HBM_BYTES_PER_S, print_table, time_graph, write_json
+from mk import ops
 
 
 def torch_add_rmsnorm(x, delta, gamma, eps, out):

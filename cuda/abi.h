@@ -22,3 +22,15 @@ typedef struct MkAddRmsnormArgs {
     float eps;
     int32_t reserved;  // keeps the struct a multiple of 8 bytes on both sides
 } MkAddRmsnormArgs;
+
+// y = x · Wᵀ for a decode batch: x bf16 [batch, k], W bf16 [n, k] (nn.Linear layout),
+// y bf16 [batch, n]. n % 16 == 0, k % 256 == 0, 1 <= batch <= 64.
+typedef struct MkGemvArgs {
+    uint64_t w;
+    uint64_t x;
+    uint64_t y;
+    int32_t n;
+    int32_t k;
+    int32_t batch;
+    int32_t reserved;
+} MkGemvArgs;

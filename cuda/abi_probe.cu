@@ -15,4 +15,12 @@ extern "C" __device__ const unsigned long long mk_abi_layout[] = {
     offsetof(MkAddRmsnormArgs, dim),
     offsetof(MkAddRmsnormArgs, eps),
     offsetof(MkAddRmsnormArgs, reserved),
+    sizeof(MkGemvArgs),
+    offsetof(MkGemvArgs, w),
+    offsetof(MkGemvArgs, x),
+    offsetof(MkGemvArgs, y),
+    offsetof(MkGemvArgs, n),
+    offsetof(MkGemvArgs, k),
+    offsetof(MkGemvArgs, batch),
+    offsetof(MkGemvArgs, reserved),
 };

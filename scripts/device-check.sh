@@ -28,7 +28,7 @@ if command -v compute-sanitizer >/dev/null; then
     echo "memcheck exit: $?" | tee -a "$OUT/memcheck.log"
 fi
 
-for bench in benches/norm.py; do
+for bench in benches/norm.py benches/gemv.py; do
     name=$(basename "$bench" .py)
     python3 "$bench" --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1

@@ -73,3 +73,32 @@ def test_add_rmsnorm_runs_on_the_current_stream():
     _, y = reference_add_rmsnorm(fresh, None, gamma, 1e-6)
     assert not out.isnan().any()
     assert (out.double() - y).norm() / y.norm() < 4e-3
+
+
+def test_gemv_refuses_cpu_tensors():
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        ops.gemv(torch.zeros(1, 256, dtype=torch.bfloat16), torch.zeros(16, 256, dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 2, 5, 8, 9, 16, 23, 32, 64])
+@pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096), (1536, 2048), (2048, 768), (48, 256)])
+def test_gemv_matches_float64(batch, n, k):
+    dev = torch.device("cuda")
+    x = torch.randn(batch, k, device=dev).bfloat16()
+    w = (torch.randn(n, k, device=dev) * 0.02).bfloat16()
+    out = torch.full((batch, n), float("nan"), dtype=torch.bfloat16, device=dev)
+    ops.gemv(x, w, out=out)
+    torch.cuda.synchronize()
+    ref = x.double() @ w.double().T
+    assert not out.isnan().any(), "unwritten outputs"
+    rel = (out.double() - ref).norm() / ref.norm()
+    assert rel < 5e-3, f"relative error {rel:.2e}"
+
+
+@pytest.mark.gpu
+def test_gemv_bad_shape_is_a_value_error():
+    x = torch.randn(2, 100, device="cuda").bfloat16()
+    w = torch.randn(16, 100, device="cuda").bfloat16()
+    with pytest.raises(ValueError, match="k % 256"):
+        ops.gemv(x, w)

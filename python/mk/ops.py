@@ -51,3 +51,30 @@ def add_rmsnorm(
         float(eps),
     )
     return out
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ w.T` for a decode batch (1-64 rows) with bf16 weights in nn.Linear layout [n, k],
+    on the tensor cores, reading each weight byte once. n % 16 == 0 and k % 256 == 0."""
+    if x.device.type != "cuda":
+        raise ValueError(f"gemv runs on CUDA tensors; x is on {x.device}")
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"x must be [batch, k] and w [n, k]; got {tuple(x.shape)} and {tuple(w.shape)}")
+    batch, k = x.shape
+    n = w.shape[0]
+    _check("x", x, x.device, (batch, k))
+    _check("w", w, x.device, (n, k))
+    if out is None:
+        out = torch.empty(batch, n, dtype=torch.bfloat16, device=x.device)
+    _check("out", out, x.device, (batch, n))
+    _native.gemv(
+        x.device.index or 0,
+        torch.cuda.current_stream(x.device).cuda_stream,
+        w.data_ptr(),
+        x.data_ptr(),
+        out.data_ptr(),
+        n,
+        k,
+        batch,
+    )
+    return out

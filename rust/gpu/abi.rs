@@ -15,9 +15,23 @@ pub struct MkAddRmsnormArgs {
     pub reserved: i32,
 }
 
-// SAFETY: plain-old-data with the C layout the kernel expects; passed by value as a kernel
-// parameter.
+/// See `MkGemvArgs` in cuda/abi.h.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct MkGemvArgs {
+    pub w: u64,
+    pub x: u64,
+    pub y: u64,
+    pub n: i32,
+    pub k: i32,
+    pub batch: i32,
+    pub reserved: i32,
+}
+
+// SAFETY: plain-old-data with the C layout the kernels expect; passed by value as kernel
+// parameters.
 unsafe impl cudarc::driver::DeviceRepr for MkAddRmsnormArgs {}
+unsafe impl cudarc::driver::DeviceRepr for MkGemvArgs {}
 
 /// Must equal `MK_ABI_VERSION` in cuda/abi.h.
 pub const ABI_VERSION: u64 = 1;
@@ -26,6 +40,7 @@ pub const ABI_VERSION: u64 = 1;
 pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
     use std::mem::{offset_of, size_of};
     type A = MkAddRmsnormArgs;
+    type G = MkGemvArgs;
     vec![
         ("MK_ABI_VERSION", ABI_VERSION),
         ("sizeof(MkAddRmsnormArgs)", size_of::<A>() as u64),
@@ -37,6 +52,14 @@ pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
         ("MkAddRmsnormArgs.dim", offset_of!(A, dim) as u64),
         ("MkAddRmsnormArgs.eps", offset_of!(A, eps) as u64),
         ("MkAddRmsnormArgs.reserved", offset_of!(A, reserved) as u64),
+        ("sizeof(MkGemvArgs)", size_of::<G>() as u64),
+        ("MkGemvArgs.w", offset_of!(G, w) as u64),
+        ("MkGemvArgs.x", offset_of!(G, x) as u64),
+        ("MkGemvArgs.y", offset_of!(G, y) as u64),
+        ("MkGemvArgs.n", offset_of!(G, n) as u64),
+        ("MkGemvArgs.k", offset_of!(G, k) as u64),
+        ("MkGemvArgs.batch", offset_of!(G, batch) as u64),
+        ("MkGemvArgs.reserved", offset_of!(G, reserved) as u64),
     ]
 }
 

@@ -61,7 +61,11 @@ pub struct Gpu {
     ctx: Arc<CudaContext>,
     _kernels: Arc<CudaModule>,
     add_rmsnorm: CudaFunction,
+    /// `mk_gemv_b{8,16,32,64}`: the batch is padded up to the next of these.
+    gemv: [CudaFunction; 4],
 }
+
+const GEMV_BATCHES: [i32; 4] = [8, 16, 32, 64];
 
 /// Threads per block of `mk_add_rmsnorm`; with 4 vectors of 8 per thread it covers rows of 8192.
 const NORM_THREADS: u32 = 256;
@@ -98,7 +102,13 @@ impl Gpu {
         let image = cubin("kernels").expect("kernels cubin is embedded by build.rs");
         let kernels = ctx.load_module(Ptx::from_binary(image.to_vec())).during("load the embedded kernels")?;
         let add_rmsnorm = kernels.load_function("mk_add_rmsnorm").during("find mk_add_rmsnorm")?;
-        Ok(Gpu { ctx, _kernels: kernels, add_rmsnorm })
+        let gemv = [
+            kernels.load_function("mk_gemv_b8").during("find mk_gemv_b8")?,
+            kernels.load_function("mk_gemv_b16").during("find mk_gemv_b16")?,
+            kernels.load_function("mk_gemv_b32").during("find mk_gemv_b32")?,
+            kernels.load_function("mk_gemv_b64").during("find mk_gemv_b64")?,
+        ];
+        Ok(Gpu { ctx, _kernels: kernels, add_rmsnorm, gemv })
     }
 
     /// Fused residual add + RMSNorm (see `MkAddRmsnormArgs`), enqueued on `stream`.
@@ -124,9 +134,38 @@ impl Gpu {
         launch.launch(cfg).during("launch mk_add_rmsnorm")?;
         Ok(())
     }
+
+    /// Decode-batch matrix product `y = x · Wᵀ` (see `MkGemvArgs`), enqueued on `stream`.
+    ///
+    /// # Safety
+    /// As for [`Gpu::add_rmsnorm`]: device pointers of this device sized as the struct says.
+    pub unsafe fn gemv(&self, args: &MkGemvArgs, stream: sys::CUstream) -> Result<(), GpuError> {
+        check_gemv(args)?;
+        let which = GEMV_BATCHES.iter().position(|&b| args.batch <= b).expect("checked above");
+        let stream = self.ctx.wrap_borrowed_stream(stream);
+        let cfg = LaunchConfig { grid_dim: ((args.n / 16) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let mut launch = stream.launch_builder(&self.gemv[which]);
+        launch.arg(args);
+        launch.launch(cfg).during("launch mk_gemv")?;
+        Ok(())
+    }
 }
 
-pub use abi::MkAddRmsnormArgs;
+fn check_gemv(a: &MkGemvArgs) -> Result<(), GpuError> {
+    let max_batch = GEMV_BATCHES[GEMV_BATCHES.len() - 1];
+    if a.n <= 0 || a.n % 16 != 0 || a.k <= 0 || a.k % 256 != 0 || a.batch < 1 || a.batch > max_batch {
+        return Err(GpuError::InvalidArgument(format!(
+            "gemv needs n % 16 == 0, k % 256 == 0 and 1 <= batch <= {max_batch}; got n={}, k={}, batch={}",
+            a.n, a.k, a.batch
+        )));
+    }
+    if a.w == 0 || a.x == 0 || a.y == 0 {
+        return Err(GpuError::InvalidArgument("gemv: null w, x or y pointer".into()));
+    }
+    Ok(())
+}
+
+pub use abi::{MkAddRmsnormArgs, MkGemvArgs};
 
 #[cfg(test)]
 mod tests {
@@ -159,6 +198,21 @@ mod tests {
             other => panic!("unexpected flags {other:?}"),
         };
         assert_eq!((flags >> 8) & 0xff, 90, "cubin is not built for sm_90: e_flags={flags:#x}");
+    }
+
+    #[test]
+    fn gemv_shapes_are_checked_before_any_launch() {
+        let ok = MkGemvArgs { w: 1, x: 1, y: 1, n: 2048, k: 2048, batch: 8, reserved: 0 };
+        assert!(check_gemv(&ok).is_ok());
+        for bad in [
+            MkGemvArgs { n: 2040, ..ok },
+            MkGemvArgs { k: 100, ..ok },
+            MkGemvArgs { batch: 0, ..ok },
+            MkGemvArgs { batch: 65, ..ok },
+            MkGemvArgs { w: 0, ..ok },
+        ] {
+            assert!(matches!(check_gemv(&bad), Err(GpuError::InvalidArgument(_))), "{bad:?}");
+        }
     }
 
     #[test]

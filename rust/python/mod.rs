@@ -6,7 +6,7 @@ mod errors;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::gpu::{self, Gpu, MkAddRmsnormArgs};
+use crate::gpu::{self, Gpu, MkAddRmsnormArgs, MkGemvArgs};
 
 /// True when a CUDA driver is present and sees a device.
 #[pyfunction]
@@ -58,11 +58,37 @@ fn add_rmsnorm(
     .map_err(errors::to_py)
 }
 
+/// `y = x · Wᵀ` for a decode batch on device `device`, enqueued on `stream`: x bf16 [batch, k],
+/// w bf16 [n, k], y bf16 [batch, n] (raw device addresses).
+#[pyfunction]
+#[pyo3(signature = (device, stream, w, x, y, n, k, batch))]
+#[allow(clippy::too_many_arguments)]
+fn gemv(
+    py: Python<'_>,
+    device: usize,
+    stream: u64,
+    w: u64,
+    x: u64,
+    y: u64,
+    n: i32,
+    k: i32,
+    batch: i32,
+) -> PyResult<()> {
+    let args = MkGemvArgs { w, x, y, n, k, batch, reserved: 0 };
+    py.detach(|| {
+        let gpu = Gpu::shared(device)?;
+        // SAFETY: as for add_rmsnorm; mk.ops.gemv checks devices, dtypes and shapes.
+        unsafe { gpu.gemv(&args, stream as usize as _) }
+    })
+    .map_err(errors::to_py)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("GpuError", m.py().get_type::<errors::GpuError>())?;
     m.add_function(wrap_pyfunction!(gpu_available, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(add_rmsnorm, m)?)?;
+    m.add_function(wrap_pyfunction!(gemv, m)?)?;
     Ok(())
 }

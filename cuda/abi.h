@@ -24,7 +24,7 @@ typedef struct MkAddRmsnormArgs {
 } MkAddRmsnormArgs;
 
 // y = x · Wᵀ for a decode batch: x bf16 [batch, k], W bf16 [n, k] (nn.Linear layout),
-// y bf16 [batch, n]. n % 16 == 0, k % 256 == 0, 1 <= batch <= 64.
+// y bf16 [batch, n]. n % 16 == 0, k % 32 == 0, 1 <= batch <= 64.
 typedef struct MkGemvArgs {
     uint64_t w;
     uint64_t x;

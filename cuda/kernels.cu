@@ -18,10 +18,12 @@ __device__ void gemv_block(const MkGemvArgs& a) {
     __shared__ float partial[kWarps][NT][4][32];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row0 = blockIdx.x * 16;
-    const int span = a.k / kWarps;
+    // Split k among the warps in whole 32-wide chunks.
+    const int chunks = a.k / 32;
+    const int k_begin = 32 * (warp * chunks / kWarps), k_end = 32 * ((warp + 1) * chunks / kWarps);
     float acc[NT][4] = {};
     mk::gemv_warp_rows16<NT, 4>(reinterpret_cast<const mk::bf16*>(a.w), a.k, reinterpret_cast<const mk::bf16*>(a.x),
-                                a.k, a.batch, row0, warp * span, (warp + 1) * span, acc);
+                                a.k, a.batch, row0, k_begin, k_end, acc);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll

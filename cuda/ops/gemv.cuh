@@ -37,12 +37,40 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// One step of 32 k for UNROLL consecutive chunks: all loads first (2 * UNROLL weight vectors in
+// flight per thread), then the mma's.
+template <int NT, int UNROLL>
+__device__ __forceinline__ void gemv_step(const bf16* wa, const bf16* wb, const bf16* x, int ldx, int batch, int k,
+                                          float (&acc)[NT][4]) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    uint4 a[UNROLL], b[UNROLL], xv[UNROLL][NT];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        a[u] = ld_weights(wa + k + 32 * u);
+        b[u] = ld_weights(wb + k + 32 * u);
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int row = 8 * nt + g;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+            xv[u][nt] = row < batch ? ld_activations(x + (size_t)row * ldx + k + 32 * u + 8 * t) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            mma_16816(acc[nt], a[u].x, b[u].x, a[u].y, b[u].y, xv[u][nt].x, xv[u][nt].y);
+            mma_16816(acc[nt], a[u].z, b[u].z, a[u].w, b[u].w, xv[u][nt].z, xv[u][nt].w);
+        }
+    }
+}
+
 // One warp: partial products of weight rows [row0, row0 + 16) with activation rows
-// [0, 8 * NT) over k in [k_begin, k_end), a multiple of 32 * UNROLL wide.
-// Thread (g = lane / 4, t = lane % 4) loads k = chunk + 8t .. 8t + 7 of rows row0 + g and
-// row0 + g + 8, and the same k of activation row 8 * nt + g. acc[nt][0..1] then hold
-// (row0 + g, batch 8nt + 2t + {0,1}) and acc[nt][2..3] hold (row0 + g + 8, same batch).
-// Rows of x at or beyond `batch` read as zero.
+// [0, 8 * NT) over k in [k_begin, k_end) (multiples of 32). Thread (g = lane / 4, t = lane % 4)
+// loads k = chunk + 8t .. 8t + 7 of rows row0 + g and row0 + g + 8, and the same k of
+// activation row 8 * nt + g. acc[nt][0..1] then hold (row0 + g, batch 8nt + 2t + {0,1}) and
+// acc[nt][2..3] hold (row0 + g + 8, same batch). Rows of x at or beyond `batch` read as zero.
 template <int NT, int UNROLL>
 __device__ __forceinline__ void gemv_warp_rows16(const bf16* __restrict__ w, int ldw, const bf16* x, int ldx,
                                                  int batch, int row0, int k_begin, int k_end,
@@ -50,30 +78,9 @@ __device__ __forceinline__ void gemv_warp_rows16(const bf16* __restrict__ w, int
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const bf16* wa = w + (size_t)(row0 + g) * ldw + 8 * t;
     const bf16* wb = wa + (size_t)8 * ldw;
-    for (int k = k_begin; k < k_end; k += 32 * UNROLL) {
-        uint4 a[UNROLL], b[UNROLL], xv[UNROLL][NT];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            a[u] = ld_weights(wa + k + 32 * u);
-            b[u] = ld_weights(wb + k + 32 * u);
-        }
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            const int row = 8 * nt + g;
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u)
-                xv[u][nt] = row < batch ? ld_activations(x + (size_t)row * ldx + k + 32 * u + 8 * t)
-                                        : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                mma_16816(acc[nt], a[u].x, b[u].x, a[u].y, b[u].y, xv[u][nt].x, xv[u][nt].y);
-                mma_16816(acc[nt], a[u].z, b[u].z, a[u].w, b[u].w, xv[u][nt].z, xv[u][nt].w);
-            }
-        }
-    }
+    int k = k_begin;
+    for (; k + 32 * UNROLL <= k_end; k += 32 * UNROLL) gemv_step<NT, UNROLL>(wa, wb, x, ldx, batch, k, acc);
+    for (; k < k_end; k += 32) gemv_step<NT, 1>(wa, wb, x, ldx, batch, k, acc);
 }
 
 }  // namespace mk

@@ -55,7 +55,7 @@ def add_rmsnorm(
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ w.T` for a decode batch (1-64 rows) with bf16 weights in nn.Linear layout [n, k],
-    on the tensor cores, reading each weight byte once. n % 16 == 0 and k % 256 == 0."""
+    on the tensor cores, reading each weight byte once. n % 16 == 0 and k % 32 == 0."""
     if x.device.type != "cuda":
         raise ValueError(f"gemv runs on CUDA tensors; x is on {x.device}")
     if x.dim() != 2 or w.dim() != 2:

@@ -153,9 +153,9 @@ impl Gpu {
 
 fn check_gemv(a: &MkGemvArgs) -> Result<(), GpuError> {
     let max_batch = GEMV_BATCHES[GEMV_BATCHES.len() - 1];
-    if a.n <= 0 || a.n % 16 != 0 || a.k <= 0 || a.k % 256 != 0 || a.batch < 1 || a.batch > max_batch {
+    if a.n <= 0 || a.n % 16 != 0 || a.k <= 0 || a.k % 32 != 0 || a.batch < 1 || a.batch > max_batch {
         return Err(GpuError::InvalidArgument(format!(
-            "gemv needs n % 16 == 0, k % 256 == 0 and 1 <= batch <= {max_batch}; got n={}, k={}, batch={}",
+            "gemv needs n % 16 == 0, k % 32 == 0 and 1 <= batch <= {max_batch}; got n={}, k={}, batch={}",
             a.n, a.k, a.batch
         )));
     }
@@ -207,6 +207,7 @@ mod tests {
         for bad in [
             MkGemvArgs { n: 2040, ..ok },
             MkGemvArgs { k: 100, ..ok },
+            MkGemvArgs { k: 0, ..ok },
             MkGemvArgs { batch: 0, ..ok },
             MkGemvArgs { batch: 65, ..ok },
             MkGemvArgs { w: 0, ..ok },

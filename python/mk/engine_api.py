@@ -1,0 +1,88 @@
+"""The contract between the engine and its users (the `LLM` facade, the server, benchmarks).
+
+The real engine (a Rust decode-loop thread behind `mk._native`) and any stand-in implement
+`AsyncEngine`; users never reach past it. Token streams are awaited from asyncio without a thread
+per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from mk.config import ModelConfig
+from mk.outputs import TokenEvent
+from mk.sampling import SamplingParams
+
+
+class EngineError(RuntimeError):
+    """Base of the errors `submit` raises for a request the engine will not take."""
+
+
+class PromptTooLong(EngineError):
+    def __init__(self, prompt_tokens: int, max_tokens: int, max_context: int) -> None:
+        super().__init__(
+            f"the prompt has {prompt_tokens} tokens and max_tokens asks for {max_tokens} more, "
+            f"but the context limit is {max_context} tokens"
+        )
+        self.prompt_tokens, self.max_tokens, self.max_context = prompt_tokens, max_tokens, max_context
+
+
+class EngineFull(EngineError):
+    """The waiting queue is full: retry later (the server answers 503 with Retry-After)."""
+
+
+class EngineClosed(EngineError):
+    """The engine is draining or shut down and takes no new requests."""
+
+
+@dataclass(slots=True)
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+class RequestStream(Protocol):
+    """One submitted request. Iterate it (async) for its TokenEvents; the last one carries the
+    finish reason. `cancel()` ends it within one decode step and frees its KV blocks."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+
+    def cancel(self) -> None: ...
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]: ...
+
+
+class AsyncEngine(Protocol):
+    config: ModelConfig
+    max_context: int
+    max_batch: int
+
+    def submit(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> RequestStream:
+        """Queue a request. Raises PromptTooLong, EngineFull, EngineClosed or SamplingError;
+        never blocks on the decode loop."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def drain(self, timeout: float) -> None:
+        """Stop admitting; wait up to `timeout` s for running requests, then cancel the rest."""
+        ...
+
+    def close(self) -> None: ...

@@ -73,7 +73,7 @@ impl Geometry {
         if span == 0 {
             0
         } else {
-            (span + 2 * self.page - 2) / self.page
+            span.saturating_add(2 * self.page - 2) / self.page
         }
     }
 
@@ -85,7 +85,7 @@ impl Geometry {
     /// First logical page a sliding layer still needs when the earliest query still to be computed
     /// is at position `query`: it sees [query−W+1, query], so pages wholly below that are dead.
     pub fn keep_from(&self, query: usize) -> usize {
-        (query + 1).saturating_sub(self.window) / self.page
+        query.saturating_add(1).saturating_sub(self.window) / self.page
     }
 
     /// Blocks one sequence of `len` tokens holds at most while decoding: every page on full
@@ -93,7 +93,7 @@ impl Geometry {
     /// admission must count on a hybrid model.
     pub fn blocks_needed(&self, len: usize) -> usize {
         let pages = self.pages_for(len);
-        self.num_full() * pages + self.num_sliding * pages.min(self.window_pages())
+        self.layer_blocks(pages, pages.min(self.window_pages()))
     }
 
     /// Peak blocks while prefilling `len` tokens in chunks of `chunk` (0: one chunk): a chunk's
@@ -102,8 +102,14 @@ impl Geometry {
     pub fn prefill_blocks_needed(&self, len: usize, chunk: usize) -> usize {
         let chunk = if chunk == 0 { len } else { chunk.min(len) };
         let pages = self.pages_for(len);
-        let transient = self.span_pages((self.window + chunk).saturating_sub(1)).max(self.window_pages());
-        self.num_full() * pages + self.num_sliding * pages.min(transient)
+        let transient = self.span_pages(self.window.saturating_add(chunk).saturating_sub(1)).max(self.window_pages());
+        self.layer_blocks(pages, pages.min(transient))
+    }
+
+    /// `full` pages on every full layer plus `sliding` on every sliding one (saturating: absurd
+    /// lengths must compare as "does not fit", not wrap).
+    fn layer_blocks(&self, full: usize, sliding: usize) -> usize {
+        self.num_full().saturating_mul(full).saturating_add(self.num_sliding.saturating_mul(sliding))
     }
 }
 
@@ -182,5 +188,11 @@ mod tests {
         for len in [1, 63, 64, 65, 4096, 4097, 9000] {
             assert!(g.prefill_blocks_needed(len, 512) >= g.blocks_needed(len));
         }
+        // Absurd sizes saturate instead of wrapping.
+        assert!(g.blocks_needed(usize::MAX) > g.blocks_needed(1 << 40));
+        assert!(g.prefill_blocks_needed(usize::MAX, usize::MAX) > g.blocks_needed(1 << 40));
+        let all_full = Geometry::new(1, 1, vec![false; 3]).unwrap();
+        assert_eq!(all_full.blocks_needed(usize::MAX), usize::MAX);
+        assert_eq!(Geometry::new(64, usize::MAX, vec![true]).unwrap().window_pages(), usize::MAX / 64);
     }
 }

@@ -17,11 +17,7 @@ const NIL: u32 = u32::MAX;
 
 /// Blocks a KV arena of `bytes` holds (the caller measures free memory and picks the fraction).
 pub fn blocks_for_budget(bytes: u64, bytes_per_block: u64) -> usize {
-    if bytes_per_block == 0 {
-        0
-    } else {
-        usize::try_from(bytes / bytes_per_block).unwrap_or(usize::MAX)
-    }
+    bytes.checked_div(bytes_per_block).map_or(0, |n| usize::try_from(n).unwrap_or(usize::MAX))
 }
 
 /// Bytes of one block, K and V: `page` tokens × `kv_heads` × `head_dim` × `elem_bytes`, twice.

@@ -17,12 +17,16 @@ pub struct BlockTable {
     len: usize,
     rows: Vec<Vec<i32>>,
     low: Vec<usize>,
+    /// Shortest row and lowest sliding watermark (usize::MAX without sliding layers): enough to
+    /// tell in O(1) that a decode step maps and releases nothing.
+    pages: usize,
+    sliding_low: usize,
 }
 
 impl BlockTable {
     /// An empty table (no tokens) for a model of `num_layers` layers.
     pub fn new(num_layers: usize) -> Self {
-        Self { len: 0, rows: vec![Vec::new(); num_layers], low: vec![0; num_layers] }
+        Self { len: 0, rows: vec![Vec::new(); num_layers], low: vec![0; num_layers], pages: 0, sliding_low: 0 }
     }
 
     /// A table of `pages` full pages attached from the prefix cache; `rows[l]` is layer l's row
@@ -30,7 +34,25 @@ impl BlockTable {
     pub(crate) fn attached(geom: &Geometry, pages: usize, rows: Vec<Vec<i32>>) -> Self {
         let len = pages * geom.page();
         let low = (0..rows.len()).map(|l| if geom.is_sliding(l) { geom.keep_from(len) } else { 0 }).collect();
-        Self { len, rows, low }
+        let mut table = Self { len, rows, low, pages: 0, sliding_low: 0 };
+        table.refresh(geom);
+        table
+    }
+
+    fn refresh(&mut self, geom: &Geometry) {
+        self.pages = self.rows.iter().map(Vec::len).min().unwrap_or(0);
+        self.sliding_low =
+            (0..self.rows.len()).filter(|&l| geom.is_sliding(l)).map(|l| self.low[l]).min().unwrap_or(usize::MAX);
+    }
+
+    /// Grows to `new_len` without touching the rows when that maps and releases nothing (63 of
+    /// every 64 decode steps); returns false, changing nothing, otherwise.
+    pub fn extend_in_place(&mut self, geom: &Geometry, new_len: usize) -> bool {
+        if new_len < self.len || geom.pages_for(new_len) > self.pages || geom.keep_from(self.len) > self.sliding_low {
+            return false;
+        }
+        self.len = new_len;
+        true
     }
 
     /// Tokens whose pages are mapped: positions [0, len).
@@ -64,14 +86,15 @@ impl BlockTable {
 
     /// Pages mapped on `layer`.
     pub fn mapped(&self, layer: usize) -> usize {
-        self.rows.get(layer).map_or(0, |r| r.len() - self.low(layer))
+        self.rows.get(layer).map_or(0, |r| r.len().saturating_sub(self.low(layer)))
     }
 
     /// Every mapped block as (layer, page, block).
     pub fn blocks(&self) -> impl Iterator<Item = (usize, usize, BlockId)> + '_ {
-        self.rows.iter().enumerate().flat_map(move |(l, row)| {
-            row.iter().enumerate().skip(self.low[l]).map(move |(j, &b)| (l, j, b as BlockId))
-        })
+        self.rows
+            .iter()
+            .enumerate()
+            .flat_map(move |(l, row)| row.iter().enumerate().skip(self.low[l]).map(move |(j, &b)| (l, j, b as BlockId)))
     }
 
     /// Writes layer `layer`'s row padded with −1 to `out.len()` pages (the dense GPU layout).
@@ -126,6 +149,7 @@ impl BlockTable {
             }
             self.low[l] = keep;
         }
+        self.refresh(geom);
         Ok(())
     }
 
@@ -150,6 +174,7 @@ impl BlockTable {
             }
         }
         self.len = self.len.max(new_len);
+        self.refresh(geom);
         Ok(())
     }
 
@@ -180,8 +205,10 @@ impl BlockTable {
             if !geom.is_sliding(l) && low != 0 {
                 return Err(format!("full layer {l} released pages below {low}"));
             }
-            if self.len > 0 && low > geom.keep_from(self.len - 1) {
-                return Err(format!("layer {l}: page {} released while the last query needs it", low - 1));
+            // The next query (at `len`) must still see everything it needs; the proptests check
+            // the stronger rule that a grow keeps what its first query needs.
+            if low > geom.keep_from(self.len) {
+                return Err(format!("layer {l}: page {} released while the next query needs it", low - 1));
             }
             if row[..low.min(row.len())].iter().any(|&b| b != UNMAPPED) {
                 return Err(format!("layer {l}: a page below the watermark {low} is still mapped"));
@@ -207,7 +234,12 @@ mod tests {
         }
     }
 
-    fn grow(t: &mut BlockTable, g: &Geometry, new_len: usize, alloc: &mut impl FnMut(usize) -> Result<BlockId, KvError>) {
+    fn grow(
+        t: &mut BlockTable,
+        g: &Geometry,
+        new_len: usize,
+        alloc: &mut impl FnMut(usize) -> Result<BlockId, KvError>,
+    ) {
         let keep = g.keep_from(t.len());
         let mut released = Vec::new();
         t.release_out_of_window(g, keep, |b| {
@@ -285,6 +317,27 @@ mod tests {
     }
 
     #[test]
+    fn in_place_extension_only_when_nothing_changes() {
+        let g = Geometry::new(4, 8, vec![false, true]).unwrap();
+        let mut t = BlockTable::new(2);
+        let mut alloc = counter();
+        assert!(!t.extend_in_place(&g, 1)); // needs page 0
+        grow(&mut t, &g, 1, &mut alloc);
+        assert!(t.extend_in_place(&g, 4));
+        assert_eq!(t.len(), 4);
+        assert!(!t.extend_in_place(&g, 5)); // needs page 1
+        assert!(!t.extend_in_place(&g, 3)); // shrinking is not an extension
+        for len in 5..=11 {
+            grow(&mut t, &g, len, &mut alloc);
+        }
+        // len 11 → 12: no new page, but the query at 11 sees [4, 11]: page 0 must go.
+        assert!(!t.extend_in_place(&g, 12));
+        grow(&mut t, &g, 12, &mut alloc);
+        assert_eq!(t.low(1), 1);
+        assert!(t.extend_in_place(&g, 12));
+    }
+
+    #[test]
     fn full_layers_keep_everything() {
         let g = Geometry::new(4, 4, vec![false, true]).unwrap();
         let mut t = BlockTable::new(2);
@@ -338,7 +391,7 @@ mod tests {
         let mut t = BlockTable::new(2);
         let mut alloc = counter();
         grow(&mut t, &g, 9, &mut alloc);
-        // Pages 0,1,2 on layers 0,1: full 100,102,104; sliding 101,103,105.
-        assert_eq!(t.release_order(&g).collect::<Vec<_>>(), [105, 104, 103, 102, 101, 100]);
+        // Pages 0, 1, 2: full layer 100, 101, 102; sliding layer 103, 104, 105.
+        assert_eq!(t.release_order(&g).collect::<Vec<_>>(), [105, 102, 104, 101, 103, 100]);
     }
 }

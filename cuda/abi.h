@@ -34,3 +34,72 @@ typedef struct MkGemvArgs {
     int32_t batch;
     int32_t reserved;
 } MkGemvArgs;
+
+// ---- The decode megakernel's task graph (docs/MEGAKERNEL.md) ------------------------------------
+// A step is a list of tasks per SM, built by the host (rust/graph). Each block runs its list in
+// order; a task first waits until up to two counters reach their targets (acquire), runs, then
+// adds 1 to its signal counter (release). Counters come in two sets; step s uses set s % 2 and
+// zeroes the other for step s + 1, so no launch is spent resetting them.
+#define MK_TASK_WORDS 16
+#define MK_NO_COUNTER (-1)
+
+typedef struct MkTask {
+    int32_t op;            // MkOp
+    int32_t layer;
+    int32_t wait0, target0;  // counter index (MK_NO_COUNTER: none) and the value to reach
+    int32_t wait1, target1;
+    int32_t signal;        // counter to add 1 to when done, or MK_NO_COUNTER
+    int32_t arg[9];        // op-specific, see MkOp
+} MkTask;
+
+typedef enum MkOp {
+    MK_OP_NOP = 0,
+    // arg0 = row b. x[b] = embed[token[b]]; h[b] = bf16(rmsnorm(x[b]) * gamma_0).
+    MK_OP_EMBED = 1,
+    // arg0 = MkMatrix, arg1 = first output row, arg2 = row groups of 16 (1, 2 or 4),
+    // arg3 = MoE slot (expert matrices only). y = act · Wᵀ with the matrix's epilogue.
+    MK_OP_GEMV = 2,
+    // arg0 = b, arg1 = kv head, arg2 = split, arg3 = first key position, arg4 = end position.
+    // Partial softmax(q kᵀ) v of the kv head's query group over keys [arg3, arg4).
+    MK_OP_ATTN_SPLIT = 3,
+    // arg0 = b, arg1 = kv head, arg2 = number of splits. Merges the partials into attn_out.
+    MK_OP_ATTN_COMBINE = 4,
+    // Sigmoid top-k of every row's router logits; builds the layer's active-expert slots.
+    MK_OP_TOPK = 5,
+    // arg0 = b. x[b] += attn + ffn; h[b] = bf16(rmsnorm(x[b]) * gamma_{layer+1}) (final norm
+    // after the last layer).
+    MK_OP_RESIDUAL_NORM = 6,
+    // arg0 = b, arg1 = part, arg2 = first vocab id, arg3 = end. Best (score, id) of the slice.
+    MK_OP_SAMPLE_PART = 7,
+    // arg0 = b, arg1 = parts. Reduces the parts and writes the sampled token.
+    MK_OP_SAMPLE_FINAL = 8,
+} MkOp;
+
+typedef enum MkMatrix {
+    MK_MAT_QKV = 0,          // q|k|v rows; RoPE where the layer uses it, K/V into the paged cache
+    MK_MAT_O = 1,            // attn_out · Woᵀ -> y_attn
+    MK_MAT_ROUTER = 2,       // h · Wgateᵀ -> router logits (fp32)
+    MK_MAT_DENSE_GATE_UP = 3,  // 16 features: gate and up rows -> silu(g)·u -> dense_act
+    MK_MAT_DENSE_DOWN = 4,   // dense_act · Wdownᵀ -> ffn_out
+    MK_MAT_EXPERT_GATE_UP = 5,  // the same for the expert in MoE slot arg3 -> expert_act[slot]
+    MK_MAT_EXPERT_DOWN = 6,  // expert_act[slot] · Wdownᵀ -> expert_out[slot]
+    MK_MAT_LM_HEAD = 7,      // h · embedᵀ -> logits (fp32)
+} MkMatrix;
+
+// Per-layer counters (index = layer * MK_COUNTERS_PER_LAYER + MkCounter). "Layer" L (one past
+// the last) holds H_READY = final norm done, and reuses QKV's and ATTN_SPLIT's slots for the
+// logits and the sampling parts.
+#define MK_COUNTERS_PER_LAYER 9
+typedef enum MkCounter {
+    MK_CTR_H_READY = 0,   // h of this layer is ready (embed or the previous layer's norms)
+    MK_CTR_QKV = 1,
+    MK_CTR_ATTN_SPLIT = 2,
+    MK_CTR_ATTN = 3,      // attn_out complete
+    MK_CTR_O = 4,
+    MK_CTR_ROUTER = 5,    // router logits complete (dense layer: unused)
+    MK_CTR_TOPK = 6,
+    MK_CTR_FFN_UP = 7,    // dense or expert gate/up tiles
+    MK_CTR_FFN_DOWN = 8,  // dense or expert down tiles
+    MK_CTR_LOGITS = 1,    // in "layer" L
+    MK_CTR_SAMPLE = 2,    // in "layer" L
+} MkCounter;

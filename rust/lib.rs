@@ -4,6 +4,7 @@
 //! `python` and is compiled only with the `python` feature (maturin turns it on).
 
 pub mod gpu;
+pub mod graph;
 pub mod kv;
 
 #[cfg(feature = "python")]

@@ -1,0 +1,379 @@
+//! One decode step of the whole model as a task graph for the megakernel (docs/MEGAKERNEL.md).
+//!
+//! The builder lists every task of the step in one global order in which each task's
+//! producers come first, fills in counter targets (= the number of producers), and deals the
+//! list round-robin onto the SMs. Because every SM's list is a subsequence of that order, a
+//! block can only wait on tasks that are earlier in it, so the step cannot deadlock.
+//! `check` proves this and the data flow of any graph without a GPU.
+
+pub mod check;
+pub mod effects;
+pub mod task;
+
+use task::{counter, logits_counter, num_counters, sample_counter, Counter, Matrix, MkTask, Op};
+
+/// The model dimensions the graph depends on (from `ModelConfig`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Geometry {
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    pub expert_ffn: usize,
+    pub dense_ffn: usize,
+    pub vocab: usize,
+    /// Per layer: the sliding window (keys incl. the current token), or None for full attention.
+    pub window: Vec<Option<usize>>,
+    /// Per layer: whether the FFN is a mixture of experts (else dense).
+    pub moe: Vec<bool>,
+}
+
+impl Geometry {
+    pub fn layers(&self) -> usize {
+        self.window.len()
+    }
+    pub fn q_width(&self) -> usize {
+        self.heads * self.head_dim
+    }
+    pub fn kv_width(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+    pub fn qkv_rows(&self) -> usize {
+        self.q_width() + 2 * self.kv_width()
+    }
+    pub fn group(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+    /// MoE slots per layer: one per distinct expert the batch can select.
+    pub fn slots(&self, batch: usize) -> usize {
+        self.experts.min(batch * self.top_k)
+    }
+}
+
+/// Knobs of the task decomposition.
+#[derive(Debug, Clone)]
+pub struct BuildOptions {
+    pub num_sms: usize,
+    /// Keys per attention split (a multiple of 64, the page size).
+    pub attn_chunk: usize,
+    /// Row groups of 16 per GEMV task for O, FFN down and the LM head (1, 2 or 4).
+    pub row_groups: usize,
+    /// Vocabulary slices per row for sampling.
+    pub sample_parts: usize,
+}
+
+impl Default for BuildOptions {
+    fn default() -> Self {
+        BuildOptions { num_sms: 132, attn_chunk: 512, row_groups: 4, sample_parts: 16 }
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum GraphError {
+    #[error("a decode step needs at least one row")]
+    EmptyBatch,
+    #[error("{0}")]
+    Geometry(String),
+}
+
+/// A built step: the global order (for checkers and the CPU interpreter) and the per-SM lists.
+#[derive(Debug, Clone)]
+pub struct StepGraph {
+    pub order: Vec<MkTask>,
+    /// `per_sm[s]` holds indices into `order`, in execution order.
+    pub per_sm: Vec<Vec<usize>>,
+    pub num_counters: usize,
+    pub slots: usize,
+    pub max_splits: usize,
+    /// Write position of each row (its context is position + 1 tokens).
+    pub positions: Vec<usize>,
+}
+
+impl StepGraph {
+    /// Per-SM task words padded with NOPs to the longest list: [num_sms][max_len].
+    pub fn padded(&self) -> (Vec<MkTask>, usize) {
+        let len = self.per_sm.iter().map(Vec::len).max().unwrap_or(0);
+        let mut out = vec![MkTask::new(Op::Nop, 0, &[]); self.per_sm.len() * len];
+        for (s, list) in self.per_sm.iter().enumerate() {
+            for (i, &t) in list.iter().enumerate() {
+                out[s * len + i] = self.order[t];
+            }
+        }
+        (out, len)
+    }
+}
+
+/// Builds the step for rows writing at `positions` (one per sequence in the batch).
+pub fn build_step(geom: &Geometry, positions: &[usize], opts: &BuildOptions) -> Result<StepGraph, GraphError> {
+    validate(geom, opts)?;
+    if positions.is_empty() {
+        return Err(GraphError::EmptyBatch);
+    }
+    let mut b = Builder { geom, opts, batch: positions.len(), order: Vec::new(), max_splits: 1 };
+    b.embed();
+    for layer in 0..geom.layers() {
+        b.layer(layer, positions);
+    }
+    b.head();
+    let num_counters = num_counters(geom.layers());
+    set_targets(&mut b.order, num_counters);
+    let per_sm = deal(b.order.len(), opts.num_sms);
+    Ok(StepGraph {
+        order: b.order,
+        per_sm,
+        num_counters,
+        slots: geom.slots(positions.len()),
+        max_splits: b.max_splits,
+        positions: positions.to_vec(),
+    })
+}
+
+fn validate(g: &Geometry, o: &BuildOptions) -> Result<(), GraphError> {
+    let bad = |m: String| Err(GraphError::Geometry(m));
+    if g.layers() == 0 || g.moe.len() != g.layers() {
+        return bad("window and moe must list every layer".into());
+    }
+    for (name, v) in [("hidden", g.hidden), ("q width", g.q_width()), ("kv width", g.kv_width())] {
+        if v % 32 != 0 {
+            return bad(format!("{name} ({v}) must be a multiple of 32"));
+        }
+    }
+    if g.head_dim % 16 != 0 || g.heads % g.kv_heads != 0 {
+        return bad("head_dim must be a multiple of 16 and kv heads must divide heads".into());
+    }
+    if g.expert_ffn % 32 != 0 || g.dense_ffn % 32 != 0 || g.vocab % 16 != 0 {
+        return bad("FFN widths must be multiples of 32 and the vocabulary of 16".into());
+    }
+    if o.num_sms == 0 || o.attn_chunk == 0 || o.attn_chunk % 64 != 0 || ![1, 2, 4].contains(&o.row_groups) {
+        return bad("num_sms > 0, attn_chunk a multiple of 64, row_groups in {1, 2, 4}".into());
+    }
+    Ok(())
+}
+
+struct Builder<'a> {
+    geom: &'a Geometry,
+    opts: &'a BuildOptions,
+    batch: usize,
+    order: Vec<MkTask>,
+    max_splits: usize,
+}
+
+impl Builder<'_> {
+    fn push(&mut self, t: MkTask) {
+        self.order.push(t);
+    }
+
+    /// GEMV tasks covering the `rows` output rows of matrix `m`, 16 * `groups` rows each.
+    fn gemv(&mut self, layer: usize, (m, rows, groups, slot): (Matrix, usize, usize, i32), wait: &[i32], signal: i32) {
+        for r0 in (0..rows).step_by(16 * groups) {
+            let mut t = MkTask::new(Op::Gemv, layer, &[m as i32, r0 as i32, groups as i32, slot]).signals(signal);
+            for &c in wait {
+                t = t.waits(c);
+            }
+            self.push(t);
+        }
+    }
+
+    fn embed(&mut self) {
+        for b in 0..self.batch {
+            self.push(MkTask::new(Op::Embed, 0, &[b as i32]).signals(counter(0, Counter::HReady)));
+        }
+    }
+
+    fn layer(&mut self, l: usize, positions: &[usize]) {
+        let g = self.geom;
+        let rg = self.opts.row_groups;
+        let h_ready = counter(l, Counter::HReady);
+        // QKV first: attention is the longest chain of the layer.
+        self.gemv(l, (Matrix::Qkv, g.qkv_rows(), 1, -1), &[h_ready], counter(l, Counter::Qkv));
+        // The FFN's first half reads the same h (parallel block), so its weights stream while
+        // attention waits on QKV.
+        if g.moe[l] {
+            self.gemv(l, (Matrix::Router, g.experts, 1, -1), &[h_ready], counter(l, Counter::Router));
+            self.push(
+                MkTask::new(Op::TopK, l, &[]).waits(counter(l, Counter::Router)).signals(counter(l, Counter::TopK)),
+            );
+            for s in 0..g.slots(self.batch) {
+                self.gemv(
+                    l,
+                    (Matrix::ExpertGateUp, g.expert_ffn, 1, s as i32),
+                    &[counter(l, Counter::TopK)],
+                    counter(l, Counter::FfnUp),
+                );
+            }
+        } else {
+            self.gemv(l, (Matrix::DenseGateUp, g.dense_ffn, 1, -1), &[h_ready], counter(l, Counter::FfnUp));
+        }
+        self.attention(l, positions);
+        self.gemv(l, (Matrix::O, g.hidden, rg, -1), &[counter(l, Counter::Attn)], counter(l, Counter::O));
+        let (down, slots) = if g.moe[l] { (Matrix::ExpertDown, g.slots(self.batch)) } else { (Matrix::DenseDown, 1) };
+        for s in 0..slots {
+            let slot = if g.moe[l] { s as i32 } else { -1 };
+            self.gemv(l, (down, g.hidden, rg, slot), &[counter(l, Counter::FfnUp)], counter(l, Counter::FfnDown));
+        }
+        for b in 0..self.batch {
+            self.push(
+                MkTask::new(Op::ResidualNorm, l, &[b as i32])
+                    .waits(counter(l, Counter::O))
+                    .waits(counter(l, Counter::FfnDown))
+                    .signals(counter(l + 1, Counter::HReady)),
+            );
+        }
+    }
+
+    fn attention(&mut self, l: usize, positions: &[usize]) {
+        let g = self.geom;
+        let chunk = self.opts.attn_chunk;
+        let mut combines = Vec::new();
+        for (b, &pos) in positions.iter().enumerate() {
+            let end = pos + 1;
+            let start = g.window[l].map_or(0, |w| end.saturating_sub(w));
+            let splits = (end - start).div_ceil(chunk);
+            self.max_splits = self.max_splits.max(splits);
+            for kvh in 0..g.kv_heads {
+                for s in 0..splits {
+                    let lo = start + s * chunk;
+                    let hi = (lo + chunk).min(end);
+                    let args = [b as i32, kvh as i32, s as i32, lo as i32, hi as i32];
+                    self.push(
+                        MkTask::new(Op::AttnSplit, l, &args)
+                            .waits(counter(l, Counter::Qkv))
+                            .signals(counter(l, Counter::AttnSplit)),
+                    );
+                }
+                combines.push(
+                    MkTask::new(Op::AttnCombine, l, &[b as i32, kvh as i32, splits as i32])
+                        .waits(counter(l, Counter::AttnSplit))
+                        .signals(counter(l, Counter::Attn)),
+                );
+            }
+        }
+        for t in combines {
+            self.push(t);
+        }
+    }
+
+    fn head(&mut self) {
+        let g = self.geom;
+        let l = g.layers();
+        self.gemv(
+            l,
+            (Matrix::LmHead, g.vocab, self.opts.row_groups, -1),
+            &[counter(l, Counter::HReady)],
+            logits_counter(l),
+        );
+        let parts = self.opts.sample_parts.min(g.vocab / 16).max(1);
+        for b in 0..self.batch {
+            for p in 0..parts {
+                let lo = g.vocab * p / parts;
+                let hi = g.vocab * (p + 1) / parts;
+                let args = [b as i32, p as i32, lo as i32, hi as i32];
+                self.push(MkTask::new(Op::SamplePart, l, &args).waits(logits_counter(l)).signals(sample_counter(l)));
+            }
+        }
+        for b in 0..self.batch {
+            self.push(MkTask::new(Op::SampleFinal, l, &[b as i32, parts as i32]).waits(sample_counter(l)));
+        }
+    }
+}
+
+/// Every wait targets the number of tasks that signal its counter.
+fn set_targets(order: &mut [MkTask], num_counters: usize) {
+    let mut producers = vec![0i32; num_counters];
+    for t in order.iter() {
+        if t.signal >= 0 {
+            producers[t.signal as usize] += 1;
+        }
+    }
+    for t in order.iter_mut() {
+        if t.wait0 >= 0 {
+            t.target0 = producers[t.wait0 as usize];
+        }
+        if t.wait1 >= 0 {
+            t.target1 = producers[t.wait1 as usize];
+        }
+    }
+}
+
+/// Round-robin: task i of the global order goes to SM i mod num_sms.
+fn deal(n: usize, num_sms: usize) -> Vec<Vec<usize>> {
+    let mut per_sm = vec![Vec::new(); num_sms];
+    for i in 0..n {
+        per_sm[i % num_sms].push(i);
+    }
+    per_sm
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// The tiny CPU geometry of mk.config (5 layers, window 96).
+    pub fn tiny() -> Geometry {
+        Geometry {
+            hidden: 64,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            experts: 8,
+            top_k: 2,
+            expert_ffn: 32,
+            dense_ffn: 96,
+            vocab: 512,
+            window: (0..5).map(|i| if i % 4 == 0 { None } else { Some(96) }).collect(),
+            moe: (0..5).map(|i| i >= 1).collect(),
+        }
+    }
+
+    /// The GPU test geometry: real widths, 5 layers, 32 experts.
+    pub fn gpu_test() -> Geometry {
+        Geometry {
+            hidden: 2048,
+            heads: 32,
+            kv_heads: 4,
+            head_dim: 128,
+            experts: 32,
+            top_k: 8,
+            expert_ffn: 768,
+            dense_ffn: 3072,
+            vocab: 32768,
+            window: (0..5).map(|i| if i % 4 == 0 { None } else { Some(4096) }).collect(),
+            moe: (0..5).map(|i| i >= 1).collect(),
+        }
+    }
+
+    #[test]
+    fn targets_count_producers_and_lists_follow_the_order() {
+        let g = build_step(&tiny(), &[5, 130, 300], &BuildOptions { num_sms: 7, ..Default::default() }).unwrap();
+        let qkv_tiles = tiny().qkv_rows() / 16;
+        let first_attn = g.order.iter().find(|t| t.op() == Op::AttnSplit).unwrap();
+        assert_eq!(first_attn.target0, qkv_tiles as i32);
+        for list in &g.per_sm {
+            assert!(list.windows(2).all(|w| w[0] < w[1]));
+        }
+        assert_eq!(g.per_sm.iter().map(Vec::len).sum::<usize>(), g.order.len());
+    }
+
+    #[test]
+    fn attention_splits_follow_live_length_and_window() {
+        let geom = tiny();
+        let opts = BuildOptions { attn_chunk: 64, ..Default::default() };
+        let g = build_step(&geom, &[300], &opts).unwrap();
+        let splits = |layer: i32| {
+            g.order.iter().filter(|t| t.op() == Op::AttnSplit && t.layer == layer && t.arg[1] == 0).count()
+        };
+        assert_eq!(splits(0), 301usize.div_ceil(64)); // full attention: all 301 keys
+        assert_eq!(splits(1), 2); // window 96: keys 205..301
+        let first = g.order.iter().find(|t| t.op() == Op::AttnSplit && t.layer == 1).unwrap();
+        assert_eq!((first.arg[3], first.arg[4]), (205, 269));
+    }
+
+    #[test]
+    fn bad_options_are_refused() {
+        let opts = BuildOptions { attn_chunk: 100, ..Default::default() };
+        assert!(matches!(build_step(&tiny(), &[1], &opts), Err(GraphError::Geometry(_))));
+        assert_eq!(build_step(&tiny(), &[], &BuildOptions::default()).unwrap_err(), GraphError::EmptyBatch);
+    }
+}

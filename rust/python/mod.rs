@@ -2,6 +2,7 @@
 //! lives here; each function calls into a plain-Rust module.
 
 mod errors;
+mod graph;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -90,5 +91,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(add_rmsnorm, m)?)?;
     m.add_function(wrap_pyfunction!(gemv, m)?)?;
+    m.add_function(wrap_pyfunction!(graph::build_step_graph, m)?)?;
     Ok(())
 }

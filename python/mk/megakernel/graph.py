@@ -1,0 +1,66 @@
+"""A decode step's task graph (built in Rust) as numpy arrays, with the ABI's names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+from mk import _native
+from mk.config import ModelConfig
+
+TASK_WORDS = 16
+ARG = 7  # index of arg[0] in a task's words
+
+
+class Op(IntEnum):
+    NOP = 0
+    EMBED = 1
+    GEMV = 2
+    ATTN_SPLIT = 3
+    ATTN_COMBINE = 4
+    TOPK = 5
+    RESIDUAL_NORM = 6
+    SAMPLE_PART = 7
+    SAMPLE_FINAL = 8
+
+
+class Matrix(IntEnum):
+    QKV = 0
+    O_PROJ = 1
+    ROUTER = 2
+    DENSE_GATE_UP = 3
+    DENSE_DOWN = 4
+    EXPERT_GATE_UP = 5
+    EXPERT_DOWN = 6
+    LM_HEAD = 7
+
+
+@dataclass(frozen=True)
+class StepGraph:
+    tasks: np.ndarray  # int32 [num_sms, per_sm, 16], NOP-padded per-SM lists
+    order: np.ndarray  # int32 [n, 16], one global order in which producers come first
+    num_counters: int
+    slots: int
+    max_splits: int
+    positions: tuple[int, ...]
+
+    @property
+    def batch(self) -> int:
+        return len(self.positions)
+
+
+def build(
+    cfg: ModelConfig,
+    positions: list[int],
+    num_sms: int = 132,
+    attn_chunk: int = 512,
+    row_groups: int = 4,
+    sample_parts: int = 16,
+    check: bool = False,
+) -> StepGraph:
+    raw = _native.build_step_graph(cfg, list(positions), num_sms, attn_chunk, row_groups, sample_parts, check)
+    tasks = np.frombuffer(raw["tasks"], dtype=np.int32).reshape(raw["num_sms"], raw["per_sm"], TASK_WORDS)
+    order = np.frombuffer(raw["order"], dtype=np.int32).reshape(-1, TASK_WORDS)
+    return StepGraph(tasks, order, raw["num_counters"], raw["slots"], raw["max_splits"], tuple(positions))

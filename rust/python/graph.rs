@@ -1,0 +1,79 @@
+//! Python access to the decode-step task graph (for the CPU interpreter, tests and the GPU
+//! launch path while the engine's megakernel backend is being built).
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::graph::{build_step, check, BuildOptions, Geometry};
+
+fn geometry_from(cfg: &Bound<'_, PyAny>) -> PyResult<Geometry> {
+    let layers: usize = cfg.getattr("num_hidden_layers")?.extract()?;
+    let mut window = Vec::with_capacity(layers);
+    let mut moe = Vec::with_capacity(layers);
+    for l in 0..layers {
+        window.push(cfg.call_method1("window", (l,))?.extract::<Option<usize>>()?);
+        moe.push(cfg.call_method1("is_moe", (l,))?.extract::<bool>()?);
+    }
+    let get = |name: &str| -> PyResult<usize> { cfg.getattr(name)?.extract() };
+    Ok(Geometry {
+        hidden: get("hidden_size")?,
+        heads: get("num_attention_heads")?,
+        kv_heads: get("num_key_value_heads")?,
+        head_dim: get("head_dim")?,
+        experts: get("num_experts")?,
+        top_k: get("num_experts_per_tok")?,
+        expert_ffn: get("intermediate_size")?,
+        dense_ffn: get("prefix_dense_intermediate_size")?,
+        vocab: get("vocab_size")?,
+        window,
+        moe,
+    })
+}
+
+/// The task graph of one decode step of `config` (an mk.ModelConfig) for rows writing at
+/// `positions`. Returns a dict: `tasks` (bytes of int32 [num_sms, per_sm, 16], NOP-padded),
+/// `order` (bytes of int32 [n, 16], the global order), `per_sm`, `num_counters`, `slots`,
+/// `max_splits`. With `check=True` the static checker runs first and any violation raises.
+#[pyfunction]
+#[pyo3(signature = (config, positions, num_sms=132, attn_chunk=512, row_groups=4, sample_parts=16, check=false))]
+#[allow(clippy::too_many_arguments)]
+pub fn build_step_graph<'py>(
+    py: Python<'py>,
+    config: &Bound<'py, PyAny>,
+    positions: Vec<usize>,
+    num_sms: usize,
+    attn_chunk: usize,
+    row_groups: usize,
+    sample_parts: usize,
+    check: bool,
+) -> PyResult<Bound<'py, PyDict>> {
+    let geom = geometry_from(config)?;
+    let opts = BuildOptions { num_sms, attn_chunk, row_groups, sample_parts };
+    let graph = build_step(&geom, &positions, &opts).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    if check {
+        let violations = check::check(&geom, &graph, 5);
+        if !violations.is_empty() {
+            return Err(PyValueError::new_err(format!("task graph violations: {violations:?}")));
+        }
+    }
+    let (padded, per_sm) = graph.padded();
+    let as_bytes = |tasks: &[crate::graph::task::MkTask]| -> Vec<u8> {
+        tasks
+            .iter()
+            .flat_map(|t| {
+                let words = [t.op, t.layer, t.wait0, t.target0, t.wait1, t.target1, t.signal];
+                words.into_iter().chain(t.arg).flat_map(i32::to_le_bytes).collect::<Vec<u8>>()
+            })
+            .collect()
+    };
+    let out = PyDict::new(py);
+    out.set_item("tasks", PyBytes::new(py, &as_bytes(&padded)))?;
+    out.set_item("order", PyBytes::new(py, &as_bytes(&graph.order)))?;
+    out.set_item("num_sms", num_sms)?;
+    out.set_item("per_sm", per_sm)?;
+    out.set_item("num_counters", graph.num_counters)?;
+    out.set_item("slots", graph.slots)?;
+    out.set_item("max_splits", graph.max_splits)?;
+    Ok(out)
+}

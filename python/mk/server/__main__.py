@@ -1,0 +1,241 @@
+"""`python -m mk.server`: the OpenAI-compatible server.
+
+With no arguments it serves the built-in tiny model (random weights: the text is noise) on
+127.0.0.1:8000, on the GPU when there is one. Routes: /v1/chat/completions, /v1/completions,
+/v1/models, /health, /metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+
+from mk.server.app import App, ServerState
+from mk.server.serve import serve
+
+log = logging.getLogger("mk.server")
+
+# A request in flight that has not finished this long after SIGTERM is cancelled.
+DRAIN_TIMEOUT_S = 30.0
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, no usage dump
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 <= value < 86400:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 86400, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = _Parser(prog="python -m mk.server", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=_at_least(1), default=8000, help="TCP port (default: %(default)s)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument(
+        "--model",
+        type=Path,
+        help="checkpoint folder: config.json, *.safetensors, tokenizer.json, "
+        "tokenizer_config.json (default: the built-in tiny model)",
+    )
+    src.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="full-size North Mini Code geometry with random weights made on the GPU (for benchmarks)",
+    )
+    p.add_argument(
+        "--served-model-name", help="model id clients send and /v1/models lists (default: the checkpoint folder's name)"
+    )
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where the model runs: auto = the GPU when there is one (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-batch", type=_at_least(1), default=8, help="most sequences decoded together (default: %(default)s)"
+    )
+    p.add_argument(
+        "--max-context",
+        type=_at_least(2),
+        help="most tokens per sequence, prompt plus completion (default: the tokenizer's "
+        "model_max_length, 8192 for the built-in model)",
+    )
+    p.add_argument(
+        "--kv-fraction",
+        type=_fraction,
+        default=0.9,
+        help="share of the GPU memory left after the weights that the KV cache takes (default: %(default)s)",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=_at_least(16),
+        default=1024,
+        help="prompt tokens prefilled per step, so long prompts do not stall decoding (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=_at_least(1),
+        default=256,
+        help="requests queued beyond the batch before new ones get 503 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("MK_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health (default: $MK_API_KEY; none)",
+    )
+    p.add_argument(
+        "--max-body-mb",
+        type=_at_least(1),
+        default=32,
+        help="largest request body accepted, in MiB; larger gets 413 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=_seconds,
+        default=DRAIN_TIMEOUT_S,
+        help="on SIGTERM, how long running requests may take to finish (default: %(default)s s)",
+    )
+    p.add_argument(
+        "--stats-interval",
+        type=_seconds,
+        default=5.0,
+        help="seconds between engine status lines in the log (default: %(default)s)",
+    )
+    p.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default="info",
+        help="log verbosity (default: %(default)s)",
+    )
+    args = p.parse_args(argv)
+    if args.api_key == "":
+        p.error("--api-key must not be empty")
+    if args.port > 65535:
+        p.error(f"--port must be at most 65535, got {args.port}")
+    if args.model is not None and not args.model.is_dir():
+        p.error(f"--model {args.model}: no such folder")
+    if args.stats_interval == 0:
+        p.error("--stats-interval must be above 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    try:
+        state = build_state(args)
+    except (ValueError, OSError, RuntimeError) as e:
+        sys.exit(f"python -m mk.server: error: {e}")
+    asyncio.run(serve(App(state), args.host, args.port, args.drain_timeout, args.log_level == "debug"))
+
+
+def build_state(args: argparse.Namespace) -> ServerState:
+    from mk.model import load
+    from mk.reference_engine import ReferenceEngine
+    from mk.tokenizer import Tokenizer
+
+    cuda = torch.cuda.is_available()
+    if args.device == "cuda" and not cuda:
+        raise RuntimeError("--device cuda: no GPU is visible")
+    if args.synthetic and not cuda:
+        raise RuntimeError("--synthetic makes full-size weights on a GPU, and no GPU is visible")
+    device = torch.device("cuda" if args.synthetic or (cuda and args.device != "cpu") else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.model is not None:
+        log.info("loading %s on %s (%s)", args.model, device, dtype)
+        model = load(args.model, device=device, dtype=dtype, progress=True)
+        tokenizer = Tokenizer.from_dir(args.model)
+        name = args.served_model_name or args.model.resolve().name
+        default_context = int(tokenizer.config.get("model_max_length") or 8192)
+    elif args.synthetic:
+        model, tokenizer = _synthetic(device)
+        name, default_context = args.served_model_name or "north-mini-code-synthetic", 32768
+    else:
+        from mk.default_model import NAME, load_default
+
+        model, tokenizer = load_default(device, dtype)
+        name, default_context = args.served_model_name or NAME, 8192
+    max_context = args.max_context or min(default_context, 1 << 20)
+    engine = ReferenceEngine(
+        model,
+        max_batch=args.max_batch,
+        max_context=max_context,
+        max_waiting=args.max_waiting,
+        kv_blocks=_kv_blocks(model, args.kv_fraction) if device.type == "cuda" else None,
+        prefill_chunk=args.prefill_chunk,
+    )
+    log.info("engine ready: %s, max batch %d, context %d tokens", name, args.max_batch, max_context)
+    return ServerState(
+        engine,
+        tokenizer,
+        name,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_mb * 2**20,
+        stats_interval=args.stats_interval,
+    )
+
+
+def _synthetic(device: torch.device):
+    from mk.config import ModelConfig
+    from mk.model import synthetic_weights
+    from mk.model.reference import Model
+    from mk.tokenizer import Tokenizer
+
+    cfg = ModelConfig.real()
+    log.info("generating full-size random weights on %s", device)
+    model = Model(cfg, synthetic_weights(cfg, seed=0, device=device, dtype=torch.bfloat16, std=0.01))
+    return model, Tokenizer.builtin(cfg.vocab_size)
+
+
+def _kv_blocks(model, fraction: float) -> int:
+    """KV blocks that fit in `fraction` of the GPU memory free after the weights."""
+    from mk.config import PAGE_SIZE
+
+    cfg = model.config
+    free, _ = torch.cuda.mem_get_info()
+    block_bytes = 2 * PAGE_SIZE * cfg.num_key_value_heads * cfg.head_dim * model.dtype.itemsize
+    return int(free * fraction) // block_bytes
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""A chat request to prompt tokens: message checks, tool-call linkage, the checkpoint's chat template.
+
+Tool-call ids: clients get unique `call_…` ids, but the model learned per-turn ids ("0", "1", ...), so
+each assistant message's calls are renumbered that way (and the tool results that answer them) before
+the template sees the history.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from mk.server.errors import bad_request
+from mk.server.schemas import ChatRequest, Message, NamedToolChoice
+from mk.tokenizer import TemplateError, Tokenizer
+from mk.toolcalls import ToolPolicy
+
+START_THINKING = "<|START_THINKING|>"
+
+
+@dataclass(slots=True)
+class ChatPrompt:
+    token_ids: list[int]
+    thinking: bool  # the prompt opened a thinking block: the model starts by reasoning
+    policy: ToolPolicy
+
+
+def build_prompt(req: ChatRequest, tokenizer: Tokenizer) -> ChatPrompt:
+    names = [t.function.name for t in req.tools or []]
+    if len(set(names)) != len(names):
+        raise bad_request("two tools have the same name", "tools")
+    policy = _policy(req.tool_choice, names)
+    kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort == "none":
+        kwargs.setdefault("enable_thinking", False)
+    if isinstance(req.tool_choice, NamedToolChoice):
+        kwargs["tool_choice"] = req.tool_choice.model_dump()
+    elif req.tool_choice in ("none", "required"):
+        kwargs["tool_choice"] = req.tool_choice
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    messages = _history(req.messages, set(names) if req.tools else None)
+    try:
+        text = tokenizer.apply_chat_template(messages, tools, add_generation_prompt=True, **kwargs)
+    except TemplateError as e:
+        raise bad_request(str(e), "messages") from None
+    ids = tokenizer.encode(text, add_special_tokens=False)  # the template wrote its own BOS
+    return ChatPrompt(ids, text.endswith(START_THINKING), policy)
+
+
+def _policy(choice: Any, names: list[str]) -> ToolPolicy:
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise bad_request(f"tool_choice names {choice.function.name!r}, which is not among tools", "tool_choice")
+        return ToolPolicy(names, "function", choice.function.name)
+    if choice == "required" and not names:
+        raise bad_request("tool_choice is 'required' but the request has no tools", "tool_choice")
+    return ToolPolicy(names, choice or ("auto" if names else "none"))
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content)
+
+
+def _history(messages: list[Message], tool_names: set[str] | None) -> list[dict[str, Any]]:
+    """Template-ready messages; 400 for broken tool-call linkage."""
+    out: list[dict[str, Any]] = []
+    open_calls: dict[str, str] = {}  # client id -> per-turn id, for calls not yet answered
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if open_calls and m.role != "tool":
+            raise bad_request(
+                f"{where}: the tool calls {sorted(open_calls)} of the previous assistant message have no tool "
+                "message answering them",
+                "messages",
+            )
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise bad_request(f"{where}: a tool message needs a tool_call_id", f"{where}.tool_call_id")
+            if m.tool_call_id not in open_calls:
+                raise bad_request(
+                    f"{where}: tool_call_id {m.tool_call_id!r} does not answer an open call of the preceding "
+                    "assistant message",
+                    f"{where}.tool_call_id",
+                )
+            msg = {"role": "tool", "tool_call_id": open_calls.pop(m.tool_call_id), "content": _text(m.content)}
+            if m.name:
+                msg["name"] = m.name
+            out.append(msg)
+        elif m.role == "assistant":
+            out.append(_assistant(m, where, tool_names, open_calls))
+        else:
+            out.append({"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)})
+    if open_calls:
+        raise bad_request(
+            f"the tool calls {sorted(open_calls)} of the last assistant message have no tool message answering them",
+            "messages",
+        )
+    return out
+
+
+def _assistant(m: Message, where: str, tool_names: set[str] | None, open_calls: dict[str, str]) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": _text(m.content)}
+    thinking = m.reasoning_content or m.reasoning
+    if thinking:
+        msg["reasoning_content"] = thinking
+    calls = []
+    for j, call in enumerate(m.tool_calls or []):
+        f = call.function
+        if tool_names is not None and f.name not in tool_names:
+            raise bad_request(f"{where}: tool call {f.name!r} names no tool of the request", f"{where}.tool_calls")
+        if call.id in open_calls:
+            raise bad_request(f"{where}: tool call id {call.id!r} appears twice", f"{where}.tool_calls")
+        args = f.arguments
+        if isinstance(args, str):
+            try:
+                decoded = json.loads(args)
+            except json.JSONDecodeError:
+                raise bad_request(
+                    f"{where}: the arguments of {f.name!r} are not valid JSON", f"{where}.tool_calls"
+                ) from None
+            if not isinstance(decoded, dict):
+                raise bad_request(f"{where}: the arguments of {f.name!r} are not a JSON object", f"{where}.tool_calls")
+        else:
+            args = json.dumps(args, ensure_ascii=False)
+        open_calls[call.id] = str(j)
+        calls.append({"id": str(j), "type": "function", "function": {"name": f.name, "arguments": args}})
+    if calls:
+        msg["tool_calls"] = calls
+    return msg

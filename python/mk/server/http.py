@@ -1,0 +1,104 @@
+"""The little of ASGI HTTP the server needs: bounded body reads, JSON and SSE responses, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from mk.server.errors import APIError
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def header(scope: dict[str, Any], name: bytes) -> str | None:
+    for k, v in scope.get("headers", []):
+        if k.lower() == name:
+            return v.decode("latin-1")
+    return None
+
+
+async def read_body(scope: dict[str, Any], receive: Receive, limit: int) -> bytes:
+    """The whole request body; 413 as soon as it is known to exceed `limit` bytes."""
+    declared = header(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body has {declared} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ConnectionAbortedError
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def parse_json(body: bytes) -> Any:
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        return json.loads(body, parse_constant=no_constants)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+async def send_json(send: Send, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
+    body = dumps(obj)
+    await send_bytes(send, status, body, "application/json", headers)
+
+
+async def send_bytes(send: Send, status: int, body: bytes, content_type: str, headers: dict[str, str] | None) -> None:
+    raw = [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def start_sse(send: Send) -> None:
+    headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+
+
+async def send_event(send: Send, data: Any) -> None:
+    payload = data.encode() if isinstance(data, str) else dumps(data)
+    await send({"type": "http.response.body", "body": b"data: " + payload + b"\n\n", "more_body": True})
+
+
+async def end_sse(send: Send) -> None:
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    """Returns when the client goes away (call once the body has been read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def race_disconnect(work: Awaitable[Any], receive: Receive) -> Any:
+    """Run `work`; if the client disconnects first, cancel it and raise ConnectionAbortedError."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except BaseException:  # the cancellation we asked for, or what the cancelled work raised
+                pass
+        watcher.cancel()
+    if task.cancelled():
+        raise ConnectionAbortedError
+    return task.result()

@@ -1,0 +1,38 @@
+"""Token log-probabilities in the two OpenAI shapes (chat's `content` list, completions' parallel lists)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mk.tokenizer import Tokenizer
+
+Token = tuple[int, float | None, tuple[tuple[int, float], ...] | None]
+
+
+def _entry(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+    raw = tokenizer.token_bytes(token_id)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+def chat_logprobs(tokenizer: Tokenizer, tokens: list[Token]) -> dict[str, Any]:
+    content = []
+    for token_id, logprob, top in tokens:
+        entry = _entry(tokenizer, token_id, logprob if logprob is not None else 0.0)
+        entry["top_logprobs"] = [_entry(tokenizer, t, lp) for t, lp in top or ()]
+        content.append(entry)
+    return {"content": content}
+
+
+def completion_logprobs(tokenizer: Tokenizer, tokens: list[Token], offset: int) -> dict[str, Any]:
+    """`offset`: where the first token's text starts in the choice's text."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, logprob, top in tokens:
+        text = tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+        out["tokens"].append(text)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(
+            {tokenizer.token_bytes(t).decode("utf-8", errors="replace"): lp for t, lp in top} if top else None
+        )
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out

@@ -1,0 +1,159 @@
+"""Request bodies of the OpenAI routes (pydantic v2, strict types: "1" is not a number, true is not 1).
+
+Fields mk honours are typed here; fields that change nothing for this engine (`user`, `metadata`,
+`store`, ...) pass as extras and are ignored; fields mk cannot honour are refused with 400 in
+`sampling.py` rather than ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_N = 32
+MAX_STOPS = 16
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Fields shared by completions and chat."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = Field(None, validate_default=True)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, allow_inf_nan=False)
+    min_p: float | None = Field(None, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> list[str]:
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stops
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        # Checked by hand: a union's own errors name its members, not the problem.
+        if isinstance(v, str):
+            return v
+        if not isinstance(v, list) or not v:
+            raise ValueError("must be a string, a non-empty list of strings, or token ids")
+        if all(isinstance(x, str) for x in v):
+            return v
+        if all(_is_int(x) for x in v):
+            return v
+        if all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in v):
+            return v
+        raise ValueError("must be a string, a list of strings, a list of token ids, or a list of such lists")
+
+
+class FunctionDef(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class _FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: _FunctionName
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class CallFunction(_Body):
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any]
+
+
+class AssistantToolCall(_Body):
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: CallFunction
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, v: Any) -> Any:
+        # Bare strings inside the list are text parts too; anything but text (images, audio) is refused.
+        if isinstance(v, list):
+            parts = []
+            for i, p in enumerate(v):
+                if isinstance(p, str):
+                    p = {"type": "text", "text": p}
+                if not isinstance(p, dict) or p.get("type") != "text":
+                    kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+                    raise ValueError(f"part {i} is {kind!r}: only text content parts are supported")
+                parts.append(p)
+            return parts
+        return v
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    include_reasoning: bool = True
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

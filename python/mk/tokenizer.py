@@ -1,0 +1,153 @@
+"""The tokenizer of a checkpoint: `tokenizer.json` (HF tokenizers) plus `tokenizer_config.json` (special
+tokens, chat template), with the chat template rendered the way HF `apply_chat_template` renders it."""
+
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
+
+
+class TemplateError(ValueError):
+    """The chat template refused the conversation (its `raise_exception`) or failed to render."""
+
+
+class Tokenizer:
+    """Encode, decode and render chats for one checkpoint."""
+
+    def __init__(self, tokenizer: HFTokenizer, config: dict[str, Any]) -> None:
+        self.hf = tokenizer
+        self.config = config
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.eos_token_id = tokenizer.token_to_id(self.eos_token) if self.eos_token else None
+        self.chat_template = config.get("chat_template")
+        self.special_ids = frozenset(
+            int(i) for i, t in (config.get("added_tokens_decoder") or {}).items() if t.get("special", False)
+        ) | frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+        self._byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{path}: no tokenizer.json")
+        config_file = path / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        return cls(HFTokenizer.from_file(str(path / "tokenizer.json")), config)
+
+    @classmethod
+    def builtin(cls, vocab_size: int) -> Tokenizer:
+        """The test tokenizer and Cohere-format template of mk.tokenizer_files."""
+        from mk import tokenizer_files
+
+        return cls(tokenizer_files.build_tokenizer(vocab_size), tokenizer_files.tokenizer_config())
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level token may hold part of a UTF-8 character)."""
+        piece = self.hf.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level and token_id not in self.special_ids:
+            table = _unicode_to_byte()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        return self.hf.decode([token_id], skip_special_tokens=False).encode()
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        """The prompt text of a conversation (it carries its own BOS: encode it without special tokens)."""
+        template = self._pick_template(bool(tools))
+        special = {k: _token_text(v) for k, v in self.config.items() if k.endswith("_token") and v is not None}
+        try:
+            return _compile(template).render(
+                **special,
+                **kwargs,
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except TemplateError:
+            raise
+        except Exception as e:  # jinja2 errors and whatever a template's filters raise
+            raise TemplateError(f"the chat template failed: {e}") from None
+
+    def _pick_template(self, with_tools: bool) -> str:
+        t = self.chat_template
+        if isinstance(t, list):  # HF named templates: [{"name": ..., "template": ...}]
+            named = {x["name"]: x["template"] for x in t}
+            t = named.get("tool_use") if with_tools and "tool_use" in named else named.get("default")
+        if not isinstance(t, str) or not t:
+            raise TemplateError("this checkpoint has no chat template (tokenizer_config.json: chat_template)")
+        return t
+
+
+def _token_text(v: Any) -> str | None:
+    """tokenizer_config.json writes special tokens as strings or as {"content": ...} objects."""
+    if isinstance(v, dict):
+        return v.get("content")
+    return v if isinstance(v, str) else None
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """Inverse of the GPT-2 byte-to-printable-character table that byte-level BPE tokens are written in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+# ---- HF-compatible jinja2 environment ----------------------------------------------------------
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False):
+    # HF's tojson: unlike jinja2's own, no HTML escaping (a template must be able to write "<" verbatim).
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(template: str):  # noqa: ANN202
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except Exception as e:
+        raise TemplateError(f"the chat template does not compile: {e}") from None

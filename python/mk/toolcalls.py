@@ -1,0 +1,155 @@
+"""The model's Cohere "cmd4" output as OpenAI chat fields: reasoning, content and tool calls.
+
+The model writes `…thinking…<|END_THINKING|>` then either `<|START_RESPONSE|>answer<|END_RESPONSE|>` or
+`<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "f", "parameters": {...}}, …]<|END_ACTION|>` (the
+generation prompt opens the thinking block). Cohere's own parser, `cohere_melody`, splits the text; this
+module turns its results into OpenAI-style deltas (a call's id and name first, then its argument
+fragments) and checks the finished calls against the request's tools and tool_choice.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from cohere_melody import PyFilter, PyFilterOptions
+
+START_ACTION = "<|START_ACTION|>"
+
+
+class ToolCallError(ValueError):
+    """The model's tool calls are malformed or break the request's tool_choice."""
+
+
+@dataclass(slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str = ""
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one piece of model text added. tool_calls holds OpenAI delta objects."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+class Cmd4Stream:
+    """Incremental parser: `feed` decoded text (special tokens kept) as it is generated, `finish` at the end.
+
+    `thinking=False` when the prompt already closed the thinking block (the model starts in the answer).
+    `tools=False` drops tool calls (no tools offered, or tool_choice "none").
+    """
+
+    def __init__(self, thinking: bool = True, tools: bool = True) -> None:
+        options = PyFilterOptions().cmd4().stream_tool_actions()
+        if not thinking:
+            options = options.start_in_answer()
+        self._filter = PyFilter(options)
+        self._tools = tools
+        self.reasoning = ""
+        self.content = ""
+        self.calls: list[ToolCall] = []
+        self.saw_action = False
+        self._tail = ""  # last characters fed, to spot START_ACTION split across pieces
+        self._by_melody: dict[int, int] = {}  # melody's call index -> ours, once the name is known
+        self._pending: dict[int, list[str]] = {}  # melody index -> [id, arguments so far] before the name
+
+    def feed(self, text: str) -> Delta:
+        window = self._tail + text
+        self.saw_action |= START_ACTION in window
+        self._tail = window[-len(START_ACTION) :]
+        return self._take(self._filter.write_decoded(text)) if text else Delta()
+
+    def finish(self) -> Delta:
+        delta = self._take(self._filter.flush_partials())
+        for i, call in enumerate(self.calls):
+            if not call.arguments.strip():  # `"parameters": {}` comes through as no arguments at all
+                call.arguments = "{}"
+                delta.tool_calls.append({"index": i, "function": {"arguments": "{}"}})
+        return delta
+
+    def _take(self, result: Any) -> Delta:
+        delta = Delta(reasoning=result.reasoning or "", content=result.content or "")
+        self.reasoning += delta.reasoning
+        self.content += delta.content
+        for piece in result.tool_calls:
+            if not self._tools:
+                continue
+            ours = self._by_melody.get(piece.index)
+            if ours is None:
+                pending = self._pending.setdefault(piece.index, ["", ""])
+                pending[0] = pending[0] or piece.id
+                pending[1] += piece.arguments
+                if not piece.name:
+                    continue
+                ours = len(self.calls)
+                self._by_melody[piece.index] = ours
+                del self._pending[piece.index]
+                call = ToolCall(new_call_id(), piece.name, pending[1])
+                self.calls.append(call)
+                function = {"name": call.name, "arguments": call.arguments}
+                delta.tool_calls.append({"index": ours, "id": call.id, "type": "function", "function": function})
+            elif piece.arguments:
+                self.calls[ours].arguments += piece.arguments
+                delta.tool_calls.append({"index": ours, "function": {"arguments": piece.arguments}})
+        return delta
+
+
+def parse(text: str, thinking: bool = True, tools: bool = True) -> Cmd4Stream:
+    """A whole generation at once (what a non-streaming response needs)."""
+    stream = Cmd4Stream(thinking, tools)
+    stream.feed(text)
+    stream.finish()
+    return stream
+
+
+class ToolPolicy:
+    """The request's offer: which tool names exist and what tool_choice demands
+    ("auto", "none", "required", or the name of one function)."""
+
+    def __init__(self, tool_names: list[str], choice: str = "auto", function: str | None = None) -> None:
+        self.names = set(tool_names)
+        self.choice = choice
+        self.function = function
+
+    @property
+    def calls_allowed(self) -> bool:
+        return bool(self.names) and self.choice != "none"
+
+    def check_name(self, name: str) -> None:
+        if name not in self.names:
+            raise ToolCallError(f"the model called {name!r}, which is not among the request's tools")
+        if self.function is not None and name != self.function:
+            raise ToolCallError(f"the model called {name!r} but tool_choice requires {self.function!r}")
+
+    def check_final(self, stream: Cmd4Stream) -> None:
+        """Raise ToolCallError for malformed calls or a tool_choice the output does not meet."""
+        if not self.calls_allowed:
+            return
+        if stream.saw_action and not stream.calls:
+            raise ToolCallError("the model wrote a tool-call block that does not parse as a list of calls")
+        for call in stream.calls:
+            self.check_name(call.name)
+            try:
+                args = json.loads(call.arguments)
+            except json.JSONDecodeError:
+                raise ToolCallError(f"the arguments of the model's call to {call.name!r} are not valid JSON") from None
+            if not isinstance(args, dict):
+                raise ToolCallError(f"the arguments of the model's call to {call.name!r} are not a JSON object")
+        if self.choice in ("required", "function") and not stream.calls:
+            raise ToolCallError(f"tool_choice is {self.choice!r} but the model called no tool")
+        if self.function is not None and len(stream.calls) != 1:
+            raise ToolCallError(f"tool_choice names {self.function!r}: expected one call, got {len(stream.calls)}")

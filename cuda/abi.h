@@ -103,3 +103,48 @@ typedef enum MkCounter {
     MK_CTR_LOGITS = 1,    // in "layer" L
     MK_CTR_SAMPLE = 2,    // in "layer" L
 } MkCounter;
+
+// Per-layer weight pointers (uint64 device addresses, nn.Linear layout [out, in], bf16), in
+// this order: MK_LW_COUNT entries per layer. Missing ones (router of a dense layer) are 0.
+typedef enum MkLayerWeight {
+    MK_LW_NORM = 0,   // input_layernorm [hidden]
+    MK_LW_Q = 1,
+    MK_LW_K = 2,
+    MK_LW_V = 3,
+    MK_LW_O = 4,
+    MK_LW_ROUTER = 5,
+    MK_LW_GATE = 6,   // dense FFN
+    MK_LW_UP = 7,
+    MK_LW_DOWN = 8,
+    MK_LW_COUNT = 9,
+} MkLayerWeight;
+
+// Dynamic shared memory every block of mk_decode_step is launched with (the kernel checks its
+// union of per-op layouts fits), and its threads per block.
+#define MK_STEP_SMEM_BYTES (64 * 1024)
+#define MK_STEP_THREADS 256
+
+// Everything one launch of the decode megakernel needs. Pointers are device addresses; the
+// buffers are described in python/mk/megakernel/state.py (StepBuffers).
+typedef struct MkStepArgs {
+    uint64_t tasks;         // MkTask [gridDim.x][per_sm]
+    uint64_t counters;      // uint32 [2][num_counters]
+    uint64_t layer_weights; // uint64 [layers][MK_LW_COUNT]
+    uint64_t expert_weights;  // uint64 [layers][experts][3]: gate, up, down
+    uint64_t layer_window;  // int32 [layers]: window in keys, 0 = full attention
+    uint64_t layer_rope;    // int32 [layers]: 1 where RoPE applies
+    uint64_t embed;         // bf16 [vocab, hidden], also the LM head
+    uint64_t final_norm;    // bf16 [hidden]
+    uint64_t k_pool, v_pool;  // bf16 [blocks, 64, kv_heads, head_dim]
+    uint64_t tokens, positions, block_tables;
+    uint64_t x, h, q, attn_o, attn_ml, attn_out, y_attn, router;
+    uint64_t topk_slot, topk_score, slot_expert, slot_count;
+    uint64_t dense_act, expert_act, ffn_out, expert_out;
+    uint64_t logits, sample_score, sample_id, sampled;
+    int32_t per_sm, num_counters, parity, batch;
+    int32_t layers, hidden, heads, kv_heads;
+    int32_t head_dim, experts, top_k, expert_ffn;
+    int32_t dense_ffn, vocab, max_pages, max_splits;
+    int32_t slots, sample_parts, reserved0, reserved1;
+    float eps, logit_scale, rope_theta, reserved2;
+} MkStepArgs;

@@ -71,13 +71,15 @@ __device__ __forceinline__ void gemv_step(const bf16* wa, const bf16* wb, const 
 // loads k = chunk + 8t .. 8t + 7 of rows row0 + g and row0 + g + 8, and the same k of
 // activation row 8 * nt + g. acc[nt][0..1] then hold (row0 + g, batch 8nt + 2t + {0,1}) and
 // acc[nt][2..3] hold (row0 + g + 8, same batch). Rows of x at or beyond `batch` read as zero.
+// Rows at or past `valid` (< 16 only for a matrix's ragged last tile) re-read the last valid row;
+// the caller drops their sums.
 template <int NT, int UNROLL>
 __device__ __forceinline__ void gemv_warp_rows16(const bf16* __restrict__ w, int ldw, const bf16* x, int ldx,
                                                  int batch, int row0, int k_begin, int k_end,
-                                                 float (&acc)[NT][4]) {
+                                                 float (&acc)[NT][4], int valid = 16) {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const bf16* wa = w + (size_t)(row0 + g) * ldw + 8 * t;
-    const bf16* wb = wa + (size_t)8 * ldw;
+    const bf16* wa = w + (size_t)(row0 + min(g, valid - 1)) * ldw + 8 * t;
+    const bf16* wb = w + (size_t)(row0 + min(g + 8, valid - 1)) * ldw + 8 * t;
     int k = k_begin;
     for (; k + 32 * UNROLL <= k_end; k += 32 * UNROLL) gemv_step<NT, UNROLL>(wa, wb, x, ldx, batch, k, acc);
     for (; k < k_end; k += 32) gemv_step<NT, 1>(wa, wb, x, ldx, batch, k, acc);

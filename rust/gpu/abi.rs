@@ -33,6 +33,95 @@ pub struct MkGemvArgs {
 unsafe impl cudarc::driver::DeviceRepr for MkAddRmsnormArgs {}
 unsafe impl cudarc::driver::DeviceRepr for MkGemvArgs {}
 
+/// Declares a `#[repr(C)]` mirror of a cuda/abi.h struct and its field layout (name, offset,
+/// type), so the ABI test and the Python packer both read the one Rust definition.
+macro_rules! abi_struct {
+    ($(#[$meta:meta])* $name:ident { $($field:ident: $ty:ident),* $(,)? }) => {
+        $(#[$meta])*
+        #[repr(C)]
+        #[derive(Debug, Clone, Copy, Default, PartialEq)]
+        pub struct $name {
+            $(pub $field: $ty,)*
+        }
+
+        impl $name {
+            pub fn layout() -> Vec<(&'static str, usize, &'static str)> {
+                vec![$((stringify!($field), std::mem::offset_of!($name, $field), stringify!($ty)),)*]
+            }
+        }
+    };
+}
+
+abi_struct! {
+    /// See `MkStepArgs` in cuda/abi.h: everything one decode-step launch needs.
+    MkStepArgs {
+        tasks: u64,
+        counters: u64,
+        layer_weights: u64,
+        expert_weights: u64,
+        layer_window: u64,
+        layer_rope: u64,
+        embed: u64,
+        final_norm: u64,
+        k_pool: u64,
+        v_pool: u64,
+        tokens: u64,
+        positions: u64,
+        block_tables: u64,
+        x: u64,
+        h: u64,
+        q: u64,
+        attn_o: u64,
+        attn_ml: u64,
+        attn_out: u64,
+        y_attn: u64,
+        router: u64,
+        topk_slot: u64,
+        topk_score: u64,
+        slot_expert: u64,
+        slot_count: u64,
+        dense_act: u64,
+        expert_act: u64,
+        ffn_out: u64,
+        expert_out: u64,
+        logits: u64,
+        sample_score: u64,
+        sample_id: u64,
+        sampled: u64,
+        per_sm: i32,
+        num_counters: i32,
+        parity: i32,
+        batch: i32,
+        layers: i32,
+        hidden: i32,
+        heads: i32,
+        kv_heads: i32,
+        head_dim: i32,
+        experts: i32,
+        top_k: i32,
+        expert_ffn: i32,
+        dense_ffn: i32,
+        vocab: i32,
+        max_pages: i32,
+        max_splits: i32,
+        slots: i32,
+        sample_parts: i32,
+        reserved0: i32,
+        reserved1: i32,
+        eps: f32,
+        logit_scale: f32,
+        rope_theta: f32,
+        reserved2: f32,
+    }
+}
+
+// SAFETY: plain-old-data with the C layout of MkStepArgs, passed by value to mk_decode_step.
+unsafe impl cudarc::driver::DeviceRepr for MkStepArgs {}
+
+/// `MK_STEP_SMEM_BYTES` and `MK_STEP_THREADS`: how mk_decode_step is launched.
+pub const STEP_SMEM_BYTES: u32 = 64 * 1024;
+pub const STEP_THREADS: u32 = 256;
+
 /// Must equal `MK_ABI_VERSION` in cuda/abi.h.
 pub const ABI_VERSION: u64 = 1;
 
@@ -41,7 +130,7 @@ pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
     use std::mem::{offset_of, size_of};
     type A = MkAddRmsnormArgs;
     type G = MkGemvArgs;
-    vec![
+    let mut out = vec![
         ("MK_ABI_VERSION", ABI_VERSION),
         ("sizeof(MkAddRmsnormArgs)", size_of::<A>() as u64),
         ("MkAddRmsnormArgs.x", offset_of!(A, x) as u64),
@@ -60,7 +149,14 @@ pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
         ("MkGemvArgs.k", offset_of!(G, k) as u64),
         ("MkGemvArgs.batch", offset_of!(G, batch) as u64),
         ("MkGemvArgs.reserved", offset_of!(G, reserved) as u64),
-    ]
+        ("MK_STEP_SMEM_BYTES", STEP_SMEM_BYTES as u64),
+        ("MK_STEP_THREADS", STEP_THREADS as u64),
+        ("sizeof(MkTask)", size_of::<crate::graph::task::MkTask>() as u64),
+        ("MkTask.arg", offset_of!(crate::graph::task::MkTask, arg) as u64),
+        ("sizeof(MkStepArgs)", size_of::<MkStepArgs>() as u64),
+    ];
+    out.extend(MkStepArgs::layout().into_iter().map(|(name, off, _)| (name, off as u64)));
+    out
 }
 
 #[cfg(test)]

@@ -63,6 +63,9 @@ pub struct Gpu {
     add_rmsnorm: CudaFunction,
     /// `mk_gemv_b{8,16,32,64}`: the batch is padded up to the next of these.
     gemv: [CudaFunction; 4],
+    _megakernel: Arc<CudaModule>,
+    decode_step: CudaFunction,
+    num_sms: u32,
 }
 
 const GEMV_BATCHES: [i32; 4] = [8, 16, 32, 64];
@@ -108,7 +111,19 @@ impl Gpu {
             kernels.load_function("mk_gemv_b32").during("find mk_gemv_b32")?,
             kernels.load_function("mk_gemv_b64").during("find mk_gemv_b64")?,
         ];
-        Ok(Gpu { ctx, _kernels: kernels, add_rmsnorm, gemv })
+        let image = cubin("megakernel").expect("megakernel cubin is embedded by build.rs");
+        let megakernel = ctx.load_module(Ptx::from_binary(image.to_vec())).during("load the megakernel")?;
+        let decode_step = megakernel.load_function("mk_decode_step").during("find mk_decode_step")?;
+        decode_step
+            .set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                abi::STEP_SMEM_BYTES as i32,
+            )
+            .during("raise mk_decode_step's shared memory limit")?;
+        let num_sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .during("count the multiprocessors")? as u32;
+        Ok(Gpu { ctx, _kernels: kernels, add_rmsnorm, gemv, _megakernel: megakernel, decode_step, num_sms })
     }
 
     /// Fused residual add + RMSNorm (see `MkAddRmsnormArgs`), enqueued on `stream`.
@@ -151,6 +166,45 @@ impl Gpu {
     }
 }
 
+impl Gpu {
+    /// Multiprocessors of the device: the decode step runs one block on each.
+    pub fn num_sms(&self) -> u32 {
+        self.num_sms
+    }
+
+    /// One decode step of the megakernel over `grid` blocks (one per task list).
+    ///
+    /// # Safety
+    /// Every pointer in `args` must be device memory of this device laid out as cuda/abi.h and
+    /// python/mk/megakernel/state.py describe, and the task lists must pass `graph::check`
+    /// (a list waiting on work that never comes hangs the GPU). `grid` must not exceed the number
+    /// of multiprocessors, so every block is resident at once.
+    pub unsafe fn decode_step(&self, args: &MkStepArgs, grid: u32, stream: sys::CUstream) -> Result<(), GpuError> {
+        if grid == 0 || grid > self.num_sms || args.per_sm <= 0 || args.batch < 1 || args.batch > 8 {
+            return Err(GpuError::InvalidArgument(format!(
+                "decode_step needs 1 <= grid <= {} SMs, per_sm > 0 and 1 <= batch <= 8; got grid={grid}, per_sm={}, \
+                 batch={}",
+                self.num_sms, args.per_sm, args.batch
+            )));
+        }
+        if args.head_dim != 128 || args.heads / args.kv_heads.max(1) > 8 || args.hidden > 8192 {
+            return Err(GpuError::InvalidArgument(
+                "decode_step supports head_dim 128, query groups of at most 8 and hidden <= 8192".into(),
+            ));
+        }
+        let stream = self.ctx.wrap_borrowed_stream(stream);
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (abi::STEP_THREADS, 1, 1),
+            shared_mem_bytes: abi::STEP_SMEM_BYTES,
+        };
+        let mut launch = stream.launch_builder(&self.decode_step);
+        launch.arg(args);
+        launch.launch(cfg).during("launch mk_decode_step")?;
+        Ok(())
+    }
+}
+
 fn check_gemv(a: &MkGemvArgs) -> Result<(), GpuError> {
     let max_batch = GEMV_BATCHES[GEMV_BATCHES.len() - 1];
     if a.n <= 0 || a.n % 16 != 0 || a.k <= 0 || a.k % 32 != 0 || a.batch < 1 || a.batch > max_batch {
@@ -165,7 +219,7 @@ fn check_gemv(a: &MkGemvArgs) -> Result<(), GpuError> {
     Ok(())
 }
 
-pub use abi::{MkAddRmsnormArgs, MkGemvArgs};
+pub use abi::{MkAddRmsnormArgs, MkGemvArgs, MkStepArgs};
 
 #[cfg(test)]
 mod tests {

@@ -77,3 +77,29 @@ pub fn build_step_graph<'py>(
     out.set_item("max_splits", graph.max_splits)?;
     Ok(out)
 }
+
+/// The field layout of `MkStepArgs`: a list of (name, byte offset, "u64" | "i32" | "f32") and the
+/// struct's size. Python packs launch arguments by name from it (mk.megakernel.launch).
+#[pyfunction]
+pub fn step_args_layout() -> (Vec<(&'static str, usize, &'static str)>, usize) {
+    (crate::gpu::MkStepArgs::layout(), std::mem::size_of::<crate::gpu::MkStepArgs>())
+}
+
+/// Launch one decode step on device `device`, stream `stream`: `args` are the packed bytes of
+/// `MkStepArgs`, `grid` the number of task lists (one block each).
+#[pyfunction]
+pub fn decode_step(py: Python<'_>, device: usize, stream: u64, args: &[u8], grid: u32) -> PyResult<()> {
+    let size = std::mem::size_of::<crate::gpu::MkStepArgs>();
+    if args.len() != size {
+        return Err(PyValueError::new_err(format!("MkStepArgs is {size} bytes, got {}", args.len())));
+    }
+    // SAFETY: MkStepArgs is plain old data of exactly `size` bytes; any bit pattern is valid.
+    let args: crate::gpu::MkStepArgs = unsafe { std::ptr::read_unaligned(args.as_ptr().cast()) };
+    py.detach(|| {
+        let gpu = crate::gpu::Gpu::shared(device)?;
+        // SAFETY: mk.megakernel.launch builds the graph with the static checker on and passes
+        // live device buffers sized from the same config (state.py).
+        unsafe { gpu.decode_step(&args, grid, stream as usize as _) }
+    })
+    .map_err(super::errors::to_py)
+}

@@ -92,5 +92,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(add_rmsnorm, m)?)?;
     m.add_function(wrap_pyfunction!(gemv, m)?)?;
     m.add_function(wrap_pyfunction!(graph::build_step_graph, m)?)?;
+    m.add_function(wrap_pyfunction!(graph::step_args_layout, m)?)?;
+    m.add_function(wrap_pyfunction!(graph::decode_step, m)?)?;
     Ok(())
 }

@@ -1,0 +1,99 @@
+// Shared helpers of the decode megakernel's tasks: typed views of MkStepArgs, loads of data other
+// SMs wrote during the step, block reductions, and the dependency counters.
+#pragma once
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "../abi.h"
+
+namespace mk {
+
+using bf16 = __nv_bfloat16;
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+template <typename T>
+__device__ __forceinline__ T* ptr(uint64_t address) {
+    return reinterpret_cast<T*>(address);
+}
+
+// Activations are produced by other SMs within the launch: read them at L2, never from a
+// possibly stale L1 line.
+__device__ __forceinline__ float ld_f32(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ int ld_i32(const int32_t* p) { return __ldcg(p); }
+__device__ __forceinline__ float ld_bf16(const bf16* p) {
+    unsigned short raw = __ldcg(reinterpret_cast<const unsigned short*>(p));
+    return __bfloat162float(__ushort_as_bfloat16(raw));
+}
+
+// The value a bf16 matmul output holds: what the reference model computes in bf16 mode.
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block; `scratch` holds kWarps floats and may be reused after the call.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    v = warp_sum(v);
+    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) total += scratch[w];
+    __syncthreads();
+    return total;
+}
+
+// ---- dependency counters -------------------------------------------------------------------
+__device__ __forceinline__ uint32_t load_acquire(const uint32_t* p) {
+    uint32_t v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ uint64_t global_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+
+// A counter that never reaches its target means a broken graph: trap (the host then sees a
+// launch error) instead of hanging the GPU.
+constexpr uint64_t kWaitLimitNs = 2000000000ull;
+
+__device__ __forceinline__ void spin_until(const uint32_t* c, uint32_t target) {
+    if (load_acquire(c) >= target) return;
+    const uint64_t start = global_ns();
+    while (load_acquire(c) < target) {
+        __nanosleep(32);
+        if (global_ns() - start > kWaitLimitNs) __trap();
+    }
+}
+
+// Thread 0 spins until every counter the task names reaches its target; the barrier then
+// extends the acquire to the whole block.
+__device__ __forceinline__ void wait_for(const MkTask& t, const uint32_t* counters) {
+    if (threadIdx.x == 0) {
+        if (t.wait0 >= 0) spin_until(counters + t.wait0, (uint32_t)t.target0);
+        if (t.wait1 >= 0) spin_until(counters + t.wait1, (uint32_t)t.target1);
+    }
+    __syncthreads();
+}
+
+// After the barrier every thread's writes of the task are done; thread 0 publishes them.
+__device__ __forceinline__ void signal_done(const MkTask& t, uint32_t* counters) {
+    __syncthreads();
+    if (threadIdx.x == 0 && t.signal >= 0) {
+        __threadfence();
+        atomicAdd(counters + t.signal, 1u);
+    }
+}
+
+}  // namespace mk

@@ -1,0 +1,152 @@
+"""Launch decode steps of a bf16 model on its GPU through the megakernel (mk._native.decode_step).
+
+The weights stay where the loader put them (HF tensor names, one tensor each): the kernel gets
+tables of their device addresses, so nothing is repacked or copied.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from mk import _native
+from mk.config import PAGE_SIZE
+from mk.megakernel import graph as mkgraph
+from mk.megakernel.state import StepBuffers
+from mk.model.paged import PagedKV
+from mk.model.reference import Model
+
+# MkLayerWeight order (cuda/abi.h).
+_LAYER_WEIGHTS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+_FORMATS = {"u64": "<Q", "i32": "<i", "f32": "<f"}
+
+
+def pack_step_args(values: dict[str, int | float]) -> bytes:
+    """MkStepArgs as bytes, field by field from the layout Rust mirrors (checked against nvcc).
+    Every field but `reserved*` must be given; unknown names are an error."""
+    layout, size = _native.step_args_layout()
+    names = {name for name, _, _ in layout}
+    unknown = set(values) - names
+    missing = {n for n in names if n not in values and not n.startswith("reserved")}
+    if unknown or missing:
+        raise ValueError(f"MkStepArgs: unknown fields {sorted(unknown)}, missing fields {sorted(missing)}")
+    out = bytearray(size)
+    for name, offset, kind in layout:
+        struct.pack_into(_FORMATS[kind], out, offset, values.get(name, 0))
+    return bytes(out)
+
+
+class MegakernelStep:
+    """Runs decode steps of `model` (bf16, on a CUDA device) over the paged cache `kv`."""
+
+    def __init__(
+        self, model: Model, kv: PagedKV, max_pages: int, attn_chunk: int = 512, row_groups: int = 4, sample_parts=16
+    ) -> None:
+        if model.device.type != "cuda" or model.dtype != torch.bfloat16:
+            raise ValueError("the megakernel runs bf16 models on a CUDA device")
+        self.model, self.kv, self.cfg = model, kv, model.config
+        self.max_pages, self.attn_chunk, self.row_groups, self.sample_parts = (
+            max_pages,
+            attn_chunk,
+            row_groups,
+            sample_parts,
+        )
+        self.device = model.device
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.layer_weights, self.expert_weights = self._pointer_tables()
+        cfg = self.cfg
+        self.layer_window = torch.tensor(
+            [cfg.window(i) or 0 for i in range(cfg.num_hidden_layers)], dtype=torch.int32, device=self.device
+        )
+        self.layer_rope = torch.tensor(
+            [int(cfg.needs_rope(i)) for i in range(cfg.num_hidden_layers)], dtype=torch.int32, device=self.device
+        )
+        self.num_counters = (cfg.num_hidden_layers + 1) * 9
+        self.counters = torch.zeros(2, self.num_counters, dtype=torch.int32, device=self.device)
+        self.parity = 0
+
+    def _pointer_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg, w = self.cfg, self.model.weights
+        layers = torch.zeros(cfg.num_hidden_layers, 9, dtype=torch.int64)
+        experts = torch.zeros(cfg.num_hidden_layers, cfg.num_experts, 3, dtype=torch.int64)
+        for layer in range(cfg.num_hidden_layers):
+            p = f"model.layers.{layer}."
+            for i, name in enumerate(_LAYER_WEIGHTS):
+                layers[layer, i] = w[f"{p}{name}.weight"].data_ptr()
+            if cfg.is_moe(layer):
+                layers[layer, 5] = w[p + "mlp.gate.weight"].data_ptr()
+                for e in range(cfg.num_experts):
+                    for j, proj in enumerate(("gate_proj", "up_proj", "down_proj")):
+                        experts[layer, e, j] = w[f"{p}mlp.experts.{e}.{proj}.weight"].data_ptr()
+            else:
+                for j, proj in enumerate(("gate_proj", "up_proj", "down_proj")):
+                    layers[layer, 6 + j] = w[f"{p}mlp.{proj}.weight"].data_ptr()
+        for t in w.values():
+            if not t.is_contiguous():
+                raise ValueError("the megakernel needs contiguous weights")
+        return layers.to(self.device), experts.to(self.device)
+
+    def graph(self, positions: list[int], check: bool = False) -> mkgraph.StepGraph:
+        return mkgraph.build(
+            self.cfg,
+            positions,
+            num_sms=self.num_sms,
+            attn_chunk=self.attn_chunk,
+            row_groups=self.row_groups,
+            sample_parts=self.sample_parts,
+            check=check,
+        )
+
+    def buffers(self, g: mkgraph.StepGraph) -> StepBuffers:
+        return StepBuffers.allocate(
+            self.cfg, g.batch, g.slots, g.max_splits, self.max_pages, self.sample_parts, torch.bfloat16, self.device
+        )
+
+    def run(self, g: mkgraph.StepGraph, buf: StepBuffers, tasks: torch.Tensor | None = None) -> None:
+        """Enqueue one step on the current stream. `buf.tokens/positions/block_tables` must be
+        filled; `tasks` (g.tasks on the device) may be passed to skip the upload."""
+        cfg = self.cfg
+        if tasks is None:
+            tasks = torch.from_numpy(g.tasks.copy()).to(self.device)
+        if g.num_counters != self.num_counters or buf.block_tables.shape[2] != self.max_pages:
+            raise ValueError("graph or buffers do not match this MegakernelStep")
+        if int(buf.positions.max()) >= self.max_pages * PAGE_SIZE:
+            raise ValueError("a position lies past the block tables")
+        values = {name: t.data_ptr() for name, t in buf.tensors().items()}
+        values.update(
+            tasks=tasks.data_ptr(),
+            counters=self.counters.data_ptr(),
+            layer_weights=self.layer_weights.data_ptr(),
+            expert_weights=self.expert_weights.data_ptr(),
+            layer_window=self.layer_window.data_ptr(),
+            layer_rope=self.layer_rope.data_ptr(),
+            embed=self.model.weights["model.embed_tokens.weight"].data_ptr(),
+            final_norm=self.model.weights["model.norm.weight"].data_ptr(),
+            k_pool=self.kv.k.data_ptr(),
+            v_pool=self.kv.v.data_ptr(),
+            per_sm=g.tasks.shape[1],
+            num_counters=self.num_counters,
+            parity=self.parity,
+            batch=g.batch,
+            layers=cfg.num_hidden_layers,
+            hidden=cfg.hidden_size,
+            heads=cfg.num_attention_heads,
+            kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            experts=cfg.num_experts,
+            top_k=cfg.num_experts_per_tok,
+            expert_ffn=cfg.intermediate_size,
+            dense_ffn=cfg.prefix_dense_intermediate_size,
+            vocab=cfg.vocab_size,
+            max_pages=self.max_pages,
+            max_splits=g.max_splits,
+            slots=g.slots,
+            sample_parts=self.sample_parts,
+            eps=cfg.rms_norm_eps,
+            logit_scale=cfg.logit_scale,
+            rope_theta=cfg.rope_theta,
+        )
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        _native.decode_step(self.device.index or 0, stream, pack_step_args(values), g.tasks.shape[0])
+        self.parity ^= 1

@@ -17,6 +17,7 @@ from typing import Any
 from cohere_melody import PyFilter, PyFilterOptions
 
 START_ACTION = "<|START_ACTION|>"
+END_ACTION = "<|END_ACTION|>"
 
 
 class ToolCallError(ValueError):
@@ -62,19 +63,19 @@ class Cmd4Stream:
         self.reasoning = ""
         self.content = ""
         self.calls: list[ToolCall] = []
-        self.saw_action = False
-        self._tail = ""  # last characters fed, to spot START_ACTION split across pieces
+        self.action_problem: str | None = None  # why the raw tool-call block is malformed, if it is
+        self._raw = ""  # all text fed: melody skips malformed calls silently, so the block is checked again
         self._by_melody: dict[int, int] = {}  # melody's call index -> ours, once the name is known
         self._pending: dict[int, list[str]] = {}  # melody index -> [id, arguments so far] before the name
 
     def feed(self, text: str) -> Delta:
-        window = self._tail + text
-        self.saw_action |= START_ACTION in window
-        self._tail = window[-len(START_ACTION) :]
+        self._raw += text
         return self._take(self._filter.write_decoded(text)) if text else Delta()
 
     def finish(self) -> Delta:
         delta = self._take(self._filter.flush_partials())
+        if START_ACTION in self._raw:
+            self.action_problem = _check_action(self._raw.split(START_ACTION, 1)[1].split(END_ACTION, 1)[0])
         for i, call in enumerate(self.calls):
             if not call.arguments.strip():  # `"parameters": {}` comes through as no arguments at all
                 call.arguments = "{}"
@@ -108,6 +109,23 @@ class Cmd4Stream:
         return delta
 
 
+def _check_action(block: str) -> str | None:
+    try:
+        calls = json.loads(block)
+    except json.JSONDecodeError:
+        return "the model wrote a tool-call block that is not valid JSON"
+    if not isinstance(calls, list) or not calls:
+        return "the model's tool-call block is not a non-empty list of calls"
+    for call in calls:
+        if not isinstance(call, dict) or not isinstance(call.get("tool_name"), str):
+            return "a tool call of the model has no tool_name"
+        if not isinstance(call.get("tool_call_id"), str | int):
+            return f"the model's call to {call['tool_name']!r} has no tool_call_id"
+        if not isinstance(call.get("parameters", {}), dict):
+            return f"the parameters of the model's call to {call['tool_name']!r} are not a JSON object"
+    return None
+
+
 def parse(text: str, thinking: bool = True, tools: bool = True) -> Cmd4Stream:
     """A whole generation at once (what a non-streaming response needs)."""
     stream = Cmd4Stream(thinking, tools)
@@ -139,8 +157,8 @@ class ToolPolicy:
         """Raise ToolCallError for malformed calls or a tool_choice the output does not meet."""
         if not self.calls_allowed:
             return
-        if stream.saw_action and not stream.calls:
-            raise ToolCallError("the model wrote a tool-call block that does not parse as a list of calls")
+        if stream.action_problem:
+            raise ToolCallError(stream.action_problem)
         for call in stream.calls:
             self.check_name(call.name)
             try:

@@ -1,0 +1,179 @@
+"""Decode-step speed of the megakernel at the real geometry, beside the PyTorch CUDA-graph
+yardstick measured in the same run.
+
+Synthetic N(0, 0.01) weights and random KV (no prefill): every row writes at position ctx - 1.
+Speed of light (SOL) = bytes the step must move / 4.8 TB/s: all non-expert weights, the experts
+selected by at least one row (the kernel's routing of the last layer, times the MoE layers), the
+LM head, the KV each row reads (full layers: the whole context; sliding: the window) and the
+embedding rows. Prints a table, writes JSON (and a PNG plot when matplotlib is there).
+Usage: python benches/decode.py [--json out.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import torch
+
+from common import HBM_BYTES_PER_S, print_table, write_json
+from mk.config import PAGE_SIZE, ModelConfig
+from mk.megakernel.launch import MegakernelStep
+from mk.model.names import expected_shapes
+from mk.model.paged import PagedKV
+from mk.model.reference import Model
+from yardstick import TorchDecode
+
+EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def synthetic_stacked(cfg: ModelConfig, seed: int, std: float = 0.01):
+    """Weights by HF name, experts as views of stacked [layers, experts, ...] tensors (which the
+    yardstick's grouped matmuls need), generated on the GPU."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    L, E, F_, D = cfg.num_hidden_layers, cfg.num_experts, cfg.intermediate_size, cfg.hidden_size
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    stacked = {"gate": torch.empty(L, E, F_, D, **bf), "up": torch.empty(L, E, F_, D, **bf)}
+    stacked["down"] = torch.empty(L, E, D, F_, **bf)
+    for t in stacked.values():
+        t.normal_(0, std, generator=gen)
+    weights = {}
+    for name, shape in expected_shapes(cfg).items():
+        m = EXPERT.fullmatch(name)
+        if m:
+            weights[name] = stacked[m[3]][int(m[1]), int(m[2])]
+            continue
+        t = torch.empty(shape, **bf).normal_(0, std, generator=gen)
+        weights[name] = t + 1 if name.endswith("norm.weight") else t
+    return weights, stacked
+
+
+def kv_for(cfg: ModelConfig, batch: int, ctx: int):
+    """Pools and per-layer tables mapping `ctx` tokens per row (sliding layers: the window)."""
+    pages = ctx // PAGE_SIZE + 1
+    tables = torch.full((cfg.num_hidden_layers, batch, pages), -1, dtype=torch.int32)
+    n = 0
+    for layer in range(cfg.num_hidden_layers):
+        window = cfg.window(layer)
+        first = 0 if window is None else max(0, ctx - window) // PAGE_SIZE
+        for b in range(batch):
+            k = pages - first
+            tables[layer, b, first:] = torch.arange(n, n + k, dtype=torch.int32)
+            n += k
+    kv = PagedKV(cfg, n, torch.bfloat16, torch.device("cuda"))
+    kv.k.normal_(0, 0.5)
+    kv.v.normal_(0, 0.5)
+    return kv, tables.cuda(), pages
+
+
+def step_bytes(cfg: ModelConfig, batch: int, ctx: int, experts_per_layer: int) -> int:
+    d, qw, kvw = cfg.hidden_size, cfg.q_width, cfg.kv_width
+    attn = (qw * d + 2 * kvw * d + d * qw) * 2 * cfg.num_hidden_layers
+    moe_layers = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
+    dense = 3 * cfg.prefix_dense_intermediate_size * d * 2 * (cfg.num_hidden_layers - moe_layers)
+    router = cfg.num_experts * d * 2 * moe_layers
+    experts = experts_per_layer * 3 * cfg.intermediate_size * d * 2 * moe_layers
+    head = cfg.vocab_size * d * 2 + batch * d * 2
+    keys = sum(ctx if cfg.window(i) is None else min(ctx, cfg.sliding_window) for i in range(cfg.num_hidden_layers))
+    return attn + dense + router + experts + head + batch * keys * 2 * kvw * 2
+
+
+def time_events(fn, iters: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def measure(cfg, model, stacked, batch: int, ctx: int, iters: int) -> dict:
+    kv, tables, pages = kv_for(cfg, batch, ctx)
+    positions = [ctx - 1] * batch
+    step = MegakernelStep(model, kv, pages)
+    g = step.graph(positions)
+    buf = step.buffers(g)
+    buf.tokens.copy_(torch.randint(0, cfg.vocab_size, (batch,), dtype=torch.int32))
+    buf.positions.fill_(ctx - 1)
+    buf.block_tables.copy_(tables)
+    tasks = torch.from_numpy(g.tasks.copy()).cuda()
+    for _ in range(3):
+        step.run(g, buf, tasks)
+    torch.cuda.synchronize()
+    t_mk = time_events(lambda: step.run(g, buf, tasks), iters)
+    ok = bool((buf.sampled >= 0).all() and (buf.sampled < cfg.vocab_size).all() and not buf.logits.isnan().any())
+    experts = int(buf.slot_count[0])
+    row = {"batch": batch, "ctx": ctx, "mk_ms": t_mk * 1e3, "mk_tok_s": batch / t_mk, "valid_output": ok}
+    row["sol_ms"] = step_bytes(cfg, batch, ctx, experts) / HBM_BYTES_PER_S * 1e3
+    row["sol_fraction"] = row["sol_ms"] / row["mk_ms"]
+    row["experts_last_layer"] = experts
+    row["tasks"] = int(g.order.shape[0])
+    try:
+        ys = TorchDecode(cfg, model.weights, stacked, kv.k, kv.v, tables, buf.positions)
+        tok = buf.tokens.long()
+        ys.step_checked(tok)
+        row["yardstick_moe"] = "grouped_mm" if ys.grouped else "gathered"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ys.step(tok)
+        graph.replay()
+        torch.cuda.synchronize()
+        t_pt = time_events(graph.replay, max(3, iters // 4))
+        row["torch_graph_ms"] = t_pt * 1e3
+        row["speedup_vs_torch"] = t_pt / t_mk
+        del graph
+    except Exception as e:  # the yardstick is informative; its failure must not hide mk's numbers
+        row["torch_graph_ms"] = None
+        row["yardstick_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return row
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for b in sorted({r["batch"] for r in rows}):
+        rs = [r for r in rows if r["batch"] == b]
+        ax.plot([r["ctx"] for r in rs], [r["mk_tok_s"] for r in rs], marker="o", label=f"mk batch {b}")
+        ys = [r for r in rs if r.get("torch_graph_ms")]
+        ax.plot([r["ctx"] for r in ys], [b / r["torch_graph_ms"] * 1e3 for r in ys], ls="--", label=f"torch b{b}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("tokens/s")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", default="bench-out/decode.json")
+    parser.add_argument("--quick", action="store_true", help="batch 1 and 8 at 8K only")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    cfg = ModelConfig.real()
+    weights, stacked = synthetic_stacked(cfg, seed=0)
+    model = Model(cfg, weights)
+    grid = [(b, c) for b in (1, 2, 4, 8) for c in (1024, 8192, 32768, 131072)] + [(1, 262144)]
+    if args.quick:
+        grid = [(1, 8192), (8, 8192)]
+    rows = []
+    for b, c in grid:
+        rows.append(measure(cfg, model, stacked, b, c, args.iters))
+        torch.cuda.empty_cache()  # the last size's KV pools
+        print(rows[-1], flush=True)
+    cols = ["batch", "ctx", "mk_ms", "mk_tok_s", "sol_ms", "sol_fraction", "torch_graph_ms", "speedup_vs_torch"]
+    print_table("decode step, real geometry, synthetic weights (SOL 4.8 TB/s)", rows, cols)
+    write_json(args.json, "decode", rows)
+    plot(rows, Path(args.json).with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

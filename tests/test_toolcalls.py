@@ -10,7 +10,8 @@ from mk.toolcalls import Cmd4Stream, ToolCallError, ToolPolicy, parse
 
 CALLS = (
     "Look up both.<|END_THINKING|><|START_ACTION|>["
-    '{"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris", "days": [1, 2], "q": "a}\\"b"}}, '
+    '{"tool_call_id": "0", "tool_name": "get_weather", '
+    '"parameters": {"city": "Paris", "days": [1, 2], "q": "a}\\"b"}}, '
     '{"tool_call_id": "1", "tool_name": "now", "parameters": {}}'
     "]<|END_ACTION|>"
 )

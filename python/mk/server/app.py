@@ -57,9 +57,19 @@ def validate(model: type, obj: Any) -> Any:
         return model.model_validate(obj)
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
-        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"] if not _union_tag(p))
+        loc = loc.lstrip(".")
         msg = err["msg"].removeprefix("Value error, ")
         raise bad_request(f"{loc}: {msg}" if loc else msg, loc or None) from None
+
+
+def _union_tag(part: str | int) -> bool:
+    """pydantic names the union member in an error's location ('str', 'list[TextPart]', 'NamedToolChoice');
+    field names are lowercase identifiers."""
+    return isinstance(part, str) and (not part.isidentifier() or part[0].isupper() or part in _TYPE_NAMES)
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
 class App:

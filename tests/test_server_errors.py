@@ -1,0 +1,211 @@
+"""Bad input gets its status and an OpenAI error body (never a 500), on a server with an API key and small
+limits (one sequence at a time, one waiting, 256-token context, 1 MiB bodies)."""
+
+import threading
+
+import httpx
+import openai
+import pytest
+from server_util import ServerProcess
+
+from mk.default_model import NAME
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess(
+        "--device", "cpu", "--api-key", KEY, "--max-batch", "1", "--max-waiting", "1",
+        "--max-context", "256", "--max-body-mb", "1",
+    ).wait_ready()  # fmt: skip
+    yield s
+    assert s.stop() == 0, s.output()
+
+
+def post(server, path, body=None, content=None, headers=AUTH):
+    return httpx.post(server.url + path, json=body, content=content, headers=headers, timeout=30)
+
+
+def assert_error(r, status, param=None, contains=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"] and "Traceback" not in err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if contains is not None:
+        assert contains in err["message"], err
+    return err
+
+
+def test_api_key_is_required_everywhere_but_health(server):
+    assert httpx.get(server.url + "/health").status_code == 200
+    for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", CHAT), ("POST", COMP)]:
+        r = httpx.request(method, server.url + path, json={"messages": USER})
+        assert_error(r, 401)
+        r = httpx.request(method, server.url + path, headers={"Authorization": "Bearer wrong"})
+        assert_error(r, 401)
+    assert httpx.get(server.url + "/v1/models", headers=AUTH).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_invalid_json_and_non_object_bodies(server):
+    assert_error(post(server, CHAT, content=b"{not json"), 400, contains="not valid JSON")
+    assert_error(post(server, CHAT, content=b'{"temperature": NaN}'), 400, contains="not valid JSON")
+    assert_error(post(server, CHAT, content=b"\xff\xfe"), 400)
+    assert_error(post(server, CHAT, body=[1, 2]), 400, contains="JSON object")
+    assert_error(post(server, CHAT, content=b""), 400)
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"messages": USER, "temperature": "hot"}, "temperature"),
+        ({"messages": USER, "max_tokens": 1.5}, "max_tokens"),
+        ({"messages": USER, "stream": 1}, "stream"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None),
+        ({"messages": USER, "model": "gpt-4"}, "model"),
+        ({"messages": USER, "temperature": -1}, "temperature"),
+        ({"messages": USER, "top_p": 0}, "top_p"),
+        ({"messages": USER, "top_p": 1.5}, "top_p"),
+        ({"messages": USER, "top_k": -3}, "top_k"),
+        ({"messages": USER, "n": 0}, "n"),
+        ({"messages": USER, "max_tokens": 0}, "max_tokens"),
+        ({"messages": USER, "top_logprobs": 3}, "top_logprobs"),
+        ({"messages": USER, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+        ({"messages": USER, "stop": [""]}, "stop"),
+        ({"messages": USER, "stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
+        ({"messages": USER, "frequency_penalty": -1.0}, "frequency_penalty"),
+        ({"messages": USER, "logit_bias": {"5": 10}}, "logit_bias"),
+        ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": USER, "max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
+        ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
+    ],
+)
+def test_bad_chat_fields_name_the_field(server, body, param):
+    err = assert_error(post(server, CHAT, body), 400, param)
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": [99999]}, "prompt"),
+        ({"prompt": "x", "suffix": "y"}, "suffix"),
+        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "best_of": 3}, "best_of"),
+        ({"prompt": "x", "presence_penalty": 1}, "presence_penalty"),
+    ],
+)
+def test_bad_completion_fields_name_the_field(server, body, param):
+    assert_error(post(server, COMP, body), 400, param)
+
+
+TOOL = {"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}
+CALL = {"id": "c1", "type": "function", "function": {"name": "get", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    "messages,tools,contains",
+    [
+        ([{"role": "tool", "tool_call_id": "c1", "content": "r"}], None, "does not answer"),
+        ([*USER, {"role": "assistant", "tool_calls": [CALL]}], [TOOL], "have no tool message"),
+        ([*USER, {"role": "assistant", "tool_calls": [CALL]}, *USER], [TOOL], "have no tool message"),
+        (
+            [*USER, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "content": "r"}],
+            [TOOL],
+            "tool_call_id",
+        ),
+        (
+            [*USER, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": "zz", "content": ""}],
+            [TOOL],
+            "does not answer",
+        ),
+        ([*USER, {"role": "assistant", "tool_calls": [CALL]}], [{**TOOL, "function": {"name": "other"}}], "names no"),
+        (
+            [*USER, {"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "get", "arguments": "{x"}}]}],
+            [TOOL],
+            "not valid JSON",
+        ),
+        ([*USER, {"role": "assistant", "tool_calls": [CALL, CALL]}], [TOOL], "appears twice"),
+        (USER, [TOOL, TOOL], "same name"),
+    ],
+)
+def test_bad_tool_linkage(server, messages, tools, contains):
+    body = {"messages": messages, "max_tokens": 2}
+    if tools:
+        body["tools"] = tools
+    assert_error(post(server, CHAT, body), 400, contains=contains)
+
+
+def test_named_tool_choice_must_name_a_tool(server):
+    body = {"messages": USER, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}
+    assert_error(post(server, CHAT, body), 400, "tool_choice")
+
+
+def test_prompt_longer_than_the_context_says_both_numbers(server):
+    err = assert_error(post(server, COMP, {"prompt": "word " * 400}), 400, "prompt", contains="256")
+    assert err["code"] == "context_length_exceeded"
+    prompt_tokens = int(err["message"].split("has ")[1].split(" tokens")[0])
+    assert prompt_tokens > 256
+    err = assert_error(post(server, COMP, {"prompt": "x", "max_tokens": 300}), 400, "max_tokens", contains="256")
+    assert "300" in err["message"]
+    with pytest.raises(openai.BadRequestError):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "y " * 400}])
+
+
+def test_oversized_body_is_413(server):
+    big = b'{"prompt": "' + b"x" * (2 * 2**20) + b'"}'
+    assert_error(post(server, COMP, content=big), 413)
+
+
+def test_unknown_route_and_wrong_method(server):
+    assert_error(httpx.get(server.url + "/v2/nothing", headers=AUTH), 404)
+    assert_error(httpx.get(server.url + COMP, headers=AUTH), 405)
+    assert_error(httpx.delete(server.url + "/v1/models", headers=AUTH), 405)
+
+
+def test_full_waiting_queue_is_503_with_retry_after(server):
+    """One running and one waiting request fill this server; the next one is turned away."""
+    long = {"prompt": "x", "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
+    opened = []
+
+    def hold(ready):
+        with httpx.stream("POST", server.url + COMP, json=long, headers=AUTH, timeout=60) as r:
+            opened.append(r.status_code)
+            ready.set()
+            for _ in r.iter_lines():
+                pass
+
+    threads = []
+    for _ in range(2):
+        ready = threading.Event()
+        t = threading.Thread(target=hold, args=(ready,))
+        t.start()
+        ready.wait(30)
+        threads.append(t)
+    r = post(server, COMP, {"prompt": "x", "max_tokens": 2})
+    err = assert_error(r, 503)
+    assert int(r.headers["retry-after"]) >= 1
+    assert err["type"] == "server_overloaded"
+    for t in threads:
+        t.join(60)
+    assert opened == [200, 200]
+    assert post(server, COMP, {"prompt": "x", "max_tokens": 2}).status_code == 200

@@ -1,0 +1,128 @@
+"""Start-up flags, serving a checkpoint folder, and SIGTERM draining."""
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from server_util import ServerProcess
+
+from mk.config import ModelConfig
+from mk.model import synthetic_weights, write_checkpoint
+from mk.model.reference import Model
+from mk.server.__main__ import parse_args
+from mk.tokenizer import Tokenizer
+
+
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--max-batch", "0"], "--max-batch"),
+        (["--port", "70000"], "--port"),
+        (["--kv-fraction", "1.5"], "--kv-fraction"),
+        (["--kv-fraction", "x"], "--kv-fraction"),
+        (["--max-context", "1"], "--max-context"),
+        (["--prefill-chunk", "4"], "--prefill-chunk"),
+        (["--log-level", "loud"], "--log-level"),
+        (["--model", "/no/such/folder"], "--model"),
+        (["--api-key", ""], "--api-key"),
+        (["--model", ".", "--synthetic"], "--synthetic"),
+    ],
+)
+def test_bad_flags_are_refused_with_one_line(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and flag in err
+
+
+def test_help_documents_every_flag():
+    out = subprocess.run([sys.executable, "-m", "mk.server", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    for flag in ("--host", "--port", "--model", "--synthetic", "--served-model-name", "--max-batch", "--max-context",
+                 "--kv-fraction", "--prefill-chunk", "--api-key", "--log-level", "--drain-timeout"):  # fmt: skip
+        assert flag in out.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_synthetic_needs_a_gpu():
+    out = subprocess.run([sys.executable, "-m", "mk.server", "--synthetic"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "no GPU" in out.stderr.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("nmc-tiny")
+    cfg = ModelConfig.tiny()
+    weights = synthetic_weights(cfg, seed=3, dtype=torch.float32, std=0.1)
+    write_checkpoint(path, cfg, weights)
+    return path, Model(cfg, weights)
+
+
+def test_serves_a_checkpoint_folder_and_drains_on_sigterm(checkpoint):
+    path, model = checkpoint
+    server = ServerProcess("--model", str(path), "--device", "cpu", "--max-context", "2048").wait_ready()
+    try:
+        models = httpx.get(server.url + "/v1/models").json()["data"]
+        assert [m["id"] for m in models] == [path.name]
+        tok = Tokenizer.from_dir(path)
+        ids = tok.encode("print(")
+        out = httpx.post(
+            server.url + "/v1/completions",
+            json={"prompt": ids, "max_tokens": 5, "temperature": 0, "ignore_eos": True},
+            timeout=30,
+        ).json()
+        expected = list(ids)
+        for _ in range(5):
+            expected.append(int(model.logits(expected)[-1].argmax()))
+        assert out["choices"][0]["text"] == tok.decode(expected[len(ids) :], skip_special_tokens=True)
+
+        # A long stream is running when SIGTERM arrives: it finishes, new work is refused, exit 0.
+        body = {"prompt": "x", "max_tokens": 120, "temperature": 0, "ignore_eos": True, "stream": True}
+        events, started = [], threading.Event()
+
+        def stream():
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line:
+                        events.append(line)
+                        started.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(30)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        refused = httpx.post(server.url + "/v1/completions", json={"prompt": "y", "max_tokens": 2}, timeout=10)
+        assert refused.status_code == 503 and "retry-after" in refused.headers
+        assert httpx.get(server.url + "/health").status_code == 503
+        t.join(60)
+        assert events[-1] == "data: [DONE]"
+        last = json.loads(events[-2][6:])
+        assert last["choices"][0]["finish_reason"] == "length"
+        assert server.proc.wait(30) == 0
+    finally:
+        server.stop()
+
+
+def test_drain_timeout_cuts_long_requests_and_still_exits_0():
+    server = ServerProcess("--device", "cpu", "--drain-timeout", "0.5").wait_ready()
+    try:
+        body = {"prompt": "x", "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            server.proc.send_signal(signal.SIGTERM)
+            events = [line for line in lines if line]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "abort"
+        assert server.proc.wait(30) == 0
+    finally:
+        server.stop()

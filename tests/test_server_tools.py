@@ -1,0 +1,140 @@
+"""Tool calls end to end: a server process whose scripted "model" writes Cohere-format output, read back
+through the openai client; and the chat prompt the template gets for a tool conversation."""
+
+import json
+
+import openai
+import pytest
+from server_util import ServerProcess
+
+from mk.server.chat import build_prompt
+from mk.server.schemas import ChatRequest
+from mk.tokenizer import Tokenizer
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    },
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}},
+]
+CALL_TEXT = (
+    "I need the weather.<|END_THINKING|><|START_ACTION|>["
+    '{"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris", "when": ["today"]}}]'
+    "<|END_ACTION|>"
+)
+ANSWER_TEXT = "Easy.<|END_THINKING|><|START_RESPONSE|>It is sunny.<|END_RESPONSE|>"
+
+
+@pytest.fixture(scope="module")
+def client():
+    s = ServerProcess(module="scripted_engine", env={"PYTHONPATH": "tests:python"}).wait_ready()
+    yield openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=30)
+    assert s.stop() == 0, s.output()
+
+
+def script(text: str) -> list[dict]:
+    return [{"role": "user", "content": "SCRIPT:" + text}]
+
+
+def test_a_tool_call_comes_back_as_openai_tool_calls(client):
+    out = client.chat.completions.create(model="scripted", messages=script(CALL_TEXT), tools=TOOLS)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    assert choice.message.reasoning_content == "I need the weather."
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "when": ["today"]}
+
+
+def test_streamed_tool_call_deltas(client):
+    chunks = list(
+        client.chat.completions.create(model="scripted", messages=script(CALL_TEXT), tools=TOOLS, stream=True)
+    )
+    deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    first, rest = deltas[0], deltas[1:]
+    assert first.index == 0 and first.id.startswith("call_") and first.function.name == "get_weather"
+    assert rest and all(d.id is None and d.function.name is None for d in rest)
+    arguments = first.function.arguments + "".join(d.function.arguments for d in rest)
+    assert json.loads(arguments) == {"city": "Paris", "when": ["today"]}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)
+    assert reasoning == "I need the weather."
+
+
+def test_the_answer_to_a_tool_result_round_trip(client):
+    first = client.chat.completions.create(model="scripted", messages=script(CALL_TEXT), tools=TOOLS)
+    call = first.choices[0].message.tool_calls[0]
+    messages = [
+        *script(CALL_TEXT),
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+        *script(ANSWER_TEXT),
+    ]
+    out = client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS)
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].message.content == "It is sunny."
+    assert out.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize(
+    "text,tool_choice,message",
+    [
+        (ANSWER_TEXT, "required", "called no tool"),
+        (CALL_TEXT, {"type": "function", "function": {"name": "now"}}, "requires 'now'"),
+        (CALL_TEXT.replace("get_weather", "launch"), "auto", "not among the request's tools"),
+        ("x<|END_THINKING|><|START_ACTION|>[{oops<|END_ACTION|>", "auto", "not valid JSON"),
+    ],
+)
+def test_model_output_breaking_the_tool_policy_is_502(client, text, tool_choice, message):
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(model="scripted", messages=script(text), tools=TOOLS, tool_choice=tool_choice)
+    assert e.value.status_code == 502
+    assert message in e.value.body["message"] and e.value.body["type"] == "tool_call_generation_error"
+    stream = client.chat.completions.create(
+        model="scripted", messages=script(text), tools=TOOLS, tool_choice=tool_choice, stream=True
+    )
+    with pytest.raises(openai.APIError, match=message):
+        list(stream)
+
+
+def test_tool_choice_none_keeps_calls_out(client):
+    out = client.chat.completions.create(model="scripted", messages=script(CALL_TEXT), tools=TOOLS, tool_choice="none")
+    assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason == "stop"
+
+
+def test_history_ids_are_renumbered_per_turn_for_the_model():
+    tok = Tokenizer.builtin(512)
+    req = ChatRequest.model_validate(
+        {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {
+                    "role": "assistant",
+                    "content": "plan",
+                    "tool_calls": [
+                        {"id": "call_abc", "type": "function", "function": {"name": "now", "arguments": {}}},
+                        {"id": "call_def", "type": "function", "function": {"name": "now", "arguments": "{}"}},
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_def", "content": "2"},
+                {"role": "tool", "tool_call_id": "call_abc", "content": "1"},
+                {"role": "developer", "content": "be brief"},
+            ],
+            "tools": TOOLS,
+            "tool_choice": "required",
+        }
+    )
+    prompt = build_prompt(req, tok)
+    text = tok.decode(prompt.token_ids)
+    assert "call_abc" not in text and "call_def" not in text
+    assert '"tool_call_id": "1", "results": {"0": "2"}' in text
+    assert '"tool_call_id": "0", "results": {"0": "1"}' in text
+    assert "You must call at least one tool." in text and "be brief" in text
+    assert prompt.thinking and prompt.policy.choice == "required"

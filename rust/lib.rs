@@ -3,9 +3,12 @@
 //! The logic modules are plain Rust (tested with `cargo test`); the PyO3 surface lives in
 //! `python` and is compiled only with the `python` feature (maturin turns it on).
 
+pub mod engine;
 pub mod gpu;
 pub mod graph;
 pub mod kv;
+pub mod sampling;
+pub mod sched;
 
 #[cfg(feature = "python")]
 mod python;

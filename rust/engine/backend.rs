@@ -1,0 +1,73 @@
+//! The seam between the control plane and whatever computes the model: the megakernel on a GPU,
+//! or the PyTorch reference (through Python) for CPU tests and GPU comparisons.
+//!
+//! A backend owns the K/V arena and any device copy of the page table; the engine owns the block
+//! ids. Before each call the engine has mapped every position the call writes, and it lists the
+//! batch rows whose page-table entries changed since the previous call (of either kind), so a
+//! backend re-uploads only those rows. Sampling is the backend's: one that ends in logits uses
+//! `crate::sampling::Sampler`, the megakernel samples on the GPU by the same rules.
+
+use crate::sampling::{SampleSpec, Sampled};
+use crate::sched::{PageTable, RequestId};
+
+/// One chunk of one sequence's prefill.
+#[derive(Debug, Clone, Copy)]
+pub struct PrefillInput<'a> {
+    /// The sequence's batch row (its entries in `table`).
+    pub row: usize,
+    pub request: RequestId,
+    /// Tokens at positions `start..start + tokens.len()`; positions below `start` are in the cache.
+    pub tokens: &'a [u32],
+    pub start: usize,
+    /// Last chunk of this prefill: return the next token, sampled with `spec`.
+    pub last: bool,
+    pub spec: SampleSpec,
+    pub table: &'a PageTable,
+    pub dirty_rows: &'a [usize],
+}
+
+/// One decode step: row `rows[i]` feeds `tokens[i]` at position `positions[i]` (writing its K/V
+/// there) and samples the next token with `specs[i]`. Rows are ascending; rows not listed are
+/// idle (their page-table entries may be stale until they appear in `dirty_rows`).
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeInput<'a> {
+    pub rows: &'a [usize],
+    pub tokens: &'a [u32],
+    pub positions: &'a [u32],
+    pub specs: &'a [SampleSpec],
+    pub table: &'a PageTable,
+    pub dirty_rows: &'a [usize],
+}
+
+impl DecodeInput<'_> {
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+}
+
+/// A failed backend call; the requests it concerned end with finish reason `error`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct BackendError(pub String);
+
+pub trait DecodeBackend: Send {
+    /// Computes K/V for one chunk; on the last chunk returns the sampled next token.
+    fn prefill(&mut self, input: &PrefillInput<'_>) -> Result<Option<Sampled>, BackendError>;
+
+    /// Runs one decode step; `out` receives one `Sampled` per row, in row order.
+    fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError>;
+}
+
+impl<B: DecodeBackend + ?Sized> DecodeBackend for Box<B> {
+    fn prefill(&mut self, input: &PrefillInput<'_>) -> Result<Option<Sampled>, BackendError> {
+        (**self).prefill(input)
+    }
+
+    fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
+        (**self).decode(input, out)
+    }
+}

@@ -1,0 +1,124 @@
+//! One loop iteration, synchronous and thread-free (the worker thread wraps it; tests drive it
+//! directly): admit, prefill up to one chunk's worth of tokens, then one decode step of every
+//! decoding sequence.
+
+use std::time::Instant;
+
+use super::backend::{DecodeBackend, DecodeInput, PrefillInput};
+use crate::sampling::Sampled;
+use crate::sched::{DecodeBatch, Event, Scheduler};
+
+/// Where the loop's time goes. Host time is an iteration's wall time minus its backend calls:
+/// the control plane's own cost per step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoopMetrics {
+    /// Iterations that ran a decode step.
+    pub decode_steps: u64,
+    /// Rows over all decode steps.
+    pub decode_rows: u64,
+    pub prefill_chunks: u64,
+    pub iterations: u64,
+    pub host_ns: u64,
+    pub backend_ns: u64,
+    /// The slowest iteration's host time.
+    pub max_host_ns: u64,
+}
+
+pub struct Core<B> {
+    pub sched: Scheduler,
+    pub backend: B,
+    batch: DecodeBatch,
+    sampled: Vec<Sampled>,
+    pub metrics: LoopMetrics,
+    /// Run `Scheduler::check` after every iteration (tests; O(arena) per step).
+    pub check_invariants: bool,
+}
+
+impl<B: DecodeBackend> Core<B> {
+    pub fn new(sched: Scheduler, backend: B) -> Self {
+        Self {
+            sched,
+            backend,
+            batch: DecodeBatch::default(),
+            sampled: Vec::new(),
+            metrics: LoopMetrics::default(),
+            check_invariants: false,
+        }
+    }
+
+    /// One iteration; events for the clients are appended to `out`.
+    pub fn step(&mut self, out: &mut Vec<Event>) {
+        let started = Instant::now();
+        let mut backend_ns = 0;
+        self.sched.admit();
+
+        let mut budget = self.sched.config().prefill_chunk;
+        while budget > 0 {
+            let Some(chunk) = self.sched.next_prefill(budget, out) else { break };
+            budget -= chunk.end - chunk.start;
+            let seq = self.sched.seq(chunk.row).expect("planned row is live");
+            let input = PrefillInput {
+                row: chunk.row,
+                request: chunk.id,
+                tokens: &seq.tokens[chunk.start..chunk.end],
+                start: chunk.start,
+                last: chunk.last,
+                spec: chunk.spec,
+                table: self.sched.page_table(),
+                dirty_rows: self.sched.dirty_rows(),
+            };
+            let t = Instant::now();
+            let result = self.backend.prefill(&input);
+            backend_ns += t.elapsed().as_nanos() as u64;
+            self.sched.clear_dirty();
+            self.metrics.prefill_chunks += 1;
+            match result {
+                Ok(sampled) => self.sched.prefill_done(&chunk, sampled.as_ref(), out),
+                Err(e) => self.sched.fail(chunk.row, &format!("prefill failed: {e}"), out),
+            }
+        }
+
+        self.sched.plan_decode(&mut self.batch, out);
+        if !self.batch.is_empty() {
+            let input = DecodeInput {
+                rows: &self.batch.rows,
+                tokens: &self.batch.tokens,
+                positions: &self.batch.positions,
+                specs: &self.batch.specs,
+                table: self.sched.page_table(),
+                dirty_rows: self.sched.dirty_rows(),
+            };
+            self.sampled.clear();
+            let t = Instant::now();
+            let result = self.backend.decode(&input, &mut self.sampled);
+            backend_ns += t.elapsed().as_nanos() as u64;
+            self.sched.clear_dirty();
+            let result = result.and_then(|()| match self.sampled.len() == self.batch.len() {
+                true => Ok(()),
+                false => Err(super::BackendError(format!(
+                    "decode returned {} tokens for {} rows",
+                    self.sampled.len(),
+                    self.batch.len()
+                ))),
+            });
+            match result {
+                Ok(()) => self.sched.decoded(&self.batch, &self.sampled, out),
+                Err(e) => self.sched.fail_batch(&self.batch, &format!("decode failed: {e}"), out),
+            }
+            self.metrics.decode_steps += 1;
+            self.metrics.decode_rows += self.batch.len() as u64;
+        }
+
+        let host = (started.elapsed().as_nanos() as u64).saturating_sub(backend_ns);
+        let m = &mut self.metrics;
+        m.iterations += 1;
+        m.host_ns += host;
+        m.backend_ns += backend_ns;
+        m.max_host_ns = m.max_host_ns.max(host);
+        if self.check_invariants {
+            if let Err(e) = self.sched.check() {
+                panic!("scheduler invariant broken: {e}");
+            }
+        }
+    }
+}

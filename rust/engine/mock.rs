@@ -1,0 +1,181 @@
+//! A deterministic stand-in model for tests. It stores every written token in its K/V slot
+//! (block, offset) and derives the next-token logits from the tokens it reads back through the
+//! page table: every earlier position on full layers, the window on sliding ones. A wrong block
+//! id, a stale page or a bad prefix attach therefore changes the output or fails the call, while
+//! any correct schedule reproduces `MockModel::solo`, the request run alone.
+
+use super::backend::{BackendError, DecodeBackend, DecodeInput, PrefillInput};
+use crate::kv::KvConfig;
+use crate::sampling::{SampleSpec, Sampled, Sampler};
+use crate::sched::{FinishReason, PageTable, Request, SamplingParams, Seq};
+
+#[derive(Debug, Clone)]
+pub struct MockModel {
+    pub page: usize,
+    pub window: usize,
+    pub sliding: Vec<bool>,
+    pub vocab: u32,
+    pub eos: Option<u32>,
+}
+
+fn mix(h: u64, x: u64) -> u64 {
+    let mut z = (h ^ x).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+impl MockModel {
+    /// 3 layers (full, sliding, sliding), pages of 4 tokens, a window of 10, 32 tokens, EOS 0.
+    pub fn small() -> Self {
+        Self { page: 4, window: 10, sliding: vec![false, true, true], vocab: 32, eos: Some(0) }
+    }
+
+    pub fn kv_config(&self, num_blocks: usize) -> KvConfig {
+        KvConfig {
+            sliding: self.sliding.clone(),
+            window: self.window,
+            page_size: self.page,
+            num_blocks,
+            salt: b"mock".to_vec(),
+        }
+    }
+
+    /// Positions a query at `p` sees on `layer`.
+    fn visible(&self, layer: usize, p: usize) -> std::ops::RangeInclusive<usize> {
+        let lo = if self.sliding[layer] { (p + 1).saturating_sub(self.window) } else { 0 };
+        lo..=p
+    }
+
+    /// Logits of the next token after a query at `p`, reading tokens through `read`.
+    fn logits_with(
+        &self,
+        p: usize,
+        mut read: impl FnMut(usize, usize) -> Result<u32, String>,
+    ) -> Result<Vec<f32>, String> {
+        let mut h = 0u64;
+        for layer in 0..self.sliding.len() {
+            for pos in self.visible(layer, p) {
+                h = mix(h, u64::from(read(layer, pos)?) | (pos as u64) << 32 | (layer as u64) << 56);
+            }
+        }
+        Ok((0..self.vocab).map(|v| (mix(h, u64::from(v)) >> 40) as f32 / (1u64 << 24) as f32 * 6.0).collect())
+    }
+
+    /// Logits after `tokens` (the reference, reading the tokens directly).
+    pub fn logits(&self, tokens: &[u32]) -> Vec<f32> {
+        self.logits_with(tokens.len() - 1, |_, pos| Ok(tokens[pos])).unwrap()
+    }
+
+    /// What one request generates run alone, and why it stops.
+    pub fn solo(
+        &self,
+        prompt: &[u32],
+        params: &SamplingParams,
+        seed: u64,
+        max_context: usize,
+    ) -> (Vec<u32>, FinishReason) {
+        let req = Request { id: 0, prompt: prompt.to_vec(), params: params.clone() };
+        let mut seq = Seq::new(req, params.seed.unwrap_or(seed), 0);
+        let mut sampler = Sampler::new();
+        loop {
+            let s = sampler.sample(&self.logits(&seq.tokens), &seq.spec()).unwrap();
+            if let Some(reason) = seq.accept(&s, self.eos, max_context).finish {
+                return (seq.tokens[prompt.len()..].to_vec(), reason);
+            }
+        }
+    }
+}
+
+/// `MockModel` behind the backend trait, over its own slot store.
+pub struct MockBackend {
+    pub model: MockModel,
+    /// Per (block, offset): the token written there and its position (u32::MAX: never written).
+    store: Vec<(u32, u32)>,
+    sampler: Sampler,
+    /// Fail every prefill of this request.
+    pub fail_request: Option<u64>,
+    /// Fail the decode call with this index (0-based).
+    pub fail_decode_call: Option<usize>,
+    pub prefill_calls: usize,
+    pub decode_calls: usize,
+    /// Largest decode batch seen.
+    pub max_rows: usize,
+}
+
+impl MockBackend {
+    pub fn new(model: MockModel, num_blocks: usize) -> Self {
+        let store = vec![(u32::MAX, u32::MAX); num_blocks * model.page];
+        Self {
+            model,
+            store,
+            sampler: Sampler::new(),
+            fail_request: None,
+            fail_decode_call: None,
+            prefill_calls: 0,
+            decode_calls: 0,
+            max_rows: 0,
+        }
+    }
+
+    fn slot(&self, table: &PageTable, row: usize, layer: usize, pos: usize) -> Result<usize, String> {
+        let block = table.entries(layer, row)[pos / self.model.page];
+        if block < 0 {
+            return Err(format!("row {row} layer {layer} position {pos}: page unmapped"));
+        }
+        Ok(block as usize * self.model.page + pos % self.model.page)
+    }
+
+    fn write(&mut self, table: &PageTable, row: usize, token: u32, pos: usize) -> Result<(), String> {
+        for layer in 0..self.model.sliding.len() {
+            let slot = self.slot(table, row, layer, pos)?;
+            self.store[slot] = (token, pos as u32);
+        }
+        Ok(())
+    }
+
+    fn next(&mut self, table: &PageTable, row: usize, p: usize, spec: &SampleSpec) -> Result<Sampled, String> {
+        let logits = self.model.logits_with(p, |layer, pos| {
+            let (token, at) = self.store[self.slot(table, row, layer, pos)?];
+            if at as usize != pos {
+                return Err(format!("row {row} layer {layer} position {pos}: stale K/V (holds position {at})"));
+            }
+            Ok(token)
+        })?;
+        self.sampler.sample(&logits, spec).map_err(|e| e.to_string())
+    }
+}
+
+impl DecodeBackend for MockBackend {
+    fn prefill(&mut self, input: &PrefillInput<'_>) -> Result<Option<Sampled>, BackendError> {
+        self.prefill_calls += 1;
+        if self.fail_request == Some(input.request) {
+            return Err(BackendError("injected failure".into()));
+        }
+        for (i, &t) in input.tokens.iter().enumerate() {
+            self.write(input.table, input.row, t, input.start + i).map_err(BackendError)?;
+        }
+        if !input.last {
+            return Ok(None);
+        }
+        let last = input.start + input.tokens.len() - 1;
+        self.next(input.table, input.row, last, &input.spec).map(Some).map_err(BackendError)
+    }
+
+    fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
+        self.decode_calls += 1;
+        if self.fail_decode_call == Some(self.decode_calls - 1) {
+            return Err(BackendError("injected failure".into()));
+        }
+        self.max_rows = self.max_rows.max(input.len());
+        for i in 0..input.len() {
+            let (row, pos) = (input.rows[i], input.positions[i] as usize);
+            self.write(input.table, row, input.tokens[i], pos).map_err(BackendError)?;
+        }
+        for i in 0..input.len() {
+            let (row, pos) = (input.rows[i], input.positions[i] as usize);
+            out.push(self.next(input.table, row, pos, &input.specs[i]).map_err(BackendError)?);
+        }
+        Ok(())
+    }
+}

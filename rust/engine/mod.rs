@@ -1,0 +1,196 @@
+//! The engine: a Rust thread that owns the scheduler, the KV accounting and a `DecodeBackend`,
+//! and runs the decode loop; clients talk to it only through `Engine` (commands in, events out).
+
+pub mod backend;
+pub mod core;
+pub mod events;
+pub mod noop;
+mod worker;
+
+#[cfg(test)]
+mod mock;
+#[cfg(test)]
+mod proptests;
+#[cfg(test)]
+mod tests;
+
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+pub use self::core::{Core, LoopMetrics};
+pub use backend::{BackendError, DecodeBackend, DecodeInput, PrefillInput};
+pub use events::EventQueue;
+pub use noop::NoopBackend;
+
+use crate::kv::{KvConfig, KvStats};
+use crate::sched::{Event, Request, RequestId, SchedConfig, SchedError, SchedStats, Scheduler, SubmitError};
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub sched: SchedConfig,
+    pub kv: KvConfig,
+    /// Requests submitted but not yet admitted before `submit` says the engine is full.
+    pub max_waiting: usize,
+    /// Check every scheduler invariant after every iteration (tests).
+    pub check_invariants: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Config(#[from] SchedError),
+    #[error(transparent)]
+    Rejected(#[from] SubmitError),
+    #[error("{0} requests are already waiting")]
+    QueueFull(usize),
+    #[error("the engine is shut down")]
+    Closed,
+    #[error("could not start the engine thread: {0}")]
+    Spawn(String),
+}
+
+/// A snapshot, refreshed by the loop after every iteration.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    pub sched: SchedStats,
+    pub kv: KvStats,
+    pub metrics: LoopMetrics,
+}
+
+enum Command {
+    Submit(Request, u64),
+    Cancel(RequestId),
+    CancelAll,
+}
+
+struct Inbox {
+    commands: Vec<Command>,
+    closing: bool,
+}
+
+struct Shared {
+    inbox: Mutex<Inbox>,
+    wake: Condvar,
+    events: EventQueue,
+    pending: AtomicUsize,
+    stats: Mutex<EngineStats>,
+}
+
+pub struct Engine {
+    cfg: SchedConfig,
+    max_waiting: usize,
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Engine {
+    /// Validates the configuration and starts the loop thread over `backend`.
+    pub fn start<B: DecodeBackend + 'static>(config: EngineConfig, backend: B) -> Result<Self, EngineError> {
+        let sched = Scheduler::new(config.sched.clone(), config.kv)?;
+        let mut core = Core::new(sched, backend);
+        core.check_invariants = config.check_invariants;
+        let shared = Arc::new(Shared {
+            inbox: Mutex::new(Inbox { commands: Vec::new(), closing: false }),
+            wake: Condvar::new(),
+            events: EventQueue::new(),
+            pending: AtomicUsize::new(0),
+            stats: Mutex::new(EngineStats::default()),
+        });
+        *shared.stats.lock().unwrap() =
+            EngineStats { sched: core.sched.stats(), kv: core.sched.kv_stats(), metrics: core.metrics };
+        let thread = {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name("mk-decode-loop".into())
+                .spawn(move || worker::run(shared, core))
+                .map_err(|e| EngineError::Spawn(e.to_string()))?
+        };
+        Ok(Self { cfg: config.sched, max_waiting: config.max_waiting, shared, thread: Mutex::new(Some(thread)) })
+    }
+
+    pub fn config(&self) -> &SchedConfig {
+        &self.cfg
+    }
+
+    /// Queues a request; never waits for the loop. Requests without a seed get a random one.
+    pub fn submit(&self, req: Request) -> Result<(), EngineError> {
+        Scheduler::check_request(&self.cfg, &req)?;
+        let seed = random_seed();
+        let mut inbox = self.shared.inbox.lock().unwrap_or_else(|p| p.into_inner());
+        if inbox.closing {
+            return Err(EngineError::Closed);
+        }
+        let pending = self.shared.pending.load(Ordering::Acquire);
+        if pending >= self.max_waiting {
+            return Err(EngineError::QueueFull(pending));
+        }
+        self.shared.pending.fetch_add(1, Ordering::AcqRel);
+        inbox.commands.push(Command::Submit(req, seed));
+        drop(inbox);
+        self.shared.wake.notify_one();
+        Ok(())
+    }
+
+    /// Ends request `id` (if still running) within one iteration, freeing its blocks.
+    pub fn cancel(&self, id: RequestId) {
+        self.command(Command::Cancel(id));
+    }
+
+    pub fn cancel_all(&self) {
+        self.command(Command::CancelAll);
+    }
+
+    fn command(&self, cmd: Command) {
+        let mut inbox = self.shared.inbox.lock().unwrap_or_else(|p| p.into_inner());
+        if !inbox.closing {
+            inbox.commands.push(cmd);
+        }
+        drop(inbox);
+        self.shared.wake.notify_one();
+    }
+
+    /// Events queued since the last call, waiting up to `timeout` for one. Empty on timeout;
+    /// None once the engine has stopped and every event was taken.
+    pub fn next_events(&self, timeout: Duration) -> Option<Vec<Event>> {
+        self.shared.events.wait(timeout)
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        *self.shared.stats.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether the loop thread is still running.
+    pub fn is_running(&self) -> bool {
+        self.thread.lock().unwrap_or_else(|p| p.into_inner()).as_ref().is_some_and(|t| !t.is_finished())
+    }
+
+    /// Cancels everything, stops the loop and waits for it. Idempotent.
+    pub fn shutdown(&self) {
+        self.shared.inbox.lock().unwrap_or_else(|p| p.into_inner()).closing = true;
+        self.shared.wake.notify_one();
+        let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(t) = thread {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// A fresh 64-bit seed: the process-random keys of std's hasher over a counter and the clock.
+pub fn random_seed() -> u64 {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    h.write_u128(now.as_nanos());
+    h.finish()
+}

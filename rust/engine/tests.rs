@@ -1,0 +1,411 @@
+//! The loop end to end over the mock model: every request's stream equals its solo run whatever
+//! the batch size, arrival pattern, arena size or neighbours; blocks all come back.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use super::mock::{MockBackend, MockModel};
+use super::*;
+use crate::sched::{FinishReason, Request, SamplingParams, SchedConfig, Scheduler};
+
+pub(crate) fn core(
+    model: &MockModel,
+    blocks: usize,
+    max_batch: usize,
+    chunk: usize,
+    max_context: usize,
+) -> Core<MockBackend> {
+    let cfg = SchedConfig {
+        max_batch,
+        prefill_chunk: chunk,
+        max_context,
+        vocab_size: model.vocab as usize,
+        eos_token_id: model.eos,
+    };
+    let sched = Scheduler::new(cfg, model.kv_config(blocks)).unwrap();
+    let mut core = Core::new(sched, MockBackend::new(model.clone(), blocks));
+    core.check_invariants = true;
+    core
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Outcome {
+    pub tokens: HashMap<u64, Vec<u32>>,
+    pub finish: HashMap<u64, FinishReason>,
+    pub errors: HashMap<u64, String>,
+    /// Tokens each request received per iteration (for stall checks).
+    pub per_iteration: Vec<HashMap<u64, usize>>,
+    pub cached: HashMap<u64, usize>,
+}
+
+impl Outcome {
+    fn absorb(&mut self, events: &mut Vec<Event>) {
+        let mut this = HashMap::new();
+        for e in events.drain(..) {
+            assert!(!self.finish.contains_key(&e.id), "event after the end of request {}", e.id);
+            if let Some(t) = e.token {
+                self.tokens.entry(e.id).or_default().push(t);
+                *this.entry(e.id).or_default() += 1;
+            }
+            if let Some(c) = e.cached_tokens {
+                assert!(self.cached.insert(e.id, c).is_none(), "cached_tokens reported twice");
+            }
+            if let Some(f) = e.finish {
+                self.finish.insert(e.id, f);
+            }
+            if let Some(msg) = e.error {
+                self.errors.insert(e.id, msg);
+            }
+        }
+        self.per_iteration.push(this);
+    }
+}
+
+/// Runs `core` until idle; request `r` is submitted before iteration `at`, and `cancels` are
+/// applied before their iteration.
+pub(crate) fn run(core: &mut Core<MockBackend>, arrivals: &[(usize, Request)], cancels: &[(usize, u64)]) -> Outcome {
+    let mut out = Outcome::default();
+    let mut events = Vec::new();
+    let last = arrivals.iter().map(|a| a.0).chain(cancels.iter().map(|c| c.0)).max().unwrap_or(0);
+    let mut it = 0;
+    while it <= last || core.sched.busy() {
+        for (_, req) in arrivals.iter().filter(|a| a.0 == it) {
+            core.sched.submit(req.clone(), 1234).unwrap();
+        }
+        for &(_, id) in cancels.iter().filter(|c| c.0 == it) {
+            core.sched.cancel(id, &mut events);
+        }
+        core.step(&mut events);
+        out.absorb(&mut events);
+        it += 1;
+        assert!(it < 100_000, "the loop does not terminate");
+    }
+    let kv = core.sched.kv();
+    assert_eq!(kv.free_blocks(), kv.total_blocks(), "blocks leaked");
+    assert_eq!(kv.stats().sequences, 0);
+    out
+}
+
+fn req(id: u64, prompt_len: usize, params: SamplingParams) -> Request {
+    let prompt = (0..prompt_len as u32).map(|i| 1 + (i * 7 + id as u32 * 3) % 31).collect();
+    Request { id, prompt, params }
+}
+
+fn assert_solo(model: &MockModel, arrivals: &[(usize, Request)], out: &Outcome, max_context: usize) {
+    for (_, r) in arrivals {
+        let (tokens, finish) = model.solo(&r.prompt, &r.params, 1234, max_context);
+        assert_eq!(out.tokens.get(&r.id), Some(&tokens), "request {} tokens", r.id);
+        assert_eq!(out.finish.get(&r.id), Some(&finish), "request {} finish", r.id);
+    }
+}
+
+fn mixed_workload(n: u64) -> Vec<(usize, Request)> {
+    (0..n)
+        .map(|i| {
+            let params = if i % 3 == 0 {
+                SamplingParams {
+                    max_tokens: 5 + i as usize % 13,
+                    seed: Some(i * 11),
+                    temperature: 0.8,
+                    ..Default::default()
+                }
+            } else {
+                SamplingParams { ignore_eos: i % 2 == 0, ..SamplingParams::greedy(3 + (i as usize * 5) % 17) }
+            };
+            (i as usize * 2 % 7, req(i, 1 + (i as usize * 13) % 40, params))
+        })
+        .collect()
+}
+
+#[test]
+fn staggered_arrivals_match_solo_runs_at_every_batch_size() {
+    let model = MockModel::small();
+    let arrivals = mixed_workload(12);
+    for max_batch in [1, 3, 8] {
+        let mut c = core(&model, 400, max_batch, 16, 80);
+        let out = run(&mut c, &arrivals, &[]);
+        assert_solo(&model, &arrivals, &out, 80);
+        assert!(c.backend.max_rows <= max_batch);
+        assert_eq!(c.sched.stats().preemptions, 0);
+    }
+    // Batch 8 really batched.
+    let mut c = core(&model, 400, 8, 16, 80);
+    run(&mut c, &arrivals, &[]);
+    assert!(c.backend.max_rows >= 4, "max rows {}", c.backend.max_rows);
+}
+
+#[test]
+fn a_tiny_arena_preempts_yet_outputs_are_unchanged() {
+    let model = MockModel::small();
+    let arrivals: Vec<_> =
+        (0..8).map(|i| (0, req(i, 6 + i as usize, SamplingParams::greedy(30).with_ignore_eos()))).collect();
+    // A 64-token sequence holds 16 + 2·4 = 24 blocks decoding and 16 + 2·7 = 30 while
+    // prefilling in 16-token chunks; 40 blocks hold one, never eight.
+    let mut c = core(&model, 40, 8, 16, 64);
+    let out = run(&mut c, &arrivals, &[]);
+    assert_solo(&model, &arrivals, &out, 64);
+    let stats = c.sched.stats();
+    assert!(stats.preemptions > 0, "no preemption happened");
+    // Recomputation shows up as extra prefill, never as extra tokens.
+    assert_eq!(stats.generated_tokens, 8 * 30);
+    assert!(stats.prefill_tokens > stats.prompt_tokens);
+}
+
+#[test]
+fn preemption_waits_for_a_departure_before_readmitting() {
+    let model = MockModel::small();
+    // A 40-token sequence holds 10 pages on the full layer and at most 4 on each sliding one:
+    // 18 blocks. Two need 36; the arena has 30 (the least that prefills 40 tokens alone).
+    let arrivals = vec![
+        (0, req(1, 4, SamplingParams::greedy(36).with_ignore_eos())),
+        (0, req(2, 4, SamplingParams::greedy(36).with_ignore_eos())),
+    ];
+    let mut c = core(&model, 30, 2, 64, 40);
+    let out = run(&mut c, &arrivals, &[]);
+    assert_solo(&model, &arrivals, &out, 40);
+    assert_eq!(c.sched.stats().preemptions, 1);
+    // Request 2 was paused once and got no token again until request 1 had ended.
+    let it = &out.per_iteration;
+    let last1 = it.iter().rposition(|m| m.contains_key(&1)).unwrap();
+    let first2 = it.iter().position(|m| m.contains_key(&2)).unwrap();
+    let pause = first2 + it[first2..].iter().position(|m| !m.contains_key(&2)).unwrap();
+    assert!(pause < last1);
+    assert!(it[pause..=last1].iter().all(|m| !m.contains_key(&2)));
+    assert!(it[last1 + 1..].iter().any(|m| m.contains_key(&2)));
+}
+
+#[test]
+fn long_prefill_is_chunked_and_decoding_streams_keep_flowing() {
+    let model = MockModel::small();
+    let arrivals = vec![
+        (0, req(1, 5, SamplingParams::greedy(40).with_ignore_eos())),
+        (3, req(2, 200, SamplingParams::greedy(4).with_ignore_eos())),
+    ];
+    let mut c = core(&model, 600, 4, 16, 256);
+    let out = run(&mut c, &arrivals, &[]);
+    assert_solo(&model, &arrivals, &out, 256);
+    // Request 1 gets one token per iteration after its first (which comes with the prefill's
+    // token) to its last, while request 2's 200-token prompt goes through in 13 chunks of at
+    // most 16 tokens.
+    let first = out.per_iteration.iter().position(|m| m.contains_key(&1)).unwrap();
+    let last = out.per_iteration.iter().rposition(|m| m.contains_key(&1)).unwrap();
+    assert_eq!(out.per_iteration[first].get(&1), Some(&2));
+    assert!(out.per_iteration[first + 1..=last].iter().all(|m| m.get(&1) == Some(&1)));
+    assert!(c.backend.prefill_calls >= 13);
+}
+
+#[test]
+fn prefix_cache_hit_skips_the_cached_prefill() {
+    let model = MockModel::small();
+    let a = req(1, 30, SamplingParams::greedy(5));
+    let b = Request { id: 2, ..a.clone() };
+    let mut c = core(&model, 200, 4, 64, 64);
+    let first = run(&mut c, &[(0, a.clone())], &[]);
+    let before = c.sched.stats().prefill_tokens;
+    let second = run(&mut c, &[(0, b.clone())], &[]);
+    let prefilled = c.sched.stats().prefill_tokens - before;
+    assert_eq!(first.tokens[&1], second.tokens[&2]);
+    // 30 tokens in pages of 4: 7 full pages before the last token's page.
+    assert_eq!(second.cached[&2], 28);
+    assert_eq!(first.cached[&1], 0);
+    assert_eq!(prefilled, 30 - 28);
+    // A longer prompt sharing the prefix reuses it too.
+    let mut longer = req(3, 30, SamplingParams::greedy(5));
+    longer.prompt = [a.prompt.clone(), vec![9; 9]].concat();
+    let third = run(&mut c, &[(0, longer.clone())], &[]);
+    assert_eq!(third.cached[&3], 28);
+    assert_solo(&model, &[(0, longer)], &third, 64);
+}
+
+#[test]
+fn cancellation_frees_blocks_in_the_same_iteration() {
+    let model = MockModel::small();
+    let mut c = core(&model, 200, 4, 64, 64);
+    let mut events = Vec::new();
+    c.sched.submit(req(1, 10, SamplingParams::greedy(50).with_ignore_eos()), 0).unwrap();
+    c.sched.submit(req(2, 10, SamplingParams::greedy(50).with_ignore_eos()), 0).unwrap();
+    for _ in 0..5 {
+        c.step(&mut events);
+    }
+    let held = c.sched.kv().total_blocks() - c.sched.kv().free_blocks();
+    assert!(c.sched.cancel(1, &mut events));
+    assert!(!c.sched.cancel(99, &mut events));
+    let now = c.sched.kv().total_blocks() - c.sched.kv().free_blocks();
+    assert!(now < held && c.sched.kv().stats().sequences == 1);
+    assert_eq!(events.last().unwrap(), &Event::ended(1, FinishReason::Cancelled, None));
+    // A waiting request cancels too.
+    c.sched.submit(req(3, 10, SamplingParams::greedy(5)), 0).unwrap();
+    assert!(c.sched.cancel(3, &mut events));
+    assert_eq!(c.sched.waiting(), 0);
+    let mut out = Outcome::default();
+    out.absorb(&mut events);
+    c.sched.cancel(2, &mut events);
+    c.sched.check().unwrap();
+    assert_eq!(c.sched.kv().free_blocks(), c.sched.kv().total_blocks());
+}
+
+#[test]
+fn backend_failures_end_only_the_requests_they_touch() {
+    let model = MockModel::small();
+    let mut c = core(&model, 200, 4, 64, 64);
+    c.backend.fail_request = Some(2);
+    let arrivals: Vec<_> = (1..=3).map(|i| (0, req(i, 8, SamplingParams::greedy(6).with_ignore_eos()))).collect();
+    let out = run(&mut c, &arrivals, &[]);
+    assert_eq!(out.finish[&2], FinishReason::Error);
+    assert!(out.errors[&2].contains("injected"));
+    assert_solo(&model, &[arrivals[0].clone(), arrivals[2].clone()], &out, 64);
+    // A failed decode step fails its rows; the engine then serves new requests normally.
+    c.backend.fail_request = None;
+    c.backend.fail_decode_call = Some(c.backend.decode_calls + 1);
+    let arrivals: Vec<_> = (4..=5).map(|i| (0, req(i, 8, SamplingParams::greedy(6).with_ignore_eos()))).collect();
+    let out = run(&mut c, &arrivals, &[]);
+    assert!(arrivals.iter().all(|(_, r)| out.finish[&r.id] == FinishReason::Error));
+    let later = [(0, req(6, 9, SamplingParams::greedy(4)))];
+    let out = run(&mut c, &later, &[]);
+    assert_solo(&model, &later, &out, 64);
+}
+
+#[test]
+fn seeded_requests_ignore_their_neighbours() {
+    let model = MockModel::small();
+    let seeded = req(1, 12, SamplingParams { max_tokens: 20, seed: Some(77), ignore_eos: true, ..Default::default() });
+    let mut alone = core(&model, 300, 8, 64, 64);
+    let solo = run(&mut alone, &[(0, seeded.clone())], &[]);
+    let crowd: Vec<_> =
+        std::iter::once((2, seeded.clone()))
+            .chain((2..8).map(|i| {
+                (i as usize % 3, req(i, 3 + i as usize, SamplingParams { max_tokens: 9, ..Default::default() }))
+            }))
+            .collect();
+    let mut busy = core(&model, 300, 8, 64, 64);
+    let out = run(&mut busy, &crowd, &[]);
+    assert_eq!(out.tokens[&1], solo.tokens[&1]);
+    // A different seed changes the stream.
+    let other = Request { params: SamplingParams { seed: Some(78), ..seeded.params.clone() }, ..seeded.clone() };
+    let mut c = core(&model, 300, 8, 64, 64);
+    assert_ne!(run(&mut c, &[(0, other)], &[]).tokens[&1], solo.tokens[&1]);
+}
+
+#[test]
+fn engine_config_and_submission_errors() {
+    let model = MockModel::small();
+    let cfg = |blocks| EngineConfig {
+        sched: SchedConfig { prefill_chunk: 64, ..SchedConfig::new(4, 64, 32) },
+        kv: model.kv_config(blocks),
+        max_waiting: 2,
+        check_invariants: true,
+    };
+    // 64 tokens need 16 pages on the full layer + 2 × 4 on sliding ones... with a 64-token chunk
+    // the sliding transient is the whole chunk: 48 blocks.
+    let err = Engine::start(cfg(20), NoopBackend::new(1)).err().unwrap();
+    assert!(matches!(err, EngineError::Config(_)), "{err}");
+    let engine = Engine::start(cfg(200), MockBackend::new(model.clone(), 200)).unwrap();
+    let too_long = req(1, 60, SamplingParams::greedy(10));
+    assert!(matches!(engine.submit(too_long), Err(EngineError::Rejected(SubmitError::TooLong { .. }))));
+    let bad = Request { prompt: vec![40], ..req(1, 1, SamplingParams::greedy(1)) };
+    assert!(matches!(engine.submit(bad), Err(EngineError::Rejected(SubmitError::BadToken { .. }))));
+    let empty = req(1, 0, SamplingParams::greedy(1));
+    assert!(matches!(engine.submit(empty), Err(EngineError::Rejected(SubmitError::EmptyPrompt))));
+    engine.shutdown();
+    assert!(matches!(engine.submit(req(1, 3, SamplingParams::greedy(1))), Err(EngineError::Closed)));
+    assert!(!engine.is_running());
+}
+
+#[test]
+fn the_loop_thread_serves_concurrent_clients() {
+    let model = MockModel::small();
+    let config = EngineConfig {
+        sched: SchedConfig { prefill_chunk: 16, eos_token_id: model.eos, ..SchedConfig::new(8, 80, 32) },
+        kv: model.kv_config(300),
+        max_waiting: 100,
+        check_invariants: true,
+    };
+    let engine = std::sync::Arc::new(Engine::start(config, MockBackend::new(model.clone(), 300)).unwrap());
+    let arrivals = mixed_workload(24);
+    let submitters: Vec<_> = (0..3)
+        .map(|k| {
+            let (engine, mine) = (engine.clone(), arrivals.iter().skip(k).step_by(3).cloned().collect::<Vec<_>>());
+            std::thread::spawn(move || {
+                for (_, r) in mine {
+                    engine.submit(r).unwrap();
+                    std::thread::sleep(Duration::from_micros(300));
+                }
+            })
+        })
+        .collect();
+    for s in submitters {
+        s.join().unwrap();
+    }
+    let mut out = Outcome::default();
+    while out.finish.len() < arrivals.len() {
+        let mut batch = engine.next_events(Duration::from_secs(10)).expect("engine alive");
+        assert!(!batch.is_empty(), "no events for 10 s");
+        out.absorb(&mut batch);
+    }
+    assert_solo(&model, &arrivals, &out, 80);
+    let stats = engine.stats();
+    assert_eq!((stats.sched.running, stats.sched.waiting), (0, 0));
+    assert_eq!(stats.kv.free_blocks, stats.kv.total_blocks);
+    assert!(stats.metrics.decode_steps > 0 && stats.metrics.host_ns > 0);
+    // Cancel a long request mid-stream: it ends `cancelled` and gives its blocks back.
+    engine.submit(req(100, 5, SamplingParams::greedy(70).with_ignore_eos())).unwrap();
+    let first = engine.next_events(Duration::from_secs(10)).unwrap();
+    assert!(first.iter().any(|e| e.id == 100));
+    engine.cancel(100);
+    let mut end = None;
+    while end.is_none() {
+        for e in engine.next_events(Duration::from_secs(10)).unwrap() {
+            if let Some(f) = e.finish {
+                end = Some(f);
+            }
+        }
+    }
+    assert_eq!(end, Some(FinishReason::Cancelled));
+    engine.shutdown();
+    assert_eq!(engine.stats().kv.free_blocks, engine.stats().kv.total_blocks);
+    assert!(engine.next_events(Duration::from_millis(10)).is_none());
+}
+
+#[test]
+fn shutdown_cancels_everything_in_flight() {
+    let model = MockModel::small();
+    let config = EngineConfig {
+        sched: SchedConfig { prefill_chunk: 16, ..SchedConfig::new(2, 80, 32) },
+        kv: model.kv_config(300),
+        max_waiting: 100,
+        check_invariants: false,
+    };
+    let engine = Engine::start(config, MockBackend::new(model, 300)).unwrap();
+    for i in 0..6 {
+        engine.submit(req(i, 5, SamplingParams::greedy(70).with_ignore_eos())).unwrap();
+    }
+    engine.shutdown();
+    let mut out = Outcome::default();
+    while let Some(mut batch) = engine.next_events(Duration::from_secs(5)) {
+        out.absorb(&mut batch);
+    }
+    assert_eq!(out.finish.len(), 6);
+    assert!(out.finish.values().all(|&f| f == FinishReason::Cancelled));
+}
+
+#[test]
+fn queue_limit_counts_only_unadmitted_requests() {
+    let model = MockModel::small();
+    let config = EngineConfig {
+        sched: SchedConfig { prefill_chunk: 16, ..SchedConfig::new(1, 80, 32) },
+        kv: model.kv_config(300),
+        max_waiting: 2,
+        check_invariants: false,
+    };
+    let engine = Engine::start(config, NoopBackend::new(5)).unwrap();
+    let mut accepted = 0;
+    for i in 0..50 {
+        match engine.submit(req(i, 5, SamplingParams::greedy(60))) {
+            Ok(()) => accepted += 1,
+            Err(EngineError::QueueFull(n)) => assert!(n >= 2),
+            Err(e) => panic!("{e}"),
+        }
+    }
+    // One running plus two waiting at most at any instant, and never fewer than two accepted.
+    assert!((2..50).contains(&accepted), "{accepted}");
+}

@@ -1,0 +1,267 @@
+//! Token selection from one row of logits, shared by every decode backend that returns logits
+//! (the megakernel samples on the GPU with the same rules):
+//! - greedy when temperature is 0 or top_k is 1: argmax, ties to the lowest token id;
+//! - otherwise filter (top-k, then top-p over softmax(logits / T)), then Gumbel-max over what is
+//!   left: argmax of logit / T + g, with g drawn by [`philox`] from (seed, index, token id), so a
+//!   request's tokens depend on its seed and nothing else in the batch;
+//! - log-probabilities come from log_softmax of the raw logits (before temperature and filters).
+//!
+//! NaN logits never win; a row without any finite logit is an error, not a silent token 0.
+
+pub mod philox;
+
+use std::cmp::Ordering;
+
+/// How to pick the token at generation step `index` (tokens generated before it) of one request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SampleSpec {
+    pub temperature: f32,
+    /// 1.0 keeps everything.
+    pub top_p: f32,
+    /// 0 keeps everything.
+    pub top_k: u32,
+    pub seed: u64,
+    pub index: u32,
+    /// Alternatives to report besides the chosen token's log-probability (None: no logprobs).
+    pub logprobs: Option<u32>,
+}
+
+impl SampleSpec {
+    pub fn greedy(index: u32) -> Self {
+        Self { temperature: 0.0, top_p: 1.0, top_k: 0, seed: 0, index, logprobs: None }
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0 || self.top_k == 1
+    }
+}
+
+/// One chosen token; `logprob` and `top` are filled only when the spec asks for logprobs.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    pub logprob: Option<f32>,
+    /// The best `logprobs` tokens by log-probability, best first (ties: lower id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+impl Sampled {
+    pub fn token(token: u32) -> Self {
+        Self { token, logprob: None, top: Vec::new() }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SampleError {
+    #[error("the logits row has no finite value")]
+    NoFiniteLogit,
+}
+
+/// NaN sorts below everything and +inf becomes the largest finite value, so comparisons and the
+/// softmax stay well defined.
+fn key(x: f32) -> f32 {
+    if x.is_nan() {
+        f32::NEG_INFINITY
+    } else {
+        x.min(f32::MAX)
+    }
+}
+
+/// Higher logit first, then lower id: the one order used for argmax ties, top-k and top-p.
+fn better(logits: &[f32], a: u32, b: u32) -> Ordering {
+    key(logits[b as usize]).total_cmp(&key(logits[a as usize])).then(a.cmp(&b))
+}
+
+/// Reusable scratch, so sampling a row allocates nothing after warm-up.
+#[derive(Debug, Default)]
+pub struct Sampler {
+    ids: Vec<u32>,
+}
+
+impl Sampler {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn sample(&mut self, logits: &[f32], spec: &SampleSpec) -> Result<Sampled, SampleError> {
+        let token = if spec.is_greedy() { argmax(logits)? } else { self.draw(logits, spec)? };
+        let mut out = Sampled::token(token);
+        if let Some(n) = spec.logprobs {
+            self.logprobs(logits, n as usize, &mut out);
+        }
+        Ok(out)
+    }
+
+    /// Filter, then Gumbel-max over the survivors.
+    fn draw(&mut self, logits: &[f32], spec: &SampleSpec) -> Result<u32, SampleError> {
+        let ids = &mut self.ids;
+        ids.clear();
+        ids.extend((0..logits.len() as u32).filter(|&i| key(logits[i as usize]) > f32::NEG_INFINITY));
+        if ids.is_empty() {
+            return Err(SampleError::NoFiniteLogit);
+        }
+        let k = spec.top_k as usize;
+        if k > 0 && k < ids.len() {
+            ids.select_nth_unstable_by(k - 1, |&a, &b| better(logits, a, b));
+            ids.truncate(k);
+        }
+        let t = f64::from(spec.temperature);
+        if spec.top_p < 1.0 {
+            ids.sort_unstable_by(|&a, &b| better(logits, a, b));
+            let top = f64::from(key(logits[ids[0] as usize]));
+            let weight = |i: u32| ((f64::from(key(logits[i as usize])) - top) / t).exp();
+            let total: f64 = ids.iter().map(|&i| weight(i)).sum();
+            let goal = f64::from(spec.top_p) * total;
+            let mut mass = 0.0;
+            let mut keep = ids.len();
+            for (j, &i) in ids.iter().enumerate() {
+                mass += weight(i);
+                if mass >= goal {
+                    keep = j + 1;
+                    break;
+                }
+            }
+            ids.truncate(keep);
+        }
+        let inv_t = 1.0 / spec.temperature;
+        let score = |i: u32| key(logits[i as usize]) * inv_t + philox::gumbel(spec.seed, spec.index, i);
+        let mut best = ids[0];
+        let mut best_score = score(best);
+        for &i in &ids[1..] {
+            let s = score(i);
+            if s > best_score || (s == best_score && i < best) {
+                best = i;
+                best_score = s;
+            }
+        }
+        Ok(best)
+    }
+
+    fn logprobs(&mut self, logits: &[f32], n: usize, out: &mut Sampled) {
+        let top = logits.iter().map(|&x| f64::from(key(x))).fold(f64::NEG_INFINITY, f64::max);
+        let sum: f64 = logits.iter().map(|&x| (f64::from(key(x)) - top).exp()).sum();
+        let lse = top + sum.ln();
+        let lp = |i: u32| (f64::from(key(logits[i as usize])) - lse) as f32;
+        out.logprob = Some(lp(out.token));
+        let n = n.min(logits.len());
+        if n == 0 {
+            return;
+        }
+        let ids = &mut self.ids;
+        ids.clear();
+        ids.extend(0..logits.len() as u32);
+        if n < ids.len() {
+            ids.select_nth_unstable_by(n - 1, |&a, &b| better(logits, a, b));
+            ids.truncate(n);
+        }
+        ids.sort_unstable_by(|&a, &b| better(logits, a, b));
+        out.top.extend(ids.iter().map(|&i| (i, lp(i))));
+    }
+}
+
+/// Index of the largest logit, lowest id on ties.
+pub fn argmax(logits: &[f32]) -> Result<u32, SampleError> {
+    let mut best: Option<(u32, f32)> = None;
+    for (i, &x) in logits.iter().enumerate() {
+        let x = key(x);
+        if x > f32::NEG_INFINITY && best.is_none_or(|(_, b)| x > b) {
+            best = Some((i as u32, x));
+        }
+    }
+    best.map(|(i, _)| i).ok_or(SampleError::NoFiniteLogit)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(temperature: f32, top_p: f32, top_k: u32, seed: u64, index: u32) -> SampleSpec {
+        SampleSpec { temperature, top_p, top_k, seed, index, logprobs: None }
+    }
+
+    #[test]
+    fn greedy_takes_the_lowest_id_among_ties_and_skips_nan() {
+        let mut s = Sampler::new();
+        let logits = [1.0, 3.0, f32::NAN, 3.0, -2.0];
+        assert_eq!(s.sample(&logits, &SampleSpec::greedy(0)).unwrap().token, 1);
+        // top_k 1 is greedy whatever the temperature.
+        assert_eq!(s.sample(&logits, &spec(5.0, 1.0, 1, 9, 0)).unwrap().token, 1);
+        assert_eq!(argmax(&[f32::NAN, f32::NEG_INFINITY]), Err(SampleError::NoFiniteLogit));
+        assert_eq!(s.sample(&[f32::NAN; 3], &spec(1.0, 1.0, 0, 1, 0)), Err(SampleError::NoFiniteLogit));
+    }
+
+    #[test]
+    fn seeded_draws_are_pure_functions_of_seed_and_index() {
+        let mut s = Sampler::new();
+        let logits: Vec<f32> = (0..300).map(|i| ((i * 37 % 101) as f32) / 50.0).collect();
+        let draw = |s: &mut Sampler, seed, index| s.sample(&logits, &spec(1.0, 1.0, 0, seed, index)).unwrap().token;
+        let a: Vec<u32> = (0..50).map(|i| draw(&mut s, 11, i)).collect();
+        let b: Vec<u32> = (0..50).map(|i| draw(&mut s, 11, i)).collect();
+        let c: Vec<u32> = (0..50).map(|i| draw(&mut s, 12, i)).collect();
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        // Not stuck on the argmax: temperature 1 over a spread-out row varies.
+        assert!(a.iter().collect::<std::collections::HashSet<_>>().len() > 10);
+    }
+
+    #[test]
+    fn frequencies_follow_the_softmax() {
+        // Two tokens with logits differing by ln 3: token 0 should win 3 times out of 4.
+        let logits = [3f32.ln(), 0.0];
+        let mut s = Sampler::new();
+        let n = 20_000;
+        let wins = (0..n).filter(|&i| s.sample(&logits, &spec(1.0, 1.0, 0, 5, i)).unwrap().token == 0).count();
+        let p = wins as f64 / f64::from(n);
+        assert!((p - 0.75).abs() < 0.015, "p = {p}");
+        // Temperature 0.5 squares the odds: 9:1.
+        let wins = (0..n).filter(|&i| s.sample(&logits, &spec(0.5, 1.0, 0, 5, i)).unwrap().token == 0).count();
+        let p = wins as f64 / f64::from(n);
+        assert!((p - 0.9).abs() < 0.015, "p = {p}");
+    }
+
+    #[test]
+    fn top_k_and_top_p_restrict_the_support() {
+        let logits = [0.0, 2.0, 1.0, 2.0, -1.0, 1.5];
+        let mut s = Sampler::new();
+        let seen = |s: &mut Sampler, sp: SampleSpec| {
+            let mut set: Vec<u32> =
+                (0..2000).map(|i| s.sample(&logits, &SampleSpec { index: i, ..sp }).unwrap().token).collect();
+            set.sort_unstable();
+            set.dedup();
+            set
+        };
+        // top-k 2: the two 2.0s (ids 1 and 3).
+        assert_eq!(seen(&mut s, spec(1.0, 1.0, 2, 3, 0)), vec![1, 3]);
+        // top-k 3: the 2.0s and 1.5 (id 5).
+        assert_eq!(seen(&mut s, spec(1.0, 1.0, 3, 3, 0)), vec![1, 3, 5]);
+        // A tiny top_p keeps only the best token (lowest id among ties).
+        assert_eq!(seen(&mut s, spec(1.0, 0.01, 0, 3, 0)), vec![1]);
+        // top_p just above the two best tokens' mass keeps exactly three.
+        let e: Vec<f64> = logits.iter().map(|&x| f64::from(x).exp()).collect();
+        let total: f64 = e.iter().sum();
+        let p = ((e[1] + e[3]) / total + 1e-3) as f32;
+        assert_eq!(seen(&mut s, spec(1.0, p, 0, 3, 0)), vec![1, 3, 5]);
+        // -inf logits are never drawn.
+        let masked = [f32::NEG_INFINITY, 0.0, f32::NEG_INFINITY];
+        assert!((0..200).all(|i| s.sample(&masked, &spec(2.0, 1.0, 0, 1, i)).unwrap().token == 1));
+    }
+
+    #[test]
+    fn logprobs_come_from_the_raw_logits() {
+        let logits = [1.0f32, 2.0, 0.5, 2.0];
+        let mut s = Sampler::new();
+        let out = s.sample(&logits, &SampleSpec { logprobs: Some(3), ..spec(0.7, 0.5, 2, 1, 0) }).unwrap();
+        let lse = logits.iter().map(|&x| f64::from(x).exp()).sum::<f64>().ln();
+        let lp = |i: usize| (f64::from(logits[i]) - lse) as f32;
+        assert_eq!(out.logprob, Some(lp(out.token as usize)));
+        assert_eq!(out.top, vec![(1, lp(1)), (3, lp(3)), (0, lp(0))]);
+        // Zero alternatives: the chosen token's logprob only.
+        let out = s.sample(&logits, &SampleSpec { logprobs: Some(0), ..SampleSpec::greedy(0) }).unwrap();
+        assert_eq!((out.token, out.logprob, out.top.len()), (1, Some(lp(1)), 0));
+        // More alternatives than the vocabulary: all of it.
+        let out = s.sample(&logits, &SampleSpec { logprobs: Some(20), ..SampleSpec::greedy(0) }).unwrap();
+        assert_eq!(out.top.len(), 4);
+        let sum: f64 = out.top.iter().map(|&(_, l)| f64::from(l).exp()).sum();
+        assert!((sum - 1.0).abs() < 1e-5);
+    }
+}

@@ -1,0 +1,81 @@
+//! Philox4x32-10 (Salmon et al., SC'11): a counter-based generator, so every random draw is a pure
+//! function of (key, counter). The decode megakernel computes the same function on the GPU; the
+//! known-answer tests below pin the bit-exact definition both sides must follow.
+
+const M0: u32 = 0xD251_1F53;
+const M1: u32 = 0xCD9E_8D57;
+const W0: u32 = 0x9E37_79B9;
+const W1: u32 = 0xBB67_AE85;
+
+fn mulhilo(a: u32, b: u32) -> (u32, u32) {
+    let p = u64::from(a) * u64::from(b);
+    ((p >> 32) as u32, p as u32)
+}
+
+/// Ten rounds of Philox4x32 over `ctr` with `key` (the key is bumped before rounds 2..10).
+pub fn philox4x32_10(mut ctr: [u32; 4], mut key: [u32; 2]) -> [u32; 4] {
+    for round in 0..10 {
+        if round > 0 {
+            key = [key[0].wrapping_add(W0), key[1].wrapping_add(W1)];
+        }
+        let (hi0, lo0) = mulhilo(M0, ctr[0]);
+        let (hi1, lo1) = mulhilo(M1, ctr[2]);
+        ctr = [hi1 ^ ctr[1] ^ key[0], lo1, hi0 ^ ctr[3] ^ key[1], lo0];
+    }
+    ctr
+}
+
+/// The 32 random bits that decide token `vocab_id` at generation step `index` of a request seeded
+/// with `seed`: key = (seed low, seed high), counter = (vocab id, index, 0, 0), first output word.
+/// No batch row enters, so a request draws the same numbers whatever shares its batch.
+pub fn token_bits(seed: u64, index: u32, vocab_id: u32) -> u32 {
+    philox4x32_10([vocab_id, index, 0, 0], [seed as u32, (seed >> 32) as u32])[0]
+}
+
+/// A uniform in (0, 1) from the top 23 bits: (b + 0.5) / 2^23 needs at most 24 significant bits,
+/// so it is exact in f32 and the GPU and the host agree on it bit for bit.
+pub fn uniform(bits: u32) -> f32 {
+    ((bits >> 9) as f32 + 0.5) * (1.0 / 8_388_608.0)
+}
+
+/// Standard Gumbel noise −ln(−ln u) of `token_bits(seed, index, vocab_id)`.
+pub fn gumbel(seed: u64, index: u32, vocab_id: u32) -> f32 {
+    -(-uniform(token_bits(seed, index, vocab_id)).ln()).ln()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random123_known_answers() {
+        assert_eq!(philox4x32_10([0; 4], [0; 2]), [0x6627_e8d5, 0xe169_c58d, 0xbc57_ac4c, 0x9b00_dbd8]);
+        assert_eq!(philox4x32_10([u32::MAX; 4], [u32::MAX; 2]), [0x408f_276d, 0x41c8_3b0e, 0xa20b_c7c6, 0x6d54_51fd]);
+        assert_eq!(
+            philox4x32_10([0x243f_6a88, 0x85a3_08d3, 0x1319_8a2e, 0x0370_7344], [0xa409_3822, 0x299f_31d0]),
+            [0xd16c_fe09, 0x94fd_cceb, 0x5001_e420, 0x2412_6ea1]
+        );
+    }
+
+    #[test]
+    fn uniform_stays_open_and_gumbel_finite() {
+        assert!(uniform(0) > 0.0 && uniform(u32::MAX) < 1.0);
+        for id in 0..2000 {
+            let g = gumbel(7, 3, id);
+            assert!(g.is_finite());
+        }
+        // Every input of the key and counter matters.
+        let base = token_bits(1 << 40, 5, 9);
+        assert_ne!(base, token_bits(1 << 41, 5, 9));
+        assert_ne!(base, token_bits((1 << 40) | 1, 5, 9));
+        assert_ne!(base, token_bits(1 << 40, 6, 9));
+        assert_ne!(base, token_bits(1 << 40, 5, 10));
+    }
+
+    #[test]
+    fn uniform_is_roughly_uniform() {
+        let n = 20_000;
+        let mean: f64 = (0..n).map(|i| f64::from(uniform(token_bits(42, 0, i)))).sum::<f64>() / f64::from(n);
+        assert!((mean - 0.5).abs() < 0.01, "mean {mean}");
+    }
+}

@@ -1,0 +1,163 @@
+//! One loop iteration's work: prefill chunks within a token budget, then one decode step of every
+//! decoding sequence. Blocks are mapped (`grow`) before the backend writes K/V; a grow the free
+//! list cannot cover preempts (see `preempt.rs`).
+
+use super::{Event, Phase, RequestId, Scheduler};
+use crate::kv::KvError;
+use crate::sampling::{SampleSpec, Sampled};
+
+/// Positions [start, end) of the sequence in `row` to prefill now.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefillChunk {
+    pub row: usize,
+    pub id: RequestId,
+    pub start: usize,
+    pub end: usize,
+    /// The chunk ends the prefill: the backend returns the next token, sampled with `spec`.
+    pub last: bool,
+    pub spec: SampleSpec,
+}
+
+/// The rows of one decode step, ascending, with each row's input token and its position.
+#[derive(Debug, Clone, Default)]
+pub struct DecodeBatch {
+    pub rows: Vec<usize>,
+    pub tokens: Vec<u32>,
+    pub positions: Vec<u32>,
+    pub specs: Vec<SampleSpec>,
+}
+
+impl DecodeBatch {
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    fn clear(&mut self) {
+        self.rows.clear();
+        self.tokens.clear();
+        self.positions.clear();
+        self.specs.clear();
+    }
+}
+
+impl Scheduler {
+    /// The next prefill chunk of at most `budget` tokens, oldest prefilling sequence first, with
+    /// its blocks mapped. None when nothing is left to prefill.
+    pub fn next_prefill(&mut self, budget: usize, out: &mut Vec<Event>) -> Option<PrefillChunk> {
+        let mut i = 0;
+        while i < self.order.len() {
+            let row = self.order[i];
+            i += 1;
+            let seq = self.rows[row].as_ref().expect("live row");
+            let Phase::Prefill { target } = seq.phase else { continue };
+            let start = seq.computed;
+            let end = target.min(start + budget);
+            if self.grow_or_preempt(row, end, out) {
+                let seq = self.rows[row].as_ref().expect("still live");
+                return Some(PrefillChunk { row, id: seq.id, start, end, last: end == target, spec: seq.spec() });
+            }
+            // `row` was the youngest and is gone; nobody younger is left to prefill.
+        }
+        None
+    }
+
+    /// The backend wrote K/V for `chunk`; on the last chunk `sampled` is the next token.
+    pub fn prefill_done(&mut self, chunk: &PrefillChunk, sampled: Option<&Sampled>, out: &mut Vec<Event>) {
+        let (eos, max_context) = (self.cfg.eos_token_id, self.cfg.max_context);
+        let seq = self.rows[chunk.row].as_mut().expect("prefilled row is live");
+        seq.computed = chunk.end;
+        self.stats.prefill_tokens += (chunk.end - chunk.start) as u64;
+        if !chunk.last {
+            return;
+        }
+        let Some(sampled) = sampled else {
+            return self.fail(chunk.row, "the backend returned no token for the last prefill chunk", out);
+        };
+        let _ = self.kv.publish(seq.id, &seq.tokens[..seq.computed]);
+        seq.phase = Phase::Decode;
+        let event = seq.accept(sampled, eos, max_context);
+        self.emit(chunk.row, event, out);
+    }
+
+    /// Maps the next position of every decoding sequence (oldest first, preempting the youngest
+    /// when blocks run out) and fills `batch` with the rows that made it.
+    pub fn plan_decode(&mut self, batch: &mut DecodeBatch, out: &mut Vec<Event>) {
+        batch.clear();
+        let mut i = 0;
+        while i < self.order.len() {
+            let row = self.order[i];
+            i += 1;
+            let seq = self.rows[row].as_ref().expect("live row");
+            if seq.phase != Phase::Decode {
+                continue;
+            }
+            let len = seq.tokens.len();
+            if self.grow_or_preempt(row, len, out) {
+                self.rows[row].as_mut().expect("still live").planned = true;
+            }
+        }
+        for (row, slot) in self.rows.iter_mut().enumerate() {
+            let Some(seq) = slot.as_mut().filter(|s| s.planned) else { continue };
+            seq.planned = false;
+            batch.rows.push(row);
+            batch.tokens.push(*seq.tokens.last().expect("a decoding sequence has tokens"));
+            batch.positions.push((seq.tokens.len() - 1) as u32);
+            batch.specs.push(seq.spec());
+        }
+    }
+
+    /// The backend decoded `batch`; `sampled[i]` is the token of `batch.rows[i]`.
+    pub fn decoded(&mut self, batch: &DecodeBatch, sampled: &[Sampled], out: &mut Vec<Event>) {
+        let (eos, max_context) = (self.cfg.eos_token_id, self.cfg.max_context);
+        for (&row, s) in batch.rows.iter().zip(sampled) {
+            let seq = self.rows[row].as_mut().expect("decoded row is live");
+            seq.computed = seq.tokens.len();
+            let event = seq.accept(s, eos, max_context);
+            self.emit(row, event, out);
+        }
+    }
+
+    /// Fails every row of `batch` (the backend's step failed).
+    pub fn fail_batch(&mut self, batch: &DecodeBatch, error: &str, out: &mut Vec<Event>) {
+        for &row in &batch.rows {
+            self.fail(row, error, out);
+        }
+    }
+
+    /// Delivers a token event; a finishing one frees the row.
+    fn emit(&mut self, row: usize, event: Event, out: &mut Vec<Event>) {
+        self.stats.generated_tokens += 1;
+        if event.finish.is_some() {
+            self.release(row, true);
+            self.left += 1;
+            self.stats.finished += 1;
+        }
+        out.push(event);
+    }
+
+    /// Grows `row` to `new_len`, preempting the youngest sequences until it fits. False when
+    /// `row` itself had to go (it was the youngest) or failed.
+    fn grow_or_preempt(&mut self, row: usize, new_len: usize, out: &mut Vec<Event>) -> bool {
+        loop {
+            match self.grow(row, new_len) {
+                Ok(()) => return true,
+                Err(KvError::OutOfBlocks { .. }) if self.order.len() > 1 => {
+                    let victim = *self.order.last().expect("more than one live");
+                    self.preempt(victim);
+                    if victim == row {
+                        return false;
+                    }
+                }
+                Err(e) => {
+                    // Alone and still out of blocks, or a table bug: never loop, fail the request.
+                    self.fail(row, &format!("KV cache: {e}"), out);
+                    return false;
+                }
+            }
+        }
+    }
+}

@@ -147,4 +147,6 @@ typedef struct MkStepArgs {
     int32_t dense_ffn, vocab, max_pages, max_splits;
     int32_t slots, sample_parts, reserved0, reserved1;
     float eps, logit_scale, rope_theta, reserved2;
+    uint64_t routing_log;   // int32 [layers][batch][top_k]: every layer's chosen experts (tests, debugging)
+    uint64_t residual_log;  // fp32 [layers][batch][hidden]: x after every layer, or 0 (off)
 } MkStepArgs;

@@ -85,4 +85,6 @@ extern "C" __device__ const unsigned long long mk_abi_layout[] = {
     offsetof(MkStepArgs, logit_scale),
     offsetof(MkStepArgs, rope_theta),
     offsetof(MkStepArgs, reserved2),
+    offsetof(MkStepArgs, routing_log),
+    offsetof(MkStepArgs, residual_log),
 };

@@ -15,9 +15,11 @@ union StepSmem {
     struct {
         float row[8192];  // one fp32 residual row (hidden <= 8192)
         float scratch[kWarps];
-        int order[8];
+        int slots[8];
+        float scores[8];
     } norm;
     struct {
+        float logits[8 * 512];
         int chosen[64];
         int slot_of[512];
     } topk;
@@ -52,8 +54,10 @@ extern "C" __global__ void __launch_bounds__(mk::kThreads, 1) mk_decode_step(con
             case MK_OP_GEMV: run_gemv(a, t, sm.gemv); break;
             case MK_OP_ATTN_SPLIT: run_attn_split(a, t, sm.attn); break;
             case MK_OP_ATTN_COMBINE: run_attn_combine(a, t); break;
-            case MK_OP_TOPK: run_topk(a, sm.topk.chosen, sm.topk.slot_of); break;
-            case MK_OP_RESIDUAL_NORM: run_residual_norm(a, t, sm.norm.row, sm.norm.scratch, sm.norm.order); break;
+            case MK_OP_TOPK: run_topk(a, t, sm.topk.logits, sm.topk.chosen, sm.topk.slot_of); break;
+            case MK_OP_RESIDUAL_NORM:
+                run_residual_norm(a, t, sm.norm.row, sm.norm.scratch, sm.norm.slots, sm.norm.scores);
+                break;
             case MK_OP_SAMPLE_PART: run_sample_part(a, t, sm.sample.score, sm.sample.id); break;
             case MK_OP_SAMPLE_FINAL: run_sample_final(a, t); break;
             default: break;

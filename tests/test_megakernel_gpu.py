@@ -49,6 +49,11 @@ def setup_step(model: Model, positions: list[int], max_pages: int, gen: torch.Ge
     return kv, tables, tokens
 
 
+# Router logits within this of the interpreter's k-th choice count as tied: bf16 rounding of the
+# logits (~0.004 at these magnitudes) may pick either, and the interpreter then follows the kernel.
+TIE_TOL = 0.02
+
+
 def run_and_compare(cfg: ModelConfig, weights, positions: list[int], max_pages: int, check_graph: bool):
     gen = torch.Generator(device="cuda").manual_seed(SEED)
     model = Model(cfg, weights)
@@ -66,13 +71,13 @@ def run_and_compare(cfg: ModelConfig, weights, positions: list[int], max_pages: 
     step.run(g, buf)
     torch.cuda.synchronize()
 
-    # The interpreter runs the same graph with the reference numerics, on the same device.
+    # The interpreter runs the same graph with the reference numerics on the same device,
+    # following the kernel's routing where it is a near-tie (and failing where it is not).
     vm = step.buffers(g)
     for name in ("tokens", "positions", "block_tables"):
         getattr(vm, name).copy_(getattr(buf, name))
-    run_step(model, kv_vm, g, vm)
-    expected = model.decode(tokens.cpu(), torch.tensor(positions), kv_vm, [t for t in tables])
-    return buf, vm, expected, kv, kv_vm
+    flips = run_step(model, kv_vm, g, vm, forced_routing=buf.routing_log, tie_tol=TIE_TOL)
+    return model, buf, vm, kv, kv_vm, tables, tokens, flips
 
 
 def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
@@ -81,19 +86,21 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -
     assert rel < tol, f"seed {SEED}: {name} relative error {rel:.3e} >= {tol}"
 
 
-def check_step(buf, vm, expected, kv, kv_vm, positions) -> None:
-    assert_close("logits vs reference decode", buf.logits, expected.to(buf.logits.device), 3e-2)
+def check_step(model, buf, vm, kv, kv_vm, tables, tokens, flips, positions) -> None:
+    cfg = model.config
+    for layer in range(cfg.num_hidden_layers):
+        assert_close(f"residual after layer {layer}", buf.residual_log[layer], vm.residual_log[layer], 2e-2)
     for name in ("x", "h", "q", "attn_out", "y_attn", "logits"):
         assert_close(name, getattr(buf, name), getattr(vm, name), 3e-2)
     # K/V of the current token, written into the pages by the QKV tiles.
-    written_k = kv.k.float() - kv_vm.k.float()
-    assert written_k.abs().max() < 0.1, f"seed {SEED}: K written differs by {written_k.abs().max():.3g}"
-    # Greedy tokens agree wherever the reference's top-2 gap is clear of bf16 rounding.
-    top2 = expected.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > 0.05 * top2[:, 0].abs().clamp(min=1)
-    got, want = buf.sampled.long().cpu(), expected.argmax(-1).cpu()
-    assert torch.equal(got[clear.cpu()], want[clear.cpu()]), f"seed {SEED}: sampled {got} vs {want}"
-    assert (buf.sampled >= 0).all()
+    diff = (kv.k.float() - kv_vm.k.float()).abs().max()
+    assert diff < 0.1, f"seed {SEED}: K written differs by {diff:.3g}"
+    # The sampled token is the argmax of the kernel's own logits (ties to the lowest id).
+    assert torch.equal(buf.sampled.long(), buf.logits.argmax(-1)), f"seed {SEED}"
+    if flips == 0:
+        # Same routing everywhere: the kernel equals the reference model's decode step.
+        expected = model.decode(tokens.cpu(), torch.tensor(positions), kv_vm, tables)
+        assert_close("logits vs reference decode", buf.logits, expected.to(buf.logits.device), 3e-2)
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +117,8 @@ def gpu_test_weights():
 def test_step_matches_reference_at_gpu_test_geometry(gpu_test_weights, positions):
     cfg = ModelConfig.gpu_test()
     max_pages = max(positions) // PAGE_SIZE + 1
-    buf, vm, expected, kv, kv_vm = run_and_compare(cfg, gpu_test_weights, positions, max_pages, check_graph=True)
-    check_step(buf, vm, expected, kv, kv_vm, positions)
-    # MoE routing: the kernel chose the same experts as the interpreter (ties aside).
-    same = (buf.topk_slot == vm.topk_slot).float().mean()
-    assert same > 0.9, f"seed {SEED}: only {same:.2f} of the routing slots agree"
+    out = run_and_compare(cfg, gpu_test_weights, positions, max_pages, check_graph=True)
+    check_step(*out, positions)
 
 
 @pytest.mark.gpu
@@ -150,5 +154,6 @@ def test_step_matches_reference_at_real_geometry(real_weights, positions):
     cfg = ModelConfig.real()
     weights = real_weights
     max_pages = max(positions) // PAGE_SIZE + 1
-    buf, vm, expected, kv, kv_vm = run_and_compare(cfg, weights, positions, max_pages, check_graph=False)
-    check_step(buf, vm, expected, kv, kv_vm, positions)
+    out = run_and_compare(cfg, weights, positions, max_pages, check_graph=False)
+    check_step(*out, positions)
+    print(f"real geometry {positions}: {out[-1]} near-tied expert choices followed the kernel")

@@ -11,7 +11,7 @@ constexpr int kMaxGroup = 8;
 constexpr int kPage = 64;
 
 struct AttnSmem {
-    uint4 k[kPage][kHeadDim / 8];
+    uint4 k[kPage][kHeadDim / 8 + 1];  // +16 B per row: rows land on different banks
     uint4 v[kPage][kHeadDim / 8];
     float q[kMaxGroup][kHeadDim];
     float s[kMaxGroup][kPage];
@@ -42,10 +42,18 @@ __device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, AttnSmem& s
         __syncthreads();
         for (int i = threadIdx.x; i < group * n; i += kThreads) {
             const int gg = i / n, j = i % n;
-            const bf16* krow = reinterpret_cast<const bf16*>(sm.k[j]);
             float dot = 0.f;
-#pragma unroll 8
-            for (int d = 0; d < kHeadDim; ++d) dot += sm.q[gg][d] * __bfloat162float(krow[d]);
+#pragma unroll 4
+            for (int c = 0; c < kHeadDim / 8; ++c) {
+                const uint4 raw = sm.k[j][c];
+                const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
+                const float* qq = &sm.q[gg][8 * c];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float2 kf = __bfloat1622float2(k2[e]);
+                    dot += qq[2 * e] * kf.x + qq[2 * e + 1] * kf.y;
+                }
+            }
             sm.s[gg][j] = dot * inv_sqrt;
         }
         __syncthreads();

@@ -10,6 +10,7 @@ namespace mk {
 struct GemvSmem {
     float partial[kWarps][4][32];
     float out[4][16][8];  // [group][row][batch]
+    int has_row[8];       // expert tiles: which batch rows routed to the slot's expert
 };
 
 // What a task multiplies: up to 4 row groups, each 16 rows of some matrix with k columns.
@@ -21,11 +22,14 @@ struct GemvPlan {
     const bf16* act;      // [batch, k]
 };
 
-__device__ __forceinline__ bool slot_has_row(const MkStepArgs& a, int slot, int b) {
-    const int32_t* ts = ptr<int32_t>(a.topk_slot) + b * a.top_k;
-    for (int i = 0; i < a.top_k; ++i)
-        if (ld_i32(ts + i) == slot) return true;
-    return false;
+// Fills has_row[b] for an expert tile's slot (visible after the next barrier).
+__device__ __forceinline__ void load_slot_rows(const MkStepArgs& a, int slot, int* has_row) {
+    if (threadIdx.x < a.batch) {
+        const int32_t* ts = ptr<int32_t>(a.topk_slot) + threadIdx.x * a.top_k;
+        bool has = false;
+        for (int i = 0; i < a.top_k; ++i) has |= ld_i32(ts + i) == slot;
+        has_row[threadIdx.x] = has;
+    }
 }
 
 __device__ GemvPlan gemv_plan(const MkStepArgs& a, const MkTask& t) {
@@ -131,7 +135,7 @@ __device__ void gemv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvPl
             case MK_MAT_ROUTER: ptr<float>(a.router)[b * a.experts + out_row] = v; break;
             case MK_MAT_DENSE_DOWN: ptr<float>(a.ffn_out)[b * a.hidden + out_row] = v; break;
             case MK_MAT_EXPERT_DOWN:
-                if (slot_has_row(a, slot, b))
+                if (s.has_row[b])
                     ptr<float>(a.expert_out)[((size_t)slot * a.batch + b) * a.hidden + out_row] = v;
                 break;
             case MK_MAT_LM_HEAD: ptr<float>(a.logits)[(size_t)b * a.vocab + out_row] = v * a.logit_scale; break;
@@ -142,7 +146,7 @@ __device__ void gemv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvPl
                 const bf16 act = __float2bfloat16(gate / (1.f + __expf(-gate)) * up);
                 if (matrix == MK_MAT_DENSE_GATE_UP) {
                     ptr<bf16>(a.dense_act)[b * a.dense_ffn + out_row] = act;
-                } else if (slot_has_row(a, slot, b)) {
+                } else if (s.has_row[b]) {
                     ptr<bf16>(a.expert_act)[((size_t)slot * a.batch + b) * a.expert_ffn + out_row] = act;
                 }
                 break;
@@ -186,7 +190,8 @@ __device__ void run_gemv(const MkStepArgs& a, const MkTask& t, GemvSmem& s) {
         if (t.arg[3] >= ld_i32(ptr<int32_t>(a.slot_count))) return;  // an unused MoE slot
     }
     const GemvPlan p = gemv_plan(a, t);
-    gemv_compute(p, a.batch, s);
+    if (t.arg[0] == MK_MAT_EXPERT_GATE_UP || t.arg[0] == MK_MAT_EXPERT_DOWN) load_slot_rows(a, t.arg[3], s.has_row);
+    gemv_compute(p, a.batch, s);  // its barriers publish has_row
     gemv_epilogue(a, t, p, s);
 }
 

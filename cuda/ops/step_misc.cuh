@@ -4,13 +4,18 @@
 
 namespace mk {
 
-// h[b] = bf16(rmsnorm(v) * gamma) for the fp32 row v, which is also stored to x[b].
-__device__ void store_normed(const MkStepArgs& a, int b, float* v_smem, const bf16* gamma, float* scratch) {
+// h[b] = bf16(rmsnorm(v) * gamma) for the fp32 row v, which is also stored to x[b] (and, when
+// logging, as the residual after layer `done`).
+__device__ void store_normed(const MkStepArgs& a, int b, float* v_smem, const bf16* gamma, float* scratch,
+                             int done = -1) {
     float sq = 0.f;
     for (int i = threadIdx.x; i < a.hidden; i += kThreads) sq += v_smem[i] * v_smem[i];
     const float rstd = rsqrtf(block_sum(sq, scratch) / (float)a.hidden + a.eps);
+    float* log = done >= 0 && a.residual_log ? ptr<float>(a.residual_log) + ((size_t)done * a.batch + b) * a.hidden
+                                             : nullptr;
     for (int i = threadIdx.x; i < a.hidden; i += kThreads) {
         ptr<float>(a.x)[(size_t)b * a.hidden + i] = v_smem[i];
+        if (log) log[i] = v_smem[i];
         ptr<bf16>(a.h)[(size_t)b * a.hidden + i] = __float2bfloat16(v_smem[i] * rstd * __bfloat162float(gamma[i]));
     }
 }
@@ -30,62 +35,71 @@ __device__ void run_embed(const MkStepArgs& a, const MkTask& t, float* v, float*
 }
 
 // x[b] += y_attn[b] + ffn[b]; then the next layer's (or the final) norm.
-__device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, float* v, float* scratch, int* order) {
+__device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, float* v, float* scratch, int* slots,
+                                  float* scores) {
     const int b = t.arg[0], layer = t.layer;
     const bool moe = ptr<uint64_t>(a.layer_weights)[(size_t)layer * MK_LW_COUNT + MK_LW_ROUTER] != 0;
     if (moe && threadIdx.x == 0) {
-        // The top-k choices in ascending slot (= expert) order: the reference's summation order.
-        const int32_t* ts = ptr<int32_t>(a.topk_slot) + b * a.top_k;
-        for (int k = 0; k < a.top_k; ++k) order[k] = k;
-        for (int i = 1; i < a.top_k; ++i)
-            for (int j = i; j > 0 && ld_i32(ts + order[j]) < ld_i32(ts + order[j - 1]); --j) {
-                const int tmp = order[j];
-                order[j] = order[j - 1], order[j - 1] = tmp;
-            }
+        // The row's choices sorted by slot (= ascending expert): the reference's summation order.
+        int n = 0;
+        for (int k = 0; k < a.top_k; ++k) {
+            const int slot = ld_i32(ptr<int32_t>(a.topk_slot) + b * a.top_k + k);
+            const float score = ld_f32(ptr<float>(a.topk_score) + b * a.top_k + k);
+            int j = n++;
+            for (; j > 0 && slots[j - 1] > slot; --j) slots[j] = slots[j - 1], scores[j] = scores[j - 1];
+            slots[j] = slot, scores[j] = score;
+        }
     }
     __syncthreads();
     for (int i = threadIdx.x; i < a.hidden; i += kThreads) {
         const size_t at = (size_t)b * a.hidden + i;
         float ffn = 0.f;
         if (moe) {
-            for (int k = 0; k < a.top_k; ++k) {
-                const int c = order[k];
-                const int slot = ld_i32(ptr<int32_t>(a.topk_slot) + b * a.top_k + c);
-                const float score = ld_f32(ptr<float>(a.topk_score) + b * a.top_k + c);
-                ffn += ld_f32(ptr<float>(a.expert_out) + ((size_t)slot * a.batch + b) * a.hidden + i) * score;
-            }
+            for (int k = 0; k < a.top_k; ++k)
+                ffn += ld_f32(ptr<float>(a.expert_out) + ((size_t)slots[k] * a.batch + b) * a.hidden + i) * scores[k];
         } else {
             ffn = ld_f32(ptr<float>(a.ffn_out) + at);
         }
         v[i] = ld_f32(ptr<float>(a.x) + at) + ld_f32(ptr<float>(a.y_attn) + at) + ffn;
     }
     __syncthreads();
-    store_normed(a, b, v, norm_weight(a, layer + 1), scratch);
+    store_normed(a, b, v, norm_weight(a, layer + 1), scratch, layer);
 }
 
 // Top-k of every row's router logits (ties -> lower expert), sigmoid scores, and the slots:
-// the distinct chosen experts in ascending order. One thread per row, then one for the slots.
-__device__ void run_topk(const MkStepArgs& a, int* chosen /* [8 * 8] */, int* slot_of /* [experts] */) {
-    const float* logits = ptr<float>(a.router);
-    if (threadIdx.x < a.batch) {
-        const int b = threadIdx.x;
+// the distinct chosen experts in ascending order. The logits are staged in shared memory first
+// (this task is on every MoE layer's critical path); one warp per row selects.
+__device__ void run_topk(const MkStepArgs& a, const MkTask& t, float* logits /* [8 * 128] */,
+                         int* chosen /* [8 * 8] */, int* slot_of /* [experts] */) {
+    for (int i = threadIdx.x; i < a.batch * a.experts; i += kThreads) logits[i] = ld_f32(ptr<float>(a.router) + i);
+    for (int e = threadIdx.x; e < a.experts; e += kThreads) slot_of[e] = -1;
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int b = warp; b < a.batch; b += kWarps) {
+        float* row = logits + b * a.experts;
         for (int k = 0; k < a.top_k; ++k) {
-            int best = -1;
-            float best_v = -INFINITY;
-            for (int e = 0; e < a.experts; ++e) {
-                bool taken = false;
-                for (int j = 0; j < k; ++j) taken |= chosen[b * 8 + j] == e;
-                const float v = ld_f32(logits + b * a.experts + e);
-                if (!taken && (best < 0 || v > best_v)) best = e, best_v = v;
+            // Warp argmax: the larger logit wins, ties go to the lower expert.
+            float best = -INFINITY;
+            int id = a.experts;
+            for (int e = lane; e < a.experts; e += 32)
+                if (row[e] > best) best = row[e], id = e;
+            for (int o = 16; o > 0; o >>= 1) {
+                const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+                const int oi = __shfl_xor_sync(0xffffffffu, id, o);
+                if (ob > best || (ob == best && oi < id)) best = ob, id = oi;
             }
-            chosen[b * 8 + k] = best;
-            ptr<float>(a.topk_score)[b * a.top_k + k] = 1.f / (1.f + expf(-best_v));
+            if (lane == 0) {
+                chosen[b * 8 + k] = id;
+                ptr<float>(a.topk_score)[b * a.top_k + k] = 1.f / (1.f + expf(-best));
+                ptr<int32_t>(a.routing_log)[((size_t)t.layer * a.batch + b) * a.top_k + k] = id;
+                slot_of[id] = 0;
+                row[id] = -INFINITY;  // taken
+            }
+            __syncwarp();
         }
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        for (int e = 0; e < a.experts; ++e) slot_of[e] = -1;
-        for (int i = 0; i < a.batch * a.top_k; ++i) slot_of[chosen[(i / a.top_k) * 8 + i % a.top_k]] = 0;
         int count = 0;
         for (int e = 0; e < a.experts; ++e)
             if (slot_of[e] == 0) {
@@ -93,9 +107,10 @@ __device__ void run_topk(const MkStepArgs& a, int* chosen /* [8 * 8] */, int* sl
                 slot_of[e] = count++;
             }
         ptr<int32_t>(a.slot_count)[0] = count;
-        for (int i = 0; i < a.batch * a.top_k; ++i)
-            ptr<int32_t>(a.topk_slot)[i] = slot_of[chosen[(i / a.top_k) * 8 + i % a.top_k]];
     }
+    __syncthreads();
+    for (int i = threadIdx.x; i < a.batch * a.top_k; i += kThreads)
+        ptr<int32_t>(a.topk_slot)[i] = slot_of[chosen[(i / a.top_k) * 8 + i % a.top_k]];
 }
 
 // Greedy: the best (logit, lowest id) of a vocabulary slice, then over the slices.

@@ -112,6 +112,8 @@ abi_struct! {
         logit_scale: f32,
         rope_theta: f32,
         reserved2: f32,
+        routing_log: u64,
+        residual_log: u64,
     }
 }
 

@@ -98,9 +98,17 @@ class MegakernelStep:
             check=check,
         )
 
-    def buffers(self, g: mkgraph.StepGraph) -> StepBuffers:
+    def buffers(self, g: mkgraph.StepGraph, log_residuals: bool = True) -> StepBuffers:
         return StepBuffers.allocate(
-            self.cfg, g.batch, g.slots, g.max_splits, self.max_pages, self.sample_parts, torch.bfloat16, self.device
+            self.cfg,
+            g.batch,
+            g.slots,
+            g.max_splits,
+            self.max_pages,
+            self.sample_parts,
+            torch.bfloat16,
+            self.device,
+            log_residuals,
         )
 
     def run(self, g: mkgraph.StepGraph, buf: StepBuffers, tasks: torch.Tensor | None = None) -> None:
@@ -113,7 +121,7 @@ class MegakernelStep:
             raise ValueError("graph or buffers do not match this MegakernelStep")
         if int(buf.positions.max()) >= self.max_pages * PAGE_SIZE:
             raise ValueError("a position lies past the block tables")
-        values = {name: t.data_ptr() for name, t in buf.tensors().items()}
+        values = {name: t.data_ptr() if t.numel() else 0 for name, t in buf.tensors().items()}
         values.update(
             tasks=tasks.data_ptr(),
             counters=self.counters.data_ptr(),

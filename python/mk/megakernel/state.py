@@ -38,6 +38,8 @@ class StepBuffers:
     sample_score: torch.Tensor  # fp32 [B, parts]
     sample_id: torch.Tensor  # int32 [B, parts]
     sampled: torch.Tensor  # int32 [B]
+    routing_log: torch.Tensor  # int32 [layers, B, top_k] every MoE layer's chosen experts
+    residual_log: torch.Tensor  # fp32 [layers, B, hidden] x after every layer (debugging, tests)
 
     @classmethod
     def allocate(
@@ -50,6 +52,7 @@ class StepBuffers:
         parts: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        log_residuals: bool = True,
     ) -> StepBuffers:
         f32, i32 = torch.float32, torch.int32
         B, D, hkv, hd = batch, cfg.hidden_size, cfg.num_key_value_heads, cfg.head_dim
@@ -78,6 +81,8 @@ class StepBuffers:
             "sample_score": ((B, parts), f32),
             "sample_id": ((B, parts), i32),
             "sampled": ((B,), i32),
+            "routing_log": ((cfg.num_hidden_layers, B, cfg.num_experts_per_tok), i32),
+            "residual_log": ((cfg.num_hidden_layers if log_residuals else 0, B, D), f32),
         }
         return cls(**{name: _poisoned(shape, dt, device) for name, (shape, dt) in shapes.items()})
 

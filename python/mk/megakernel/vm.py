@@ -21,16 +21,36 @@ from mk.model.reference import Model, rms_norm
 from mk.model.rope import cos_sin
 
 
-def run_step(model: Model, kv: PagedKV, graph: StepGraph, buf: StepBuffers) -> None:
-    """Execute every task of `graph` in its global order."""
-    vm = _Interpreter(model, kv, graph, buf)
+class RoutingMismatch(AssertionError):
+    """A forced routing choice is not a near-tie of the interpreter's own choice."""
+
+
+def run_step(
+    model: Model,
+    kv: PagedKV,
+    graph: StepGraph,
+    buf: StepBuffers,
+    forced_routing: torch.Tensor | None = None,
+    tie_tol: float = 0.0,
+) -> int:
+    """Execute every task of `graph` in its global order; returns how many expert choices
+    followed `forced_routing`.
+
+    `forced_routing` ([layers, B, top_k] expert ids, e.g. the kernel's `routing_log`) makes each
+    top-k task take those experts wherever they are within `tie_tol` of the interpreter's own
+    choice (bf16 rounding can flip near-tied experts, and one flip changes everything after
+    it); a choice farther off raises RoutingMismatch.
+    """
+    vm = _Interpreter(model, kv, graph, buf, forced_routing, tie_tol)
     for task in graph.order:
         vm.execute(task)
+    return vm.forced
 
 
 class _Interpreter:
-    def __init__(self, model: Model, kv: PagedKV, graph: StepGraph, buf: StepBuffers) -> None:
+    def __init__(self, model: Model, kv: PagedKV, graph: StepGraph, buf: StepBuffers, forced, tie_tol) -> None:
         self.m, self.cfg, self.w, self.kv, self.g, self.b = model, model.config, model.weights, kv, graph, buf
+        self.forced_routing, self.tie_tol, self.forced = forced, tie_tol, 0
         self.act = model.dtype
         self.cos, self.sin = cos_sin(self.cfg, buf.positions.long(), model.dtype)
 
@@ -167,11 +187,25 @@ class _Interpreter:
     def topk(self, layer: int, a: list[int]) -> None:
         b = self.b
         idx, scores = select_experts(b.router, self.cfg.num_experts_per_tok)
+        if self.forced_routing is not None:
+            idx = self.follow(layer, idx)
+            scores = torch.sigmoid(torch.gather(b.router, 1, idx))
+        b.routing_log[layer] = idx.to(torch.int32)
         active = torch.unique(idx)  # ascending expert ids
         b.slot_count[0] = len(active)
         b.slot_expert[: len(active)] = active.to(torch.int32)
         b.topk_slot[:] = torch.searchsorted(active, idx.contiguous()).to(torch.int32)
         b.topk_score[:] = scores
+
+    def follow(self, layer: int, own: torch.Tensor) -> torch.Tensor:
+        forced = self.forced_routing[layer].to(own.device).long()
+        logits = self.b.router
+        kth = torch.gather(logits, 1, own).min(dim=1, keepdim=True).values
+        got = torch.gather(logits, 1, forced)
+        if (got < kth - self.tie_tol).any() or (forced.sort(1).values.diff(dim=1) == 0).any():
+            raise RoutingMismatch(f"layer {layer}: forced experts {forced.tolist()} vs own {own.tolist()}")
+        self.forced += int((forced.sort(1).values != own.sort(1).values).any(dim=1).sum())
+        return forced
 
     def residual_norm(self, layer: int, a: list[int]) -> None:
         row, b = a[0], self.b
@@ -184,6 +218,8 @@ class _Interpreter:
         else:
             ffn = b.ffn_out[row]
         b.x[row] = b.x[row] + b.y_attn[row] + ffn
+        if b.residual_log.numel():
+            b.residual_log[layer, row] = b.x[row]
         b.h[row] = rms_norm(b.x[row], self.gamma(layer + 1), self.cfg.rms_norm_eps).to(self.act)
 
     def sample_part(self, layer: int, a: list[int]) -> None:

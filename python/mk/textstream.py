@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import codecs
+
 from mk.tokenizer import Tokenizer
 
 # Tokens decoded again before the new ones, so merges and leading spaces come out as in a full decode.
@@ -9,22 +11,33 @@ _CONTEXT_TOKENS = 6
 
 
 class Detokenizer:
-    """Feed token ids one by one; get the text they add. Text that ends inside a multi-byte character
-    (U+FFFD at the end of the decode) is held until the character completes or the stream ends."""
+    """Feed token ids one by one; get the text they add.
+
+    Byte-level tokenizers (GPT-2 style BPE, Cohere's) go through an incremental UTF-8 decoder: only a
+    character still missing bytes is held, and invalid bytes come out as U+FFFD at once. Other
+    tokenizers re-decode a short window and hold text while it ends in U+FFFD.
+    """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
         self.tok = tokenizer
         self.skip = skip_special_tokens
         self.ids: list[int] = []
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if tokenizer.byte_level else None
         self._prefix = 0  # decode window start
         self._read = 0  # ids before this are already emitted
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
+        if self._utf8 is not None:
+            if self.skip and token_id in self.tok.special_ids:
+                return ""
+            return self._utf8.decode(self.tok.token_bytes(token_id))
         return self._advance(final=False)
 
     def flush(self) -> str:
         """The held text at the end of the stream (a genuinely broken tail decodes as U+FFFD)."""
+        if self._utf8 is not None:
+            return self._utf8.decode(b"", final=True)
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:

@@ -30,7 +30,7 @@ class Tokenizer:
         self.special_ids = frozenset(
             int(i) for i, t in (config.get("added_tokens_decoder") or {}).items() if t.get("special", False)
         ) | frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
-        self._byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
+        self.byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -63,7 +63,7 @@ class Tokenizer:
         piece = self.hf.id_to_token(token_id)
         if piece is None:
             return b""
-        if self._byte_level and token_id not in self.special_ids:
+        if self.byte_level and token_id not in self.special_ids:
             table = _unicode_to_byte()
             if all(c in table for c in piece):
                 return bytes(table[c] for c in piece)

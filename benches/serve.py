@@ -1,0 +1,138 @@
+"""End-to-end serving benchmark: concurrent streaming clients against `python -m mk.server` over loopback.
+
+For each concurrency level, that many clients each send streaming completions back to back (fixed prompt
+and output lengths: greedy, EOS ignored) until the level's request count is done. Reports requests/s,
+output tokens/s, time to first token and inter-token latency percentiles, as a table and JSON.
+
+  python benches/serve.py                                  # starts the default server itself
+  python benches/serve.py --url http://127.0.0.1:8000      # an already running server
+  python benches/serve.py --server-args "--synthetic"      # a server started with these flags
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import print_table, write_json  # noqa: E402
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
+    start = time.perf_counter()
+    arrivals: list[float] = []
+    tokens = 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and chunk["choices"][0]["text"]:
+                arrivals.append(time.perf_counter())
+    end = time.perf_counter()
+    ttft = arrivals[0] - start if arrivals else float("nan")
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    return {"ttft": ttft, "gaps": gaps, "e2e": end - start, "tokens": tokens, "chunks": len(arrivals)}
+
+
+async def run_level(url: str, concurrency: int, requests: int, prompt: str, max_tokens: int) -> dict:
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    queue = list(range(requests))
+    results: list[dict] = []
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
+        async def worker() -> None:
+            while queue:
+                queue.pop()
+                results.append(await one_request(client, url, body))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    ttfts = [r["ttft"] for r in results]
+    gaps = [g for r in results for g in r["gaps"]]
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "req_per_s": len(results) / wall,
+        "out_tok_per_s": tokens / wall,
+        "ttft_p50_ms": 1e3 * pct(ttfts, 0.5),
+        "ttft_p90_ms": 1e3 * pct(ttfts, 0.9),
+        "ttft_p99_ms": 1e3 * pct(ttfts, 0.99),
+        "itl_p50_ms": 1e3 * pct(gaps, 0.5),
+        "itl_p90_ms": 1e3 * pct(gaps, 0.9),
+        "itl_p99_ms": 1e3 * pct(gaps, 0.99),
+        "e2e_p50_s": statistics.median(r["e2e"] for r in results),
+        "tokens_per_request": tokens / max(1, len(results)),
+    }
+
+
+def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from server_util import ServerProcess
+
+    server = ServerProcess(*extra).wait_ready(timeout=600)
+    return server, server.url
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="an already running server (default: start one)")
+    p.add_argument("--server-args", default="--device cpu", help="flags of the server this script starts")
+    p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated client counts")
+    p.add_argument("--requests", type=int, default=0, help="requests per level (default: 4 x concurrency, >= 8)")
+    p.add_argument("--prompt-words", type=int, default=100, help="words in the prompt (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default: %(default)s)")
+    p.add_argument("--json", help="write the rows here")
+    args = p.parse_args()
+    server = None
+    url = args.url
+    if url is None:
+        server, url = start_server(shlex.split(args.server_args))
+    try:
+        prompt = " ".join(f"w{i % 50}" for i in range(args.prompt_words))
+        asyncio.run(run_level(url, 1, 2, prompt, 4))  # warm-up
+        rows = []
+        for c in (int(x) for x in args.concurrency.split(",")):
+            rows.append(asyncio.run(run_level(url, c, args.requests or max(8, 4 * c), prompt, args.max_tokens)))
+        columns = ["concurrency", "requests", "req_per_s", "out_tok_per_s", "ttft_p50_ms", "ttft_p90_ms",
+                   "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "e2e_p50_s"]  # fmt: skip
+        title = f"serving: {args.prompt_words}-word prompts, {args.max_tokens} output tokens, {url}"
+        print_table(title, rows, columns)
+        if args.json:
+            write_json(args.json, "serve", rows, server_args=args.server_args, max_tokens=args.max_tokens)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()

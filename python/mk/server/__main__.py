@@ -201,7 +201,9 @@ def build_state(args: argparse.Namespace) -> ServerState:
         max_batch=args.max_batch,
         max_context=max_context,
         max_waiting=args.max_waiting,
-        kv_blocks=_kv_blocks(model, args.kv_fraction) if device.type == "cuda" else None,
+        kv_blocks=_kv_blocks(model, args.kv_fraction)
+        if device.type == "cuda"
+        else _cpu_kv_blocks(model, max_context, args.max_batch),
         prefill_chunk=args.prefill_chunk,
     )
     log.info("engine ready: %s, max batch %d, context %d tokens", name, args.max_batch, max_context)
@@ -225,6 +227,15 @@ def _synthetic(device: torch.device):
     log.info("generating full-size random weights on %s", device)
     model = Model(cfg, synthetic_weights(cfg, seed=0, device=device, dtype=torch.bfloat16, std=0.01))
     return model, Tokenizer.builtin(cfg.vocab_size)
+
+
+def _cpu_kv_blocks(model, max_context: int, max_batch: int) -> int:
+    """On the CPU: room for one full-context sequence, or a full batch of 8K-token ones if that is more
+    (a batch of 128K-token contexts would be gigabytes of zeros for a test model)."""
+    from mk.model.paged import pages_needed
+
+    pages = max(pages_needed(max_context), max_batch * pages_needed(min(max_context, 8192)))
+    return model.config.num_hidden_layers * pages
 
 
 def _kv_blocks(model, fraction: float) -> int:

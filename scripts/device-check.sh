@@ -27,7 +27,14 @@ timeout 480 python3 -m pytest -q -p no:cacheprovider "${tests[@]}" >"$OUT/tests.
 if [ "$quick" != --quick ] && command -v compute-sanitizer >/dev/null; then
     timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
         python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ops.py -k "matches and 2048" >>"$OUT/tests.log" 2>&1
-    echo "memcheck exit: $?" >>"$OUT/tests.log"
+    echo "memcheck (ops) exit: $?" >>"$OUT/tests.log"
+fi
+if [ "$quick" != --quick ] || [ "${SANITIZE:-}" = 1 ]; then
+    for tool in memcheck racecheck; do
+        timeout 400 compute-sanitizer --tool $tool --error-exitcode 3 python3 scripts/megakernel_once.py \
+            >>"$OUT/tests.log" 2>&1
+        echo "$tool (megakernel step) exit: $?" >>"$OUT/tests.log"
+    done
 fi
 
 benches=(benches/norm.py benches/gemv.py benches/decode.py)
@@ -40,7 +47,7 @@ for bench in "${benches[@]}"; do
 done
 
 echo "== tests =="
-grep -E "passed|failed|error" "$OUT/tests.log" | tail -n 5
+grep -E "passed|failed|exit:|ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/tests.log" | tail -n 8
 grep -E "^FAILED|^ERROR" "$OUT/tests.log" | head -n 20
 echo "== benchmarks =="
 grep -vE "^\{'" "$OUT/bench.log" | tail -n 60

@@ -76,8 +76,14 @@ def run_and_compare(cfg: ModelConfig, weights, positions: list[int], max_pages: 
     vm = step.buffers(g)
     for name in ("tokens", "positions", "block_tables"):
         getattr(vm, name).copy_(getattr(buf, name))
-    flips = run_step(model, kv_vm, g, vm, forced_routing=buf.routing_log, tie_tol=TIE_TOL)
-    return model, buf, vm, kv, kv_vm, tables, tokens, flips
+    kv_free = type(kv)(cfg, kv.num_blocks, kv.dtype, kv.device)
+    kv_free.k.copy_(kv_vm.k)
+    kv_free.v.copy_(kv_vm.v)
+    # Each layer from the kernel's input to it (teacher forcing): per-layer errors stay per layer.
+    flips = run_step(
+        model, kv_vm, g, vm, forced_routing=buf.routing_log, tie_tol=TIE_TOL, teacher_residuals=buf.residual_log
+    )
+    return model, buf, vm, kv, kv_vm, tables, tokens, flips, kv_free
 
 
 def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
@@ -86,7 +92,7 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -
     assert rel < tol, f"seed {SEED}: {name} relative error {rel:.3e} >= {tol}"
 
 
-def check_step(model, buf, vm, kv, kv_vm, tables, tokens, flips, positions) -> None:
+def check_step(model, buf, vm, kv, kv_vm, tables, tokens, flips, kv_free, positions, vs_reference=True) -> None:
     cfg = model.config
     for layer in range(cfg.num_hidden_layers):
         assert_close(f"residual after layer {layer}", buf.residual_log[layer], vm.residual_log[layer], 2e-2)
@@ -97,9 +103,10 @@ def check_step(model, buf, vm, kv, kv_vm, tables, tokens, flips, positions) -> N
     assert diff < 0.1, f"seed {SEED}: K written differs by {diff:.3g}"
     # The sampled token is the argmax of the kernel's own logits (ties to the lowest id).
     assert torch.equal(buf.sampled.long(), buf.logits.argmax(-1)), f"seed {SEED}"
-    if flips == 0:
-        # Same routing everywhere: the kernel equals the reference model's decode step.
-        expected = model.decode(tokens.cpu(), torch.tensor(positions), kv_vm, tables)
+    if vs_reference:
+        # Free-running, with no help: the reference model's own decode step. Few layers keep
+        # bf16 rounding from flipping experts, so the whole step must agree.
+        expected = model.decode(tokens.cpu(), torch.tensor(positions), kv_free, tables)
         assert_close("logits vs reference decode", buf.logits, expected.to(buf.logits.device), 3e-2)
 
 
@@ -155,5 +162,7 @@ def test_step_matches_reference_at_real_geometry(real_weights, positions):
     weights = real_weights
     max_pages = max(positions) // PAGE_SIZE + 1
     out = run_and_compare(cfg, weights, positions, max_pages, check_graph=False)
-    check_step(*out, positions)
-    print(f"real geometry {positions}: {out[-1]} near-tied expert choices followed the kernel")
+    # 49 layers of near-uniform random routing: free-running comparisons diverge after the first
+    # near-tie flip, so here every layer is checked on the kernel's own input instead.
+    check_step(*out, positions, vs_reference=False)
+    print(f"real geometry {positions}: {out[-2]} near-tied expert choices followed the kernel")

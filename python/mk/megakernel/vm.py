@@ -32,6 +32,7 @@ def run_step(
     buf: StepBuffers,
     forced_routing: torch.Tensor | None = None,
     tie_tol: float = 0.0,
+    teacher_residuals: torch.Tensor | None = None,
 ) -> int:
     """Execute every task of `graph` in its global order; returns how many expert choices
     followed `forced_routing`.
@@ -40,8 +41,13 @@ def run_step(
     top-k task take those experts wherever they are within `tie_tol` of the interpreter's own
     choice (bf16 rounding can flip near-tied experts, and one flip changes everything after
     it); a choice farther off raises RoutingMismatch.
+
+    `teacher_residuals` ([layers, B, hidden], e.g. the kernel's `residual_log`): after each
+    layer, the interpreter records its own residual in `buf.residual_log` and then continues
+    from the teacher's, so every layer is compared on the same input and errors do not compound.
     """
     vm = _Interpreter(model, kv, graph, buf, forced_routing, tie_tol)
+    vm.teacher = teacher_residuals
     for task in graph.order:
         vm.execute(task)
     return vm.forced
@@ -51,6 +57,7 @@ class _Interpreter:
     def __init__(self, model: Model, kv: PagedKV, graph: StepGraph, buf: StepBuffers, forced, tie_tol) -> None:
         self.m, self.cfg, self.w, self.kv, self.g, self.b = model, model.config, model.weights, kv, graph, buf
         self.forced_routing, self.tie_tol, self.forced = forced, tie_tol, 0
+        self.teacher: torch.Tensor | None = None
         self.act = model.dtype
         self.cos, self.sin = cos_sin(self.cfg, buf.positions.long(), model.dtype)
 
@@ -220,6 +227,8 @@ class _Interpreter:
         b.x[row] = b.x[row] + b.y_attn[row] + ffn
         if b.residual_log.numel():
             b.residual_log[layer, row] = b.x[row]
+        if self.teacher is not None:
+            b.x[row] = self.teacher[layer, row].to(b.x.device)
         b.h[row] = rms_norm(b.x[row], self.gamma(layer + 1), self.cfg.rms_norm_eps).to(self.act)
 
     def sample_part(self, layer: int, a: list[int]) -> None:

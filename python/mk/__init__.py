@@ -1,5 +1,15 @@
 """mk: a megakernel serving engine for North Mini Code."""
 
 from mk.config import ModelConfig
+from mk.sampling import SamplingParams
 
-__all__ = ["ModelConfig"]
+__all__ = ["LLM", "ModelConfig", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    # `import mk` stays light (no torch); mk.LLM loads the engine on first use.
+    if name == "LLM":
+        from mk.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'mk' has no attribute {name!r}")

@@ -49,6 +49,8 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
+    # Prompt tokens actually computed (cache hits excluded, recomputation after preemption included).
+    prefill_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:

@@ -20,6 +20,8 @@ class TokenEvent:
     top_logprobs: tuple[tuple[int, float], ...] | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # On a request's first token: prompt tokens served from the prefix cache (None elsewhere).
+    cached_tokens: int | None = None
 
 
 @dataclass(slots=True)

@@ -1,8 +1,10 @@
 //! The PyO3 surface, `mk._native`: thin wrappers that convert arguments and errors. No logic
 //! lives here; each function calls into a plain-Rust module.
 
+mod engine;
 mod errors;
 mod graph;
+mod reference_backend;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -94,5 +96,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(graph::build_step_graph, m)?)?;
     m.add_function(wrap_pyfunction!(graph::step_args_layout, m)?)?;
     m.add_function(wrap_pyfunction!(graph::decode_step, m)?)?;
+    engine::register(m)?;
     Ok(())
 }

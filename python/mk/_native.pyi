@@ -1,0 +1,115 @@
+"""Typed stubs of mk's Rust extension (`rust/python/`). Keep in step with the #[pyfunction]s."""
+
+from typing import Any, Protocol
+
+from mk.config import ModelConfig
+
+# ---- GPU kernels (rust/python/mod.rs) ----------------------------------------------------------
+
+class GpuError(RuntimeError):
+    """The GPU path failed or is unavailable."""
+
+def gpu_available() -> bool: ...
+def build_info() -> dict[str, Any]:
+    """nvcc, gencode, cubins {name: bytes}, abi_version."""
+
+def add_rmsnorm(
+    device: int, stream: int, x: int, delta: int, gamma: int, out: int, rows: int, dim: int, eps: float
+) -> None: ...
+def gemv(device: int, stream: int, w: int, x: int, y: int, n: int, k: int, batch: int) -> None: ...
+
+# ---- decode-step task graph (rust/python/graph.rs) ---------------------------------------------
+
+def build_step_graph(
+    config: ModelConfig,
+    positions: list[int],
+    num_sms: int = 132,
+    attn_chunk: int = 512,
+    row_groups: int = 4,
+    sample_parts: int = 16,
+    check: bool = False,
+) -> dict[str, Any]:
+    """tasks, order (bytes of int32 [.., 16]), num_sms, per_sm, num_counters, slots, max_splits."""
+
+def step_args_layout() -> tuple[list[tuple[str, int, str]], int]: ...
+def decode_step(device: int, stream: int, args: bytes, grid: int) -> None: ...
+
+# ---- the engine (rust/python/engine.rs) --------------------------------------------------------
+
+class QueueFullError(RuntimeError):
+    """The engine's waiting queue is full."""
+
+class EngineStoppedError(RuntimeError):
+    """The engine is shut down."""
+
+class Runner(Protocol):
+    """What the Reference backend calls (mk.runner.ReferenceRunner). `dirty` lists the batch rows
+    whose page-table entries changed: (row, bytes of int32 [layer][page])."""
+
+    def prefill(self, row: int, tokens: list[int], start: int, dirty: list[tuple[int, bytes]], last: bool) -> Any:
+        """float32 buffer of vocab logits when `last`, else anything."""
+
+    def decode(self, rows: list[int], tokens: list[int], positions: list[int], dirty: list[tuple[int, bytes]]) -> Any:
+        """float32 buffer [len(rows), vocab]."""
+
+# (id, token, logprob, top alternatives, finish reason, error, cached prompt tokens)
+EventTuple = tuple[int, int | None, float | None, list[tuple[int, float]] | None, str | None, str | None, int | None]
+
+def kv_blocks_needed(sliding: list[bool], window: int, len: int, chunk: int) -> tuple[int, int]:
+    """(blocks a len-token sequence holds decoding, peak blocks prefilling it in chunks), 64-token pages."""
+
+class Engine:
+    """The decode-loop thread over `runner` (None: a no-op backend that samples `noop_token`)."""
+
+    def __init__(
+        self,
+        runner: Runner | None,
+        *,
+        sliding: list[bool],
+        window: int,
+        num_blocks: int,
+        vocab_size: int,
+        eos_token_id: int | None = None,
+        max_batch: int = 8,
+        max_context: int = 4096,
+        prefill_chunk: int = 512,
+        max_waiting: int = 1024,
+        salt: bytes = b"",
+        check_invariants: bool = False,
+        noop_token: int = 1,
+    ) -> None: ...
+    def submit(
+        self,
+        id: int,
+        prompt: list[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop_token_ids: list[int] = ...,
+        ignore_eos: bool = False,
+        logprobs: int | None = None,
+    ) -> None:
+        """Raises ValueError (bad request), QueueFullError, EngineStoppedError."""
+
+    def cancel(self, id: int) -> None: ...
+    def cancel_all(self) -> None: ...
+    def next_events(self, timeout: float) -> list[EventTuple] | None:
+        """Waits with the GIL released; [] on timeout, None once stopped and drained."""
+
+    def stats(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+    @property
+    def is_running(self) -> bool: ...
+    @property
+    def max_batch(self) -> int: ...
+    @property
+    def max_context(self) -> int: ...
+    @property
+    def prefill_chunk(self) -> int: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...

@@ -1,0 +1,287 @@
+"""`Engine`: the `AsyncEngine` over mk's Rust decode loop (`mk._native.Engine`).
+
+Rust owns the scheduler, the KV block accounting and the loop thread; this module builds the KV
+pool and the reference runner, hands requests over, and delivers tokens. One pump thread waits in
+Rust with the GIL released and dispatches each batch of events to the requests' sinks: asyncio
+queues (through `call_soon_threadsafe`, one call per event loop per batch) or plain callbacks (the
+offline `LLM.generate`). No thread per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import AsyncIterator, Callable
+
+import torch
+
+from mk import _native
+from mk.config import PAGE_SIZE
+from mk.engine_api import EngineClosed, EngineFull, EngineStats, PromptTooLong
+from mk.model.reference import Model
+from mk.outputs import TokenEvent
+from mk.runner import ReferenceRunner
+from mk.sampling import SamplingParams
+
+_U64 = 1 << 64
+
+
+class _Stream:
+    """One request's token stream (`RequestStream`)."""
+
+    def __init__(self, engine: Engine, nid: int, request_id: str, prompt: list[int], sink) -> None:
+        self._engine, self._nid, self._sink = engine, nid, sink
+        self.request_id = request_id
+        self.prompt_token_ids = prompt
+        self.finished = False
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self._engine._native.cancel(self._nid)
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        queue = self._sink.queue
+        try:
+            while True:
+                event = await queue.get()
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            self.cancel()  # the consumer walked away: stop spending steps on it
+
+
+class _AsyncSink:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+
+class _CallbackSink:
+    """Runs `fn(event)` on the pump thread: it must be quick and must not block."""
+
+    def __init__(self, fn: Callable[[TokenEvent], None]) -> None:
+        self.fn = fn
+
+
+class Engine:
+    """mk's engine over the PyTorch reference model (CPU float32/float64 or GPU bf16).
+
+    KV pool: `kv_blocks` blocks, else `kv_bytes`, else on a GPU `kv_fraction` of the memory free
+    after the weights, else (CPU) room for `max_batch` sequences of `max_context` tokens.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        max_batch: int = 8,
+        max_context: int = 4096,
+        prefill_chunk: int = 512,
+        max_waiting: int = 1024,
+        kv_blocks: int | None = None,
+        kv_bytes: int | None = None,
+        kv_fraction: float = 0.9,
+        salt: bytes | None = None,
+        check_invariants: bool = False,
+    ) -> None:
+        cfg = model.config
+        self.config = cfg
+        self.max_batch = max_batch
+        self.max_context = max_context
+        sliding = [cfg.is_sliding(layer) for layer in range(cfg.num_hidden_layers)]
+        decode_need, prefill_need = _native.kv_blocks_needed(sliding, cfg.sliding_window, max_context, prefill_chunk)
+        num_blocks = _pool_blocks(model, kv_blocks, kv_bytes, kv_fraction, max(max_batch * decode_need, prefill_need))
+        self._runner = ReferenceRunner(model, num_blocks, max_batch, max_context)
+        self._native = _native.Engine(
+            self._runner,
+            sliding=sliding,
+            window=cfg.sliding_window,
+            num_blocks=num_blocks,
+            vocab_size=cfg.vocab_size,
+            eos_token_id=cfg.eos_token_id,
+            max_batch=max_batch,
+            max_context=max_context,
+            prefill_chunk=prefill_chunk,
+            max_waiting=max_waiting,
+            salt=salt if salt is not None else repr((cfg, model.dtype, _weights_id(model))).encode(),
+            check_invariants=check_invariants,
+        )
+        self._streams: dict[int, _Stream] = {}
+        self._ids = itertools.count(1)
+        self._draining = False
+        self._closed = False
+        # The pump holds the native engine and the stream table, not `self`, so an engine nobody
+        # references is collected (and its loop stopped by the finalizer).
+        self._pump = threading.Thread(
+            target=_pump, args=(self._native, self._streams), name="mk-event-pump", daemon=True
+        )
+        self._pump.start()
+        self._finalizer = weakref.finalize(self, _native.Engine.close, self._native)
+
+    # ---- AsyncEngine ------------------------------------------------------------------------
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> _Stream:
+        """Queue a request; call from a running event loop, then iterate the stream with `async for`."""
+        return self.submit_with(prompt_token_ids, params, request_id, _AsyncSink(asyncio.get_running_loop()))
+
+    def submit_callback(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        on_event: Callable[[TokenEvent], None],
+        request_id: str | None = None,
+    ) -> _Stream:
+        """Queue a request whose events go to `on_event`, called on the pump thread."""
+        return self.submit_with(prompt_token_ids, params, request_id, _CallbackSink(on_event))
+
+    def submit_with(self, prompt_token_ids, params: SamplingParams, request_id: str | None, sink) -> _Stream:
+        params.validate()
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError("the prompt has no tokens")
+        if len(prompt) + params.max_tokens > self.max_context:
+            raise PromptTooLong(len(prompt), params.max_tokens, self.max_context)
+        if self._draining or self._closed:
+            raise EngineClosed("the engine is shutting down")
+        nid = next(self._ids)
+        stream = _Stream(self, nid, request_id or uuid.uuid4().hex, prompt, sink)
+        self._streams[nid] = stream
+        try:
+            self._native.submit(
+                nid,
+                prompt,
+                max_tokens=params.max_tokens,
+                temperature=float(params.temperature),
+                top_p=float(params.top_p),
+                top_k=max(params.top_k, 0),
+                seed=None if params.seed is None else params.seed % _U64,
+                stop_token_ids=list(params.stop_token_ids),
+                ignore_eos=params.ignore_eos,
+                logprobs=params.logprobs,
+            )
+        except BaseException as e:
+            del self._streams[nid]
+            if isinstance(e, _native.QueueFullError):
+                raise EngineFull(str(e)) from None
+            if isinstance(e, _native.EngineStoppedError):
+                raise EngineClosed(str(e)) from None
+            raise
+        return stream
+
+    def stats(self) -> EngineStats:
+        s = self._native.stats()
+        return EngineStats(
+            running=s["running"],
+            waiting=s["waiting"],
+            kv_blocks_total=s["kv_blocks_total"],
+            kv_blocks_used=s["kv_blocks_total"] - s["kv_blocks_free"],
+            prefix_cache_queries=s["prefix_lookups"],
+            prefix_cache_hits=s["prefix_hits"],
+            prefix_cache_hit_tokens=s["prefix_hit_tokens"],
+            prompt_tokens=s["prompt_tokens"],
+            generated_tokens=s["generated_tokens"],
+            preemptions=s["preemptions"],
+            prefill_tokens=s["prefill_tokens"],
+        )
+
+    def native_stats(self) -> dict[str, int]:
+        """Every counter of the Rust side (KV, prefix cache, loop timing)."""
+        return self._native.stats()
+
+    @property
+    def active_requests(self) -> int:
+        """Requests whose stream has not ended yet."""
+        return len(self._streams)
+
+    async def drain(self, timeout: float) -> None:
+        self._draining = True
+        deadline = time.monotonic() + timeout
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self._streams:
+            self._native.cancel_all()
+        while self._streams and self._pump.is_alive():
+            await asyncio.sleep(0.01)
+
+    def close(self) -> None:
+        """Cancel everything and stop the loop and the pump. Idempotent."""
+        self._closed = True
+        self._finalizer()
+        if self._pump is not threading.current_thread():
+            self._pump.join(timeout=10)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _pump(native: _native.Engine, streams: dict[int, _Stream]) -> None:
+    """Deliver event batches until the engine stops; then end any stream it left open."""
+    while True:
+        batch = native.next_events(0.5)
+        if batch is None:
+            break
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for nid, token, logprob, top, finish, error, cached in batch:
+            stream = streams.get(nid)
+            if stream is None:
+                continue
+            event = TokenEvent(token, logprob, None if top is None else tuple(top), finish, error, cached)
+            if finish is not None:
+                stream.finished = True
+                del streams[nid]
+            _deliver(stream, event, by_loop)
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed: nobody is listening any more
+                pass
+    by_loop = {}
+    for nid, stream in list(streams.items()):
+        stream.finished = True
+        del streams[nid]
+        _deliver(stream, TokenEvent(None, finish_reason="error", error="the engine stopped"), by_loop)
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:
+            pass
+
+
+def _deliver(stream: _Stream, event: TokenEvent, by_loop: dict) -> None:
+    sink = stream._sink
+    if isinstance(sink, _AsyncSink):
+        by_loop.setdefault(sink.loop, []).append((sink.queue, event))
+    else:
+        sink.fn(event)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
+    for queue, event in items:
+        queue.put_nowait(event)
+
+
+def _weights_id(model: Model) -> int:
+    """Distinguishes two models of one geometry in prefix-cache keys (same process)."""
+    return model.weights["model.embed_tokens.weight"].data_ptr()
+
+
+def _pool_blocks(model: Model, blocks: int | None, nbytes: int | None, fraction: float, default: int) -> int:
+    cfg = model.config
+    block_bytes = 2 * PAGE_SIZE * cfg.num_key_value_heads * cfg.head_dim * model.dtype.itemsize
+    if blocks is not None:
+        return blocks
+    if nbytes is not None:
+        return nbytes // block_bytes
+    if model.device.type == "cuda":
+        if not 0 < fraction < 1:
+            raise ValueError(f"kv_fraction must be in (0, 1), got {fraction}")
+        free, _ = torch.cuda.mem_get_info(model.device)
+        return int(free * fraction) // block_bytes
+    return default

@@ -1,0 +1,213 @@
+"""`mk.LLM`: the offline and embedding-friendly face of the engine, shaped like vLLM's.
+
+    llm = mk.LLM()                       # the embedded default model
+    outs = llm.generate(["def f(x):"], mk.SamplingParams(max_tokens=32, temperature=0))
+    print(outs[0].outputs[0].text)
+
+Stop strings are handled here (they need text): the request is cancelled at the first match and
+its text cut before the stop string, with finish reason "stop".
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import torch
+
+from mk.config import ModelConfig
+from mk.engine import Engine
+from mk.model.reference import Model
+from mk.outputs import CompletionOutput, RequestOutput, TokenEvent
+from mk.sampling import SamplingParams
+
+Prompt = str | list[int]
+
+
+def default_model(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """The model `mk.LLM()` serves when given none: for now the tiny geometry with fixed random
+    weights and the built-in tokenizer (the text is noise). The embedded model replaces this."""
+    from mk.model import synthetic_weights
+    from mk.tokenizer_files import build_tokenizer
+
+    cfg = ModelConfig.tiny()
+    model = Model(cfg, synthetic_weights(cfg, seed=0, device=device, dtype=dtype, std=0.1))
+    return model, build_tokenizer(cfg.vocab_size)
+
+
+class _Choice:
+    """One completion being collected: tokens, logprobs, stop-string handling."""
+
+    def __init__(self, tokenizer, params: SamplingParams, index: int) -> None:
+        self.tokenizer, self.params, self.index = tokenizer, params, index
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top: list[tuple[tuple[int, float], ...]] = []
+        self.text: str | None = None
+        self.finish: str | None = None
+        self.cached = 0
+        self.stream = None
+
+    def add(self, event: TokenEvent) -> bool:
+        """Records `event`; True when this completion is over."""
+        if self.finish is not None:
+            return False  # the cancel after a stop-string match
+        if event.cached_tokens is not None:
+            self.cached = event.cached_tokens
+        if event.token_id is not None:
+            self.token_ids.append(event.token_id)
+            if event.logprob is not None:
+                self.logprobs.append(event.logprob)
+                self.top.append(event.top_logprobs or ())
+        if self.params.stop:
+            text = self.tokenizer.decode(self.token_ids)
+            cut = min((i for s in self.params.stop if (i := text.find(s)) >= 0), default=-1)
+            if cut >= 0:
+                self.text, self.finish = text[:cut], "stop"
+                if event.finish_reason is None and self.stream is not None:
+                    self.stream.cancel()
+                return True
+        if event.finish_reason is not None:
+            self.finish = event.finish_reason
+            return True
+        return False
+
+    def output(self) -> CompletionOutput:
+        text = self.text if self.text is not None else self.tokenizer.decode(self.token_ids)
+        want = self.params.logprobs is not None
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=list(self.token_ids),
+            finish_reason=self.finish,
+            logprobs=list(self.logprobs) if want else None,
+            top_logprobs=list(self.top) if want else None,
+        )
+
+
+class LLM:
+    """A model and an engine. `model`: a checkpoint folder (config.json, safetensors,
+    tokenizer.json) or None for the embedded default. Engine options (max_batch, max_context,
+    prefill_chunk, kv_blocks, kv_fraction, ...) pass through to `mk.engine.Engine`."""
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        max_waiting: int = 1 << 20,
+        **engine_options,
+    ) -> None:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        if model is None:
+            self.model, self.tokenizer = default_model(device, dtype)
+        else:
+            from tokenizers import Tokenizer
+
+            from mk.model import load
+
+            self.model = load(model, device=device, dtype=dtype)
+            self.tokenizer = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
+        self.engine = Engine(self.model, max_waiting=max_waiting, **engine_options)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        return list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt).ids
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Runs every prompt (text or token ids) to completion, batched by the engine; results in
+        prompt order. `params`: one for all prompts or one per prompt (default: SamplingParams())."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        done: queue.SimpleQueue[int] = queue.SimpleQueue()
+        results, pending = [], 0
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            ids = self.encode(prompt)
+            choices = [_Choice(self.tokenizer, _choice_params(p, j), j) for j in range(p.n)]
+            results.append((prompt, ids, choices))
+            for c in choices:
+                c.stream = self.engine.submit_callback(ids, c.params, _collector(c, done, i))
+                pending += 1
+        bar = _progress(len(prompts), use_tqdm)
+        left = [len(r[2]) for r in results]
+        while pending:
+            i = done.get()
+            pending -= 1
+            left[i] -= 1
+            if left[i] == 0 and bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [_request_output(str(n), prompt, ids, choices) for n, (prompt, ids, choices) in enumerate(results)]
+
+    async def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields the request's output so far after every token (text and ids cumulative); the
+        last one carries the finish reason. Leaving the loop early cancels the request."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        choice = _Choice(self.tokenizer, _choice_params(params, 0), 0)
+        choice.stream = stream = self.engine.submit(ids, choice.params)
+        async for event in stream:
+            over = choice.add(event)
+            yield _request_output(stream.request_id, prompt, ids, [choice])
+            if over:
+                stream.cancel()
+                return
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _choice_params(p: SamplingParams, j: int) -> SamplingParams:
+    """Choice j of an n-way request: its own stream, seeded seed + j when seeded."""
+    if p.n == 1:
+        return p
+    from dataclasses import replace
+
+    return replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+
+
+def _collector(choice: _Choice, done: queue.SimpleQueue, i: int):
+    def on_event(event: TokenEvent) -> None:
+        if choice.add(event):
+            done.put(i)
+
+    return on_event
+
+
+def _request_output(rid: str, prompt: Prompt, ids: list[int], choices: list[_Choice]) -> RequestOutput:
+    return RequestOutput(
+        request_id=rid,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=ids,
+        outputs=[c.output() for c in choices],
+        cached_tokens=choices[0].cached if choices else 0,
+    )
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generate", unit="prompt")

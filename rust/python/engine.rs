@@ -1,0 +1,237 @@
+//! `mk._native.Engine`: the decode-loop engine over the Python reference runner (or a no-op
+//! backend for benchmarks). Thin: argument conversion only; every wait releases the GIL.
+
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::errors;
+use super::reference_backend::ReferenceBackend;
+use crate::engine::{Engine, EngineConfig, NoopBackend};
+use crate::kv::KvConfig;
+use crate::sched::{Event, Request, SamplingParams, SchedConfig};
+
+/// (request id, token, logprob, top alternatives, finish reason, error, cached prompt tokens)
+type EventTuple =
+    (u64, Option<u32>, Option<f32>, Option<Vec<(u32, f32)>>, Option<&'static str>, Option<String>, Option<usize>);
+
+fn to_tuple(e: Event) -> EventTuple {
+    (e.id, e.token, e.logprob, e.top, e.finish.map(|f| f.as_str()), e.error, e.cached_tokens)
+}
+
+#[pyclass(name = "Engine", module = "mk._native", frozen)]
+pub struct PyEngine {
+    engine: Engine,
+    page_size: usize,
+    num_blocks: usize,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn config(
+    sliding: Vec<bool>,
+    window: usize,
+    num_blocks: usize,
+    vocab_size: usize,
+    eos_token_id: Option<u32>,
+    max_batch: usize,
+    max_context: usize,
+    prefill_chunk: usize,
+    max_waiting: usize,
+    salt: Vec<u8>,
+    check_invariants: bool,
+) -> EngineConfig {
+    EngineConfig {
+        sched: SchedConfig { max_batch, prefill_chunk, max_context, vocab_size, eos_token_id },
+        kv: KvConfig { sliding, window, page_size: 64, num_blocks, salt },
+        max_waiting,
+        check_invariants,
+    }
+}
+
+#[pymethods]
+impl PyEngine {
+    /// Starts the loop thread over `runner` (None: the no-op backend, which "samples"
+    /// `noop_token` every step; for control-plane benchmarks).
+    #[new]
+    #[pyo3(signature = (
+        runner, *, sliding, window, num_blocks, vocab_size, eos_token_id=None, max_batch=8,
+        max_context=4096, prefill_chunk=512, max_waiting=1024, salt=Vec::new(), check_invariants=false,
+        noop_token=1
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        runner: Option<Py<PyAny>>,
+        sliding: Vec<bool>,
+        window: usize,
+        num_blocks: usize,
+        vocab_size: usize,
+        eos_token_id: Option<u32>,
+        max_batch: usize,
+        max_context: usize,
+        prefill_chunk: usize,
+        max_waiting: usize,
+        salt: Vec<u8>,
+        check_invariants: bool,
+        noop_token: u32,
+    ) -> PyResult<Self> {
+        let cfg = config(
+            sliding,
+            window,
+            num_blocks,
+            vocab_size,
+            eos_token_id,
+            max_batch,
+            max_context,
+            prefill_chunk,
+            max_waiting,
+            salt,
+            check_invariants,
+        );
+        let engine = match runner {
+            Some(r) => Engine::start(cfg, ReferenceBackend::new(r, vocab_size)),
+            None => Engine::start(cfg, NoopBackend::new(noop_token)),
+        }
+        .map_err(errors::engine_to_py)?;
+        Ok(Self { engine, page_size: 64, num_blocks })
+    }
+
+    /// Queues request `id` (unique among live requests). Never waits for the loop.
+    #[pyo3(signature = (
+        id, prompt, *, max_tokens, temperature=1.0, top_p=1.0, top_k=0, seed=None,
+        stop_token_ids=Vec::new(), ignore_eos=false, logprobs=None
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit(
+        &self,
+        id: u64,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+        temperature: f32,
+        top_p: f32,
+        top_k: u32,
+        seed: Option<u64>,
+        stop_token_ids: Vec<u32>,
+        ignore_eos: bool,
+        logprobs: Option<u32>,
+    ) -> PyResult<()> {
+        let params =
+            SamplingParams { max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, logprobs };
+        self.engine.submit(Request { id, prompt, params }).map_err(errors::engine_to_py)
+    }
+
+    /// Ends request `id` within one loop iteration (a `cancelled` event follows).
+    fn cancel(&self, id: u64) {
+        self.engine.cancel(id);
+    }
+
+    fn cancel_all(&self) {
+        self.engine.cancel_all();
+    }
+
+    /// Events since the last call as tuples (id, token, logprob, top, finish, error, cached),
+    /// waiting up to `timeout` seconds with the GIL released. [] on timeout; None once the
+    /// engine has stopped and everything was delivered.
+    fn next_events(&self, py: Python<'_>, timeout: f64) -> Option<Vec<EventTuple>> {
+        let timeout = Duration::from_secs_f64(timeout.clamp(0.0, 3600.0));
+        let events = py.detach(|| self.engine.next_events(timeout))?;
+        Some(events.into_iter().map(to_tuple).collect())
+    }
+
+    /// Counters of the scheduler, the KV cache and the loop (refreshed every iteration).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.engine.stats();
+        let d = PyDict::new(py);
+        let (q, kv, m) = (s.sched, s.kv, s.metrics);
+        for (k, v) in [
+            ("running", q.running as u64),
+            ("waiting", q.waiting as u64),
+            ("prompt_tokens", q.prompt_tokens),
+            ("prefill_tokens", q.prefill_tokens),
+            ("generated_tokens", q.generated_tokens),
+            ("preemptions", q.preemptions),
+            ("finished", q.finished),
+            ("kv_blocks_total", kv.total_blocks as u64),
+            ("kv_blocks_free", kv.free_blocks as u64),
+            ("kv_cached_blocks", kv.cached_blocks as u64),
+            ("kv_sequences", kv.sequences as u64),
+            ("prefix_lookups", kv.lookups),
+            ("prefix_lookup_tokens", kv.lookup_tokens),
+            ("prefix_hits", kv.hits),
+            ("prefix_hit_tokens", kv.hit_tokens),
+            ("prefix_evictions", kv.evictions),
+            ("iterations", m.iterations),
+            ("decode_steps", m.decode_steps),
+            ("decode_rows", m.decode_rows),
+            ("prefill_chunks", m.prefill_chunks),
+            ("host_ns", m.host_ns),
+            ("backend_ns", m.backend_ns),
+            ("max_host_ns", m.max_host_ns),
+        ] {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
+    }
+
+    /// Cancels everything and stops the loop thread (GIL released while it finishes).
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| self.engine.shutdown());
+    }
+
+    #[getter]
+    fn is_running(&self) -> bool {
+        self.engine.is_running()
+    }
+
+    #[getter]
+    fn max_batch(&self) -> usize {
+        self.engine.config().max_batch
+    }
+
+    #[getter]
+    fn max_context(&self) -> usize {
+        self.engine.config().max_context
+    }
+
+    #[getter]
+    fn prefill_chunk(&self) -> usize {
+        self.engine.config().prefill_chunk
+    }
+
+    #[getter]
+    fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+}
+
+impl Drop for PyEngine {
+    fn drop(&mut self) {
+        // The loop may be waiting for the GIL inside a runner call: join it with the GIL released.
+        let engine = &self.engine;
+        if Python::try_attach(|py| py.detach(|| engine.shutdown())).is_none() {
+            engine.shutdown();
+        }
+    }
+}
+
+/// Blocks a `len`-token sequence holds while decoding, and at most while prefilling in chunks
+/// of `chunk` tokens, for a model whose layers slide as `sliding` (64-token pages).
+#[pyfunction]
+#[pyo3(signature = (sliding, window, len, chunk))]
+fn kv_blocks_needed(sliding: Vec<bool>, window: usize, len: usize, chunk: usize) -> PyResult<(usize, usize)> {
+    let g = crate::kv::Geometry::new(64, window, sliding).map_err(errors::kv_to_py)?;
+    Ok((g.blocks_needed(len), g.prefill_blocks_needed(len, chunk)))
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyEngine>()?;
+    m.add_function(wrap_pyfunction!(kv_blocks_needed, m)?)?;
+    m.add("QueueFullError", m.py().get_type::<errors::QueueFullError>())?;
+    m.add("EngineStoppedError", m.py().get_type::<errors::EngineStoppedError>())?;
+    Ok(())
+}

@@ -1,0 +1,100 @@
+//! The `Reference` decode backend: the one place the decode loop calls Python. It forwards each
+//! call to a runner object (`mk.runner.ReferenceRunner`: the PyTorch reference model over a paged
+//! KV pool), takes the GIL only for that call, and samples the returned logits in Rust with the
+//! shared sampler after letting the GIL go.
+//!
+//! Runner protocol (positional arguments; `dirty` is a list of `(row, bytes)`, each the row's
+//! entries of every layer as little-endian int32 `[layer][page]`):
+//! - `prefill(row, tokens, start, dirty, last)` → float32 buffer of `vocab` logits if `last`
+//! - `decode(rows, tokens, positions, dirty)` → float32 buffer `[len(rows), vocab]`
+
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList};
+
+use crate::engine::{BackendError, DecodeBackend, DecodeInput, PrefillInput};
+use crate::sampling::{Sampled, Sampler};
+use crate::sched::PageTable;
+
+pub struct ReferenceBackend {
+    runner: Py<PyAny>,
+    vocab: usize,
+    sampler: Sampler,
+    logits: Vec<f32>,
+    row: Vec<i32>,
+}
+
+impl ReferenceBackend {
+    pub fn new(runner: Py<PyAny>, vocab: usize) -> Self {
+        Self { runner, vocab, sampler: Sampler::new(), logits: Vec::new(), row: Vec::new() }
+    }
+
+    fn dirty<'py>(&mut self, py: Python<'py>, table: &PageTable, rows: &[usize]) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        for &r in rows {
+            self.row.clear();
+            table.copy_row(r, &mut self.row);
+            let bytes: Vec<u8> = self.row.iter().flat_map(|v| v.to_le_bytes()).collect();
+            list.append((r, PyBytes::new(py, &bytes)))?;
+        }
+        Ok(list)
+    }
+
+    /// Copies `rows × vocab` float32 logits out of the runner's buffer.
+    fn take_logits(&mut self, py: Python<'_>, out: &Bound<'_, PyAny>, rows: usize) -> PyResult<()> {
+        let buf = PyBuffer::<f32>::get(out)?;
+        if buf.item_count() != rows * self.vocab {
+            return Err(PyValueError::new_err(format!(
+                "the runner returned {} logits; expected {rows} × {}",
+                buf.item_count(),
+                self.vocab
+            )));
+        }
+        self.logits.resize(rows * self.vocab, 0.0);
+        buf.copy_to_slice(py, &mut self.logits)
+    }
+
+    /// Runs `f` holding the GIL; a Python error becomes a backend error (traceback to stderr).
+    fn call(&mut self, f: impl FnOnce(&mut Self, Python<'_>) -> PyResult<()>) -> Result<(), BackendError> {
+        Python::try_attach(|py| {
+            f(self, py).map_err(|e| {
+                e.display(py);
+                BackendError(e.to_string())
+            })
+        })
+        .unwrap_or_else(|| Err(BackendError("the Python interpreter is shutting down".into())))
+    }
+}
+
+impl DecodeBackend for ReferenceBackend {
+    fn prefill(&mut self, input: &PrefillInput<'_>) -> Result<Option<Sampled>, BackendError> {
+        self.call(|me, py| {
+            let dirty = me.dirty(py, input.table, input.dirty_rows)?;
+            let args = (input.row, input.tokens, input.start, dirty, input.last);
+            let out = me.runner.call_method1(py, "prefill", args)?;
+            if input.last {
+                me.take_logits(py, out.bind(py), 1)?;
+            }
+            Ok(())
+        })?;
+        if !input.last {
+            return Ok(None);
+        }
+        self.sampler.sample(&self.logits, &input.spec).map(Some).map_err(|e| BackendError(e.to_string()))
+    }
+
+    fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
+        self.call(|me, py| {
+            let dirty = me.dirty(py, input.table, input.dirty_rows)?;
+            let args = (input.rows, input.tokens, input.positions, dirty);
+            let logits = me.runner.call_method1(py, "decode", args)?;
+            me.take_logits(py, logits.bind(py), input.len())
+        })?;
+        for (i, spec) in input.specs.iter().enumerate() {
+            let row = &self.logits[i * self.vocab..(i + 1) * self.vocab];
+            out.push(self.sampler.sample(row, spec).map_err(|e| BackendError(format!("row {}: {e}", input.rows[i])))?);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,90 @@
+"""`mk.LLM` over the embedded default model: the vLLM-shaped offline `generate` and async
+`stream`, text and ids agreeing, per-prompt parameters, n, stop strings."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import mk
+from mk import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with mk.LLM(device="cpu", max_batch=4, max_context=256, prefill_chunk=64) as llm:
+        yield llm
+        s = llm.engine.native_stats()
+        assert s["kv_blocks_free"] == s["kv_blocks_total"]
+
+
+def test_exports():
+    assert mk.SamplingParams is SamplingParams
+    assert "LLM" in mk.__all__ and mk.LLM.__name__ == "LLM"
+    with pytest.raises(AttributeError):
+        mk.NoSuchThing  # noqa: B018
+
+
+def test_generate_shapes_and_greedy_determinism(llm):
+    prompts = ["def fibonacci(n):", "import os", "x"]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert [o.prompt for o in outs] == prompts
+    for o in outs:
+        c = o.outputs[0]
+        assert len(c.token_ids) == 12 and c.finish_reason == "length"
+        assert c.text == llm.tokenizer.decode(c.token_ids)
+        assert o.prompt_token_ids == llm.tokenizer.encode(o.prompt).ids
+    # Same prompt alone, as token ids: the same tokens (greedy does not depend on the batch).
+    alone = llm.generate(outs[1].prompt_token_ids, params, use_tqdm=False)
+    assert alone[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert alone[0].prompt is None
+
+
+def test_per_prompt_params_n_and_seeds(llm):
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=3, n=3, ignore_eos=True)
+    outs = llm.generate(["a", "b"], [SamplingParams(max_tokens=2, temperature=0), seeded], use_tqdm=False)
+    assert len(outs[0].outputs) == 1 and len(outs[0].outputs[0].token_ids) <= 2
+    choices = [c.token_ids for c in outs[1].outputs]
+    assert [c.index for c in outs[1].outputs] == [0, 1, 2]
+    assert len({tuple(c) for c in choices}) > 1  # seed + j per choice
+    again = llm.generate("b", seeded, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == choices
+    with pytest.raises(ValueError, match="2 prompts"):
+        llm.generate(["a", "b"], [seeded], use_tqdm=False)
+
+
+def test_stop_strings_cut_the_text_and_stop_the_request(llm):
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    full = llm.generate("hello", params, use_tqdm=False)[0].outputs[0]
+    stop = full.text[6:9]
+    assert stop and stop in full.text
+    cut = llm.generate("hello", SamplingParams(**{**_as_dict(params), "stop": [stop]}), use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert len(cut.token_ids) < 40
+
+
+def _as_dict(p: SamplingParams) -> dict:
+    return {f: getattr(p, f) for f in ("max_tokens", "temperature", "ignore_eos")}
+
+
+def test_logprobs_fields(llm):
+    out = llm.generate("q", SamplingParams(max_tokens=3, temperature=0, logprobs=2), use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == len(out.token_ids) == len(out.top_logprobs)
+    assert all(len(t) == 2 and t[0][1] >= t[1][1] for t in out.top_logprobs)
+    assert all(out.top_logprobs[i][0][0] == tok for i, tok in enumerate(out.token_ids))  # greedy = the best
+
+
+def test_stream_yields_cumulative_outputs(llm):
+    async def main():
+        return [o async for o in llm.stream("def f(x):", SamplingParams(max_tokens=5, temperature=0))]
+
+    outs = asyncio.run(main())
+    ids = [o.outputs[0].token_ids for o in outs]
+    assert all(len(b) == len(a) + 1 and b[: len(a)] == a for a, b in zip(ids, ids[1:], strict=False))
+    assert outs[-1].outputs[0].finish_reason is not None
+    assert all(o.outputs[0].finish_reason is None for o in outs[:-1])
+    batch = llm.generate("def f(x):", SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)
+    assert batch[0].outputs[0].token_ids == ids[-1]

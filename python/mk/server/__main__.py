@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def build_state(args: argparse.Namespace) -> ServerState:
     from mk.model import load
-    from mk.reference_engine import ReferenceEngine
+    from mk.engine import Engine
     from mk.tokenizer import Tokenizer
 
     cuda = torch.cuda.is_available()
@@ -196,7 +196,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         model, tokenizer = load_default(device, dtype)
         name, default_context = args.served_model_name or NAME, 8192
     max_context = args.max_context or min(default_context, 1 << 20)
-    engine = ReferenceEngine(
+    engine = Engine(
         model,
         max_batch=args.max_batch,
         max_context=max_context,

@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def build_state(args: argparse.Namespace) -> ServerState:
-    from mk.model import load
     from mk.engine import Engine
+    from mk.model import load
     from mk.tokenizer import Tokenizer
 
     cuda = torch.cuda.is_available()

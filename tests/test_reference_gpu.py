@@ -30,7 +30,8 @@ def test_bf16_logits_track_float32(weights):
     bf = Model(CFG, weights).logits(prompt)
     fp = Model(CFG, {k: v.float() for k, v in weights.items()}).logits(prompt)
     cos = torch.nn.functional.cosine_similarity(bf.double(), fp.double(), dim=-1)
-    assert cos.min() > 0.99, f"min cosine {cos.min():.4f}"
+    # bf16 rounding may flip a near-tied expert at a few positions (cosine ~0.98 there).
+    assert cos.median() > 0.999 and cos.min() > 0.95, f"cosine median {cos.median():.4f}, min {cos.min():.4f}"
 
 
 def test_chunked_prefill_and_decode_match_one_shot_on_gpu(weights):

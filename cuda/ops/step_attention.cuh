@@ -29,16 +29,33 @@ __device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, AttnSmem& s
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     float m_run = -INFINITY, l_run = 0.f;
     const int32_t* table = ptr<int32_t>(a.block_tables) + ((size_t)t.layer * a.batch + b) * a.max_pages;
+    // Each thread carries its share of the next page (4 x 16 B of K and of V) in registers, so
+    // the page's loads are in flight while the current page is computed.
+    constexpr int kVecs = kPage * (kHeadDim / 8) / kThreads;
+    uint4 next_k[kVecs], next_v[kVecs];
+    auto fetch = [&](int page_start) {
+        const int t0 = max(lo, page_start), n = min(hi, page_start + kPage) - t0;
+        const size_t block = (size_t)ld_i32(table + page_start / kPage);
+#pragma unroll
+        for (int r = 0; r < kVecs; ++r) {
+            const int i = threadIdx.x + r * kThreads, j = i / (kHeadDim / 8), c = i % (kHeadDim / 8);
+            if (j < n) {
+                const size_t off = ((block * kPage + (t0 - page_start + j)) * a.kv_heads + kvh) * kHeadDim;
+                next_k[r] = __ldcg(reinterpret_cast<const uint4*>(ptr<bf16>(a.k_pool) + off) + c);
+                next_v[r] = __ldcg(reinterpret_cast<const uint4*>(ptr<bf16>(a.v_pool) + off) + c);
+            }
+        }
+    };
+    fetch(lo - lo % kPage);
     for (int page_start = lo - lo % kPage; page_start < hi; page_start += kPage) {
         const int t0 = max(lo, page_start), t1 = min(hi, page_start + kPage), n = t1 - t0;
-        const size_t block = (size_t)ld_i32(table + page_start / kPage);
         __syncthreads();  // the previous page's smem is no longer read
-        for (int i = threadIdx.x; i < n * (kHeadDim / 8); i += kThreads) {
-            const int j = i / (kHeadDim / 8), c = i % (kHeadDim / 8);
-            const size_t off = ((block * kPage + (t0 - page_start + j)) * a.kv_heads + kvh) * kHeadDim;
-            sm.k[j][c] = __ldcg(reinterpret_cast<const uint4*>(ptr<bf16>(a.k_pool) + off) + c);
-            sm.v[j][c] = __ldcg(reinterpret_cast<const uint4*>(ptr<bf16>(a.v_pool) + off) + c);
+#pragma unroll
+        for (int r = 0; r < kVecs; ++r) {
+            const int i = threadIdx.x + r * kThreads, j = i / (kHeadDim / 8), c = i % (kHeadDim / 8);
+            if (j < n) sm.k[j][c] = next_k[r], sm.v[j][c] = next_v[r];
         }
+        if (page_start + kPage < hi) fetch(page_start + kPage);
         __syncthreads();
         for (int i = threadIdx.x; i < group * n; i += kThreads) {
             const int gg = i / n, j = i % n;

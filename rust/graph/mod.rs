@@ -56,9 +56,11 @@ impl Geometry {
 #[derive(Debug, Clone)]
 pub struct BuildOptions {
     pub num_sms: usize,
-    /// Keys per attention split (a multiple of 64, the page size).
+    /// Keys per attention split (a multiple of 64, the page size), or 0: sized per row so that
+    /// one layer's splits about fill the SMs (at least 2 pages each).
     pub attn_chunk: usize,
-    /// Row groups of 16 per GEMV task for O, FFN down and the LM head (1, 2 or 4).
+    /// Row groups of 16 per GEMV task for expert down projections and the LM head (1, 2 or 4).
+    /// O and the dense down projection, with their long rows, always take 1.
     pub row_groups: usize,
     /// Vocabulary slices per row for sampling.
     pub sample_parts: usize,
@@ -66,7 +68,7 @@ pub struct BuildOptions {
 
 impl Default for BuildOptions {
     fn default() -> Self {
-        BuildOptions { num_sms: 132, attn_chunk: 512, row_groups: 4, sample_parts: 16 }
+        BuildOptions { num_sms: 132, attn_chunk: 0, row_groups: 4, sample_parts: 16 }
     }
 }
 
@@ -146,8 +148,8 @@ fn validate(g: &Geometry, o: &BuildOptions) -> Result<(), GraphError> {
     if g.expert_ffn % 32 != 0 || g.dense_ffn % 32 != 0 || g.vocab % 16 != 0 {
         return bad("FFN widths must be multiples of 32 and the vocabulary of 16".into());
     }
-    if o.num_sms == 0 || o.attn_chunk == 0 || o.attn_chunk % 64 != 0 || ![1, 2, 4].contains(&o.row_groups) {
-        return bad("num_sms > 0, attn_chunk a multiple of 64, row_groups in {1, 2, 4}".into());
+    if o.num_sms == 0 || o.attn_chunk % 64 != 0 || ![1, 2, 4].contains(&o.row_groups) {
+        return bad("num_sms > 0, attn_chunk a multiple of 64 (0: automatic), row_groups in {1, 2, 4}".into());
     }
     Ok(())
 }
@@ -207,11 +209,14 @@ impl Builder<'_> {
             self.gemv(l, (Matrix::DenseGateUp, g.dense_ffn, 1, -1), &[h_ready], counter(l, Counter::FfnUp));
         }
         self.attention(l, positions);
-        self.gemv(l, (Matrix::O, g.hidden, rg, -1), &[counter(l, Counter::Attn)], counter(l, Counter::O));
-        let (down, slots) = if g.moe[l] { (Matrix::ExpertDown, g.slots(self.batch)) } else { (Matrix::DenseDown, 1) };
+        // O and the dense down projection have long rows (4096, 3072): 16-row tasks keep each
+        // task short and spread them over more SMs.
+        self.gemv(l, (Matrix::O, g.hidden, 1, -1), &[counter(l, Counter::Attn)], counter(l, Counter::O));
+        let (down, slots, groups) =
+            if g.moe[l] { (Matrix::ExpertDown, g.slots(self.batch), rg) } else { (Matrix::DenseDown, 1, 1) };
         for s in 0..slots {
             let slot = if g.moe[l] { s as i32 } else { -1 };
-            self.gemv(l, (down, g.hidden, rg, slot), &[counter(l, Counter::FfnUp)], counter(l, Counter::FfnDown));
+            self.gemv(l, (down, g.hidden, groups, slot), &[counter(l, Counter::FfnUp)], counter(l, Counter::FfnDown));
         }
         for b in 0..self.batch {
             self.push(
@@ -225,11 +230,16 @@ impl Builder<'_> {
 
     fn attention(&mut self, l: usize, positions: &[usize]) {
         let g = self.geom;
-        let chunk = self.opts.attn_chunk;
         let mut combines = Vec::new();
+        // Automatic chunks: about num_sms splits per layer in all.
+        let per_row = (self.opts.num_sms / (positions.len() * g.kv_heads)).max(1);
         for (b, &pos) in positions.iter().enumerate() {
             let end = pos + 1;
             let start = g.window[l].map_or(0, |w| end.saturating_sub(w));
+            let chunk = match self.opts.attn_chunk {
+                0 => ((end - start).div_ceil(per_row)).div_ceil(64).max(2) * 64,
+                c => c,
+            };
             let splits = (end - start).div_ceil(chunk);
             self.max_splits = self.max_splits.max(splits);
             for kvh in 0..g.kv_heads {
@@ -371,8 +381,25 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn automatic_chunks_spread_one_layer_over_the_sms() {
+        let geom = gpu_test();
+        let g = build_step(&geom, &[8191], &BuildOptions::default()).unwrap();
+        let splits = g.order.iter().filter(|t| t.op() == Op::AttnSplit && t.layer == 0).count();
+        assert!((100..=132).contains(&splits), "{splits} splits for 132 SMs");
+        let chunk = |t: &MkTask| t.arg[4] - t.arg[3];
+        assert!(g.order.iter().filter(|t| t.op() == Op::AttnSplit).all(|t| chunk(t) >= 1 && chunk(t) <= 256));
+        // Short contexts still get at least two pages per split (but the last).
+        let g = build_step(&geom, &[100, 200], &BuildOptions::default()).unwrap();
+        let ends = [101, 201];
+        for t in g.order.iter().filter(|t| t.op() == Op::AttnSplit) {
+            assert!(chunk(t) == 128 || t.arg[4] == ends[t.arg[0] as usize], "{t:?}");
+        }
+    }
+
+    #[test]
     fn bad_options_are_refused() {
         let opts = BuildOptions { attn_chunk: 100, ..Default::default() };
+        assert!(build_step(&tiny(), &[1], &BuildOptions { row_groups: 3, ..Default::default() }).is_err());
         assert!(matches!(build_step(&tiny(), &[1], &opts), Err(GraphError::Geometry(_))));
         assert_eq!(build_step(&tiny(), &[], &BuildOptions::default()).unwrap_err(), GraphError::EmptyBatch);
     }

@@ -36,7 +36,7 @@ fn geometry_from(cfg: &Bound<'_, PyAny>) -> PyResult<Geometry> {
 /// `order` (bytes of int32 [n, 16], the global order), `per_sm`, `num_counters`, `slots`,
 /// `max_splits`. With `check=True` the static checker runs first and any violation raises.
 #[pyfunction]
-#[pyo3(signature = (config, positions, num_sms=132, attn_chunk=512, row_groups=4, sample_parts=16, check=false))]
+#[pyo3(signature = (config, positions, num_sms=132, attn_chunk=0, row_groups=4, sample_parts=16, check=false))]
 #[allow(clippy::too_many_arguments)]
 pub fn build_step_graph<'py>(
     py: Python<'py>,

@@ -55,7 +55,7 @@ def build(
     cfg: ModelConfig,
     positions: list[int],
     num_sms: int = 132,
-    attn_chunk: int = 512,
+    attn_chunk: int = 0,
     row_groups: int = 4,
     sample_parts: int = 16,
     check: bool = False,

@@ -41,7 +41,7 @@ class MegakernelStep:
     """Runs decode steps of `model` (bf16, on a CUDA device) over the paged cache `kv`."""
 
     def __init__(
-        self, model: Model, kv: PagedKV, max_pages: int, attn_chunk: int = 512, row_groups: int = 4, sample_parts=16
+        self, model: Model, kv: PagedKV, max_pages: int, attn_chunk: int = 0, row_groups: int = 4, sample_parts=16
     ) -> None:
         if model.device.type != "cuda" or model.dtype != torch.bfloat16:
             raise ValueError("the megakernel runs bf16 models on a CUDA device")

@@ -48,6 +48,12 @@ impl<B: DecodeBackend> Core<B> {
 
     /// One iteration; events for the clients are appended to `out`.
     pub fn step(&mut self, out: &mut Vec<Event>) {
+        self.step_with(out, |_: &mut Self, _: &mut Vec<Event>| {});
+    }
+
+    /// One iteration, calling `between` after the prefill chunks and before the decode step (the
+    /// worker delivers first tokens there instead of one decode step later).
+    pub fn step_with(&mut self, out: &mut Vec<Event>, mut between: impl FnMut(&mut Self, &mut Vec<Event>)) {
         let started = Instant::now();
         let mut backend_ns = 0;
         self.sched.admit();
@@ -78,6 +84,9 @@ impl<B: DecodeBackend> Core<B> {
             }
         }
 
+        if !out.is_empty() {
+            between(self, out);
+        }
         self.sched.plan_decode(&mut self.batch, out);
         if !self.batch.is_empty() {
             let input = DecodeInput {

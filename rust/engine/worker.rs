@@ -63,7 +63,10 @@ fn serve<B: DecodeBackend>(shared: &Shared, core: &mut Core<B>, out: &mut Vec<Ev
         if closing {
             core.sched.end_all(FinishReason::Cancelled, None, out);
         } else if core.sched.busy() {
-            core.step(out);
+            core.step_with(out, |core, out| {
+                publish_stats(shared, core);
+                shared.events.push_all(out);
+            });
         }
         let left = core.sched.take_dequeued() + rejected;
         shared.pending.fetch_sub(left, Ordering::AcqRel);

@@ -15,8 +15,9 @@ import torch
 from mk import _native
 from mk.config import PAGE_SIZE, ModelConfig
 from mk.megakernel.launch import MegakernelStep, pack_step_args
+from mk.megakernel.random_cache import random_step_inputs
 from mk.megakernel.vm import run_step
-from mk.model import PageAllocator, synthetic_weights
+from mk.model import synthetic_weights
 from mk.model.reference import Model
 
 SEED = int(os.environ.get("MK_TEST_SEED", str(int.from_bytes(os.urandom(4), "little") % 2**31)))
@@ -33,20 +34,7 @@ def test_pack_step_args_names_missing_and_unknown_fields():
 
 
 def setup_step(model: Model, positions: list[int], max_pages: int, gen: torch.Generator):
-    """A paged cache with random contents mapped for each row up to its write position."""
-    cfg = model.config
-    alloc = PageAllocator(cfg.num_hidden_layers * max_pages * len(positions), seed=SEED)
-    kv = model.new_kv(alloc.num_free)
-    kv.k.normal_(0, 0.5, generator=gen)
-    kv.v.normal_(0, 0.5, generator=gen)
-    tables = []
-    for pos in positions:
-        t = alloc.new_table(cfg, max_pages)
-        alloc.ensure(t, pos + 1)
-        alloc.release_out_of_window(t, cfg, pos)
-        tables.append(t)
-    tokens = torch.randint(0, cfg.vocab_size, (len(positions),), generator=gen, device=gen.device)
-    return kv, tables, tokens
+    return random_step_inputs(model, positions, max_pages, gen, alloc_seed=SEED)
 
 
 # Router logits within this of the interpreter's k-th choice count as tied: bf16 rounding of the

@@ -52,6 +52,10 @@ impl Scheduler {
         if self.waiting.iter().zip(self.waiting.iter().skip(1)).any(|(a, b)| a.arrival >= b.arrival) {
             return Err("the queue is out of arrival order".into());
         }
+        let ids = self.order.iter().filter_map(|&r| self.rows[r].as_ref()).chain(&self.waiting).map(|s| s.id);
+        if ids.clone().count() != self.known.len() || ids.into_iter().any(|id| !self.known.contains(&id)) {
+            return Err("the set of known ids differs from the live and waiting requests".into());
+        }
         if self.waiting.iter().any(|s| s.phase != Phase::Waiting || s.computed != 0) {
             return Err("a waiting request holds state".into());
         }

@@ -24,7 +24,7 @@ pub mod request;
 #[cfg(test)]
 mod tests;
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 
 use crate::kv::{KvConfig, KvError, KvManager, KvStats};
 pub use pagetable::PageTable;
@@ -97,6 +97,8 @@ pub struct Scheduler {
     rows: Vec<Option<Seq>>,
     /// Live rows, oldest arrival first (every live sequence arrived before every waiting one).
     order: Vec<usize>,
+    /// Ids of every live or waiting request (duplicate submissions are refused in O(1)).
+    known: HashSet<RequestId>,
     next_arrival: u64,
     /// Live sequences that have ended; a preemption holds admission until this moves.
     left: u64,
@@ -132,6 +134,7 @@ impl Scheduler {
             table,
             waiting: VecDeque::new(),
             order: Vec::new(),
+            known: HashSet::new(),
             next_arrival: 0,
             left: 0,
             hold: None,
@@ -221,7 +224,7 @@ impl Scheduler {
     /// Queues a request behind every earlier one; `seed` is used when the request names none.
     pub fn submit(&mut self, req: Request, seed: u64) -> Result<(), SubmitError> {
         Self::check_request(&self.cfg, &req)?;
-        if self.find(req.id).is_some() {
+        if !self.known.insert(req.id) {
             return Err(SubmitError::Duplicate(req.id));
         }
         let seed = req.params.seed.unwrap_or(seed);
@@ -232,6 +235,9 @@ impl Scheduler {
 
     /// Where request `id` is: Ok(row) if live, Err(queue index) if waiting.
     fn find(&self, id: RequestId) -> Option<Result<usize, usize>> {
+        if !self.known.contains(&id) {
+            return None;
+        }
         if let Some(&row) = self.order.iter().find(|&&r| self.rows[r].as_ref().is_some_and(|s| s.id == id)) {
             return Some(Ok(row));
         }
@@ -244,6 +250,7 @@ impl Scheduler {
             Some(Ok(row)) => self.end(row, FinishReason::Cancelled, None, out),
             Some(Err(i)) => {
                 let seq = self.waiting.remove(i).expect("index from find");
+                self.known.remove(&seq.id);
                 self.dequeued += usize::from(seq.fresh);
                 out.push(Event::ended(seq.id, FinishReason::Cancelled, None));
             }
@@ -258,6 +265,7 @@ impl Scheduler {
             self.end(row, reason, error.map(str::to_owned), out);
         }
         for seq in self.waiting.drain(..) {
+            self.known.remove(&seq.id);
             self.dequeued += usize::from(seq.fresh);
             out.push(Event::ended(seq.id, reason, error.map(str::to_owned)));
         }
@@ -288,6 +296,7 @@ impl Scheduler {
     /// A live sequence leaves for good: blocks freed, final event emitted.
     fn end(&mut self, row: usize, reason: FinishReason, error: Option<String>, out: &mut Vec<Event>) {
         let seq = self.release(row, reason != FinishReason::Error);
+        self.known.remove(&seq.id);
         self.left += 1;
         self.stats.finished += 1;
         out.push(Event::ended(seq.id, reason, error));

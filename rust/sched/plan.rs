@@ -133,6 +133,7 @@ impl Scheduler {
         self.stats.generated_tokens += 1;
         if event.finish.is_some() {
             self.release(row, true);
+            self.known.remove(&event.id);
             self.left += 1;
             self.stats.finished += 1;
         }

@@ -16,9 +16,7 @@ from pathlib import Path
 
 import torch
 
-from mk.config import ModelConfig
 from mk.engine import Engine
-from mk.model.reference import Model
 from mk.outputs import CompletionOutput, RequestOutput, TokenEvent
 from mk.sampling import SamplingParams
 
@@ -26,14 +24,11 @@ Prompt = str | list[int]
 
 
 def default_model(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """The model `mk.LLM()` serves when given none: for now the tiny geometry with fixed random
-    weights and the built-in tokenizer (the text is noise). The embedded model replaces this."""
-    from mk.model import synthetic_weights
-    from mk.tokenizer_files import build_tokenizer
+    """The model `mk.LLM()` serves when given none: the server's default (mk.default_model)."""
+    from mk.default_model import load_default
 
-    cfg = ModelConfig.tiny()
-    model = Model(cfg, synthetic_weights(cfg, seed=0, device=device, dtype=dtype, std=0.1))
-    return model, build_tokenizer(cfg.vocab_size)
+    model, tokenizer = load_default(device, dtype)
+    return model, tokenizer.hf
 
 
 class _Choice:

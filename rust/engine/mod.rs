@@ -4,6 +4,7 @@
 pub mod backend;
 pub mod core;
 pub mod events;
+pub mod megakernel;
 pub mod noop;
 mod worker;
 

@@ -4,11 +4,15 @@
 //! Python package imports on machines with no GPU; only opening a device reports an error there.
 
 pub mod abi;
+pub mod compact;
+pub mod step;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, DriverError, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaModule, CudaStream, DriverError, LaunchConfig, PushKernelArg,
+};
 use cudarc::nvrtc::Ptx;
 
 mod embedded {
@@ -170,6 +174,15 @@ impl Gpu {
     /// Multiprocessors of the device: the decode step runs one block on each.
     pub fn num_sms(&self) -> u32 {
         self.num_sms
+    }
+
+    /// A handle for enqueueing on `stream`, a stream its owner (PyTorch) created on this device.
+    ///
+    /// # Safety
+    /// `stream` must be a stream of this device's primary context (or null, the legacy default
+    /// stream) and outlive the handle and everything allocated on it.
+    pub unsafe fn borrow_stream(&self, stream: sys::CUstream) -> Arc<CudaStream> {
+        self.ctx.wrap_borrowed_stream(stream)
     }
 
     /// One decode step of the megakernel over `grid` blocks (one per task list).

@@ -21,6 +21,8 @@ pub struct MkTask {
 
 // SAFETY: plain-old-data with the C layout of MkTask.
 unsafe impl cudarc::driver::DeviceRepr for MkTask {}
+// SAFETY: all-zero words are a valid task (a NOP).
+unsafe impl cudarc::driver::ValidAsZeroBits for MkTask {}
 
 #[repr(i32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,0 +1,212 @@
+//! The decode half of the megakernel backend: one kernel launch per step of at most
+//! `max_rows` rows (the engine's rows are split into consecutive launches when there are more),
+//! then one `Sampled` per row.
+//!
+//! Sampling: the kernel samples greedily (argmax, ties to the lowest id), which is what
+//! `Sampler` does for a greedy spec. Rows that ask for temperature, top-k / top-p or logprobs get
+//! their fp32 logits copied back and go through the shared `Sampler` (the same Philox rule, so a
+//! seed gives the same tokens on every backend). That copy is the fallback until the kernel
+//! samples with Gumbel noise itself.
+
+use super::backend::{BackendError, DecodeInput};
+use crate::gpu::step::{StepRows, StepRunner};
+use crate::sampling::{SampleSpec, Sampled, Sampler};
+
+/// Runs one launch (the GPU's `StepRunner`; a mock in tests).
+pub trait StepLauncher {
+    fn max_rows(&self) -> usize;
+    fn vocab(&self) -> usize;
+    /// `sampled` gets every row's greedy token, `logits` the logits of each wanted row in order.
+    fn launch(
+        &mut self,
+        step: &StepRows<'_>,
+        sampled: &mut Vec<u32>,
+        logits: &mut Vec<f32>,
+    ) -> Result<(), BackendError>;
+}
+
+impl StepLauncher for StepRunner {
+    fn max_rows(&self) -> usize {
+        StepRunner::max_rows(self)
+    }
+
+    fn vocab(&self) -> usize {
+        StepRunner::vocab(self)
+    }
+
+    fn launch(
+        &mut self,
+        step: &StepRows<'_>,
+        sampled: &mut Vec<u32>,
+        logits: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        self.run(step, sampled, logits).map_err(|e| BackendError(format!("megakernel step: {e}")))
+    }
+}
+
+/// Whether a row's token needs the host sampler (and so its logits).
+pub fn needs_logits(spec: &SampleSpec) -> bool {
+    !spec.is_greedy() || spec.logprobs.is_some()
+}
+
+pub struct MegakernelDecoder<L> {
+    pub launcher: L,
+    sampler: Sampler,
+    want: Vec<bool>,
+    sampled: Vec<u32>,
+    logits: Vec<f32>,
+}
+
+impl<L: StepLauncher> MegakernelDecoder<L> {
+    pub fn new(launcher: L) -> Self {
+        Self { launcher, sampler: Sampler::new(), want: Vec::new(), sampled: Vec::new(), logits: Vec::new() }
+    }
+
+    /// One decode step of `input`'s rows: launches of at most `max_rows` consecutive rows each.
+    pub fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
+        let per_launch = self.launcher.max_rows().max(1);
+        let vocab = self.launcher.vocab();
+        for start in (0..input.len()).step_by(per_launch) {
+            let r = start..(start + per_launch).min(input.len());
+            let specs = &input.specs[r.clone()];
+            self.want.clear();
+            self.want.extend(specs.iter().map(needs_logits));
+            self.sampled.clear();
+            self.logits.clear();
+            let step = StepRows {
+                rows: &input.rows[r.clone()],
+                tokens: &input.tokens[r.clone()],
+                positions: &input.positions[r.clone()],
+                table: input.table,
+                want_logits: &self.want,
+            };
+            self.launcher.launch(&step, &mut self.sampled, &mut self.logits)?;
+            if self.sampled.len() != specs.len()
+                || self.logits.len() != vocab * self.want.iter().filter(|&&w| w).count()
+            {
+                return Err(BackendError("the launch returned the wrong number of tokens or logits".into()));
+            }
+            let mut logits = self.logits.chunks_exact(vocab);
+            for (i, spec) in specs.iter().enumerate() {
+                let row = input.rows[start + i];
+                if self.want[i] {
+                    let l = logits.next().expect("counted above");
+                    out.push(self.sampler.sample(l, spec).map_err(|e| BackendError(format!("row {row}: {e}")))?);
+                } else if (self.sampled[i] as usize) < vocab {
+                    out.push(Sampled::token(self.sampled[i]));
+                } else {
+                    // The kernel found no finite logit (it writes `vocab` then).
+                    return Err(BackendError(format!("row {row}: the logits row has no finite value")));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sched::PageTable;
+
+    /// Logits that depend on (token, position): greedy picks (token + position) % vocab.
+    fn fake_logits(token: u32, pos: u32, vocab: usize) -> Vec<f32> {
+        let best = (token + pos) as usize % vocab;
+        (0..vocab).map(|v| if v == best { 5.0 } else { (v % 7) as f32 * 0.5 }).collect()
+    }
+
+    struct Mock {
+        max_rows: usize,
+        vocab: usize,
+        launches: Vec<Vec<usize>>,
+    }
+
+    impl StepLauncher for Mock {
+        fn max_rows(&self) -> usize {
+            self.max_rows
+        }
+        fn vocab(&self) -> usize {
+            self.vocab
+        }
+        fn launch(
+            &mut self,
+            s: &StepRows<'_>,
+            sampled: &mut Vec<u32>,
+            logits: &mut Vec<f32>,
+        ) -> Result<(), BackendError> {
+            assert!(s.rows.len() <= self.max_rows && s.rows.windows(2).all(|w| w[0] < w[1]));
+            self.launches.push(s.rows.to_vec());
+            for i in 0..s.rows.len() {
+                let l = fake_logits(s.tokens[i], s.positions[i], self.vocab);
+                sampled.push(if s.tokens[i] == 999 { self.vocab as u32 } else { argmax(&l) });
+                if s.want_logits[i] {
+                    logits.extend_from_slice(&l);
+                }
+            }
+            Ok(())
+        }
+    }
+
+    fn argmax(l: &[f32]) -> u32 {
+        (0..l.len()).max_by(|&a, &b| l[a].total_cmp(&l[b]).then(b.cmp(&a))).unwrap() as u32
+    }
+
+    fn seeded(index: u32) -> SampleSpec {
+        SampleSpec { temperature: 0.8, top_p: 0.9, top_k: 20, seed: 42, index, logprobs: None }
+    }
+
+    #[test]
+    fn sparse_rows_split_into_launches_and_sample_like_the_host() {
+        let vocab = 64;
+        let rows: Vec<usize> = vec![0, 2, 3, 5, 8, 9, 11, 15, 16, 20];
+        let tokens: Vec<u32> = (0..10).map(|i| 3 * i + 1).collect();
+        let positions: Vec<u32> = (0..10).map(|i| 100 + 7 * i).collect();
+        let mut specs: Vec<SampleSpec> = (0..10).map(SampleSpec::greedy).collect();
+        specs[1] = seeded(1);
+        specs[4] = SampleSpec { logprobs: Some(3), ..SampleSpec::greedy(4) };
+        specs[9] = seeded(9);
+        let table = PageTable::new(2, 21, 4);
+        let input = DecodeInput {
+            rows: &rows,
+            tokens: &tokens,
+            positions: &positions,
+            specs: &specs,
+            table: &table,
+            dirty_rows: &[],
+        };
+        let mut dec = MegakernelDecoder::new(Mock { max_rows: 4, vocab, launches: Vec::new() });
+        let mut out = Vec::new();
+        dec.decode(&input, &mut out).unwrap();
+        assert_eq!(dec.launcher.launches, vec![vec![0, 2, 3, 5], vec![8, 9, 11, 15], vec![16, 20]]);
+        let mut sampler = Sampler::new();
+        let want: Vec<Sampled> =
+            (0..10).map(|i| sampler.sample(&fake_logits(tokens[i], positions[i], vocab), &specs[i]).unwrap()).collect();
+        assert_eq!(out, want);
+        assert_eq!(out[4].top.len(), 3);
+    }
+
+    #[test]
+    fn a_row_without_a_finite_logit_is_an_error() {
+        let table = PageTable::new(1, 2, 1);
+        let specs = [SampleSpec::greedy(0), SampleSpec::greedy(0)];
+        let input = DecodeInput {
+            rows: &[0, 1],
+            tokens: &[1, 999],
+            positions: &[0, 0],
+            specs: &specs,
+            table: &table,
+            dirty_rows: &[],
+        };
+        let mut dec = MegakernelDecoder::new(Mock { max_rows: 8, vocab: 16, launches: Vec::new() });
+        let err = dec.decode(&input, &mut Vec::new()).unwrap_err();
+        assert!(err.0.contains("row 1"), "{err}");
+    }
+
+    #[test]
+    fn only_sampled_or_logprob_rows_need_logits() {
+        assert!(!needs_logits(&SampleSpec::greedy(0)));
+        assert!(!needs_logits(&SampleSpec { top_k: 1, ..seeded(0) })); // top-1 is greedy
+        assert!(needs_logits(&seeded(0)));
+        assert!(needs_logits(&SampleSpec { logprobs: Some(0), ..SampleSpec::greedy(0) }));
+    }
+}

@@ -1,0 +1,371 @@
+//! One decode step of the megakernel as the engine runs it: build the task graph for the rows,
+//! upload tasks, tokens, positions and the compacted page tables, launch `mk_decode_step` on the
+//! engine's stream, and copy back the sampled tokens (and the logits of rows that need them).
+//!
+//! Python owns the model's tensors (weights, KV pool, activation buffers, pointer tables) and
+//! hands their addresses over once, packed as an `MkStepArgs` template; this side owns the
+//! per-step indices (tasks, tokens, positions, tables) and the dependency counters.
+
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaSlice, CudaStream, DevicePtr, DriverError};
+
+use super::compact::{check_mapped, compact_tables, step_pages};
+use super::{Gpu, GpuError, MkStepArgs};
+use crate::graph::task::MkTask;
+use crate::graph::{build_step, BuildOptions, Geometry};
+use crate::sched::PageTable;
+
+/// Rows one launch can take: the kernel's GEMV tile covers one n-tile of 8 rows (v0).
+pub const MAX_STEP_ROWS: usize = 8;
+
+/// What Python allocated, described once at construction.
+#[derive(Debug, Clone)]
+pub struct StepSetup {
+    /// Addresses of everything Python owns and the model's dimensions. The per-step fields
+    /// (tasks, counters, tokens, positions, block_tables, per_sm, num_counters, parity, batch,
+    /// max_pages, max_splits, slots, sample_parts) are ignored and filled in here.
+    pub args: MkStepArgs,
+    pub geometry: Geometry,
+    /// Rows the activation buffers hold (at most `MAX_STEP_ROWS`).
+    pub rows: usize,
+    /// Attention partials per (row, KV head) the buffers hold.
+    pub max_splits: usize,
+    /// MoE slots the expert buffers hold.
+    pub slots: usize,
+    /// Pages per row of the engine's page table (this side's table buffer is that wide).
+    pub max_pages: usize,
+    /// Blocks of the KV pool: every table entry a step uses must be below it.
+    pub num_blocks: usize,
+    /// Task decomposition (`num_sms` is taken from the device).
+    pub options: BuildOptions,
+}
+
+/// One launch's rows, in step order.
+#[derive(Debug, Clone, Copy)]
+pub struct StepRows<'a> {
+    /// Engine rows: where each step row's pages are in `table`.
+    pub rows: &'a [usize],
+    pub tokens: &'a [u32],
+    pub positions: &'a [u32],
+    pub table: &'a PageTable,
+    /// Rows whose fp32 logits must come back (sampled on the host).
+    pub want_logits: &'a [bool],
+}
+
+pub struct StepRunner {
+    gpu: Arc<Gpu>,
+    stream: Arc<CudaStream>,
+    setup: StepSetup,
+    tasks: Option<CudaSlice<MkTask>>,
+    tokens: CudaSlice<i32>,
+    positions: CudaSlice<i32>,
+    tables: CudaSlice<i32>,
+    /// uint32 [2][num_counters]; launch s uses set s % 2 and zeroes the other.
+    counters: CudaSlice<u32>,
+    num_counters: usize,
+    parity: i32,
+    host_positions: Vec<usize>,
+    host_i32: Vec<i32>,
+    host_tables: Vec<i32>,
+}
+
+fn invalid(msg: String) -> GpuError {
+    GpuError::InvalidArgument(msg)
+}
+
+fn driver(action: &'static str) -> impl FnOnce(DriverError) -> GpuError {
+    move |source| GpuError::Driver { action, source }
+}
+
+impl StepRunner {
+    /// Allocates this side's buffers on `stream` (the engine's stream, kept alive by its owner
+    /// for as long as this runner lives).
+    ///
+    /// # Safety
+    /// Every address in `setup.args` must be live device memory of `gpu`'s device, laid out as
+    /// python/mk/megakernel/state.py describes for `setup.rows` rows, `setup.max_splits` splits,
+    /// `setup.slots` slots and `setup.options.sample_parts` parts, for as long as this runner lives.
+    pub unsafe fn new(gpu: Arc<Gpu>, stream: sys::CUstream, mut setup: StepSetup) -> Result<Self, GpuError> {
+        setup.options.num_sms = gpu.num_sms() as usize;
+        validate(&setup)?;
+        let stream = gpu.borrow_stream(stream);
+        let layers = setup.geometry.layers();
+        let num_counters = crate::graph::task::num_counters(layers);
+        let alloc = |n: usize| stream.alloc_zeros::<i32>(n.max(1)).map_err(driver("allocate step inputs"));
+        let tokens = alloc(setup.rows)?;
+        let positions = alloc(setup.rows)?;
+        let tables = alloc(layers * setup.rows * setup.max_pages)?;
+        let counters = stream.alloc_zeros::<u32>(2 * num_counters).map_err(driver("allocate the counters"))?;
+        Ok(Self {
+            gpu,
+            stream,
+            setup,
+            tasks: None,
+            tokens,
+            positions,
+            tables,
+            counters,
+            num_counters,
+            parity: 0,
+            host_positions: Vec::new(),
+            host_i32: Vec::new(),
+            host_tables: Vec::new(),
+        })
+    }
+
+    pub fn max_rows(&self) -> usize {
+        self.setup.rows
+    }
+
+    pub fn vocab(&self) -> usize {
+        self.setup.geometry.vocab
+    }
+
+    /// Runs one step over `step` (1..=max_rows rows) and waits for it. `sampled` receives the
+    /// kernel's greedy token of every row; `logits` the `vocab` logits of each row with
+    /// `want_logits`, in row order.
+    pub fn run(&mut self, step: &StepRows<'_>, sampled: &mut Vec<u32>, logits: &mut Vec<f32>) -> Result<(), GpuError> {
+        let b = step.rows.len();
+        if b == 0 || b > self.setup.rows {
+            return Err(invalid(format!("a launch takes 1 to {} rows, got {b}", self.setup.rows)));
+        }
+        if step.tokens.len() != b || step.positions.len() != b || step.want_logits.len() != b {
+            return Err(invalid("rows, tokens, positions and want_logits differ in length".into()));
+        }
+        let g = &self.setup.geometry;
+        if let Some(t) = step.tokens.iter().find(|&&t| t as usize >= g.vocab) {
+            return Err(invalid(format!("token {t} is outside the vocabulary of {}", g.vocab)));
+        }
+        let table = step.table;
+        if table.layers() != g.layers() || table.max_pages() > self.setup.max_pages {
+            return Err(invalid(format!(
+                "the page table ({} layers, {} pages) does not fit this runner ({} layers, {} pages)",
+                table.layers(),
+                table.max_pages(),
+                g.layers(),
+                self.setup.max_pages
+            )));
+        }
+
+        self.host_positions.clear();
+        self.host_positions.extend(step.positions.iter().map(|&p| p as usize));
+        // Not checked per step: the builder is what the static checker tests prove correct.
+        let graph = build_step(g, &self.host_positions, &self.setup.options).map_err(|e| invalid(e.to_string()))?;
+        if graph.max_splits > self.setup.max_splits || graph.slots > self.setup.slots {
+            return Err(invalid(format!(
+                "the step needs {} attention splits and {} MoE slots; the buffers hold {} and {}",
+                graph.max_splits, graph.slots, self.setup.max_splits, self.setup.slots
+            )));
+        }
+        let (tasks, per_sm) = graph.padded();
+        let pages = step_pages(step.positions);
+        if pages > table.max_pages() {
+            return Err(invalid(format!("a position needs page {} of a {}-page table", pages - 1, table.max_pages())));
+        }
+        compact_tables(table, step.rows, pages, &mut self.host_tables);
+        check_mapped(&self.host_tables, step.positions, pages, &g.window, self.setup.num_blocks).map_err(invalid)?;
+
+        self.upload(&tasks, step)?;
+        let mut args = self.setup.args;
+        args.tasks = ptr(self.tasks.as_ref().expect("uploaded"), &self.stream);
+        args.counters = ptr(&self.counters, &self.stream);
+        args.tokens = ptr(&self.tokens, &self.stream);
+        args.positions = ptr(&self.positions, &self.stream);
+        args.block_tables = ptr(&self.tables, &self.stream);
+        args.per_sm = per_sm as i32;
+        args.num_counters = self.num_counters as i32;
+        args.parity = self.parity;
+        args.batch = b as i32;
+        args.max_pages = pages as i32;
+        args.max_splits = self.setup.max_splits as i32;
+        args.slots = graph.slots as i32;
+        args.sample_parts = self.setup.options.sample_parts as i32;
+        // SAFETY: the addresses are Python's live buffers (see `new`) and this runner's, sized
+        // for at least `b` rows, `pages` pages, these splits and slots (checked above); the task
+        // lists come from `build_step`, whose graphs the static checker's tests cover.
+        unsafe { self.gpu.decode_step(&args, graph.per_sm.len() as u32, self.stream.cu_stream())? };
+        self.parity ^= 1;
+        self.download(step, sampled, logits)
+    }
+
+    fn upload(&mut self, tasks: &[MkTask], step: &StepRows<'_>) -> Result<(), GpuError> {
+        let s = &self.stream;
+        if self.tasks.as_ref().is_none_or(|t| t.len() < tasks.len()) {
+            // Grows rarely (longer contexts add attention splits); the old buffer is freed in
+            // stream order, after the launches that read it.
+            let cap = tasks.len().next_power_of_two();
+            self.tasks = Some(s.alloc_zeros::<MkTask>(cap).map_err(driver("allocate the task lists"))?);
+        }
+        let dst = self.tasks.as_mut().expect("allocated");
+        s.memcpy_htod(tasks, &mut dst.slice_mut(..tasks.len())).map_err(driver("upload the task lists"))?;
+        let b = step.rows.len();
+        self.host_i32.clear();
+        self.host_i32.extend(step.tokens.iter().map(|&t| t as i32));
+        s.memcpy_htod(&self.host_i32[..], &mut self.tokens.slice_mut(..b)).map_err(driver("upload the tokens"))?;
+        self.host_i32.clear();
+        self.host_i32.extend(step.positions.iter().map(|&p| p as i32));
+        s.memcpy_htod(&self.host_i32[..], &mut self.positions.slice_mut(..b))
+            .map_err(driver("upload the positions"))?;
+        let n = self.host_tables.len();
+        s.memcpy_htod(&self.host_tables[..], &mut self.tables.slice_mut(..n)).map_err(driver("upload the page tables"))
+    }
+
+    fn download(&mut self, step: &StepRows<'_>, sampled: &mut Vec<u32>, logits: &mut Vec<f32>) -> Result<(), GpuError> {
+        let b = step.rows.len();
+        let vocab = self.setup.geometry.vocab;
+        let s = self.stream.cu_stream();
+        self.stream.context().bind_to_thread().map_err(driver("bind the context"))?;
+        self.host_i32.clear();
+        self.host_i32.resize(b, -1);
+        // SAFETY: `sampled` is int32 [rows] and `logits` fp32 [rows, vocab] of Python's buffers;
+        // the copies are ordered after the launch on the same stream, and the host waits below.
+        unsafe {
+            result::memcpy_dtoh_async(&mut self.host_i32[..], self.setup.args.sampled, s)
+                .map_err(driver("copy back the sampled tokens"))?;
+            for (i, _) in step.want_logits.iter().enumerate().filter(|(_, &w)| w) {
+                let at = logits.len();
+                logits.resize(at + vocab, 0.0);
+                let src = self.setup.args.logits + (i * vocab * size_of::<f32>()) as u64;
+                result::memcpy_dtoh_async(&mut logits[at..], src, s).map_err(driver("copy back logits"))?;
+            }
+        }
+        self.stream.synchronize().map_err(driver("run the decode step"))?;
+        sampled.extend(self.host_i32.iter().map(|&t| t as u32));
+        Ok(())
+    }
+}
+
+fn ptr<T>(slice: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    let (p, _sync) = slice.device_ptr(stream);
+    p
+}
+
+/// The template must describe the geometry the graphs are built for, and hold every buffer.
+fn validate(s: &StepSetup) -> Result<(), GpuError> {
+    let (a, g) = (&s.args, &s.geometry);
+    let dims = [
+        ("layers", a.layers, g.layers()),
+        ("hidden", a.hidden, g.hidden),
+        ("heads", a.heads, g.heads),
+        ("kv_heads", a.kv_heads, g.kv_heads),
+        ("head_dim", a.head_dim, g.head_dim),
+        ("experts", a.experts, g.experts),
+        ("top_k", a.top_k, g.top_k),
+        ("expert_ffn", a.expert_ffn, g.expert_ffn),
+        ("dense_ffn", a.dense_ffn, g.dense_ffn),
+        ("vocab", a.vocab, g.vocab),
+    ];
+    for (name, got, want) in dims {
+        if got as usize != want {
+            return Err(invalid(format!("MkStepArgs.{name} is {got}, the model's geometry says {want}")));
+        }
+    }
+    let pointers = [
+        ("layer_weights", a.layer_weights),
+        ("expert_weights", a.expert_weights),
+        ("layer_window", a.layer_window),
+        ("layer_rope", a.layer_rope),
+        ("embed", a.embed),
+        ("final_norm", a.final_norm),
+        ("k_pool", a.k_pool),
+        ("v_pool", a.v_pool),
+        ("x", a.x),
+        ("h", a.h),
+        ("q", a.q),
+        ("attn_o", a.attn_o),
+        ("attn_ml", a.attn_ml),
+        ("attn_out", a.attn_out),
+        ("y_attn", a.y_attn),
+        ("router", a.router),
+        ("topk_slot", a.topk_slot),
+        ("topk_score", a.topk_score),
+        ("slot_expert", a.slot_expert),
+        ("slot_count", a.slot_count),
+        ("dense_act", a.dense_act),
+        ("expert_act", a.expert_act),
+        ("ffn_out", a.ffn_out),
+        ("expert_out", a.expert_out),
+        ("logits", a.logits),
+        ("sample_score", a.sample_score),
+        ("sample_id", a.sample_id),
+        ("sampled", a.sampled),
+        ("routing_log", a.routing_log),
+    ];
+    if let Some((name, _)) = pointers.iter().find(|(_, p)| *p == 0) {
+        return Err(invalid(format!("MkStepArgs.{name} is a null pointer")));
+    }
+    if s.rows == 0 || s.rows > MAX_STEP_ROWS {
+        return Err(invalid(format!("a launch holds 1 to {MAX_STEP_ROWS} rows, got buffers for {}", s.rows)));
+    }
+    if s.max_splits == 0 || s.max_splits > s.options.num_sms || s.slots < g.slots(s.rows) || s.max_pages == 0 {
+        return Err(invalid(format!(
+            "buffers for {} splits (1..={} SMs), {} slots (at least {}) and {} pages (at least 1)",
+            s.max_splits,
+            s.options.num_sms,
+            s.slots,
+            g.slots(s.rows),
+            s.max_pages
+        )));
+    }
+    if s.options.attn_chunk != 0 {
+        // A fixed chunk can need more splits than the buffers hold at long contexts.
+        return Err(invalid("the engine sizes attention splits automatically (attn_chunk 0)".into()));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A setup that passes: every address non-null, the GPU-test geometry, 8 rows.
+    fn setup() -> StepSetup {
+        let geometry = crate::graph::tests::gpu_test();
+        let mut args = MkStepArgs {
+            layers: geometry.layers() as i32,
+            hidden: 2048,
+            heads: 32,
+            kv_heads: 4,
+            head_dim: 128,
+            experts: 32,
+            top_k: 8,
+            expert_ffn: 768,
+            dense_ffn: 3072,
+            vocab: 32768,
+            ..Default::default()
+        };
+        // Every u64 field is an address here; give each a distinct non-null value.
+        let base = std::ptr::addr_of_mut!(args).cast::<u8>();
+        for (i, (_, offset, kind)) in MkStepArgs::layout().into_iter().enumerate() {
+            if kind == "u64" {
+                // SAFETY: `offset` is a u64 field of `args` (from its own layout table).
+                unsafe { base.add(offset).cast::<u64>().write_unaligned(0x1000 * (i as u64 + 1)) };
+            }
+        }
+        args.residual_log = 0;
+        let options = BuildOptions { num_sms: 132, ..Default::default() };
+        StepSetup { args, geometry, rows: 8, max_splits: 132, slots: 32, max_pages: 128, num_blocks: 1000, options }
+    }
+
+    #[test]
+    fn a_complete_setup_passes() {
+        validate(&setup()).unwrap();
+    }
+
+    #[test]
+    fn a_setup_that_does_not_fit_is_refused() {
+        let err = |s: StepSetup| validate(&s).unwrap_err().to_string();
+        let mut s = setup();
+        s.args.vocab = 262144;
+        assert!(err(s).contains("MkStepArgs.vocab is 262144, the model's geometry says 32768"));
+        let mut s = setup();
+        s.args.routing_log = 0; // written by every TOPK task: it must exist
+        assert!(err(s).contains("routing_log is a null pointer"));
+        assert!(err(StepSetup { rows: 9, ..setup() }).contains("1 to 8 rows"));
+        assert!(err(StepSetup { max_splits: 133, ..setup() }).contains("133 splits"));
+        assert!(err(StepSetup { slots: 31, ..setup() }).contains("31 slots"));
+        let fixed = BuildOptions { attn_chunk: 256, ..setup().options };
+        assert!(err(StepSetup { options: fixed, ..setup() }).contains("automatically"));
+    }
+}

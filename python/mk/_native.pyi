@@ -52,6 +52,14 @@ class Runner(Protocol):
     def decode(self, rows: list[int], tokens: list[int], positions: list[int], dirty: list[tuple[int, bytes]]) -> Any:
         """float32 buffer [len(rows), vocab]."""
 
+class MegakernelRunner(Runner, Protocol):
+    """What the Megakernel backend calls (mk.megakernel.runner.MegakernelRunner): `prefill` as
+    above (never `decode`), and once at construction `megakernel_setup()` → device, stream,
+    step_args (bytes of an MkStepArgs template), rows, max_splits, slots, max_pages, num_blocks,
+    attn_chunk, row_groups, sample_parts; `model.config` gives the geometry."""
+
+    def megakernel_setup(self) -> dict[str, Any]: ...
+
 # (id, token, logprob, top alternatives, finish reason, error, cached prompt tokens)
 EventTuple = tuple[int, int | None, float | None, list[tuple[int, float]] | None, str | None, str | None, int | None]
 
@@ -59,7 +67,9 @@ def kv_blocks_needed(sliding: list[bool], window: int, len: int, chunk: int) -> 
     """(blocks a len-token sequence holds decoding, peak blocks prefilling it in chunks), 64-token pages."""
 
 class Engine:
-    """The decode-loop thread over `runner` (None: a no-op backend that samples `noop_token`)."""
+    """The decode-loop thread over `runner` (None: a no-op backend that samples `noop_token`).
+    `backend`: "reference" (the runner prefills and decodes) or "megakernel" (the runner, a
+    MegakernelRunner, prefills; the megakernel decodes)."""
 
     def __init__(
         self,
@@ -77,6 +87,7 @@ class Engine:
         salt: bytes = b"",
         check_invariants: bool = False,
         noop_token: int = 1,
+        backend: str = "reference",
     ) -> None: ...
     def submit(
         self,

@@ -1,10 +1,11 @@
 """`Engine`: the `AsyncEngine` over mk's Rust decode loop (`mk._native.Engine`).
 
 Rust owns the scheduler, the KV block accounting and the loop thread; this module builds the KV
-pool and the reference runner, hands requests over, and delivers tokens. One pump thread waits in
-Rust with the GIL released and dispatches each batch of events to the requests' sinks: asyncio
-queues (through `call_soon_threadsafe`, one call per event loop per batch) or plain callbacks (the
-offline `LLM.generate`). No thread per request.
+pool and the runner (PyTorch prefill; decode by the megakernel or the PyTorch reference, see
+`Engine`), hands requests over, and delivers tokens. One pump thread waits in Rust with the GIL
+released and dispatches each batch of events to the requests' sinks: asyncio queues (through
+`call_soon_threadsafe`, one call per event loop per batch) or plain callbacks (the offline
+`LLM.generate`). No thread per request.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch
 from mk import _native
 from mk.config import PAGE_SIZE
 from mk.engine_api import EngineClosed, EngineFull, EngineStats, PromptTooLong
+from mk.megakernel.runner import MegakernelRunner
+from mk.megakernel.support import choose_backend
 from mk.model.reference import Model
 from mk.outputs import TokenEvent
 from mk.runner import ReferenceRunner
@@ -69,7 +72,11 @@ class _CallbackSink:
 
 
 class Engine:
-    """mk's engine over the PyTorch reference model (CPU float32/float64 or GPU bf16).
+    """mk's engine over a model (CPU float32/float64 or GPU bf16).
+
+    `backend`: "megakernel" decodes with one megakernel launch per step (bf16 on a Hopper GPU;
+    an error elsewhere), "reference" with the PyTorch reference model, "auto" (the default) with
+    the megakernel wherever it can run. Prefill is PyTorch's either way. `self.backend` says which.
 
     KV pool: `kv_blocks` blocks, else `kv_bytes`, else on a GPU `kv_fraction` of the memory free
     after the weights, else (CPU) room for `max_batch` sequences of `max_context` tokens.
@@ -88,15 +95,20 @@ class Engine:
         kv_fraction: float = 0.9,
         salt: bytes | None = None,
         check_invariants: bool = False,
+        backend: str = "auto",
     ) -> None:
         cfg = model.config
+        self.backend = choose_backend(model, backend)
         self.config = cfg
         self.max_batch = max_batch
         self.max_context = max_context
         sliding = [cfg.is_sliding(layer) for layer in range(cfg.num_hidden_layers)]
         decode_need, prefill_need = _native.kv_blocks_needed(sliding, cfg.sliding_window, max_context, prefill_chunk)
         num_blocks = _pool_blocks(model, kv_blocks, kv_bytes, kv_fraction, max(max_batch * decode_need, prefill_need))
-        self._runner = ReferenceRunner(model, num_blocks, max_batch, max_context)
+        if self.backend == "megakernel":
+            self._runner = MegakernelRunner(model, num_blocks, max_batch, max_context)
+        else:
+            self._runner = ReferenceRunner(model, num_blocks, max_batch, max_context)
         self._native = _native.Engine(
             self._runner,
             sliding=sliding,
@@ -110,6 +122,7 @@ class Engine:
             max_waiting=max_waiting,
             salt=salt if salt is not None else repr((cfg, model.dtype, _weights_id(model))).encode(),
             check_invariants=check_invariants,
+            backend=self.backend,
         )
         self._streams: dict[int, _Stream] = {}
         self._ids = itertools.count(1)

@@ -3,10 +3,12 @@
 
 use std::time::Duration;
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::errors;
+use super::megakernel_backend::MegakernelBackend;
 use super::reference_backend::ReferenceBackend;
 use crate::engine::{Engine, EngineConfig, NoopBackend};
 use crate::kv::KvConfig;
@@ -52,15 +54,17 @@ fn config(
 #[pymethods]
 impl PyEngine {
     /// Starts the loop thread over `runner` (None: the no-op backend, which "samples"
-    /// `noop_token` every step; for control-plane benchmarks).
+    /// `noop_token` every step; for control-plane benchmarks). `backend`: "reference" (the
+    /// runner prefills and decodes) or "megakernel" (the runner prefills, the megakernel decodes).
     #[new]
     #[pyo3(signature = (
         runner, *, sliding, window, num_blocks, vocab_size, eos_token_id=None, max_batch=8,
         max_context=4096, prefill_chunk=512, max_waiting=1024, salt=Vec::new(), check_invariants=false,
-        noop_token=1
+        noop_token=1, backend="reference"
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
+        py: Python<'_>,
         runner: Option<Py<PyAny>>,
         sliding: Vec<bool>,
         window: usize,
@@ -74,6 +78,7 @@ impl PyEngine {
         salt: Vec<u8>,
         check_invariants: bool,
         noop_token: u32,
+        backend: &str,
     ) -> PyResult<Self> {
         let cfg = config(
             sliding,
@@ -88,9 +93,15 @@ impl PyEngine {
             salt,
             check_invariants,
         );
-        let engine = match runner {
-            Some(r) => Engine::start(cfg, ReferenceBackend::new(r, vocab_size)),
-            None => Engine::start(cfg, NoopBackend::new(noop_token)),
+        let engine = match (runner, backend) {
+            (Some(r), "reference") => Engine::start(cfg, ReferenceBackend::new(r, vocab_size)),
+            (Some(r), "megakernel") => Engine::start(cfg, MegakernelBackend::new(py, r, vocab_size)?),
+            (None, _) => Engine::start(cfg, NoopBackend::new(noop_token)),
+            (Some(_), other) => {
+                return Err(PyValueError::new_err(format!(
+                    "backend must be \"reference\" or \"megakernel\", got {other:?}"
+                )))
+            }
         }
         .map_err(errors::engine_to_py)?;
         Ok(Self { engine, page_size: 64, num_blocks })

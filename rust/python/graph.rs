@@ -7,7 +7,7 @@ use pyo3::types::{PyBytes, PyDict};
 
 use crate::graph::{build_step, check, BuildOptions, Geometry};
 
-fn geometry_from(cfg: &Bound<'_, PyAny>) -> PyResult<Geometry> {
+pub(crate) fn geometry_from(cfg: &Bound<'_, PyAny>) -> PyResult<Geometry> {
     let layers: usize = cfg.getattr("num_hidden_layers")?.extract()?;
     let mut window = Vec::with_capacity(layers);
     let mut moe = Vec::with_capacity(layers);

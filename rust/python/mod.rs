@@ -4,6 +4,7 @@
 mod engine;
 mod errors;
 mod graph;
+mod megakernel_backend;
 mod reference_backend;
 
 use pyo3::prelude::*;

@@ -7,6 +7,7 @@ tables of their device addresses, so nothing is repacked or copied.
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 
 import torch
 
@@ -37,6 +38,75 @@ def pack_step_args(values: dict[str, int | float]) -> bytes:
     return bytes(out)
 
 
+@dataclass(frozen=True)
+class ModelTables:
+    """The model's device-side lookup tables: weight addresses (nothing is repacked) and per-layer
+    flags."""
+
+    layer_weights: torch.Tensor  # uint64 [layers][MK_LW_COUNT]
+    expert_weights: torch.Tensor  # uint64 [layers][experts][3]: gate, up, down
+    layer_window: torch.Tensor  # int32 [layers], 0 = full attention
+    layer_rope: torch.Tensor  # int32 [layers]
+
+    @classmethod
+    def build(cls, model: Model) -> ModelTables:
+        cfg, w = model.config, model.weights
+        for t in w.values():
+            if not t.is_contiguous():
+                raise ValueError("the megakernel needs contiguous weights")
+        layers = torch.zeros(cfg.num_hidden_layers, 9, dtype=torch.int64)
+        experts = torch.zeros(cfg.num_hidden_layers, cfg.num_experts, 3, dtype=torch.int64)
+        for layer in range(cfg.num_hidden_layers):
+            p = f"model.layers.{layer}."
+            for i, name in enumerate(_LAYER_WEIGHTS):
+                layers[layer, i] = w[f"{p}{name}.weight"].data_ptr()
+            if cfg.is_moe(layer):
+                layers[layer, 5] = w[p + "mlp.gate.weight"].data_ptr()
+                for e in range(cfg.num_experts):
+                    for j, proj in enumerate(("gate_proj", "up_proj", "down_proj")):
+                        experts[layer, e, j] = w[f"{p}mlp.experts.{e}.{proj}.weight"].data_ptr()
+            else:
+                for j, proj in enumerate(("gate_proj", "up_proj", "down_proj")):
+                    layers[layer, 6 + j] = w[f"{p}mlp.{proj}.weight"].data_ptr()
+        n = cfg.num_hidden_layers
+        window = torch.tensor([cfg.window(i) or 0 for i in range(n)], dtype=torch.int32)
+        rope = torch.tensor([int(cfg.needs_rope(i)) for i in range(n)], dtype=torch.int32)
+        return cls(*(t.to(model.device) for t in (layers, experts, window, rope)))
+
+
+def fixed_step_args(model: Model, kv: PagedKV, tables: ModelTables, buf: StepBuffers) -> dict[str, int | float]:
+    """The MkStepArgs fields that stay the same from step to step: the model's dimensions and the
+    addresses of its weights, tables, KV pools and `buf` (empty tensors: 0). The caller adds the
+    step's own: tasks, counters, per_sm, num_counters, parity, batch, max_pages, max_splits, slots,
+    sample_parts."""
+    cfg = model.config
+    values: dict[str, int | float] = {name: t.data_ptr() if t.numel() else 0 for name, t in buf.tensors().items()}
+    values.update(
+        layer_weights=tables.layer_weights.data_ptr(),
+        expert_weights=tables.expert_weights.data_ptr(),
+        layer_window=tables.layer_window.data_ptr(),
+        layer_rope=tables.layer_rope.data_ptr(),
+        embed=model.weights["model.embed_tokens.weight"].data_ptr(),
+        final_norm=model.weights["model.norm.weight"].data_ptr(),
+        k_pool=kv.k.data_ptr(),
+        v_pool=kv.v.data_ptr(),
+        layers=cfg.num_hidden_layers,
+        hidden=cfg.hidden_size,
+        heads=cfg.num_attention_heads,
+        kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        experts=cfg.num_experts,
+        top_k=cfg.num_experts_per_tok,
+        expert_ffn=cfg.intermediate_size,
+        dense_ffn=cfg.prefix_dense_intermediate_size,
+        vocab=cfg.vocab_size,
+        eps=cfg.rms_norm_eps,
+        logit_scale=cfg.logit_scale,
+        rope_theta=cfg.rope_theta,
+    )
+    return values
+
+
 class MegakernelStep:
     """Runs decode steps of `model` (bf16, on a CUDA device) over the paged cache `kv`."""
 
@@ -54,38 +124,11 @@ class MegakernelStep:
         )
         self.device = model.device
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.layer_weights, self.expert_weights = self._pointer_tables()
+        self.tables = ModelTables.build(model)
         cfg = self.cfg
-        self.layer_window = torch.tensor(
-            [cfg.window(i) or 0 for i in range(cfg.num_hidden_layers)], dtype=torch.int32, device=self.device
-        )
-        self.layer_rope = torch.tensor(
-            [int(cfg.needs_rope(i)) for i in range(cfg.num_hidden_layers)], dtype=torch.int32, device=self.device
-        )
         self.num_counters = (cfg.num_hidden_layers + 1) * 9
         self.counters = torch.zeros(2, self.num_counters, dtype=torch.int32, device=self.device)
         self.parity = 0
-
-    def _pointer_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg, w = self.cfg, self.model.weights
-        layers = torch.zeros(cfg.num_hidden_layers, 9, dtype=torch.int64)
-        experts = torch.zeros(cfg.num_hidden_layers, cfg.num_experts, 3, dtype=torch.int64)
-        for layer in range(cfg.num_hidden_layers):
-            p = f"model.layers.{layer}."
-            for i, name in enumerate(_LAYER_WEIGHTS):
-                layers[layer, i] = w[f"{p}{name}.weight"].data_ptr()
-            if cfg.is_moe(layer):
-                layers[layer, 5] = w[p + "mlp.gate.weight"].data_ptr()
-                for e in range(cfg.num_experts):
-                    for j, proj in enumerate(("gate_proj", "up_proj", "down_proj")):
-                        experts[layer, e, j] = w[f"{p}mlp.experts.{e}.{proj}.weight"].data_ptr()
-            else:
-                for j, proj in enumerate(("gate_proj", "up_proj", "down_proj")):
-                    layers[layer, 6 + j] = w[f"{p}mlp.{proj}.weight"].data_ptr()
-        for t in w.values():
-            if not t.is_contiguous():
-                raise ValueError("the megakernel needs contiguous weights")
-        return layers.to(self.device), experts.to(self.device)
 
     def graph(self, positions: list[int], check: bool = False) -> mkgraph.StepGraph:
         return mkgraph.build(
@@ -114,46 +157,24 @@ class MegakernelStep:
     def run(self, g: mkgraph.StepGraph, buf: StepBuffers, tasks: torch.Tensor | None = None) -> None:
         """Enqueue one step on the current stream. `buf.tokens/positions/block_tables` must be
         filled; `tasks` (g.tasks on the device) may be passed to skip the upload."""
-        cfg = self.cfg
         if tasks is None:
             tasks = torch.from_numpy(g.tasks.copy()).to(self.device)
         if g.num_counters != self.num_counters or buf.block_tables.shape[2] != self.max_pages:
             raise ValueError("graph or buffers do not match this MegakernelStep")
         if int(buf.positions.max()) >= self.max_pages * PAGE_SIZE:
             raise ValueError("a position lies past the block tables")
-        values = {name: t.data_ptr() if t.numel() else 0 for name, t in buf.tensors().items()}
+        values = fixed_step_args(self.model, self.kv, self.tables, buf)
         values.update(
             tasks=tasks.data_ptr(),
             counters=self.counters.data_ptr(),
-            layer_weights=self.layer_weights.data_ptr(),
-            expert_weights=self.expert_weights.data_ptr(),
-            layer_window=self.layer_window.data_ptr(),
-            layer_rope=self.layer_rope.data_ptr(),
-            embed=self.model.weights["model.embed_tokens.weight"].data_ptr(),
-            final_norm=self.model.weights["model.norm.weight"].data_ptr(),
-            k_pool=self.kv.k.data_ptr(),
-            v_pool=self.kv.v.data_ptr(),
             per_sm=g.tasks.shape[1],
             num_counters=self.num_counters,
             parity=self.parity,
             batch=g.batch,
-            layers=cfg.num_hidden_layers,
-            hidden=cfg.hidden_size,
-            heads=cfg.num_attention_heads,
-            kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim,
-            experts=cfg.num_experts,
-            top_k=cfg.num_experts_per_tok,
-            expert_ffn=cfg.intermediate_size,
-            dense_ffn=cfg.prefix_dense_intermediate_size,
-            vocab=cfg.vocab_size,
             max_pages=self.max_pages,
             max_splits=g.max_splits,
             slots=g.slots,
             sample_parts=self.sample_parts,
-            eps=cfg.rms_norm_eps,
-            logit_scale=cfg.logit_scale,
-            rope_theta=cfg.rope_theta,
         )
         stream = torch.cuda.current_stream(self.device).cuda_stream
         _native.decode_step(self.device.index or 0, stream, pack_step_args(values), g.tasks.shape[0])

@@ -1,0 +1,99 @@
+"""The Python half of the `Megakernel` decode backend (rust/python/megakernel_backend.rs).
+
+Prefill is the Reference runner's (PyTorch writes the prompt's K/V into the pool), run on this
+runner's own CUDA stream; decode never comes here: Rust launches the megakernel on the same
+stream, so every launch follows the prefills before it. This object owns every tensor the kernel
+reads (weights, KV pool, pointer tables, activation buffers) and hands their addresses to Rust once,
+through `megakernel_setup`; Rust owns the per-step inputs (tasks, tokens, positions, block tables)
+and the counters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mk.megakernel.launch import ModelTables, fixed_step_args, pack_step_args
+from mk.megakernel.state import StepBuffers
+from mk.megakernel.support import MAX_STEP_ROWS, MegakernelUnavailable, megakernel_unsupported
+from mk.model.reference import Model
+from mk.runner import ReferenceRunner
+
+# MkStepArgs fields Rust fills in for every launch (its buffers, or per-step values).
+PER_STEP_FIELDS = (
+    "tasks",
+    "counters",
+    "tokens",
+    "positions",
+    "block_tables",
+    "per_sm",
+    "num_counters",
+    "parity",
+    "batch",
+    "max_pages",
+    "max_splits",
+    "slots",
+    "sample_parts",
+)
+
+
+def step_template(model: Model, kv, tables: ModelTables, buf: StepBuffers) -> bytes:
+    """MkStepArgs with every address Python owns and the model's dimensions; the per-step fields
+    are 0 (Rust overwrites them)."""
+    values = fixed_step_args(model, kv, tables, buf)
+    values.update(dict.fromkeys(PER_STEP_FIELDS, 0))
+    return pack_step_args(values)
+
+
+class MegakernelRunner(ReferenceRunner):
+    def __init__(
+        self,
+        model: Model,
+        num_blocks: int,
+        max_batch: int,
+        max_context: int,
+        *,
+        row_groups: int = 4,
+        sample_parts: int = 16,
+    ) -> None:
+        why = megakernel_unsupported(model)
+        if why is not None:
+            raise MegakernelUnavailable(why)
+        super().__init__(model, num_blocks, max_batch, max_context)
+        cfg, device = model.config, model.device
+        self.stream = torch.cuda.Stream(device)
+        # Larger batches run as several launches, each over these buffers in turn.
+        self.rows = min(max_batch, MAX_STEP_ROWS)
+        self.slots = min(cfg.num_experts, self.rows * cfg.num_experts_per_tok)
+        # Automatic attention splits never exceed one per SM (graph::Builder::attention).
+        self.max_splits = torch.cuda.get_device_properties(device).multi_processor_count
+        self.row_groups, self.sample_parts = row_groups, sample_parts
+        self.model_tables = ModelTables.build(model)
+        # tokens, positions and block_tables of these buffers stay unused (Rust uploads its own).
+        self.buffers = StepBuffers.allocate(
+            cfg, self.rows, self.slots, self.max_splits, 1, sample_parts, torch.bfloat16, device, log_residuals=False
+        )
+        # The engine's stream starts on weights, pools and buffers made on the default stream.
+        torch.cuda.synchronize(device)
+
+    def prefill(self, row: int, tokens: list[int], start: int, dirty: list[tuple[int, bytes]], last: bool):
+        with torch.cuda.stream(self.stream):
+            return super().prefill(row, tokens, start, dirty, last)
+
+    def decode(self, rows, tokens, positions, dirty):
+        raise RuntimeError("the megakernel backend decodes in Rust; this runner only prefills")
+
+    def megakernel_setup(self) -> dict[str, int | bytes]:
+        """Read once by the Rust backend (see rust/python/megakernel_backend.rs)."""
+        return {
+            "device": self.model.device.index if self.model.device.index is not None else torch.cuda.current_device(),
+            "stream": self.stream.cuda_stream,
+            "step_args": step_template(self.model, self.kv, self.model_tables, self.buffers),
+            "rows": self.rows,
+            "max_splits": self.max_splits,
+            "slots": self.slots,
+            "max_pages": self.max_pages,
+            "num_blocks": self.kv.num_blocks,
+            "attn_chunk": 0,
+            "row_groups": self.row_groups,
+            "sample_parts": self.sample_parts,
+        }

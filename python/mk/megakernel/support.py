@@ -1,0 +1,79 @@
+"""Whether the decode megakernel can run a model here, and which engine backend to use.
+
+`backend="auto"` takes the megakernel when the model is bf16 on a Hopper GPU that mk's native
+module can open and its geometry is within the kernel's limits; otherwise the PyTorch reference.
+Asking for the megakernel explicitly where it cannot run is an error that says why.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mk import _native
+from mk.config import ModelConfig
+
+BACKENDS = ("auto", "megakernel", "reference")
+
+# Rows one launch takes (the v0 GEMV tile: one n-tile of 8; rust/gpu/step.rs MAX_STEP_ROWS). A
+# larger engine batch runs as several launches per step.
+MAX_STEP_ROWS = 8
+
+
+class MegakernelUnavailable(RuntimeError):
+    """backend="megakernel" was asked for where the megakernel cannot run."""
+
+
+def geometry_unsupported(cfg: ModelConfig) -> str | None:
+    """Why the kernel cannot run this geometry (cuda/ops limits), or None."""
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    checks = [
+        (cfg.head_dim == 128, f"head_dim is {cfg.head_dim} (the kernel's attention is built for 128)"),
+        (
+            cfg.num_attention_heads % cfg.num_key_value_heads == 0 and group <= 8,
+            f"{cfg.num_attention_heads} query heads over {cfg.num_key_value_heads} KV heads (groups of at most 8)",
+        ),
+        (
+            cfg.hidden_size % 32 == 0 and cfg.hidden_size <= 8192,
+            f"hidden_size {cfg.hidden_size} (a multiple of 32, ≤ 8192)",
+        ),
+        (
+            cfg.intermediate_size % 32 == 0 and cfg.prefix_dense_intermediate_size % 32 == 0,
+            "FFN widths must be multiples of 32",
+        ),
+        (cfg.vocab_size % 16 == 0, f"vocab_size {cfg.vocab_size} is not a multiple of 16"),
+        (cfg.num_experts_per_tok <= 8, f"top-{cfg.num_experts_per_tok} routing (at most 8)"),
+        (cfg.num_experts <= 512, f"{cfg.num_experts} experts (at most 512)"),
+    ]
+    for ok, why in checks:
+        if not ok:
+            return f"unsupported geometry: {why}"
+    return None
+
+
+def megakernel_unsupported(model) -> str | None:
+    """Why the megakernel cannot run `model` (an mk Model) here, or None when it can."""
+    if model.device.type != "cuda":
+        return f"the model is on {model.device}; the megakernel runs on an NVIDIA Hopper GPU"
+    if model.dtype != torch.bfloat16:
+        return f"the model is {model.dtype}; the megakernel runs bf16 weights"
+    if not _native.gpu_available():
+        return "mk's native module finds no CUDA driver or device"
+    major, minor = torch.cuda.get_device_capability(model.device)
+    if (major, minor) != (9, 0):
+        name = torch.cuda.get_device_name(model.device)
+        return f"{name} is compute capability {major}.{minor}; mk's kernels are built for Hopper (sm_90a)"
+    return geometry_unsupported(model.config)
+
+
+def choose_backend(model, backend: str) -> str:
+    """ "megakernel" or "reference" for `backend` in BACKENDS."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    if backend == "reference":
+        return backend
+    why = megakernel_unsupported(model)
+    if why is None:
+        return "megakernel"
+    if backend == "megakernel":
+        raise MegakernelUnavailable(f"backend='megakernel' cannot run here: {why}")
+    return "reference"

@@ -1,0 +1,184 @@
+"""The megakernel backend's host side without a GPU: which backend `Engine` picks and why it refuses
+the megakernel, the MkStepArgs template the runner hands to Rust, and the Rust glue's argument
+checks. (Row and table compaction, launch splitting and the sampling fallback are Rust unit tests:
+rust/gpu/compact.rs, rust/engine/megakernel.rs; the GPU runs are test_engine_megakernel_gpu.py.)"""
+
+from __future__ import annotations
+
+import struct
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mk import _native
+from mk.config import ModelConfig
+from mk.engine import Engine
+from mk.megakernel import support
+from mk.megakernel.launch import ModelTables
+from mk.megakernel.runner import PER_STEP_FIELDS, MegakernelRunner, step_template
+from mk.megakernel.state import StepBuffers
+from mk.megakernel.support import MegakernelUnavailable, choose_backend, geometry_unsupported
+from mk.model import synthetic_weights
+from mk.model.reference import Model
+
+_FORMATS = {"u64": "<Q", "i32": "<i", "f32": "<f"}
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Model:
+    cfg = ModelConfig.tiny()
+    return Model(cfg, synthetic_weights(cfg, seed=0, dtype=torch.float32, std=0.1))
+
+
+def fake_gpu_model(cfg: ModelConfig):
+    """What `megakernel_unsupported` looks at, claiming a bf16 model on cuda:0."""
+    return SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16, config=cfg)
+
+
+def test_geometry_limits():
+    for cfg in (ModelConfig.real(), ModelConfig.gpu_test(), ModelConfig.embedded()):
+        assert geometry_unsupported(cfg) is None
+    assert "head_dim is 16" in geometry_unsupported(ModelConfig.tiny())
+
+
+def test_auto_takes_the_reference_on_the_cpu_and_megakernel_is_refused(tiny):
+    assert choose_backend(tiny, "auto") == "reference"
+    assert choose_backend(tiny, "reference") == "reference"
+    with pytest.raises(MegakernelUnavailable, match="backend='megakernel' cannot run here: the model is on cpu"):
+        choose_backend(tiny, "megakernel")
+    with pytest.raises(ValueError, match="backend must be one of auto, megakernel, reference; got 'gpu'"):
+        choose_backend(tiny, "gpu")
+    bf16 = Model(tiny.config, {k: v.to(torch.bfloat16) for k, v in tiny.weights.items()})
+    with pytest.raises(MegakernelUnavailable, match="on cpu"):
+        choose_backend(bf16, "megakernel")
+
+
+def test_each_reason_the_megakernel_cannot_run(monkeypatch):
+    gpu_model = fake_gpu_model(ModelConfig.gpu_test())
+    f32 = SimpleNamespace(**{**vars(gpu_model), "dtype": torch.float32})
+    assert "torch.float32; the megakernel runs bf16" in support.megakernel_unsupported(f32)
+
+    monkeypatch.setattr(support._native, "gpu_available", lambda: False)
+    assert "no CUDA driver or device" in support.megakernel_unsupported(gpu_model)
+    with pytest.raises(MegakernelUnavailable, match="no CUDA driver"):
+        choose_backend(gpu_model, "megakernel")
+    assert choose_backend(gpu_model, "auto") == "reference"
+
+    monkeypatch.setattr(support._native, "gpu_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "NVIDIA A100 is compute capability 8.0" in support.megakernel_unsupported(gpu_model)
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert choose_backend(gpu_model, "auto") == "megakernel"
+    tiny_on_gpu = fake_gpu_model(ModelConfig.tiny())
+    assert choose_backend(tiny_on_gpu, "auto") == "reference"
+    with pytest.raises(MegakernelUnavailable, match="unsupported geometry: head_dim"):
+        choose_backend(tiny_on_gpu, "megakernel")
+
+
+def test_engine_backend_selection(tiny):
+    with Engine(tiny, max_context=256, prefill_chunk=64) as e:
+        assert e.backend == "reference"
+    with pytest.raises(MegakernelUnavailable, match="on cpu"):
+        Engine(tiny, max_context=256, backend="megakernel")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        Engine(tiny, max_context=256, backend="cuda")
+    with pytest.raises(MegakernelUnavailable):
+        MegakernelRunner(tiny, 64, 8, 256)
+
+
+def unpack(raw: bytes) -> dict[str, int | float]:
+    layout, size = _native.step_args_layout()
+    assert len(raw) == size
+    return {name: struct.unpack_from(_FORMATS[kind], raw, offset)[0] for name, offset, kind in layout}
+
+
+def test_the_template_holds_every_address_python_owns(tiny):
+    cfg = tiny.config
+    kv = tiny.new_kv(32)
+    tables = ModelTables.build(tiny)
+    buf = StepBuffers.allocate(cfg, 8, 16, 132, 1, 16, torch.float32, "cpu", log_residuals=False)
+    v = unpack(step_template(tiny, kv, tables, buf))
+    for name in PER_STEP_FIELDS:
+        assert v[name] == 0, name
+    assert v["residual_log"] == 0  # logging off
+    for name in ("x", "h", "attn_o", "expert_act", "logits", "sampled", "routing_log"):
+        assert v[name] == getattr(buf, name).data_ptr(), name
+    assert (v["k_pool"], v["v_pool"]) == (kv.k.data_ptr(), kv.v.data_ptr())
+    assert v["embed"] == tiny.weights["model.embed_tokens.weight"].data_ptr()
+    assert v["final_norm"] == tiny.weights["model.norm.weight"].data_ptr()
+    assert v["layer_weights"] == tables.layer_weights.data_ptr()
+    # Layer 0 is dense (no router), layer 1 is MoE: its expert 3's down projection is where it says.
+    assert tables.layer_weights[0, 5] == 0 and tables.layer_weights[1, 5] != 0
+    assert tables.expert_weights[1, 3, 2] == tiny.weights["model.layers.1.mlp.experts.3.down_proj.weight"].data_ptr()
+    assert tables.layer_window.tolist() == [cfg.window(i) or 0 for i in range(cfg.num_hidden_layers)]
+    dims = {
+        "layers": cfg.num_hidden_layers,
+        "hidden": cfg.hidden_size,
+        "heads": cfg.num_attention_heads,
+        "kv_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "experts": cfg.num_experts,
+        "top_k": cfg.num_experts_per_tok,
+        "expert_ffn": cfg.intermediate_size,
+        "dense_ffn": cfg.prefix_dense_intermediate_size,
+        "vocab": cfg.vocab_size,
+    }
+    assert {k: v[k] for k in dims} == dims
+    assert v["eps"] == pytest.approx(cfg.rms_norm_eps) and v["rope_theta"] == cfg.rope_theta
+
+
+class FakeRunner:
+    """Just enough of MegakernelRunner for the Rust glue to read (it never prefills here)."""
+
+    def __init__(self, setup: dict, cfg: ModelConfig) -> None:
+        self.setup = setup
+        self.model = SimpleNamespace(config=cfg)
+
+    def megakernel_setup(self) -> dict:
+        return self.setup
+
+
+def native_engine(runner, backend: str = "megakernel"):
+    cfg = ModelConfig.gpu_test()
+    return _native.Engine(
+        runner,
+        sliding=[cfg.is_sliding(i) for i in range(cfg.num_hidden_layers)],
+        window=cfg.sliding_window,
+        num_blocks=4096,
+        vocab_size=cfg.vocab_size,
+        backend=backend,
+    )
+
+
+def test_the_rust_glue_checks_its_arguments():
+    cfg = ModelConfig.gpu_test()
+    _, size = _native.step_args_layout()
+    good = {
+        "device": 0,
+        "stream": 0,
+        "step_args": bytes(size),
+        "rows": 8,
+        "max_splits": 132,
+        "slots": 32,
+        "max_pages": 64,
+        "num_blocks": 4096,
+        "attn_chunk": 0,
+        "row_groups": 4,
+        "sample_parts": 16,
+    }
+    with pytest.raises(ValueError, match='backend must be "reference" or "megakernel", got "fast"'):
+        native_engine(FakeRunner(good, cfg), backend="fast")
+    with pytest.raises(ValueError, match='megakernel_setup\\(\\) has no "rows"'):
+        native_engine(FakeRunner({k: v for k, v in good.items() if k != "rows"}, cfg))
+    with pytest.raises(ValueError, match=f"MkStepArgs is {size} bytes, got 3"):
+        native_engine(FakeRunner({**good, "step_args": b"abc"}, cfg))
+    if _native.gpu_available():
+        # An all-zero template describes no model: refused before anything is allocated.
+        with pytest.raises(ValueError, match="MkStepArgs.layers is 0, the model's geometry says 5"):
+            native_engine(FakeRunner(good, cfg))
+    else:
+        with pytest.raises(_native.GpuError, match="no CUDA driver|does not exist"):
+            native_engine(FakeRunner(good, cfg))

@@ -27,7 +27,15 @@ def model() -> Model:
 
 @pytest.fixture(scope="module")
 def engine(model):
-    e = Engine(model, max_batch=8, max_context=8192, prefill_chunk=512, kv_fraction=0.2, check_invariants=True)
+    e = Engine(
+        model,
+        backend="reference",  # the megakernel backend's own GPU tests: test_engine_megakernel_gpu.py
+        max_batch=8,
+        max_context=8192,
+        prefill_chunk=512,
+        kv_fraction=0.2,
+        check_invariants=True,
+    )
     yield e
     s = e.native_stats()
     e.close()

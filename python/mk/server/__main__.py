@@ -90,6 +90,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="where the model runs: auto = the GPU when there is one (default: %(default)s)",
     )
     p.add_argument(
+        "--backend",
+        choices=["auto", "megakernel", "reference"],
+        default="auto",
+        help="what decodes: the megakernel (bf16 on a Hopper GPU), the PyTorch reference model, or auto = "
+        "the megakernel wherever it can run (default: %(default)s)",
+    )
+    p.add_argument(
         "--max-batch", type=_at_least(1), default=8, help="most sequences decoded together (default: %(default)s)"
     )
     p.add_argument(
@@ -180,6 +187,9 @@ def build_state(args: argparse.Namespace) -> ServerState:
     if args.synthetic and not cuda:
         raise RuntimeError("--synthetic makes full-size weights on a GPU, and no GPU is visible")
     device = torch.device("cuda" if args.synthetic or (cuda and args.device != "cpu") else "cpu")
+    if args.backend == "megakernel" and device.type != "cuda":
+        # Said before any weights load; the engine names any other reason (not Hopper, say).
+        raise RuntimeError("--backend megakernel runs on an NVIDIA Hopper GPU, and the model would be on the CPU")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.model is not None:
         log.info("loading %s on %s (%s)", args.model, device, dtype)
@@ -205,8 +215,15 @@ def build_state(args: argparse.Namespace) -> ServerState:
         if device.type == "cuda"
         else _cpu_kv_blocks(model, max_context, args.max_batch),
         prefill_chunk=args.prefill_chunk,
+        backend=args.backend,
     )
-    log.info("engine ready: %s, max batch %d, context %d tokens", name, args.max_batch, max_context)
+    log.info(
+        "engine ready: %s, %s decode, max batch %d, context %d tokens",
+        name,
+        engine.backend,
+        args.max_batch,
+        max_context,
+    )
     return ServerState(
         engine,
         tokenizer,

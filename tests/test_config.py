@@ -15,7 +15,7 @@ def test_real_geometry_layer_rules():
     assert c.q_width == 4096 and c.kv_width == 512
 
 
-@pytest.mark.parametrize("preset", [ModelConfig.real, ModelConfig.gpu_test, ModelConfig.tiny])
+@pytest.mark.parametrize("preset", [ModelConfig.real, ModelConfig.gpu_test, ModelConfig.embedded, ModelConfig.tiny])
 def test_presets_round_trip_through_json_dict(preset):
     c = preset()
     assert ModelConfig.from_dict(c.to_dict()) == c

@@ -9,9 +9,8 @@ import pytest
 from server_util import ServerProcess
 
 from mk.default_model import NAME, load_default
-from mk.tokenizer import Tokenizer
 
-TOK = Tokenizer.builtin(512)
+TOK = load_default()[1]  # the embedded model's tokenizer, or the built-in one of the fallback
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 

@@ -164,6 +164,35 @@ class ModelConfig:
         )
 
     @classmethod
+    def embedded(cls) -> ModelConfig:
+        """The model shipped in the package (python/mk/embedded/, trained by scripts/train_embedded.py).
+
+        Inside the megakernel's limits (head_dim 128, at most 8 query heads per KV head, hidden a
+        multiple of 32 and at most 8192, at most 512 experts, top-k at most 8) and small: 7.95M
+        parameters, a 15.9 MB bf16 safetensors file (under the device's 16 MiB return limit). Six
+        layers give every layer kind: 0 dense full (RoPE), 1-3 and 5 sliding MoE, 4 full NoPE MoE.
+        The 256-token window is crossed by prompts of a few pages."""
+        return cls(
+            hidden_size=256,
+            intermediate_size=64,
+            prefix_dense_intermediate_size=768,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=128,
+            num_experts=16,
+            num_experts_per_tok=4,
+            first_k_dense_replace=1,
+            prefix_dense_sliding_window_pattern=1,
+            vocab_size=4096,
+            rms_norm_eps=1e-6,
+            rope_theta=50000.0,
+            sliding_window=256,
+            layer_types=default_layer_types(6),
+            eos_token_id=2,
+        )
+
+    @classmethod
     def tiny(cls) -> ModelConfig:
         """A few-MB model for CPU tests: same layer pattern, a 96-token window so tests cross
         both page (64) and window boundaries with prompts of a few hundred tokens."""

@@ -10,11 +10,12 @@ Special tokens sit at fixed ids 0..17 in the order of `SPECIAL_TOKENS`:
      4 <|START_OF_TURN_TOKEN|>   10 <|START_RESPONSE|>      16 <|START_TEXT|>
      5 <|USER_TOKEN|>            11 <|END_RESPONSE|>        17 <|END_TEXT|>
 
-EOS is id 2 because the tiny and GPU-test geometries use `eos_token_id=2`. Then come the 256 byte symbols,
-then BPE merges learned from a few stdlib modules' source (so the merges depend on the Python version's
-stdlib; training is deterministic and takes a few tens of ms). The vocabulary never exceeds the requested
-size; with a large requested size it stops where the training text runs out of pairs (about 3,900 tokens).
-Encoding with `add_special_tokens=True` prepends `<BOS_TOKEN>`; nothing adds EOS.
+EOS is id 2 because the tiny, GPU-test and embedded geometries use `eos_token_id=2`. Then come the 256 byte
+symbols, then BPE merges. `build_tokenizer` learns them from a few stdlib modules' source (so the merges
+depend on the Python version's stdlib; training is deterministic and takes a few tens of ms): with a large
+requested size it stops where that text runs out of pairs (about 3,900 tokens). `train_tokenizer` learns
+them from a given corpus (scripts/train_embedded.py uses it for the embedded model). The vocabulary never
+exceeds the requested size. Encoding with `add_special_tokens=True` prepends `<BOS_TOKEN>`; nothing adds EOS.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -71,30 +73,39 @@ def _training_text() -> list[str]:
     return [text[i : i + 4096] for i in range(0, len(text), 4096)]
 
 
-@functools.lru_cache(maxsize=8)
-def _trained(vocab_size: int) -> str:
+def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
+    """A byte-level BPE tokenizer with at most `vocab_size` tokens trained on `texts`: the special tokens at
+    their fixed ids (SPECIAL_IDS), then the 256 byte symbols, then merges. Deterministic for the same texts.
+    Encoding with `add_special_tokens=True` prepends `<BOS_TOKEN>`."""
+    if vocab_size < MIN_VOCAB:
+        raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level tokenizer (need {MIN_VOCAB})")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        min_frequency=2,
+        min_frequency=min_frequency,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_training_text(), trainer)
+    tok.train_from_iterator(texts, trainer)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, BOS_ID)]
     )
     for token, i in SPECIAL_IDS.items():
         if tok.token_to_id(token) != i:
             raise AssertionError(f"tokenizer training put {token} at {tok.token_to_id(token)}, not {i}")
-    return tok.to_str()
+    return tok
+
+
+@functools.lru_cache(maxsize=8)
+def _trained(vocab_size: int) -> str:
+    return train_tokenizer(_training_text(), vocab_size).to_str()
 
 
 def build_tokenizer(vocab_size: int) -> Tokenizer:
-    """A fresh byte-level BPE tokenizer with at most `vocab_size` tokens (cached training, new object)."""
+    """The built-in test tokenizer: `train_tokenizer` on a few stdlib modules (cached training, new object)."""
     if vocab_size < MIN_VOCAB:
         raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level tokenizer (need {MIN_VOCAB})")
     return Tokenizer.from_str(_trained(vocab_size))

@@ -3,6 +3,7 @@
 - `config.json`: ModelConfig.to_dict()
 - `model-00001-of-0000N.safetensors`, ...: the tensors in the order given, split at max_shard_bytes
 - `model.safetensors.index.json`: {"metadata": {"total_size": bytes}, "weight_map": {name: shard}}
+  (or, with `single_file=True`, one `model.safetensors` and no index, as small HF checkpoints ship)
 - `tokenizer.json`, `tokenizer_config.json` (chat_template, bos_token, eos_token, ...)
 """
 
@@ -20,6 +21,7 @@ from mk.config import ModelConfig
 from mk.model.loader import CheckpointError, check_tensors
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+_INDEX = "model.safetensors.index.json"
 
 
 def _plan_shards(weights: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
@@ -52,6 +54,7 @@ def write_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     chat_template: str = tokenizer_files.CHAT_TEMPLATE,
     check: bool = True,
+    single_file: bool = False,
 ) -> Path:
     """Write `weights` (exactly these tensors, in their own dtype) as a checkpoint folder at `path`.
 
@@ -59,7 +62,7 @@ def write_checkpoint(
     tokenizer must use that module's special tokens. `check=True` refuses weights that `load_weights` would
     reject; tests pass `check=False` to write malformed checkpoints on purpose. Tensors may live on any
     device: one shard at a time is copied to host memory. Shards of an earlier write into the same folder
-    are removed first.
+    are removed first. `single_file=True` writes every tensor into one `model.safetensors` (no index).
     """
     path = Path(path)
     if check:
@@ -78,9 +81,15 @@ def write_checkpoint(
         raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, config vocab_size is {config.vocab_size}")
 
     path.mkdir(parents=True, exist_ok=True)
-    for stale in path.glob("model-*-of-*.safetensors"):  # left by an earlier write with another shard count
-        stale.unlink()
+    # Left by an earlier write with another shard count or layout (the loader prefers model-*.safetensors).
+    for stale in [*path.glob("model-*-of-*.safetensors"), path / "model.safetensors", path / _INDEX]:
+        stale.unlink(missing_ok=True)
     (path / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+
+    if single_file:
+        save_file({n: _host_copy(t) for n, t in weights.items()}, path / "model.safetensors", metadata={"format": "pt"})
+        _write_tokenizer(path, tokenizer, chat_template)
+        return path
 
     plan = _plan_shards(weights, max_shard_bytes)
     weight_map: dict[str, str] = {}
@@ -93,9 +102,12 @@ def write_checkpoint(
         weight_map.update(dict.fromkeys(names, shard))
         del tensors
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (path / _INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    _write_tokenizer(path, tokenizer, chat_template)
+    return path
 
+
+def _write_tokenizer(path: Path, tokenizer: Tokenizer, chat_template: str) -> None:
     tokenizer.save(str(path / "tokenizer.json"))
     tok_config = tokenizer_files.tokenizer_config(chat_template)
     (path / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
-    return path

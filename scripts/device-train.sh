@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Runs ON the GPU machine (see shared/design/GPU.md): trains the embedded model with
+# scripts/train_embedded.py and writes under $OUT (7 files, each under the 16 MiB return limit):
+#   $OUT/embedded/{config.json,model.safetensors,tokenizer.json,tokenizer_config.json}  -> python/mk/embedded/
+#   $OUT/docs/{embedded-model.json,embedded-model-loss.png}                             -> docs/
+#   $OUT/train.log
+# The table of results is printed last.
+#   device run:  bash scripts/device-train.sh [extra train_embedded.py flags]     (carry: none needed)
+# One `run` command lasts at most 600 s, so training gets 7 minutes (BUDGET, in minutes) and the rest
+# (corpus, tokenizer, CUDA start, evaluations, ~1-2 minutes) fits under the 560 s timeout below.
+# mk always comes from this tree's python/ (training needs no compiled code, and a carried mk wheel could
+# predate the training code); other wheels carried in .whl/ are installed to /tmp/site as in device-check.sh.
+set -uo pipefail
+OUT=${OUT:-$PWD/train-out}
+BUDGET=${BUDGET:-7}
+mkdir -p "$OUT/embedded" "$OUT/docs"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+cd "$(dirname "$0")/.."
+
+mapfile -t wheels < <(ls .whl/*.whl 2>/dev/null | grep -v '/mk-')
+if [ "${#wheels[@]}" -gt 0 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "${wheels[@]}" || { echo "wheel install failed"; exit 1; }
+fi
+export PYTHONPATH=$PWD/python:/tmp/site
+
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    python3 -c 'import sys, torch, tokenizers; print("python", sys.version.split()[0], "torch", torch.__version__,
+"tokenizers", tokenizers.__version__, "cuda", torch.cuda.is_available())'
+    git log -1 --format='commit %H %s' 2>/dev/null
+} 2>&1 | tee "$OUT/train.log"
+
+timeout 560 python3 scripts/train_embedded.py --device cuda --time-budget "$BUDGET" \
+    --out-dir "$OUT/embedded" --docs-dir "$OUT/docs" "$@" 2>&1 | tee -a "$OUT/train.log"
+status=${PIPESTATUS[0]}
+[ "$status" -eq 0 ] || echo "train_embedded.py exit status $status (124: killed by the 560 s timeout)"
+exit "$status"

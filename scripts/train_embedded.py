@@ -1,0 +1,1014 @@
+"""Train mk's embedded model: a small North-Mini-Code-architecture coder on the Python standard library.
+
+Self-contained (torch, tokenizers and the mk package; no network), seeded and reproducible:
+
+1. Corpus: every .py file of the running interpreter's standard library (`sysconfig` "stdlib"), except
+   test folders (test/, tests/, idle_test/), site-/dist-packages and pydoc_data (a generated text dump).
+   Files are ordered by SHA-256 of their path relative to the library root. Walking that order, whole files
+   are held out until they give `--heldout` functions fit for the completion test (a docstring, 2-30 body
+   lines; at most 4 from one file, picked by hash): those functions are the test set, their files the
+   held-out loss set. The next files in that
+   order, up to 2% of the bytes, are the validation set (loss curve, best-checkpoint choice). The rest is
+   training text, minus any file that contains a copy of a held-out function (the stdlib has a few copies).
+2. Documents: each training file (BOS + source + EOS); one chat example per fit training function (its
+   signature and docstring as the user turn, its body as the answer, half of them with a short reasoning
+   block), rendered with mk's Cohere-format chat template; a few dozen tool-call conversations (tools
+   offered in the system turn, a `<|START_ACTION|>` block, tool results, a final answer), repeated.
+3. Tokenizer: byte-level BPE (`mk.tokenizer_files.train_tokenizer`, the Cohere special tokens at mk's fixed
+   ids) trained on the training documents only.
+4. Model: `ModelConfig.embedded()` (or `--preset tiny`), trained with `mk.model.train.forward` (the reference
+   model's math, batched; a test checks it equals `Model.logits`), AdamW, warmup then cosine decay, bf16
+   autocast on CUDA, a small load-balancing loss on the routers. Without `--steps`, the step count is fixed
+   after a short timing calibration so that training fits `--time-budget` (capped by `--max-epochs`); the
+   JSON's "replay" flags (`--steps N --max-steps M --warmup W --seed S`) rerun the same schedule and batches.
+5. Outputs: the checkpoint of the lowest validation loss, in bf16 (`--out-dir`, by default
+   python/mk/embedded/), written with `write_checkpoint`; `<docs-dir>/embedded-model.json` (settings,
+   metrics, curves, samples) and `<docs-dir>/embedded-model-loss.png` (when matplotlib is there). Metrics,
+   all on the shipped bf16 weights: held-out next-token loss (and bits per byte), the share of the held-out
+   functions whose greedy completion (signature + docstring as the prompt) makes the function parse with
+   `ast.parse` and have a body, the same through the chat template, and the share of held-out tool prompts
+   answered with a well-formed tool call. A table is printed last.
+
+CPU smoke run: python scripts/train_embedded.py --max-steps 5 --device cpu  (defaults shrink on the CPU).
+GPU run (the device machine): bash scripts/device-train.sh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import re
+import sys
+import sysconfig
+import textwrap
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mk import tokenizer_files
+from mk.config import ModelConfig
+from mk.model import load, write_checkpoint
+from mk.model.names import expected_shapes
+from mk.model.train import forward, init_weights
+
+REPO = Path(__file__).resolve().parent.parent
+SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "pydoc_data", "__pycache__"})
+HOLDOUT_SALT = b"mk-embedded-holdout:"
+BODY_LINES = (2, 30)  # body lines (after the docstring) of a function fit for the completion test
+PROMPT_LINES = 30  # at most this many signature + docstring lines
+VAL_FRACTION = 0.02
+PER_FILE = 4  # test functions taken from one held-out file at most (variety)
+
+# ================================================================================================
+# Corpus
+# ================================================================================================
+
+
+@dataclass(frozen=True)
+class Function:
+    """A function fit for the completion test, dedented to column 0: `prompt` (decorators, signature and
+    docstring, ending with a newline) + `body` (the rest, ending with a newline) is its source."""
+
+    path: str  # relative to the library root, '/'-separated
+    name: str
+    lineno: int
+    prompt: str
+    body: str
+
+    @property
+    def source(self) -> str:
+        return self.prompt + self.body
+
+
+@dataclass
+class Corpus:
+    root: str
+    train: dict[str, str]  # path -> text
+    val: dict[str, str]
+    heldout: dict[str, str]
+    test_functions: list[Function]  # the held-out functions of the completion test
+    train_functions: list[Function]  # fit functions of the training files (chat examples)
+    leak_excluded: list[str] = field(default_factory=list)  # training files dropped for a held-out copy
+
+
+def holdout_key(path: str) -> str:
+    return hashlib.sha256(HOLDOUT_SALT + path.encode()).hexdigest()
+
+
+def list_sources(root: Path) -> list[str]:
+    """Relative paths of the library's .py files outside test folders, site-packages and pydoc_data."""
+    out = []
+    for p in root.rglob("*.py"):
+        rel = p.relative_to(root)
+        if SKIP_DIRS.intersection(rel.parts[:-1]) or rel.name.startswith("test_") or not p.is_file():
+            continue
+        out.append(rel.as_posix())
+    return sorted(out)
+
+
+def read_source(path: Path) -> str | None:
+    """The file's text with '\\n' line ends, or None when it is not UTF-8 or does not parse here."""
+    try:
+        text = path.read_bytes().decode("utf-8").replace("\r\n", "\n")
+        ast.parse(text)
+    except (UnicodeDecodeError, SyntaxError, ValueError, OSError):
+        return None
+    return text
+
+
+def extract_functions(path: str, text: str) -> list[Function]:
+    """The functions (and methods) of a source file fit for the completion test, in source order."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    lines = text.split("\n")
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or ast.get_docstring(node) is None:
+            continue
+        if len(node.body) < 2 or node.body[1].lineno <= node.body[0].end_lineno:
+            continue
+        first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+        head = lines[first - 1 : node.body[0].end_lineno]
+        body = lines[node.body[0].end_lineno : node.end_lineno]
+        if len(head) > PROMPT_LINES or not BODY_LINES[0] <= sum(1 for x in body if x.strip()) <= BODY_LINES[1]:
+            continue
+        source = textwrap.dedent("\n".join(head + body) + "\n")
+        try:
+            parsed = ast.parse(source)
+        except SyntaxError:
+            continue  # a docstring or string literal below the def's indentation: dedent broke it
+        if len(parsed.body) != 1 or not isinstance(parsed.body[0], ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        src_lines = source.split("\n")
+        prompt = "\n".join(src_lines[: len(head)]) + "\n"
+        found.append(Function(path, node.name, node.lineno, prompt, source[len(prompt) :]))
+    return sorted(found, key=lambda f: f.lineno)
+
+
+def _normalise(text: str) -> str:
+    """Whitespace-insensitive form for the leak check: each line stripped, blank lines dropped."""
+    return "\n".join(s for s in (x.strip() for x in text.split("\n")) if s)
+
+
+def build_corpus(root: str | Path, heldout: int = 100, max_files: int | None = None) -> Corpus:
+    """Split the library at `root` into training, validation and held-out files (see the module doc).
+
+    Deterministic: depends only on the files' paths and contents. `max_files` keeps the first that many
+    training files in hash order (quick runs); the held-out and validation sets do not change with it.
+    """
+    root = Path(root)
+    order = sorted(list_sources(root), key=holdout_key)
+    texts: dict[str, str] = {}
+    held: dict[str, str] = {}
+    tests: list[Function] = []
+    i = 0
+    while len(tests) < heldout and i < len(order):
+        path = order[i]
+        i += 1
+        text = read_source(root / path)
+        if text is None:
+            continue
+        fit = sorted(extract_functions(path, text), key=lambda f: holdout_key(f"{f.path}:{f.lineno}"))
+        if fit:
+            held[path] = text
+            tests.extend(fit[: min(PER_FILE, heldout - len(tests))])
+    if len(tests) < heldout:
+        raise ValueError(f"{root}: only {len(tests)} functions fit for the completion test, {heldout} wanted")
+
+    rest = [p for p in order[i:]]
+    total = sum((root / p).stat().st_size for p in rest)
+    val: dict[str, str] = {}
+    val_bytes = 0
+    j = 0
+    while j < len(rest) and val_bytes < VAL_FRACTION * total:
+        text = read_source(root / rest[j])
+        if text is not None:
+            val[rest[j]] = text
+            val_bytes += len(text)
+        j += 1
+    candidates = rest[j:]
+    if max_files is not None:
+        candidates = candidates[: 2 * max_files]  # a margin for unreadable and leaking files
+    for path in candidates:
+        text = read_source(root / path)
+        if text is not None:
+            texts[path] = text
+
+    # Leak guard: a training file holding a copy of a held-out function is dropped.
+    needles = [_normalise(f.source) for f in tests]
+    excluded = []
+    for path in list(texts):
+        hay = _normalise(texts[path])
+        if any(n in hay for n in needles):
+            excluded.append(path)
+            del texts[path]
+    if max_files is not None:
+        texts = dict(list(texts.items())[:max_files])
+    train_functions = [f for path, text in texts.items() for f in extract_functions(path, text)]
+    return Corpus(str(root), texts, val, held, tests, train_functions, excluded)
+
+
+# ================================================================================================
+# Documents: raw files, chat examples, tool-call conversations
+# ================================================================================================
+
+CHAT_ASKS = (
+    "{code}",
+    "Complete this Python function:\n\n{code}",
+    "Write the body of `{name}`.\n\n{code}",
+    "Implement the following function.\n\n```python\n{code}```",
+)
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a source file of the Python standard library.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "run_python",
+            "description": "Run a Python snippet and return what it prints.",
+            "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search_stdlib",
+            "description": "List the standard-library files that mention a name.",
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "list_directory",
+            "description": "List the modules of a standard-library package.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+        },
+    },
+]
+TOOL_NAMES = frozenset(t["function"]["name"] for t in TOOLS)
+
+
+def _pick(key: str, n: int) -> int:
+    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % n
+
+
+def _summary(fn: Function) -> str:
+    doc = ast.get_docstring(ast.parse(fn.source).body[0]) or ""
+    return (doc.strip().split("\n")[0].strip() or f"it is the function {fn.name}").rstrip(".") + "."
+
+
+def chat_example(fn: Function) -> str:
+    """One chat conversation for a training function: prompt as the user turn, body as the answer."""
+    key = f"{fn.path}:{fn.lineno}"
+    ask = CHAT_ASKS[_pick(key, len(CHAT_ASKS))].format(code=fn.prompt, name=fn.name)
+    answer = {"role": "assistant", "content": fn.body}
+    if _pick(key + "/think", 2):
+        answer["reasoning"] = f"`{fn.name}`: {_summary(fn)} I write its body."
+    return tokenizer_files.render_chat([{"role": "user", "content": ask}, answer])
+
+
+def _call(i: int, name: str, **params) -> dict:
+    return {"id": str(i), "type": "function", "function": {"name": name, "arguments": params}}
+
+
+def tool_prompt(fn: Function) -> list[dict]:
+    """The user turn of a read_file conversation (used for training and, on held-out functions, for eval)."""
+    module = fn.path[:-3].replace("/", ".").removesuffix(".__init__")
+    return [{"role": "user", "content": f"What does `{fn.name}` in the `{module}` module do? Look it up."}]
+
+
+def tool_examples(corpus: Corpus, count: int, seed: int) -> list[str]:
+    """`count` tool-call conversations in the template's format, built from the training files."""
+    rng = random.Random(seed)
+    fns = sorted(corpus.train_functions, key=lambda f: (f.path, f.lineno))
+    packages = sorted({p.rsplit("/", 1)[0] for p in corpus.train if "/" in p})
+    if not fns:
+        return []
+    out = []
+    for i in range(count):
+        kind = i % 5
+        if kind == 0:  # read a file, answer from it
+            fn = rng.choice(fns)
+            msgs = tool_prompt(fn) + [
+                {
+                    "role": "assistant",
+                    "content": f"I will read {fn.path} and find `{fn.name}`.",
+                    "tool_calls": [_call(0, "read_file", path=fn.path)],
+                },
+                {"role": "tool", "tool_call_id": "0", "content": fn.prompt},
+                {"role": "assistant", "content": f"`{fn.name}` ({fn.path}): {_summary(fn)}"},
+            ]
+        elif kind == 1:  # run code
+            a, b = rng.randint(2, 999), rng.randint(2, 99)
+            op = rng.choice(["+", "-", "*", "//", "%", "**"])
+            if op == "**":
+                b = rng.randint(2, 6)
+            expr = f"{a} {op} {b}"
+            value = eval(expr)  # noqa: S307 - integers and an operator chosen above
+            msgs = [
+                {"role": "user", "content": f"What is {expr} in Python?"},
+                {
+                    "role": "assistant",
+                    "content": "I will run it.",
+                    "tool_calls": [_call(0, "run_python", code=f"print({expr})")],
+                },
+                {"role": "tool", "tool_call_id": "0", "content": f"{value}\n"},
+                {"role": "assistant", "content": f"`{expr}` is {value}."},
+            ]
+        elif kind == 2:  # search
+            fn = rng.choice(fns)
+            hits = sorted(p for p, t in corpus.train.items() if fn.name in t)[:4]
+            msgs = [
+                {"role": "user", "content": f"Which standard-library files mention `{fn.name}`?"},
+                {
+                    "role": "assistant",
+                    "content": "I will search the library.",
+                    "tool_calls": [_call(0, "search_stdlib", query=fn.name)],
+                },
+                {"role": "tool", "tool_call_id": "0", "content": json.dumps(hits)},
+                {"role": "assistant", "content": f"`{fn.name}` appears in " + ", ".join(hits) + "."},
+            ]
+        elif kind == 3 and packages:  # list a package
+            pkg = rng.choice(packages)
+            mods = sorted(p.rsplit("/", 1)[1] for p in corpus.train if p.rsplit("/", 1)[0] == pkg)
+            msgs = [
+                {"role": "user", "content": f"Which modules does the `{pkg.replace('/', '.')}` package have?"},
+                {
+                    "role": "assistant",
+                    "content": f"I will list {pkg}.",
+                    "tool_calls": [_call(0, "list_directory", path=pkg)],
+                },
+                {"role": "tool", "tool_call_id": "0", "content": json.dumps(mods)},
+                {"role": "assistant", "content": f"{len(mods)} modules: " + ", ".join(mods) + "."},
+            ]
+        else:  # two calls in one action block
+            f1, f2 = rng.choice(fns), rng.choice(fns)
+            msgs = [
+                {"role": "user", "content": f"Compare `{f1.name}` and `{f2.name}`."},
+                {
+                    "role": "assistant",
+                    "content": f"I will read {f1.path} and {f2.path}.",
+                    "tool_calls": [_call(0, "read_file", path=f1.path), _call(1, "read_file", path=f2.path)],
+                },
+                {"role": "tool", "tool_call_id": "0", "content": f1.prompt},
+                {"role": "tool", "tool_call_id": "1", "content": f2.prompt},
+                {"role": "assistant", "content": f"`{f1.name}`: {_summary(f1)} `{f2.name}`: {_summary(f2)}"},
+            ]
+        out.append(tokenizer_files.render_chat(msgs, tools=TOOLS))
+    return out
+
+
+@dataclass
+class Documents:
+    code: list[str]  # raw source files (tokenized as BOS + text + EOS)
+    chat: list[str]  # rendered conversations (they carry their own BOS and end with EOS)
+    tools: list[str]  # distinct tool conversations (repeated in the stream)
+
+
+def build_documents(corpus: Corpus, tool_count: int, seed: int) -> Documents:
+    return Documents(
+        code=list(corpus.train.values()),
+        chat=[chat_example(f) for f in corpus.train_functions],
+        tools=tool_examples(corpus, tool_count, seed),
+    )
+
+
+# ================================================================================================
+# Tokens
+# ================================================================================================
+
+
+def build_tokenizer(docs: Documents, vocab_size: int):
+    return tokenizer_files.train_tokenizer([*docs.code, *docs.chat, *docs.tools], vocab_size)
+
+
+def encode_code(tok, texts: Sequence[str]) -> list[list[int]]:
+    bos, eos = tokenizer_files.BOS_ID, tokenizer_files.EOS_ID
+    return [[bos, *e.ids, eos] for e in tok.encode_batch(list(texts), add_special_tokens=False)]
+
+
+def encode_chat(tok, texts: Sequence[str]) -> list[list[int]]:
+    return [e.ids for e in tok.encode_batch(list(texts), add_special_tokens=False)]
+
+
+def token_stream(pieces: list[list[int]], seed: int) -> torch.Tensor:
+    """The documents in a seeded random order, concatenated: int64 [n]."""
+    order = list(range(len(pieces)))
+    random.Random(seed).shuffle(order)
+    return torch.tensor([t for i in order for t in pieces[i]], dtype=torch.long)
+
+
+# ================================================================================================
+# Training
+# ================================================================================================
+
+DEFAULTS = {  # per device type; every one can be given on the command line
+    "cuda": dict(batch_size=64, seq_len=1024, eval_every=200, eval_batches=16, loss_batches=None, max_new_tokens=256),
+    "cpu": dict(batch_size=4, seq_len=128, eval_every=50, eval_batches=2, loss_batches=16, max_new_tokens=24),
+}
+CPU_EVAL_FUNCTIONS = 8
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int, floor: float) -> float:
+    """Linear warmup to `peak`, then cosine decay to `floor`·peak at step `total`."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def batch_at(stream: torch.Tensor, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
+    """[batch, seq + 1] windows at seeded random offsets of the stream."""
+    starts = torch.randint(0, len(stream) - seq - 1, (batch,), generator=gen)
+    return stream[(starts[:, None] + torch.arange(seq + 1)).to(stream.device)]
+
+
+def autocast(device: torch.device):
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _Null()
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@torch.no_grad()
+def stream_loss(
+    cfg, weights, stream: torch.Tensor, seq: int, batch: int, device, max_batches=None
+) -> tuple[float, torch.Tensor]:
+    """Mean next-token loss (nats) over non-overlapping windows of the stream (all of it by default, else
+    `max_batches` batches of evenly spaced windows), and the mean expert load [MoE layers, experts]."""
+    n = (len(stream) - 1) // seq
+    if n == 0:
+        return float("nan"), torch.zeros(0)
+    starts = torch.arange(n) * seq
+    if max_batches is not None:
+        starts = starts[torch.linspace(0, n - 1, min(n, max_batches * batch)).long()]
+    total, count, load = 0.0, 0, 0.0
+    for i in range(0, len(starts), batch):
+        s = starts[i : i + batch]
+        win = stream[s[:, None] + torch.arange(seq + 1)].to(device)
+        with autocast(device):
+            out = forward(cfg, weights, win[:, :-1])
+        loss = F.cross_entropy(out.logits.float().flatten(0, 1), win[:, 1:].flatten(), reduction="sum")
+        total += float(loss)
+        count += win[:, 1:].numel()
+        load = load + out.expert_load.float().cpu() * len(s)
+    return total / count, load / len(starts)
+
+
+def train(args, cfg: ModelConfig, train_stream, val_stream, device: torch.device, log) -> dict:
+    """The training loop; returns the best weights (lowest validation loss) and the history."""
+    torch.manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    weights = init_weights(cfg, seed=args.seed, device=device)
+    decay = [t for t in weights.values() if t.dim() > 1]
+    no_decay = [t for t in weights.values() if t.dim() <= 1]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=device.type == "cuda",
+    )
+    tokens_per_step = args.batch_size * args.seq_len
+    epoch_steps = max(1, len(train_stream) // tokens_per_step)
+    cap = max(1, int(args.max_epochs * epoch_steps))
+    # total: the schedule's length; stop_at: where training stops (earlier only with --steps and --max-steps).
+    if args.steps is not None:
+        total, how = args.steps, "--steps"
+        stop_at = min(total, args.max_steps or total)
+    else:
+        total, how = min(cap, args.max_steps or cap), "max-epochs cap" if not args.max_steps else "--max-steps"
+        stop_at = total
+    # Fixed before the first step, so a calibrated run replays exactly (report["replay"]).
+    warmup = args.warmup if args.steps is not None or args.warmup < total // 2 else max(1, total // 10)
+    budget = args.time_budget * 60
+    calib = (10, 60)  # steps timed (inside the warmup) to size the run when no --steps is given
+    stream_dev = train_stream.to(device)
+
+    hist = {k: [] for k in ("step", "tokens", "train_loss", "lr", "val_step", "val_loss")}
+    hist.update(val_expert_load_min=[], val_expert_load_max=[])
+    best = {"loss": float("inf"), "step": -1, "weights": None}
+    run_loss = torch.zeros((), device=device)
+    run_n = 0
+    t0 = time.perf_counter()
+    t_calib = None
+    stopped_early = diverged = False
+    step = 0
+
+    def evaluate(step: int) -> None:
+        v, load = stream_loss(cfg, weights, val_stream, args.seq_len, args.batch_size, device, args.eval_batches)
+        hist["val_step"].append(step)
+        hist["val_loss"].append(v)
+        hist["val_expert_load_min"].append(float(load.min()) if load.numel() else 0.0)
+        hist["val_expert_load_max"].append(float(load.max()) if load.numel() else 0.0)
+        if v < best["loss"]:
+            best.update(loss=v, step=step, weights={n: t.detach().clone() for n, t in weights.items()})
+        log(f"step {step:6d}  val loss {v:.4f}  ({time.perf_counter() - t0:.0f} s)")
+
+    while step < stop_at:
+        if args.steps is None and step == calib[0]:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t_calib = time.perf_counter()
+        if args.steps is None and step == calib[1] and t_calib is not None:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            per_step = (time.perf_counter() - t_calib) / (calib[1] - calib[0])
+            left = budget - (time.perf_counter() - t0)
+            by_time = calib[1] + int(0.95 * left / (per_step * (1 + args.eval_batches / (2 * args.eval_every))))
+            if by_time < total:
+                total, how = max(calib[1] + 1, by_time), "time budget"
+            stop_at = total
+            log(f"calibration: {per_step * 1000:.1f} ms/step -> {total} steps ({how})")
+        lr = lr_at(step, total, args.lr, warmup, args.min_lr_frac)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        win = batch_at(stream_dev, args.batch_size, args.seq_len, gen.manual_seed(args.seed * 1_000_003 + step))
+        with autocast(device):
+            out = forward(cfg, weights, win[:, :-1], dropout=args.dropout)
+        lm = F.cross_entropy(out.logits.float().flatten(0, 1), win[:, 1:].flatten())
+        loss = lm + args.balance_coef * out.balance_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(weights.values()), args.grad_clip)
+        opt.step()
+        run_loss += lm.detach()
+        run_n += 1
+        step += 1
+        if step % args.log_every == 0 or step == stop_at:
+            hist["step"].append(step)
+            hist["tokens"].append(step * tokens_per_step)
+            hist["train_loss"].append(float(run_loss) / run_n)
+            hist["lr"].append(lr)
+            run_loss.zero_()
+            run_n = 0
+            if not math.isfinite(hist["train_loss"][-1]):
+                log(f"training loss is {hist['train_loss'][-1]} at step {step}: stopping (best weights kept)")
+                diverged = True
+                break
+            if step % (args.log_every * 10) == 0 or step == stop_at:
+                load = out.expert_load
+                log(
+                    f"step {step:6d}/{total}  loss {hist['train_loss'][-1]:.4f}  lr {lr:.2e}  "
+                    f"expert load min/max {float(load.min()):.3f}/{float(load.max()):.3f}  "
+                    f"({time.perf_counter() - t0:.0f} s)"
+                )
+        if step % args.eval_every == 0 and step < stop_at:
+            evaluate(step)
+        if time.perf_counter() - t0 > budget * 1.05:
+            log(f"time budget reached at step {step} of {total}: stopping")
+            stopped_early = True
+            break
+    evaluate(step)
+    elapsed = time.perf_counter() - t0
+    if best["weights"] is None:  # no finite validation loss at all: ship the last weights, flagged
+        best["weights"] = {n: t.detach().clone() for n, t in weights.items()}
+        diverged = True
+    return {
+        "weights": best["weights"],
+        "best_step": best["step"],
+        "best_val_loss": best["loss"],
+        "steps": step,
+        "planned_steps": total,
+        "steps_set_by": how,
+        "warmup": warmup,
+        "stopped_early": stopped_early,
+        "diverged": diverged,
+        "tokens_seen": step * tokens_per_step,
+        "epochs": step * tokens_per_step / len(train_stream),
+        "train_seconds": elapsed,
+        "tokens_per_second": step * tokens_per_step / elapsed,
+        "history": hist,
+    }
+
+
+# ================================================================================================
+# Evaluation
+# ================================================================================================
+
+# A line that starts at column 0: the (dedented) function has ended.
+_ENDED = re.compile(r"\n(?=\S)")
+
+
+def cut_completion(text: str, finished: bool) -> str:
+    """The part of a greedy continuation of a function's prompt (which ends at its docstring's closing
+    quotes, without the newline) that belongs to the function: up to and including the newline before the
+    first line at column 0; without one, the whole text when generation stopped on its own, else up to the
+    last newline (no half-written line)."""
+    m = _ENDED.search(text)
+    if m is not None:
+        return text[: m.start() + 1]
+    return text if finished else text[: text.rfind("\n") + 1]
+
+
+def parses_with_body(source: str) -> bool:
+    """`source` parses and is one function with at least one statement after its docstring."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return False
+    fn = tree.body[0] if len(tree.body) == 1 else None
+    return isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef) and len(fn.body) >= 2
+
+
+@torch.no_grad()
+def greedy(cfg, weights, prompts: list[list[int]], max_new: int, stop, device, batch: int) -> list[list[int]]:
+    """Greedy continuations (full recomputation, right-padded batches) until `stop(ids)` or `max_new`."""
+    outs: list[list[int]] = [[] for _ in prompts]
+    for b0 in range(0, len(prompts), batch):
+        active = list(range(b0, min(b0 + batch, len(prompts))))
+        for _ in range(max_new):
+            if not active:
+                break
+            seqs = [prompts[i] + outs[i] for i in active]
+            width = max(map(len, seqs))
+            ids = torch.zeros(len(seqs), width, dtype=torch.long)
+            for r, s in enumerate(seqs):
+                ids[r, : len(s)] = torch.tensor(s)
+            last = torch.tensor([len(s) - 1 for s in seqs], device=device)
+            with autocast(device):
+                logits = forward(cfg, weights, ids.to(device)).logits
+            nxt = logits[torch.arange(len(seqs), device=device), last].argmax(-1).tolist()
+            keep = []
+            for i, t in zip(active, nxt, strict=True):
+                outs[i].append(t)
+                if not stop(outs[i]):
+                    keep.append(i)
+            active = keep
+    return outs
+
+
+def evaluate_completions(cfg, weights, tok, fns: list[Function], args, device) -> dict:
+    """Completion mode: BOS + signature + docstring, greedy until the function ends (a line at column 0,
+    a special token or max_new_tokens); the result counts when prompt + continuation parses as one
+    function with a body (`parses_with_body`).
+
+    The prompt stops at the docstring's closing quotes: byte-level BPE merges a newline with the next
+    line's indentation, so a prompt ending in a bare newline token would be one the model never saw."""
+    specials = set(tokenizer_files.SPECIAL_IDS.values())
+
+    def stop(ids):
+        return ids[-1] in specials or _ENDED.search(tok.decode(ids, skip_special_tokens=False)) is not None
+
+    heads = [f.prompt.removesuffix("\n") for f in fns]
+    prompts = [tok.encode(h, add_special_tokens=True).ids for h in heads]
+    outs = greedy(cfg, weights, prompts, args.max_new_tokens, stop, device, args.gen_batch)
+    rows = []
+    for f, head, ids in zip(fns, heads, outs, strict=True):
+        finished = bool(ids) and ids[-1] in specials
+        text = tok.decode([i for i in ids if i not in specials], skip_special_tokens=False)
+        body = cut_completion(text, finished)
+        rows.append({"path": f.path, "name": f.name, "ok": parses_with_body(head + body), "completion": body})
+    return {"rate": sum(r["ok"] for r in rows) / max(1, len(rows)), "rows": rows}
+
+
+def evaluate_chat(cfg, weights, tok, fns: list[Function], args, device) -> dict:
+    """Chat mode: the prompt as the user turn; the answer between START_RESPONSE and END_RESPONSE."""
+    end = {tokenizer_files.EOS_ID, tokenizer_files.SPECIAL_IDS["<|END_RESPONSE|>"]}
+    prompts = [
+        tok.encode(
+            tokenizer_files.render_chat([{"role": "user", "content": f.prompt}], add_generation_prompt=True),
+            add_special_tokens=False,
+        ).ids
+        for f in fns
+    ]
+    max_new = args.max_new_tokens + args.max_new_tokens // 4  # room for a reasoning line
+    outs = greedy(cfg, weights, prompts, max_new, lambda ids: ids[-1] in end, device, args.gen_batch)
+    rows = []
+    for f, ids in zip(fns, outs, strict=True):
+        text = tok.decode(ids, skip_special_tokens=False)
+        answer = text.split("<|START_RESPONSE|>", 1)[1] if "<|START_RESPONSE|>" in text else None
+        if answer is not None:
+            answer = answer.split("<|END_RESPONSE|>", 1)[0]
+        ok = answer is not None and parses_with_body(f.prompt + answer)
+        rows.append({"path": f.path, "name": f.name, "ok": ok, "text": text})
+    return {"rate": sum(r["ok"] for r in rows) / max(1, len(rows)), "rows": rows}
+
+
+def action_ok(text: str) -> bool:
+    """The text holds one well-formed action block: a JSON list of calls to offered tools."""
+    if "<|START_ACTION|>" not in text or "<|END_ACTION|>" not in text:
+        return False
+    block = text.split("<|START_ACTION|>", 1)[1].split("<|END_ACTION|>", 1)[0]
+    try:
+        calls = json.loads(block)
+    except json.JSONDecodeError:
+        return False
+    return (
+        isinstance(calls, list)
+        and bool(calls)
+        and all(
+            isinstance(c, dict) and c.get("tool_name") in TOOL_NAMES and isinstance(c.get("parameters"), dict)
+            for c in calls
+        )
+    )
+
+
+def evaluate_tools(cfg, weights, tok, fns: list[Function], args, device) -> dict:
+    """Held-out functions asked about with the tools offered: does the model call a tool, well-formed?"""
+    end = {tokenizer_files.EOS_ID, tokenizer_files.SPECIAL_IDS["<|END_ACTION|>"]}
+    prompts = [
+        tok.encode(
+            tokenizer_files.render_chat(tool_prompt(f), tools=TOOLS, add_generation_prompt=True),
+            add_special_tokens=False,
+        ).ids
+        for f in fns
+    ]
+    max_new = min(96, args.max_new_tokens)
+    outs = greedy(cfg, weights, prompts, max_new, lambda ids: ids[-1] in end, device, args.gen_batch)
+    texts = [tok.decode(ids, skip_special_tokens=False) for ids in outs]
+    oks = [action_ok(t) for t in texts]
+    return {
+        "rate": sum(oks) / max(1, len(oks)),
+        "rows": [{"ok": o, "text": t} for o, t in zip(oks, texts, strict=True)],
+    }
+
+
+FIXED_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""'
+
+
+@torch.no_grad()
+def reference_expectation(path: Path, max_new: int = 24) -> dict:
+    """Greedy continuation of FIXED_PROMPT by the reference model loaded from the written checkpoint (CPU,
+    float32): the expectation a test of the shipped weights compares against."""
+    from mk.tokenizer import Tokenizer
+
+    model = load(path, device="cpu", dtype=torch.float32, progress=False)
+    tok = Tokenizer.from_dir(path)
+    ids = tok.encode(FIXED_PROMPT)
+    out = []
+    for _ in range(max_new):
+        out.append(int(model.logits(ids + out)[-1].argmax()))
+        if out[-1] == tok.eos_token_id:
+            break
+    return {"prompt": FIXED_PROMPT, "greedy_ids": out, "greedy_text": tok.decode(out), "max_new_tokens": max_new}
+
+
+@torch.no_grad()
+def reference_agreement(path: Path, cfg, weights_f32: dict, stream: torch.Tensor, n: int = 200) -> float:
+    """Max |logit difference| between the training forward and the reference model read back from the
+    checkpoint, on the first n held-out tokens (CPU, float32, the same bf16-rounded weights)."""
+    model = load(path, device="cpu", dtype=torch.float32, progress=False)
+    ids = stream[:n]
+    ours = forward(cfg, weights_f32, ids[None]).logits[0]
+    return float((ours - model.logits(ids)).abs().max())
+
+
+# ================================================================================================
+# Outputs
+# ================================================================================================
+
+
+def plot(path: Path, result: dict, heldout_loss: float) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    h = result["history"]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    ax.plot(h["step"], h["train_loss"], label="train (dropout on)", lw=1)
+    ax.plot(h["val_step"], h["val_loss"], "o-", ms=3, label="validation")
+    ax.axhline(heldout_loss, color="k", ls="--", lw=0.8, label=f"held-out files, best weights: {heldout_loss:.3f}")
+    ax.axvline(result["best_step"], color="grey", ls=":", lw=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("next-token loss (nats)")
+    ax.set_yscale("log")
+    ax.set_title("mk embedded model on the Python standard library")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def print_table(rows: list[tuple[str, str]]) -> None:
+    width = max(len(k) for k, _ in rows)
+    print("\n== embedded model ==")
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+
+
+def parse_args(argv: Sequence[str] | None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", choices=["embedded", "tiny"], default="embedded")
+    p.add_argument("--time-budget", type=float, default=12.0, help="minutes of training (default 12)")
+    p.add_argument("--steps", type=int, default=None, help="schedule length in steps, no timing calibration")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    p.add_argument("--max-epochs", type=float, default=40.0, help="upper bound on passes over the training tokens")
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--min-lr-frac", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--balance-coef", type=float, default=0.01)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--eval-batches", type=int, default=None, help="validation batches per evaluation")
+    p.add_argument("--loss-batches", type=int, default=None, help="batches of the final losses (default: all)")
+    p.add_argument("--vocab-size", type=int, default=None, help="tokenizer size (default: the preset's vocab)")
+    p.add_argument("--stdlib", default=None, help="library root (default: this interpreter's stdlib)")
+    p.add_argument("--max-files", type=int, default=None, help="training files kept (quick runs)")
+    p.add_argument("--heldout", type=int, default=100, help="held-out functions")
+    p.add_argument("--eval-functions", type=int, default=None, help="held-out functions generated from")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--gen-batch", type=int, default=128, help="sequences per greedy-generation batch")
+    p.add_argument("--tool-examples", type=int, default=60)
+    p.add_argument("--tool-repeat", type=int, default=8)
+    p.add_argument("--out-dir", default=str(REPO / "python" / "mk" / "embedded"))
+    p.add_argument("--docs-dir", default=str(REPO / "docs"))
+    args = p.parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(args.device).type
+    for k, v in DEFAULTS["cuda" if dev == "cuda" else "cpu"].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.eval_functions is None:
+        args.eval_functions = args.heldout if dev == "cuda" else min(args.heldout, CPU_EVAL_FUNCTIONS)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    cfg = ModelConfig.embedded() if args.preset == "embedded" else ModelConfig.tiny()
+    vocab = args.vocab_size or cfg.vocab_size
+    if vocab > cfg.vocab_size:
+        raise SystemExit(f"--vocab-size {vocab} exceeds the preset's vocab_size {cfg.vocab_size}")
+    started = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - started:7.1f}s] {msg}", flush=True)
+
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    root = Path(args.stdlib or sysconfig.get_paths()["stdlib"])
+    corpus = build_corpus(root, args.heldout, args.max_files)
+    docs = build_documents(corpus, args.tool_examples, args.seed)
+    log(
+        f"corpus {root}: {len(corpus.train)} training files, {len(corpus.val)} validation, {len(corpus.heldout)} "
+        f"held out ({len(corpus.test_functions)} test functions), {len(corpus.leak_excluded)} dropped as copies; "
+        f"{len(docs.chat)} chat and {len(docs.tools)} tool examples"
+    )
+    tok = build_tokenizer(docs, vocab)
+    for name, i in tokenizer_files.SPECIAL_IDS.items():
+        assert tok.token_to_id(name) == i, name
+    pieces = encode_code(tok, docs.code) + encode_chat(tok, docs.chat) + encode_chat(tok, docs.tools) * args.tool_repeat
+    train_stream = token_stream(pieces, args.seed)
+    val_stream = torch.tensor([t for d in encode_code(tok, list(corpus.val.values())) for t in d], dtype=torch.long)
+    held_texts = list(corpus.heldout.values())
+    held_stream = torch.tensor([t for d in encode_code(tok, held_texts) for t in d], dtype=torch.long)
+    code_tokens = sum(len(p) for p in pieces[: len(docs.code)])
+    log(
+        f"tokenizer: {tok.get_vocab_size()} tokens; stream {len(train_stream):,} training tokens "
+        f"({code_tokens:,} of raw code, {sum(map(len, corpus.train.values())) / max(1, code_tokens):.2f} "
+        f"bytes/token), {len(val_stream):,} validation, {len(held_stream):,} held out"
+    )
+    if len(train_stream) <= args.seq_len + 1 or len(val_stream) <= args.seq_len + 1:
+        raise SystemExit("corpus too small for --seq-len")
+
+    result = train(args, cfg, train_stream, val_stream, device, log)
+
+    # The shipped weights: bf16. Every metric below is computed on them.
+    shipped = {n: t.to(torch.bfloat16) for n, t in result["weights"].items()}
+    eval_w = shipped if device.type == "cuda" else {n: t.float() for n, t in shipped.items()}
+    out_dir = Path(args.out_dir)
+    write_checkpoint(out_dir, cfg, shipped, tokenizer=tok, single_file=True)
+    size = (out_dir / "model.safetensors").stat().st_size
+    log(f"checkpoint written: {out_dir} ({size / 1e6:.2f} MB)")
+
+    lw = args.loss_batches
+    heldout_loss, held_load = stream_loss(cfg, eval_w, held_stream, args.seq_len, args.batch_size, device, lw)
+    val_loss, _ = stream_loss(cfg, eval_w, val_stream, args.seq_len, args.batch_size, device, lw)
+    held_bytes = sum(len(t.encode()) for t in held_texts)
+    bits_per_byte = heldout_loss * (len(held_stream) - 1) / (held_bytes * math.log(2))
+    fns = corpus.test_functions[: args.eval_functions]
+    comp = evaluate_completions(cfg, eval_w, tok, fns, args, device)
+    log(f"held-out loss {heldout_loss:.4f}; completion parse rate {comp['rate']:.1%} on {len(fns)} functions")
+    chat = evaluate_chat(cfg, eval_w, tok, fns, args, device)
+    tools = evaluate_tools(cfg, eval_w, tok, fns[: min(len(fns), 32)], args, device)
+    log(f"chat parse rate {chat['rate']:.1%}; tool-call rate {tools['rate']:.1%}")
+    cpu_w = {n: t.float().cpu() for n, t in shipped.items()}
+    agreement = reference_agreement(out_dir, cfg, cpu_w, held_stream)
+    expectation = reference_expectation(out_dir)
+    log(f"reference model from the checkpoint agrees with the training forward: max |dlogit| {agreement:.2e}")
+
+    n_params = sum(math.prod(s) for s in expected_shapes(cfg).values())
+    settings = {k: v for k, v in vars(args).items() if k not in ("out_dir", "docs_dir")}
+    report = {
+        "settings": settings,
+        "config": cfg.to_dict(),
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "stdlib": str(root),
+            "corpus_sha256": hashlib.sha256(
+                "".join(f"{p}\0{t}\0" for p, t in sorted(corpus.train.items())).encode()
+            ).hexdigest(),
+        },
+        "corpus": {
+            "train_files": len(corpus.train),
+            "val_files": sorted(corpus.val),
+            "heldout_files": sorted(corpus.heldout),
+            "leak_excluded": corpus.leak_excluded,
+            "chat_examples": len(docs.chat),
+            "tool_examples": len(docs.tools),
+            "tool_repeat": args.tool_repeat,
+            "train_tokens": len(train_stream),
+            "val_tokens": len(val_stream),
+            "heldout_tokens": len(held_stream),
+            "vocab": tok.get_vocab_size(),
+        },
+        "model": {"parameters": n_params, "safetensors_bytes": size},
+        "training": {k: v for k, v in result.items() if k not in ("weights", "history")},
+        # The same run again (same schedule, same batches; on CUDA up to atomic-add order).
+        "replay": f"--steps {result['planned_steps']} --max-steps {result['steps']} --warmup {result['warmup']} "
+        f"--seed {args.seed}",
+        "metrics": {
+            "heldout_loss": heldout_loss,
+            "heldout_bits_per_byte": bits_per_byte,
+            "val_loss": val_loss,
+            "completion_parse_rate": comp["rate"],
+            "chat_parse_rate": chat["rate"],
+            "tool_call_rate": tools["rate"],
+            "eval_functions": len(fns),
+            "reference_max_abs_logit_diff": agreement,
+            # Share of the (token, slot) assignments per expert on the held-out files, one row per MoE layer
+            # (uniform: 1 / num_experts).
+            "heldout_expert_load": [[round(x, 4) for x in row] for row in held_load.tolist()],
+        },
+        "expectation": expectation,
+        "history": result["history"],
+        "samples": {
+            "completions": comp["rows"],
+            "chat": chat["rows"][:8],
+            "tools": tools["rows"][:8],
+        },
+        "wall_seconds": time.perf_counter() - started,
+    }
+    docs_dir = Path(args.docs_dir)
+    docs_dir.mkdir(parents=True, exist_ok=True)
+    (docs_dir / "embedded-model.json").write_text(json.dumps(report, indent=1) + "\n")
+    png = plot(docs_dir / "embedded-model-loss.png", result, heldout_loss)
+
+    t = result
+    print_table(
+        [
+            ("geometry", f"{args.preset}: {n_params / 1e6:.2f}M parameters, {size / 1e6:.2f} MB bf16 safetensors"),
+            ("corpus", f"Python {platform.python_version()} stdlib, {len(train_stream):,} training tokens"),
+            ("steps", f"{t['steps']} ({t['steps_set_by']}), {t['epochs']:.1f} epochs, {t['train_seconds']:.0f} s"),
+            ("throughput", f"{t['tokens_per_second']:,.0f} tokens/s on {args.device}"),
+            ("best validation", f"{t['best_val_loss']:.4f} at step {t['best_step']}"),
+            ("held-out loss", f"{heldout_loss:.4f} nats/token, {bits_per_byte:.3f} bits/byte"),
+            ("completion parse", f"{comp['rate']:.1%} of {len(fns)} held-out functions"),
+            ("chat parse", f"{chat['rate']:.1%}"),
+            ("tool calls", f"{tools['rate']:.1%} well-formed"),
+            (
+                "expert load",
+                f"{float(held_load.min()):.3f} .. {float(held_load.max()):.3f} (uniform {1 / cfg.num_experts:.3f})",
+            ),
+            ("reference check", f"max |dlogit| {agreement:.1e}"),
+            ("outputs", f"{out_dir}, {docs_dir / 'embedded-model.json'}" + (" + loss PNG" if png else "")),
+            ("wall time", f"{report['wall_seconds']:.0f} s"),
+        ]
+    )
+    return report
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    main(sys.argv[1:])

@@ -1,0 +1,403 @@
+"""The embedded model's training recipe (scripts/train_embedded.py) on the CPU: the corpus split is
+deterministic and leak-free, the chat and tool examples use mk's template, the tokenizer keeps the special
+ids, the training forward is the reference model's function, a 3-step run writes a checkpoint that the
+loader and `load_default` read, and the embedded preset fits the megakernel and the 20 MB bound."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mk import tokenizer_files
+from mk.config import ModelConfig
+from mk.default_model import EMBEDDED_DIR, FALLBACK_NAME, NAME, has_embedded, load_default
+from mk.model import load, synthetic_weights
+from mk.model.names import expected_shapes
+from mk.model.reference import Model
+from mk.model.train import forward, init_weights
+from mk.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("train_embedded", REPO / "scripts" / "train_embedded.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_embedded"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+te = _script()
+
+
+# ---- a small fake standard library --------------------------------------------------------------
+
+
+def _module(i: int) -> str:
+    funcs = [
+        f'def func_{i}_{j}(x, y={j}):\n    """Combine x and y, variant {i}.{j}."""\n'
+        f"    total = x * {i + 1} + y\n    for k in range({j + 2}):\n        total += k * {i}\n    return total\n"
+        for j in range(5)
+    ]
+    method = (
+        f'class Thing{i}:\n    def size(self):\n        """How big thing {i} is."""\n'
+        f"        n = {i}\n        return n * 2\n"
+    )
+    return f"import os\n\nLIMIT = {i}\n\n\n" + "\n\n".join(funcs) + "\n\n" + method
+
+
+@pytest.fixture()
+def fake_stdlib(tmp_path: Path) -> Path:
+    root = tmp_path / "lib"
+    for i in range(40):
+        sub = root / ("pkg" if i % 3 == 0 else "") / f"mod{i}.py"
+        sub.parent.mkdir(parents=True, exist_ok=True)
+        sub.write_text(_module(i))
+    for skipped in ("test/test_x.py", "site-packages/foo/bar.py", "pkg/tests/helper.py", "pydoc_data/topics.py"):
+        (root / skipped).parent.mkdir(parents=True, exist_ok=True)
+        (root / skipped).write_text(_module(99))
+    (root / "broken.py").write_text("def f(:\n    pass\n")
+    (root / "latin.py").write_bytes(b"x = '\xe9'\n")
+    return root
+
+
+def _normalised_sources(corpus) -> list[str]:
+    return [te._normalise(f.source) for f in corpus.test_functions]
+
+
+# ---- corpus ---------------------------------------------------------------------------------------
+
+
+def test_holdout_is_deterministic_disjoint_and_skips_tests(fake_stdlib):
+    a = te.build_corpus(fake_stdlib, heldout=10)
+    b = te.build_corpus(fake_stdlib, heldout=10)
+    assert a.test_functions == b.test_functions and a.heldout == b.heldout and a.train == b.train
+    assert len(a.test_functions) == 10
+    assert {f.path for f in a.test_functions} == set(a.heldout)
+    assert all(sum(f.path == p for f in a.test_functions) <= te.PER_FILE for p in a.heldout)
+    assert not (set(a.train) & set(a.heldout)) and not (set(a.train) & set(a.val)) and not (set(a.val) & set(a.heldout))
+    everything = set(a.train) | set(a.val) | set(a.heldout)
+    assert not any(p.startswith(("test/", "site-packages/", "pydoc_data/")) or "/tests/" in p for p in everything)
+    assert "broken.py" not in everything and "latin.py" not in everything
+    # The held-out files are the first files (in path-hash order) that have functions fit for the test.
+    order = sorted(te.list_sources(fake_stdlib), key=te.holdout_key)
+    fit = [
+        p for p in order if te.read_source(fake_stdlib / p) and te.extract_functions(p, (fake_stdlib / p).read_text())
+    ]
+    assert list(a.heldout) == fit[: len(a.heldout)]
+    # Fewer training files leave the held-out and validation sets alone.
+    c = te.build_corpus(fake_stdlib, heldout=10, max_files=5)
+    assert c.heldout == a.heldout and c.val == a.val and len(c.train) == 5
+
+
+def test_held_out_functions_never_reach_the_training_documents(fake_stdlib):
+    first = te.build_corpus(fake_stdlib, heldout=10)
+    victim = first.test_functions[3]
+    # A copy of a held-out function in a file that sorts after every other one: it must be dropped.
+    name = max((f"copy{i}.py" for i in range(200)), key=te.holdout_key)
+    (fake_stdlib / name).write_text("import sys\n\n\n" + victim.source)
+    corpus = te.build_corpus(fake_stdlib, heldout=10)
+    assert corpus.test_functions == first.test_functions
+    assert corpus.leak_excluded == [name] and name not in corpus.train
+    docs = te.build_documents(corpus, tool_count=20, seed=0)
+    needles = _normalised_sources(corpus)
+    for text in [*docs.code, *docs.chat, *docs.tools]:
+        hay = te._normalise(text)
+        assert not any(n in hay for n in needles)
+    assert not any(f.path in corpus.heldout for f in corpus.train_functions)
+
+
+def test_real_stdlib_split_has_100_functions_and_no_leak():
+    import sysconfig
+
+    corpus = te.build_corpus(sysconfig.get_paths()["stdlib"], heldout=100, max_files=30)
+    assert len(corpus.test_functions) == 100 and len(corpus.heldout) >= 100 // te.PER_FILE
+    assert not (set(corpus.train) & set(corpus.heldout))
+    needles = _normalised_sources(corpus)
+    for text in corpus.train.values():
+        hay = te._normalise(text)
+        assert not any(n in hay for n in needles)
+    for f in corpus.test_functions:
+        assert te.parses_with_body(f.source) and not te.parses_with_body(f.prompt)  # prompt: docstring only
+        assert f.prompt.endswith("\n") and f.body.lstrip("\n").startswith((" ", "\t"))
+
+
+# ---- documents and tokenizer ---------------------------------------------------------------------
+
+
+def test_chat_examples_render_with_the_template(fake_stdlib):
+    corpus = te.build_corpus(fake_stdlib, heldout=10)
+    fn = corpus.train_functions[0]
+    text = te.chat_example(fn)
+    assert text.startswith(tokenizer_files.BOS + "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>")
+    assert fn.prompt in text.split("<|END_OF_TURN_TOKEN|>")[0]
+    assert text.endswith(f"<|START_RESPONSE|>{fn.body}<|END_RESPONSE|><|END_OF_TURN_TOKEN|>")
+    assert "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_THINKING|>" in text and "<|END_THINKING|>" in text
+    # Same text as the template renders for the conversation, so serving prompts look like training.
+    thinking = text.split("<|START_THINKING|>")[1].split("<|END_THINKING|>")[0]
+    user = text.split("<|USER_TOKEN|>")[1].split("<|END_OF_TURN_TOKEN|>")[0]
+    answer = {"role": "assistant", "content": fn.body, **({"reasoning": thinking} if thinking else {})}
+    assert text == tokenizer_files.render_chat([{"role": "user", "content": user}, answer])
+    with_reasoning = [te.chat_example(f) for f in corpus.train_functions]
+    assert any("<|START_THINKING|><|END_THINKING|>" in t for t in with_reasoning)
+    assert any("<|START_THINKING|><|END_THINKING|>" not in t for t in with_reasoning)
+
+
+def test_tool_examples_are_cohere_action_blocks(fake_stdlib):
+    corpus = te.build_corpus(fake_stdlib, heldout=10)
+    examples = te.tool_examples(corpus, 25, seed=0)
+    assert len(examples) == 25 and examples == te.tool_examples(corpus, 25, seed=0)
+    names = set()
+    for text in examples:
+        assert text.startswith(tokenizer_files.BOS + "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|># Available Tools")
+        assert te.action_ok(text)
+        block = text.split("<|START_ACTION|>")[1].split("<|END_ACTION|>")[0]
+        calls = json.loads(block)
+        assert all(set(c) == {"tool_call_id", "tool_name", "parameters"} for c in calls)
+        names |= {c["tool_name"] for c in calls}
+        assert "<|START_TOOL_RESULT|>" in text and text.endswith("<|END_RESPONSE|><|END_OF_TURN_TOKEN|>")
+    assert names == te.TOOL_NAMES
+    assert any(len(json.loads(t.split("<|START_ACTION|>")[1].split("<|END_ACTION|>")[0])) == 2 for t in examples)
+    assert not te.action_ok("<|START_ACTION|>[{'tool_name': 'x'}]<|END_ACTION|>")
+    assert not te.action_ok(
+        '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "rm", "parameters": {}}]<|END_ACTION|>'
+    )
+
+
+def test_tokenizer_keeps_the_special_token_ids(fake_stdlib):
+    corpus = te.build_corpus(fake_stdlib, heldout=10)
+    docs = te.build_documents(corpus, tool_count=10, seed=0)
+    tok = te.build_tokenizer(docs, 600)
+    assert tok.get_vocab_size() <= 600
+    for name, i in tokenizer_files.SPECIAL_IDS.items():
+        assert tok.token_to_id(name) == i
+        assert tok.encode(name, add_special_tokens=False).ids == [i]
+    assert tok.encode("x = 1").ids[0] == tokenizer_files.BOS_ID
+    chat = te.encode_chat(tok, [docs.chat[0]])[0]
+    assert chat[0] == tokenizer_files.BOS_ID and chat[-1] == tokenizer_files.EOS_ID
+    assert te.encode_code(tok, ["pass\n"])[0][0] == tokenizer_files.BOS_ID
+    assert tok.decode(te.encode_code(tok, [docs.code[0]])[0][1:-1]) == docs.code[0]
+
+
+# ---- completion rules ------------------------------------------------------------------------------
+
+
+def test_completion_cut_and_parse_rules():
+    head = 'def f(x):\n    """Double."""'
+    assert te.cut_completion("\n    return 2 * x\n\ndef g():\n", finished=False) == "\n    return 2 * x\n\n"
+    assert te.cut_completion("\n    y = x\n    return y", finished=True) == "\n    y = x\n    return y"
+    assert te.cut_completion("\n    y = x\n    return (y", finished=False) == "\n    y = x\n"
+    assert te.parses_with_body(head + "\n    return 2 * x\n")
+    assert not te.parses_with_body(head + "\n")  # a docstring alone is no body
+    assert not te.parses_with_body(head + "\n    return (x\n")
+    assert not te.parses_with_body(head + "\n    return x\nprint(1)\n")
+
+
+# ---- the training forward ---------------------------------------------------------------------------
+
+
+def _sharp(cfg: ModelConfig, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    w = synthetic_weights(cfg, seed=seed, dtype=dtype, std=0.1)
+    for name in w:  # sharper attention and routing, so a wrong mask or expert shows
+        if "q_proj" in name or "k_proj" in name or name.endswith("mlp.gate.weight"):
+            w[name] = w[name] * 3
+    return w
+
+
+def test_training_forward_equals_reference_logits_float64():
+    cfg = ModelConfig.tiny()  # window 96 < 150 tokens: the band mask is exercised
+    w = _sharp(cfg, torch.float64, seed=5)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 150), generator=torch.Generator().manual_seed(0))
+    out = forward(cfg, w, tokens)
+    model = Model(cfg, w)
+    for row in range(2):
+        torch.testing.assert_close(out.logits[row], model.logits(tokens[row]), rtol=0, atol=1e-10)
+    assert out.expert_load.shape == (cfg.num_hidden_layers - 1, cfg.num_experts)
+    assert torch.allclose(out.expert_load.sum(-1), torch.ones((), dtype=torch.float64))
+
+
+def test_training_forward_equals_reference_logits_at_the_embedded_geometry():
+    cfg = ModelConfig.embedded()
+    w = _sharp(cfg, torch.float64, seed=6)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 300), generator=torch.Generator().manual_seed(1))
+    ref = Model(cfg, w).logits(tokens[0])
+    torch.testing.assert_close(forward(cfg, w, tokens).logits[0], ref, rtol=0, atol=1e-9)
+
+
+def test_init_weights_cover_the_checkpoint_names_and_train():
+    cfg = ModelConfig.tiny()
+    w = init_weights(cfg, seed=1)
+    assert list(w) == list(expected_shapes(cfg)) and all(t.requires_grad for t in w.values())
+    assert torch.equal(w["model.norm.weight"], torch.ones(cfg.hidden_size))
+    assert all(torch.equal(a, b) for a, b in zip(w.values(), init_weights(cfg, seed=1).values(), strict=True))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 33))
+    out = forward(cfg, w, tokens[:, :-1], dropout=0.1)
+    loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), tokens[:, 1:].flatten()) + out.balance_loss
+    loss.backward()
+    assert all(t.grad is not None for t in w.values())
+    assert w["model.layers.1.mlp.gate.weight"].grad.abs().sum() > 0  # the router learns
+
+
+# ---- a whole run ------------------------------------------------------------------------------------
+
+
+def _run(stdlib: Path, out: Path, docs: Path, *extra: str) -> dict:
+    return te.main(
+        [
+            "--device", "cpu", "--preset", "tiny", "--stdlib", str(stdlib), "--heldout", "6",
+            "--eval-functions", "2", "--max-new-tokens", "4", "--seq-len", "32", "--batch-size", "2",
+            "--loss-batches", "2", "--tool-examples", "5", "--tool-repeat", "2", "--vocab-size", "400",
+            "--out-dir", str(out), "--docs-dir", str(docs), *extra,
+        ]
+    )  # fmt: skip
+
+
+def test_three_step_cpu_run_writes_a_checkpoint_the_loader_reads(fake_stdlib, tmp_path, caplog):
+    out, docs = tmp_path / "embedded", tmp_path / "docs"
+    report = _run(fake_stdlib, out, docs, "--max-steps", "3")
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    assert report["training"]["steps"] == 3 and report["replay"].startswith("--steps 3 ")
+    for key in ("heldout_loss", "completion_parse_rate", "chat_parse_rate", "tool_call_rate"):
+        assert math.isfinite(report["metrics"][key])
+    assert json.loads((docs / "embedded-model.json").read_text())["metrics"] == report["metrics"]
+    assert report["metrics"]["reference_max_abs_logit_diff"] < 1e-3
+
+    model = load(out, progress=False)
+    assert model.config == ModelConfig.tiny() and model.weights["model.norm.weight"].dtype == torch.float32
+    assert has_embedded(out)
+    with caplog.at_level(logging.WARNING, logger="mk"):
+        default, tok = load_default(path=out)
+    assert not caplog.records
+    assert default.config == ModelConfig.tiny() and tok.vocab_size <= 400
+    assert tok.chat_template == tokenizer_files.CHAT_TEMPLATE and tok.eos_token_id == tokenizer_files.EOS_ID
+    for name in tokenizer_files.SPECIAL_TOKENS:
+        assert tok.encode(name, add_special_tokens=False) == [tokenizer_files.SPECIAL_IDS[name]]
+    # The recorded expectation is what the loaded model's greedy decoding gives.
+    exp = report["expectation"]
+    ids = tok.encode(exp["prompt"])
+    got = []
+    for _ in range(len(exp["greedy_ids"])):
+        got.append(int(default.logits(ids + got)[-1].argmax()))
+    assert got == exp["greedy_ids"]
+
+
+def test_runs_are_reproducible(fake_stdlib, tmp_path):
+    """Same seed and flags: the same weights byte for byte (CPU); the recorded replay flags too."""
+    first = _run(fake_stdlib, tmp_path / "a", tmp_path / "da", "--max-steps", "2")
+    _run(fake_stdlib, tmp_path / "b", tmp_path / "db", *first["replay"].split())
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    other = _run(fake_stdlib, tmp_path / "c", tmp_path / "dc", "--max-steps", "2", "--seed", "1")
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() != (tmp_path / "c" / "model.safetensors").read_bytes()
+    assert other["corpus"]["heldout_files"] == first["corpus"]["heldout_files"]  # the split ignores the seed
+
+
+def test_training_needs_no_compiled_extension():
+    """The device machine runs the script from python/ without mk's compiled module."""
+    code = (
+        "import sys, runpy; sys.modules['mk._native'] = None; "
+        "runpy.run_path('scripts/train_embedded.py', run_name='not_main'); import mk.tokenizer, mk.model.reference"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO / "python")}
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True, timeout=120)
+
+
+def test_load_default_falls_back_to_the_random_tiny_model_with_a_warning(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="mk"):
+        model, tok = load_default(path=tmp_path / "nothing-here")
+    assert model.config == ModelConfig.tiny() and tok.vocab_size <= 512
+    assert any("no embedded model" in r.getMessage() for r in caplog.records)
+    assert NAME == ("mk-embedded" if has_embedded() else FALLBACK_NAME)
+
+
+# ---- the preset -------------------------------------------------------------------------------------
+
+
+def test_embedded_preset_fits_the_megakernel_and_the_size_bounds():
+    cfg = ModelConfig.embedded()
+    assert cfg.head_dim == 128
+    assert cfg.num_attention_heads // cfg.num_key_value_heads <= 8
+    assert cfg.hidden_size % 32 == 0 and cfg.hidden_size <= 8192
+    assert cfg.q_width % 32 == 0 and cfg.kv_width % 32 == 0
+    assert cfg.intermediate_size % 32 == 0 and cfg.prefix_dense_intermediate_size % 32 == 0
+    assert cfg.num_experts <= 512 and cfg.num_experts_per_tok <= 8 and cfg.vocab_size % 16 == 0
+    assert cfg.eos_token_id == tokenizer_files.EOS_ID
+    n = cfg.num_hidden_layers
+    kinds = {(cfg.is_moe(i), cfg.is_sliding(i), cfg.needs_rope(i)) for i in range(n)}
+    assert kinds == {(False, False, True), (True, True, True), (True, False, False)}
+    assert cfg.layer_types == tuple("full_attention" if i % 4 == 0 else "sliding_attention" for i in range(n))
+    assert cfg.sliding_window <= 512
+    nbytes = 2 * sum(math.prod(s) for s in expected_shapes(cfg).values())
+    assert nbytes <= 20_000_000  # the issue's bound
+    assert nbytes + 100_000 <= 16 * 2**20  # returns from the device machine in one file (header included)
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_the_megakernel_runs_the_embedded_preset():
+    """The Rust graph builder accepts the geometry and its task list, interpreted on the CPU (the
+    megakernel's VM), equals the reference decode step for rows inside and past the sliding window."""
+    graph = pytest.importorskip("mk.megakernel.graph")
+    from mk.megakernel.state import StepBuffers
+    from mk.megakernel.support import geometry_unsupported
+    from mk.megakernel.vm import run_step
+    from mk.model import PageAllocator
+
+    cfg, max_pages, lengths = ModelConfig.embedded(), 8, [70, 300]
+    assert geometry_unsupported(cfg) is None  # the engine's backend="auto" picks the megakernel on an H200
+    model = Model(cfg, synthetic_weights(cfg, seed=1, dtype=torch.float32, std=0.05))
+    alloc = PageAllocator(cfg.num_hidden_layers * max_pages * len(lengths), seed=1)
+    kv = model.new_kv(alloc.num_free)
+    gen = torch.Generator().manual_seed(2)
+    tables, tokens = [], []
+    for n in lengths:
+        table = alloc.new_table(cfg, max_pages)
+        alloc.ensure(table, n)
+        model.forward(torch.randint(0, cfg.vocab_size, (n,), generator=gen), 0, kv, table)
+        alloc.release_out_of_window(table, cfg, n)
+        alloc.ensure(table, n + 1, from_pos=n)
+        tables.append(table)
+        tokens.append(int(torch.randint(0, cfg.vocab_size, (), generator=gen)))
+    kv_ref = copy.deepcopy(kv)
+    expected = model.decode(torch.tensor(tokens), torch.tensor(lengths), kv_ref, tables)
+
+    g = graph.build(cfg, lengths, num_sms=132, check=True)
+    assert g.slots == min(cfg.num_experts, len(lengths) * cfg.num_experts_per_tok)
+    buf = StepBuffers.allocate(cfg, len(lengths), g.slots, g.max_splits, max_pages, 16, torch.float32, "cpu")
+    buf.tokens[:] = torch.tensor(tokens, dtype=torch.int32)
+    buf.positions[:] = torch.tensor(lengths, dtype=torch.int32)
+    buf.block_tables[:] = torch.stack(tables, dim=1)
+    run_step(model, kv, g, buf)
+    assert (buf.logits - expected).norm() / expected.norm() < 1e-5
+    assert torch.equal(buf.sampled.long(), expected.argmax(dim=-1))
+
+
+# ---- the shipped model (once python/mk/embedded/ exists) --------------------------------------------
+
+
+@pytest.mark.skipif(not has_embedded(), reason="python/mk/embedded/ has not been trained yet")
+def test_shipped_embedded_model_loads_and_its_greedy_continuation_is_stable():
+    model, tok = load_default()
+    assert model.config == ModelConfig.embedded()
+    assert isinstance(tok, Tokenizer) and (EMBEDDED_DIR / "model.safetensors").stat().st_size <= 20_000_000
+    exp = json.loads((REPO / "docs" / "embedded-model.json").read_text())["expectation"]
+    ids = tok.encode(exp["prompt"])
+    got = []
+    for _ in range(len(exp["greedy_ids"])):
+        got.append(int(model.logits(ids + got)[-1].argmax()))
+    assert got == exp["greedy_ids"]

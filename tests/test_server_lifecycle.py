@@ -85,7 +85,9 @@ def test_serves_a_checkpoint_folder_and_drains_on_sigterm(checkpoint):
         assert out["choices"][0]["text"] == tok.decode(expected[len(ids) :], skip_special_tokens=True)
 
         # A long stream is running when SIGTERM arrives: it finishes, new work is refused, exit 0.
-        body = {"prompt": "x", "max_tokens": 120, "temperature": 0, "ignore_eos": True, "stream": True}
+        # Long enough that draining is still under way when the probes below arrive (the engine
+        # streams the tiny model at several hundred tokens/s).
+        body = {"prompt": "x", "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
         events, started = [], threading.Event()
 
         def stream():
@@ -99,7 +101,7 @@ def test_serves_a_checkpoint_folder_and_drains_on_sigterm(checkpoint):
         t.start()
         assert started.wait(30)
         server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        time.sleep(0.1)
         refused = httpx.post(server.url + "/v1/completions", json={"prompt": "y", "max_tokens": 2}, timeout=10)
         assert refused.status_code == 503 and "retry-after" in refused.headers
         assert httpx.get(server.url + "/health").status_code == 503

@@ -39,7 +39,7 @@ if [ "$quick" != --quick ] || [ "${SANITIZE:-}" = 1 ]; then
     done
 fi
 
-benches=(benches/norm.py benches/gemv.py benches/decode.py)
+benches=(benches/norm.py benches/gemv.py benches/decode.py benches/prefill.py)
 [ "$quick" = --quick ] && benches=(benches/decode.py)
 for bench in "${benches[@]}"; do
     name=$(basename "$bench" .py)

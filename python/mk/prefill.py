@@ -1,0 +1,394 @@
+"""Fast chunked prefill of North Mini Code into the paged KV cache (REFERENCE §5 and §4.5).
+
+`Prefill(model)(requests, kv)` runs one or several prompts at once. Each request carries the new
+tokens of one sequence, the position of its first new token (`start`: the cached prefix length)
+and that sequence's block table. The new tokens of all requests are packed back to back and cut
+into chunks of at most `chunk` tokens (a long prompt spans several chunks; short prompts share
+one); every chunk goes through all layers before the next, so activations are bounded by the
+chunk whatever the prompt length. Each chunk writes its post-RoPE K and V straight into the pages
+(raw K on NoPE layers), attends over the cache, and the call returns the logits (and optionally
+the residual) of each request's last position.
+
+Numerics follow the reference model (`mk.model.reference`): matmuls in the weights' dtype, norms,
+RoPE (bf16-rounded cos/sin), softmax, SwiGLU activation and the MoE combine in fp32.
+
+Paths. Attention gathers each piece's visible keys from the pages by position (only pages inside
+the window are touched) and runs FlashAttention-3 varlen when `flash_attn_interface` is
+importable, else compiled `flex_attention` with a block mask (CUDA), else SDPA (CPU; also the
+fallback if flex fails to compile): `mk.model.varlen`. MoE runs two `torch._grouped_mm` over the
+(token, choice) pairs sorted by expert on the device (CUDA bf16; experts stacked per layer, see
+`stack_experts`), or the reference's loop over the experts in use (CPU): `mk.model.experts`.
+On CUDA the elementwise steps (norm, RoPE, SwiGLU activation, combine, residual) run through
+`torch.compile` (dynamic shapes: one compile each per process; eager if compiling fails).
+Nothing needs CUDA graphs: at thousands of tokens per chunk, launches are a small share.
+
+Page contract (the caller owns every page; prefill maps, releases and frees nothing). For a chunk
+that computes positions [a, b) of a sequence:
+- pages holding [a, b) must be mapped on every layer before the chunk runs (they are written);
+- pages holding [0, a) must stay mapped and unchanged on full-attention layers, and those holding
+  [max(0, a - W + 1), a) on sliding layers (W = sliding_window);
+- sliding-layer pages wholly below a - W + 1 are never read: the caller may release them (and
+  hand the blocks to anyone) before the chunk. `before_chunk` is called with the chunk's spans
+  before each chunk runs so the caller can do exactly that between the chunks of one call
+  (what `PageAllocator.release_out_of_window(table, cfg, a)` and the Rust `KvManager::grow` do).
+A missing page raises `KVMappingError` before anything of that chunk is written.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mk.config import ModelConfig
+from mk.model.experts import combine, copy_stacks, expert_names, moe_grouped, stack_experts, stacked_experts, swiglu_act
+from mk.model.moe import moe_ffn, swiglu
+from mk.model.paged import PagedKV
+from mk.model.reference import Model, rms_norm
+from mk.model.rope import apply_rope, cos_sin
+from mk.model.varlen import (
+    PackedKeys,
+    Piece,
+    attend_fa3,
+    attend_flex,
+    attend_sdpa,
+    compile_settings,
+    fa3_available,
+    pack_keys,
+)
+
+# Tokens per chunk by default: large enough that a chunk is compute bound on an H200 (each chunk
+# re-reads all ~60 GB of expert weights), small enough that activations stay a few GB.
+DEFAULT_CHUNK = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRequest:
+    """New tokens of one sequence at positions start .. start+len-1, written through `block_table`
+    (int32 [num_layers, max_pages], -1 = unmapped; read on every chunk, so the caller may change
+    it from `before_chunk`)."""
+
+    tokens: torch.Tensor | Sequence[int]
+    start: int
+    block_table: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Positions [start, end) of request `request` computed by the next chunk."""
+
+    request: int
+    start: int
+    end: int
+
+
+@dataclass(slots=True)
+class PrefillOutput:
+    """logits: [requests, vocab] of each request's last position (float32; float64 for a float64
+    model). hidden: the residual after the last layer at that position (before the final norm),
+    [requests, hidden] in fp32 (fp64 for a float64 model), when asked for."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+
+def plan_chunks(lengths: Sequence[int], chunk: int) -> list[list[tuple[int, int, int]]]:
+    """Pack the requests' tokens in order into chunks of at most `chunk` tokens.
+
+    Each chunk is a list of (request, offset, count): tokens [offset, offset+count) of that
+    request. A request appears at most once per chunk and its pieces come in order."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    chunks: list[list[tuple[int, int, int]]] = []
+    cur: list[tuple[int, int, int]] = []
+    room = chunk
+    for r, n in enumerate(lengths):
+        off = 0
+        while off < n:
+            take = min(room, n - off)
+            cur.append((r, off, take))
+            off += take
+            room -= take
+            if room == 0:
+                chunks.append(cur)
+                cur, room = [], chunk
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+# ---- elementwise steps (compiled on CUDA) -----------------------------------------------------------
+def _norm(x: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    return rms_norm(x, w, eps).to(dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return apply_rope(x, cos, sin).to(dtype)
+
+
+def _residual(x: torch.Tensor, attn: torch.Tensor, ffn: torch.Tensor) -> torch.Tensor:
+    return x + attn.to(x.dtype) + ffn.to(x.dtype)
+
+
+_COMPILED: dict = {}
+
+
+class _Op:
+    """`fn`, or its torch.compile'd version (dynamic shapes, `compile_settings`; one per process,
+    shared by every Prefill) when `compiled`; a compile failure warns and falls back to `fn`."""
+
+    def __init__(self, fn, compiled: bool) -> None:
+        self.fn = fn
+        self.compiled = _COMPILED.setdefault(fn, torch.compile(fn, dynamic=True)) if compiled else None
+
+    def __call__(self, *args):
+        # A one-row tensor would compile a second, size-1 specialised graph: small work, run eager.
+        if self.compiled is not None and all(
+            a.shape[0] > 1 for a in args if isinstance(a, torch.Tensor) and a.dim() > 1
+        ):
+            try:
+                with compile_settings():
+                    return self.compiled(*args)
+            except Exception as e:
+                warnings.warn(f"compiling {self.fn.__name__} failed ({type(e).__name__}: {e}); eager", stacklevel=2)
+                self.compiled = None
+        return self.fn(*args)
+
+
+# ---- the prefill -------------------------------------------------------------------------------------
+class Prefill:
+    """Chunked, packed prefill over a reference `Model`'s weights (used in place).
+
+    chunk: most tokens per chunk, all requests together. attention: "auto" (CUDA: "fa3" if
+    importable, else "flex"; CPU: "sdpa"), "flex", "flex_eager" (uncompiled flex: CPU tests of the
+    mask), "fa3" or "sdpa". moe: "auto" ("grouped" on CUDA bf16, else "loop"), "grouped" or
+    "loop". compile: compile the elementwise steps ("auto": on CUDA).
+
+    Grouped MoE needs each layer's experts stacked: views when they already are (see
+    `stack_experts`, which the engine should call once after loading), else a copy per layer
+    (refused on CUDA when it would not fit). The first call compiles (tens of seconds on CUDA):
+    warm up with a short prompt before serving.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        chunk: int = DEFAULT_CHUNK,
+        attention: str = "auto",
+        moe: str = "auto",
+        compile: bool | str = "auto",
+    ) -> None:
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        self.model = model
+        self.config = cfg = model.config
+        self.chunk = chunk
+        self.dtype, self.device, self.acc = model.dtype, model.device, model.acc
+        cuda = self.device.type == "cuda"
+        if attention == "auto":
+            attention = ("fa3" if fa3_available() else "flex") if cuda else "sdpa"
+        if attention not in ("flex", "flex_eager", "fa3", "sdpa"):
+            raise ValueError(f"unknown attention path {attention!r}")
+        if attention == "fa3" and not cuda:
+            raise ValueError("the fa3 attention path needs CUDA tensors")
+        self.attention = attention
+        if moe == "auto":
+            moe = "grouped" if cuda and self.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") else "loop"
+        if moe not in ("grouped", "loop"):
+            raise ValueError(f"unknown MoE path {moe!r}")
+        if moe == "grouped" and not hasattr(torch, "_grouped_mm"):
+            raise ValueError("this torch has no torch._grouped_mm")
+        if moe == "grouped" and self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"grouped MoE needs bf16, fp16 or fp32 weights, not {self.dtype}")
+        self.moe = moe
+        compiled = cuda if compile == "auto" else bool(compile)
+        self.compiled = compiled
+        self._norm, self._rope, self._residual = (_Op(f, compiled) for f in (_norm, _rope, _residual))
+        self._act, self._combine = _Op(swiglu_act, compiled), _Op(combine, compiled)
+        self._stacks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if moe == "grouped":
+            self._stack_all()
+        self._full_layers = [i for i in range(cfg.num_hidden_layers) if cfg.window(i) is None]
+        self._sliding_layers = [i for i in range(cfg.num_hidden_layers) if cfg.window(i) is not None]
+
+    def _stack_all(self) -> None:
+        cfg, w = self.config, self.model.weights
+        moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)]
+        missing = [i for i in moe_layers if stacked_experts(w, cfg, i) is None]
+        if missing and self.device.type == "cuda":
+            need = len(missing) * 3 * cfg.num_experts * cfg.intermediate_size * cfg.hidden_size * self.dtype.itemsize
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if need > 0.9 * free:
+                raise ValueError(
+                    f"copying the experts of {len(missing)} layers into stacks needs {need / 2**30:.1f} GiB; call "
+                    "mk.prefill.stack_experts(weights, config) once after loading instead (restacks in place)"
+                )
+        for i in moe_layers:
+            self._stacks[i] = stacked_experts(w, cfg, i) or copy_stacks(w, cfg, i)
+
+    # ---- public API ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def __call__(
+        self,
+        requests: Sequence[PrefillRequest],
+        kv: PagedKV,
+        *,
+        return_hidden: bool = False,
+        before_chunk: Callable[[list[Span]], None] | None = None,
+    ) -> PrefillOutput:
+        """Prefill every request (each a distinct sequence); returns each one's last-position
+        logits. See the module doc for the page contract; `before_chunk(spans)` runs before each
+        chunk, after which the block tables are read again."""
+        if not requests:
+            raise ValueError("no requests")
+        if kv.device != self.device:
+            raise ValueError(f"KV cache is on {kv.device}, the model on {self.device}")
+        cfg = self.config
+        tokens = [self._check_tokens(r.tokens) for r in requests]
+        for r in requests:
+            if r.start < 0:
+                raise ValueError(f"start must be >= 0, got {r.start}")
+            t = r.block_table
+            if t.dim() != 2 or t.shape[0] != cfg.num_hidden_layers:
+                raise ValueError(
+                    f"block table must be [num_layers={cfg.num_hidden_layers}, max_pages], got {tuple(t.shape)}"
+                )
+        if len({id(r.block_table) for r in requests}) != len(requests):
+            raise ValueError("each request needs its own sequence: a block table appears twice")
+
+        last_x: list[torch.Tensor | None] = [None] * len(requests)
+        for plan in plan_chunks([len(t) for t in tokens], self.chunk):
+            if before_chunk is not None:
+                before_chunk([Span(r, requests[r].start + off, requests[r].start + off + n) for r, off, n in plan])
+            pieces, q_off = [], 0
+            for r, off, n in plan:
+                table = requests[r].block_table.to(device="cpu", dtype=torch.int32)
+                pieces.append(Piece(requests[r].start + off, n, q_off, table, table.to(self.device)))
+                q_off += n
+            x_last = self._chunk(torch.cat([tokens[r][off : off + n] for r, off, n in plan]), pieces, kv)
+            for i, (r, off, n) in enumerate(plan):
+                if off + n == len(tokens[r]):
+                    last_x[r] = x_last[i]
+        x = torch.stack(last_x)  # type: ignore[arg-type]
+        h = rms_norm(x, self.model.weights["model.norm.weight"], cfg.rms_norm_eps).to(self.dtype)
+        out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        logits = (h @ self.model.weights["model.embed_tokens.weight"].T).to(out_dtype) * cfg.logit_scale
+        return PrefillOutput(logits, x if return_hidden else None)
+
+    # ---- one chunk -------------------------------------------------------------------------------
+    def _chunk(self, tokens: torch.Tensor, pieces: list[Piece], kv: PagedKV) -> torch.Tensor:
+        """All layers over one packed chunk; returns the residual at each piece's last row [pieces, D]."""
+        cfg, w = self.config, self.model.weights
+        n = len(tokens)
+        hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        positions = torch.cat([torch.arange(p.first, p.first + p.n) for p in pieces]).to(self.device)
+        cos, sin = cos_sin(cfg, positions, self.dtype)
+        keys: dict[int | None, PackedKeys] = {}
+        if self._full_layers:
+            keys[None] = pack_keys(pieces, self._full_layers, None, self.device)
+        if self._sliding_layers:
+            keys[cfg.sliding_window] = pack_keys(pieces, self._sliding_layers, cfg.sliding_window, self.device)
+        pool_k, pool_v = kv.k.view(-1, hkv, hd), kv.v.view(-1, hkv, hd)
+        # Fused attention kernels take one dtype for Q, K and V: the cache's. On the CPU Q stays
+        # fp32, as in the reference.
+        attn_dtype = kv.dtype if self.device.type == "cuda" else self.acc
+
+        x = w["model.embed_tokens.weight"][tokens].to(self.acc)
+        for layer in range(cfg.num_hidden_layers):
+            p = f"model.layers.{layer}."
+            h = self._norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps, self.dtype)
+            q = (h @ w[p + "self_attn.q_proj.weight"].T).view(n, hq, hd)
+            k = (h @ w[p + "self_attn.k_proj.weight"].T).view(n, hkv, hd)
+            v = (h @ w[p + "self_attn.v_proj.weight"].T).view(n, hkv, hd)
+            if cfg.needs_rope(layer):
+                q, k = self._rope(q, cos, sin, attn_dtype), self._rope(k, cos, sin, kv.dtype)
+            ks = keys[cfg.window(layer)]
+            slots = ks.slots[ks.row_of[layer]]
+            written = slots.index_select(0, ks.write_cols)
+            pool_k.index_copy_(0, written, k.to(kv.dtype))
+            pool_v.index_copy_(0, written, v.to(kv.dtype))
+            kk = pool_k.index_select(0, slots).to(attn_dtype)
+            vv = pool_v.index_select(0, slots).to(attn_dtype)
+            attn = self._attend(q.to(attn_dtype), kk, vv, ks, pieces)
+            attn = attn.to(self.dtype) @ w[p + "self_attn.o_proj.weight"].T
+            if cfg.is_moe(layer):
+                ffn = self._moe(h, layer)
+            else:
+                m = p + "mlp."
+                ffn = swiglu(h, w[m + "gate_proj.weight"], w[m + "up_proj.weight"], w[m + "down_proj.weight"])
+            x = self._residual(x, attn, ffn)
+        last_rows = torch.tensor([pc.q_off + pc.n - 1 for pc in pieces], device=self.device)
+        return x.index_select(0, last_rows)
+
+    def _attend(self, q, k, v, keys: PackedKeys, pieces: list[Piece]) -> torch.Tensor:
+        if self.attention == "fa3":
+            return attend_fa3(q, k, v, keys, pieces)
+        if self.attention in ("flex", "flex_eager"):
+            try:
+                return attend_flex(q, k, v, keys, compiled=self.attention == "flex")
+            except Exception as e:  # a compile failure must cost speed, not the request
+                if self.attention == "flex_eager":
+                    raise
+                warnings.warn(f"compiled flex_attention failed ({type(e).__name__}: {e}); using SDPA", stacklevel=2)
+                self.attention = "sdpa"
+        return attend_sdpa(q, k, v, keys, pieces)
+
+    def _moe(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+        cfg, w = self.config, self.model.weights
+        router = w[f"model.layers.{layer}.mlp.gate.weight"]
+        if self.moe == "loop":
+            experts = [tuple(w[n] for n in expert_names(layer, e)) for e in range(cfg.num_experts)]
+            return moe_ffn(h, router, experts, cfg.num_experts_per_tok)
+        w13, w2 = self._stacks[layer]
+        return moe_grouped(h, router, w13, w2, cfg.num_experts_per_tok, self._act, self._combine)
+
+    def _check_tokens(self, tokens) -> torch.Tensor:
+        t = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        if len(t) == 0:
+            raise ValueError("a request has no tokens")
+        if int(t.min()) < 0 or int(t.max()) >= self.config.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
+        return t.to(self.device)
+
+
+def prefill_flops(cfg: ModelConfig, start: int, n: int) -> float:
+    """Matrix FLOPs of prefilling positions [start, start+n) of one sequence: weights (active
+    experts only) for every token, attention over the visible keys, the LM head for the last token."""
+    d = cfg.hidden_size
+    per_token = 0.0
+    for layer in range(cfg.num_hidden_layers):
+        per_token += 2 * d * (2 * cfg.q_width + 2 * cfg.kv_width)
+        if cfg.is_moe(layer):
+            per_token += 2 * d * cfg.num_experts + cfg.num_experts_per_tok * 6 * d * cfg.intermediate_size
+        else:
+            per_token += 6 * d * cfg.prefix_dense_intermediate_size
+    attn = 0
+    for layer in range(cfg.num_hidden_layers):
+        w = cfg.window(layer)
+        keys = _visible_keys(start, n, w)
+        attn += keys * 4 * cfg.num_attention_heads * cfg.head_dim
+    return per_token * n + attn + 2 * d * cfg.vocab_size
+
+
+def _visible_keys(start: int, n: int, window: int | None) -> int:
+    """Σ over queries p in [start, start+n) of the keys p sees: min(p + 1, window)."""
+    lo, hi = start + 1, start + n  # p + 1 runs over [lo, hi]
+    if window is None:
+        return (lo + hi) * n // 2
+    below = max(0, min(hi, window - 1) - lo + 1)  # counts still under the window
+    return (2 * lo + below - 1) * below // 2 + (n - below) * window
+
+
+__all__ = [
+    "DEFAULT_CHUNK",
+    "Prefill",
+    "PrefillOutput",
+    "PrefillRequest",
+    "Span",
+    "plan_chunks",
+    "prefill_flops",
+    "stack_experts",
+    "stacked_experts",
+]

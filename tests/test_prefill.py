@@ -1,0 +1,435 @@
+"""mk.prefill (chunked, packed prefill into the paged cache) against the reference model, on the CPU.
+
+Tiny geometry (window 96, pages of 64), fresh random weights each run (MK_TEST_SEED replays one;
+failures print it). float64 runs check the logic to 1e-10 (SDPA and eager-flex attention, the
+reference's per-expert MoE); float32 runs cover the grouped-matmul MoE at float32 tolerance.
+Compared: the last position's logits and residual, and every K/V page the prefill wrote.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from mk.config import PAGE_SIZE, ModelConfig
+from mk.model.names import expected_shapes
+from mk.model.paged import UNMAPPED, KVMappingError, PageAllocator
+from mk.model.reference import Model
+from mk.model.varlen import interval_block_mask
+from mk.prefill import Prefill, PrefillRequest, Span, plan_chunks, prefill_flops, stack_experts, stacked_experts
+
+torch.set_num_threads(1)
+
+SEED = int(os.environ.get("MK_TEST_SEED", str(int.from_bytes(os.urandom(4), "little") % 2**31)))
+CFG = ModelConfig.tiny()
+L = CFG.num_hidden_layers
+MAX_PAGES = 8  # 512 positions
+TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
+# Larger q/k and router weights: attention and routing far from uniform, so a wrong mask,
+# position or expert shows in the logits.
+STD = {"q_proj": 0.25, "k_proj": 0.25, "mlp.gate.weight": 0.3}
+
+
+def random_weights(seed: int = SEED, dtype=torch.float64) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in expected_shapes(CFG).items():
+        if name.endswith("norm.weight"):
+            t = 1 + 0.2 * torch.randn(shape, generator=g)
+        else:
+            t = next((s for key, s in STD.items() if key in name), 0.1) * torch.randn(shape, generator=g)
+        out[name] = t.to(dtype)
+    return out
+
+
+@pytest.fixture(scope="module")
+def weights64():
+    return random_weights()
+
+
+def model_of(weights64, dtype) -> Model:
+    return Model(CFG, {k: v.to(dtype) for k, v in weights64.items()})
+
+
+def tokens_of(n: int, salt: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(SEED + 1 + salt)
+    return torch.randint(0, CFG.vocab_size, (n,), generator=g)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.to(torch.float64), b.to(torch.float64)
+    return float((a - b).abs().max() / b.abs().max())
+
+
+class Pool:
+    """One shared KV pool and allocator, with the reference run on a twin pool (same tables)."""
+
+    def __init__(self, model: Model, blocks: int = L * 40) -> None:
+        self.model = model
+        self.alloc = PageAllocator(blocks, seed=SEED)
+        self.kv, self.kv_ref = model.new_kv(blocks), model.new_kv(blocks)
+
+    def table(self, upto: int, from_pos: int = 0) -> torch.Tensor:
+        t = self.alloc.new_table(CFG, MAX_PAGES)
+        self.alloc.ensure(t, upto, from_pos=from_pos)
+        return t
+
+    def reference(self, tokens: torch.Tensor, start: int, table: torch.Tensor):
+        logits, hidden = self.model.forward(tokens, start, self.kv_ref, table, return_hidden=True, last_only=True)
+        return logits[-1], hidden[-1][-1]
+
+    def assert_pages_equal(self, tables: list[torch.Tensor], tol: float, what: str = "") -> None:
+        blocks = torch.cat([t[t != UNMAPPED] for t in tables]).long().unique()
+        for name, got, want in (("K", self.kv.k, self.kv_ref.k), ("V", self.kv.v, self.kv_ref.v)):
+            err = rel_err(got[blocks], want[blocks])
+            assert err < tol, f"seed {SEED} {what}: {name} pages differ by {err:.2e}"
+
+
+PATHS = [
+    ("sdpa", "loop", torch.float64),
+    ("flex_eager", "loop", torch.float64),
+    ("sdpa", "grouped", torch.float32),
+    ("flex_eager", "grouped", torch.float32),
+]
+
+
+def check(out, i: int, want_logits, want_hidden, dtype, what: str) -> None:
+    tol = TOL[dtype]
+    err = rel_err(out.logits[i], want_logits)
+    assert err < tol, f"seed {SEED} {what}: logits differ by {err:.2e}"
+    if out.hidden is not None:
+        err = rel_err(out.hidden[i], want_hidden)
+        assert err < tol, f"seed {SEED} {what}: hidden state differs by {err:.2e}"
+
+
+# ---- chunk planning, FLOP count, block mask -----------------------------------------------------------
+def test_plan_chunks_packs_in_order_and_never_exceeds_the_chunk():
+    assert plan_chunks([5], 5) == [[(0, 0, 5)]]
+    assert plan_chunks([5], 2) == [[(0, 0, 2)], [(0, 2, 2)], [(0, 4, 1)]]
+    assert plan_chunks([3, 4, 1], 4) == [[(0, 0, 3), (1, 0, 1)], [(1, 1, 3), (2, 0, 1)]]
+    rng = random.Random(SEED)
+    for _ in range(50):
+        lengths = [rng.randint(1, 40) for _ in range(rng.randint(1, 6))]
+        chunk = rng.randint(1, 50)
+        plan = plan_chunks(lengths, chunk)
+        assert all(sum(n for _, _, n in c) <= chunk for c in plan)
+        assert all(sum(n for _, _, n in c) == chunk for c in plan[:-1])
+        flat = [piece for c in plan for piece in c]
+        for r, n in enumerate(lengths):
+            mine = [(off, cnt) for rr, off, cnt in flat if rr == r]
+            assert [off for off, _ in mine] == list(itertools_accumulate([0] + [c for _, c in mine[:-1]]))
+            assert sum(c for _, c in mine) == n
+    with pytest.raises(ValueError):
+        plan_chunks([3], 0)
+
+
+def itertools_accumulate(xs):
+    total = 0
+    for x in xs:
+        total += x
+        yield total
+
+
+def test_prefill_flops_counts_visible_keys():
+    cfg = ModelConfig.tiny()
+    d = cfg.hidden_size
+    for start, n in ((0, 1), (0, 300), (50, 60), (95, 3), (200, 17)):
+        keys = 0
+        for layer in range(cfg.num_hidden_layers):
+            w = cfg.window(layer)
+            keys += sum(p + 1 if w is None else min(p + 1, w) for p in range(start, start + n))
+        per_token = prefill_flops(cfg, 0, 1) - 4 * cfg.num_attention_heads * cfg.head_dim * L - 2 * d * cfg.vocab_size
+        want = per_token * n + keys * 4 * cfg.num_attention_heads * cfg.head_dim + 2 * d * cfg.vocab_size
+        assert prefill_flops(cfg, start, n) == want, (start, n)
+
+
+def random_intervals(rng: random.Random, pieces: int, window: int | None):
+    """lo/hi of packed pieces laid out like mk.prefill lays out one chunk's keys."""
+    lo, hi, off = [], [], 0
+    for _ in range(pieces):
+        first, n = rng.randint(0, 300), rng.randint(1, 200)
+        k_first = 0 if window is None else max(0, first - window + 1)
+        for p in range(first, first + n):
+            lo.append(off + (0 if window is None else max(k_first, p - window + 1)) - k_first)
+            hi.append(off + p - k_first)
+        off += first + n - k_first
+    return torch.tensor(lo, dtype=torch.int32), torch.tensor(hi, dtype=torch.int32), off
+
+
+@pytest.mark.parametrize("window", [None, 96, 7])
+def test_interval_block_mask_classifies_every_block(window):
+    """The kernel's view of the block mask (full blocks: everything visible; partial: the
+    mask_mod; others skipped) equals the exact mask on every real row."""
+    rng = random.Random(SEED + (window or 0))
+    block = 16
+    for _ in range(5):
+        lo, hi, n_keys = random_intervals(rng, rng.randint(1, 4), window)
+        k_pad = -(-n_keys // block) * block
+        partial, full = interval_block_mask(lo, hi, k_pad, block=block)
+        cols = torch.arange(k_pad)
+        exact = (cols[None, :] >= lo[:, None]) & (cols[None, :] <= hi[:, None])
+        rows = len(lo)
+        q_blocks = -(-rows // block)
+        assert partial.shape == full.shape == (q_blocks, k_pad // block)
+        assert not (partial & full).any()
+        blk = torch.arange(rows) // block
+        kblk = cols // block
+        seen = torch.where(full[blk][:, kblk], True, exact & partial[blk][:, kblk])
+        assert torch.equal(seen, exact), f"seed {SEED}"
+        # and nothing visible is left out: every block with a visible entry is listed
+        listed = (partial | full)[blk][:, kblk]
+        assert not (exact & ~listed).any()
+
+
+# ---- one prompt -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("attention,moe,dtype", PATHS)
+def test_one_prompt_matches_reference(weights64, attention, moe, dtype):
+    """250 tokens: crosses pages (64, 128, 192) and the 96-token window, in chunks of 100."""
+    model = model_of(weights64, dtype)
+    pool = Pool(model)
+    toks = tokens_of(250)
+    table = pool.table(250)
+    out = Prefill(model, chunk=100, attention=attention, moe=moe)(
+        [PrefillRequest(toks, 0, table)], pool.kv, return_hidden=True
+    )
+    assert out.logits.shape == (1, CFG.vocab_size) and out.logits.dtype == dtype
+    check(out, 0, *pool.reference(toks, 0, table), dtype, f"{attention}/{moe}")
+    pool.assert_pages_equal([table], TOL[dtype], f"{attention}/{moe}")
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 50, 64, 96, 100, 250, 4096])
+def test_chunk_sizes_that_do_and_do_not_divide_the_prompt(weights64, chunk):
+    model = model_of(weights64, torch.float64)
+    pool = Pool(model)
+    toks = tokens_of(250)
+    table = pool.table(250)
+    out = Prefill(model, chunk=chunk)([PrefillRequest(toks, 0, table)], pool.kv, return_hidden=True)
+    check(out, 0, *pool.reference(toks, 0, table), torch.float64, f"chunk {chunk}")
+    pool.assert_pages_equal([table], 1e-10, f"chunk {chunk}")
+
+
+def test_one_token_prompts(weights64):
+    """A 1-token prompt at position 0, and one token after a cached prefix (a decode step)."""
+    model = model_of(weights64, torch.float64)
+    pool = Pool(model)
+    toks = tokens_of(130)
+    a = pool.table(1)
+    b = pool.table(130)
+    model.forward(toks[:129], 0, pool.kv_ref, b)
+    pool.kv.k.copy_(pool.kv_ref.k)
+    pool.kv.v.copy_(pool.kv_ref.v)
+    out = Prefill(model)([PrefillRequest(toks[:1], 0, a), PrefillRequest(toks[129:], 129, b)], pool.kv)
+    want_a = model.forward(toks[:1], 0, pool.kv_ref, a)[-1]
+    want_b = model.decode(toks[129:], torch.tensor([129]), pool.kv_ref, [b])[0]
+    assert rel_err(out.logits[0], want_a) < 1e-10 and rel_err(out.logits[1], want_b) < 1e-10, f"seed {SEED}"
+    pool.assert_pages_equal([a, b], 1e-10)
+
+
+# ---- several prompts at once ----------------------------------------------------------------------------
+LENGTHS = [1, 63, 64, 65, 97, 200, 3]
+
+
+@pytest.mark.parametrize(
+    "attention,moe,dtype,chunk",
+    [(a, m, d, c) for a, m, d in PATHS for c in (512, 100)] + [("sdpa", "loop", torch.float64, 33)],
+)
+def test_packed_prompts_of_mixed_lengths(weights64, attention, moe, dtype, chunk):
+    model = model_of(weights64, dtype)
+    pool = Pool(model)
+    prompts = [tokens_of(n, salt=i) for i, n in enumerate(LENGTHS)]
+    tables = [pool.table(n) for n in LENGTHS]
+    out = Prefill(model, chunk=chunk, attention=attention, moe=moe)(
+        [PrefillRequest(p, 0, t) for p, t in zip(prompts, tables, strict=True)], pool.kv, return_hidden=True
+    )
+    assert out.logits.shape == (len(LENGTHS), CFG.vocab_size)
+    for i, (p, t) in enumerate(zip(prompts, tables, strict=True)):
+        check(out, i, *pool.reference(p, 0, t), dtype, f"{attention}/{moe} chunk {chunk} prompt {i}")
+    pool.assert_pages_equal(tables, TOL[dtype], f"{attention}/{moe} chunk {chunk}")
+
+
+def test_before_chunk_sees_each_chunks_spans(weights64):
+    model = model_of(weights64, torch.float64)
+    pool = Pool(model)
+    tables = [pool.table(70), pool.table(200)]
+    model.forward(tokens_of(170, salt=9), 0, pool.kv, tables[1])  # the second request's cached prefix
+    seen: list[list[Span]] = []
+    Prefill(model, chunk=64)(
+        [PrefillRequest(tokens_of(70), 0, tables[0]), PrefillRequest(tokens_of(30), 170, tables[1])],
+        pool.kv,
+        before_chunk=seen.append,
+    )
+    assert seen == [[Span(0, 0, 64)], [Span(0, 64, 70), Span(1, 170, 200)]]
+
+
+# ---- prefix reuse -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("attention,moe,dtype", PATHS[:2] + PATHS[3:])
+def test_prefix_reuse(weights64, attention, moe, dtype):
+    """Request B shares A's first two pages (a cached 128-token prefix) and prefills positions
+    128..249; request C shares A's first three pages (192 tokens) with the sliding layers' page 0
+    released, as a prefix cache attaches it; a fresh request D rides in the same call."""
+    model = model_of(weights64, dtype)
+    pool = Pool(model)
+    toks = tokens_of(250)
+    a = pool.table(192)
+    model.forward(toks[:192], 0, pool.kv, a)
+    model.forward(toks[:192], 0, pool.kv_ref, a)
+    b = pool.alloc.new_table(CFG, MAX_PAGES)
+    b[:, :2] = a[:, :2]
+    pool.alloc.ensure(b, 250, from_pos=128)
+    c = pool.alloc.new_table(CFG, MAX_PAGES)
+    c[:, :3] = a[:, :3]
+    for layer in range(L):
+        if CFG.is_sliding(layer):
+            c[layer, 0] = UNMAPPED  # (192 - 96 + 1) // 64 = 1: page 0 is out of every future window
+    pool.alloc.ensure(c, 250, from_pos=192)
+    d = pool.table(40)
+    other = tokens_of(40, salt=5)
+    out = Prefill(model, chunk=100, attention=attention, moe=moe)(
+        [PrefillRequest(toks[128:], 128, b), PrefillRequest(toks[192:], 192, c), PrefillRequest(other, 0, d)],
+        pool.kv,
+        return_hidden=True,
+    )
+    check(out, 0, *pool.reference(toks[128:], 128, b), dtype, "prefix 128")
+    check(out, 1, *pool.reference(toks[192:], 192, c), dtype, "prefix 192")
+    check(out, 2, *pool.reference(other, 0, d), dtype, "fresh")
+    whole = model.logits(toks)[-1]
+    assert rel_err(out.logits[0], whole) < TOL[dtype] and rel_err(out.logits[1], whole) < TOL[dtype]
+    pool.assert_pages_equal([a, b, c, d], TOL[dtype])
+
+
+# ---- sliding-window release between chunks ----------------------------------------------------------
+@pytest.mark.parametrize("attention", ["sdpa", "flex_eager"])
+@pytest.mark.parametrize("poison", [float("nan"), 1e4])
+def test_released_window_pages_are_never_read(weights64, attention, poison):
+    """Between chunks the caller releases sliding-layer pages below each span's window, poisons
+    them and hands them out again (they back a later page of the other prompt): nothing changes."""
+    model = model_of(weights64, torch.float64)
+    lengths = [400, 230]
+    prompts = [tokens_of(n, salt=i) for i, n in enumerate(lengths)]
+
+    def run(release: bool):
+        # Released blocks go to the free list's tail; a pool this small hands them out again.
+        pool = Pool(model, blocks=52 if release else L * 16)
+        tables = [pool.alloc.new_table(CFG, MAX_PAGES) for _ in lengths]
+        freed: list[int] = []
+
+        def before(spans: list[Span]) -> None:
+            for s in spans:
+                t = tables[s.request]
+                if release:
+                    gone = pool.alloc.release_out_of_window(t, CFG, s.start)
+                    pool.kv.fill_blocks(gone, poison)
+                    freed.extend(gone)
+                pool.alloc.ensure(t, s.end, from_pos=s.start)
+
+        out = Prefill(model, chunk=45, attention=attention)(
+            [PrefillRequest(p, 0, t) for p, t in zip(prompts, tables, strict=True)],
+            pool.kv,
+            return_hidden=True,
+            before_chunk=before,
+        )
+        return out, pool, tables, freed
+
+    kept, _, _, _ = run(release=False)
+    out, pool, tables, freed = run(release=True)
+    assert len(freed) >= 12, "the test released too little to mean anything"
+    assert set(freed) & set(torch.cat(tables, 1).flatten().tolist()), "no released block was reused"
+    assert torch.isfinite(out.logits).all()
+    assert torch.equal(out.logits, kept.logits) and torch.equal(out.hidden, kept.hidden), f"seed {SEED}"
+    for i, p in enumerate(prompts):
+        assert rel_err(out.logits[i], model.logits(p)[-1]) < 1e-10, f"seed {SEED}, prompt {i}"
+
+
+# ---- stacked experts ----------------------------------------------------------------------------------------
+def test_stack_experts_in_place_then_prefill_uses_the_stacks_without_copying(weights64):
+    w = {k: v.to(torch.float32) for k, v in weights64.items()}
+    model = Model(CFG, w)
+    toks = tokens_of(150)
+    before = model.logits(toks)[-1]
+    assert stacked_experts(w, CFG, 1) is None
+    assert stack_experts(w, CFG) == sum(CFG.is_moe(i) for i in range(L))
+    assert stack_experts(w, CFG) == 0
+    w13, w2 = stacked_experts(w, CFG, 2)
+    f = CFG.intermediate_size
+    assert torch.equal(w13[3, :f], w["model.layers.2.mlp.experts.3.gate_proj.weight"])
+    assert torch.equal(w13[3, f:], w["model.layers.2.mlp.experts.3.up_proj.weight"])
+    assert torch.equal(w2[5], w["model.layers.2.mlp.experts.5.down_proj.weight"])
+    assert torch.equal(model.logits(toks)[-1], before)
+    prefill = Prefill(model, moe="grouped")
+    assert prefill._stacks[2][0].data_ptr() == w["model.layers.2.mlp.experts.0.gate_proj.weight"].data_ptr()
+    pool = Pool(model)
+    table = pool.table(150)
+    out = prefill([PrefillRequest(toks, 0, table)], pool.kv)
+    assert rel_err(out.logits[0], before) < 1e-4, f"seed {SEED}"
+
+
+# ---- errors -----------------------------------------------------------------------------------------------
+def test_missing_pages_raise(weights64):
+    model = model_of(weights64, torch.float64)
+    pool = Pool(model)
+    prefill = Prefill(model, chunk=64)
+    toks = tokens_of(200)
+    with pytest.raises(KVMappingError, match="page 1 is unmapped .* written"):
+        prefill([PrefillRequest(toks[:100], 0, pool.table(64))], pool.kv)
+    table = pool.table(200)
+    model.forward(toks[:160], 0, pool.kv, table)
+    full = table.clone()
+    full[4, 0] = UNMAPPED  # a full layer's prefix page
+    with pytest.raises(KVMappingError, match="layer 4: page 0 is unmapped .* read"):
+        prefill([PrefillRequest(toks[100:110], 100, full)], pool.kv)
+    sliding = table.clone()
+    sliding[1, 0] = UNMAPPED  # position 100 still sees positions 5..63 of page 0 on sliding layers
+    with pytest.raises(KVMappingError, match="layer 1: page 0 is unmapped .* read"):
+        prefill([PrefillRequest(toks[100:110], 100, sliding)], pool.kv)
+    # From position 160 on, sliding layers see [65, ...]: page 0 may be gone.
+    for layer in range(L):
+        if CFG.is_sliding(layer):
+            sliding[layer, 0] = UNMAPPED
+    out = prefill([PrefillRequest(toks[160:], 160, sliding)], pool.kv)
+    assert rel_err(out.logits[0], model.logits(toks)[-1]) < 1e-10, f"seed {SEED}"
+    with pytest.raises(KVMappingError, match="needs page 8"):
+        prefill([PrefillRequest(toks[:10], 510, pool.table(512))], pool.kv)
+
+
+def test_bad_requests_are_rejected(weights64):
+    model = model_of(weights64, torch.float64)
+    pool = Pool(model)
+    prefill = Prefill(model)
+    t = pool.table(64)
+    for bad, match in (
+        ([], "no requests"),
+        ([PrefillRequest([], 0, t)], "no tokens"),
+        ([PrefillRequest([CFG.vocab_size], 0, t)], "token ids"),
+        ([PrefillRequest([1], -1, t)], "start must be"),
+        ([PrefillRequest([1], 0, t[:2])], "block table must be"),
+        ([PrefillRequest([1], 0, t), PrefillRequest([2], 0, t)], "appears twice"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            prefill(bad, pool.kv)
+    with pytest.raises(ValueError, match="unknown attention"):
+        Prefill(model, attention="magic")
+    with pytest.raises(ValueError, match="grouped MoE needs"):
+        Prefill(model, moe="grouped")
+    with pytest.raises(ValueError, match="fa3"):
+        Prefill(model, attention="fa3")
+    with pytest.raises(ValueError, match="chunk"):
+        Prefill(model, chunk=0)
+
+
+def test_prefill_writes_only_its_own_positions(weights64):
+    """Positions outside [start, end) of every page stay as they were (poisoned here)."""
+    model = model_of(weights64, torch.float64)
+    pool = Pool(model)
+    toks = tokens_of(100)
+    table = pool.table(100)
+    model.forward(toks[:30], 0, pool.kv, table)
+    blocks = table[table != UNMAPPED].long()
+    k_before = pool.kv.k[blocks].clone()
+    Prefill(model)([PrefillRequest(toks[30:90], 30, table)], pool.kv)
+    changed = (pool.kv.k[blocks] != k_before).any(-1).any(-1)  # [blocks, 64]
+    pages = torch.arange(MAX_PAGES).repeat(L, 1)[table != UNMAPPED]
+    pos = pages[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)[None]
+    assert torch.equal(changed, (pos >= 30) & (pos < 90))

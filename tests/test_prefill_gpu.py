@@ -216,7 +216,9 @@ def test_gpu_test_geometry_with_routing(prefill):
     for i, (t, tb) in enumerate(zip(prompts, tables, strict=True)):
         bf, fp = pools.references(t, 0, tb)
         got = out.logits[i]
-        assert torch.isfinite(got).all() and cosine(got, fp) > 0.95 and cosine(got, bf) > 0.95, (
+        # The bf16 reference itself may flip a near-tied expert (seen on the H200: 0.9999 to fp32,
+        # 0.946 to bf16), so the fp32 reference is the bar and the bf16 one a looser sanity check.
+        assert torch.isfinite(got).all() and cosine(got, fp) > 0.95 and cosine(got, bf) > 0.85, (
             f"seed {SEED}: prompt {i} logits cosine {cosine(got, fp):.4f} to fp32, {cosine(got, bf):.4f} to bf16"
         )
     pools.check_pages(tables, "gpu_test geometry")

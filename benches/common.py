@@ -61,3 +61,15 @@ def write_json(path: str | Path, name: str, rows: list[dict], **meta) -> None:
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(record, indent=2))
+
+
+def pyplot():
+    """matplotlib's pyplot on a file-only backend, or None where matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt

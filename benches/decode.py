@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from common import HBM_BYTES_PER_S, print_table, write_json
+from common import HBM_BYTES_PER_S, print_table, pyplot, write_json
 from mk.config import PAGE_SIZE, ModelConfig
 from mk.megakernel.launch import MegakernelStep
 from mk.model.names import expected_shapes
@@ -131,12 +131,8 @@ def measure(cfg, model, stacked, batch: int, ctx: int, iters: int) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     for b in sorted({r["batch"] for r in rows}):

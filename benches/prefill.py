@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from common import print_table, write_json
+from common import print_table, pyplot, write_json
 from mk.config import PAGE_SIZE, ModelConfig
 from mk.model import synthetic_weights
 from mk.model.paged import PagedKV
@@ -89,12 +89,8 @@ def measure(prefill: Prefill, cfg, lengths: list[int], reps: int, gen, label: st
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     single = [r for r in rows if r["case"].startswith("prompt ")]
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))

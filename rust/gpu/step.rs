@@ -322,17 +322,18 @@ mod tests {
     /// A setup that passes: every address non-null, the GPU-test geometry, 8 rows.
     fn setup() -> StepSetup {
         let geometry = crate::graph::tests::gpu_test();
+        let g = &geometry;
         let mut args = MkStepArgs {
-            layers: geometry.layers() as i32,
-            hidden: 2048,
-            heads: 32,
-            kv_heads: 4,
-            head_dim: 128,
-            experts: 32,
-            top_k: 8,
-            expert_ffn: 768,
-            dense_ffn: 3072,
-            vocab: 32768,
+            layers: g.layers() as i32,
+            hidden: g.hidden as i32,
+            heads: g.heads as i32,
+            kv_heads: g.kv_heads as i32,
+            head_dim: g.head_dim as i32,
+            experts: g.experts as i32,
+            top_k: g.top_k as i32,
+            expert_ffn: g.expert_ffn as i32,
+            dense_ffn: g.dense_ffn as i32,
+            vocab: g.vocab as i32,
             ..Default::default()
         };
         // Every u64 field is an address here; give each a distinct non-null value.

@@ -67,8 +67,10 @@ def test_vm_step_equals_reference_decode(model, lengths, num_sms, row_groups, ch
     top2 = expected.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 1e-4  # fp32 summation order may flip a closer race
     assert torch.equal(buf.sampled.long()[clear], expected.argmax(dim=-1)[clear]), f"seed {SEED}"
-    torch.testing.assert_close(kv.k, kv_ref.k, rtol=1e-4, atol=1e-5, equal_nan=True)
-    torch.testing.assert_close(kv.v, kv_ref.v, rtol=1e-4, atol=1e-5, equal_nan=True)
+    # K/V entries are O(1); a wrong page or row is off by that much, while fp32 summation order moves
+    # an entry by ~1e-5 (a CI run once saw 1.3e-5), so the absolute tolerance is 1e-4.
+    torch.testing.assert_close(kv.k, kv_ref.k, rtol=1e-3, atol=1e-4, equal_nan=True)
+    torch.testing.assert_close(kv.v, kv_ref.v, rtol=1e-3, atol=1e-4, equal_nan=True)
 
 
 def test_graph_builder_refuses_an_empty_batch():

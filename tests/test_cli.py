@@ -1,4 +1,4 @@
-"""`python -m mk`, the README's run command until the server lands."""
+"""`python -m mk`: the model-only smoke run (reference model, paged KV, greedy)."""
 
 import subprocess
 import sys

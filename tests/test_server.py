@@ -249,3 +249,17 @@ def test_raw_sse_framing(server):
     assert events[-1] == "data: [DONE]"
     ids = {json.loads(e[6:])["id"] for e in events[:-1]}
     assert len(ids) == 1
+
+
+def test_the_shipped_model_answers_a_chat(client):
+    """The default model is the trained embedded one (issue #7) and its chat answer has text."""
+    assert NAME == "mk-embedded", "python/mk/embedded/ is missing: the server fell back to random weights"
+    out = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": 'def add(a, b):\n    """Return the sum of a and b."""'}],
+        max_tokens=96,
+        temperature=0,
+        extra_body=NO_THINKING,
+    )
+    answer = out.choices[0].message.content
+    assert answer and answer.strip(), out

@@ -1,5 +1,5 @@
 """Bad input gets its status and an OpenAI error body (never a 500), on a server with an API key and small
-limits (one sequence at a time, one waiting, 256-token context, 1 MiB bodies)."""
+limits (one sequence at a time, one waiting, 2048-token context, 1 MiB bodies)."""
 
 import threading
 
@@ -21,7 +21,7 @@ USER = [{"role": "user", "content": "hi"}]
 def server():
     s = ServerProcess(
         "--device", "cpu", "--api-key", KEY, "--max-batch", "1", "--max-waiting", "1",
-        "--max-context", "256", "--max-body-mb", "1",
+        "--max-context", "2048", "--max-body-mb", "1",
     ).wait_ready()  # fmt: skip
     yield s
     assert s.stop() == 0, s.output()
@@ -160,15 +160,15 @@ def test_named_tool_choice_must_name_a_tool(server):
 
 
 def test_prompt_longer_than_the_context_says_both_numbers(server):
-    err = assert_error(post(server, COMP, {"prompt": "word " * 400}), 400, "prompt", contains="256")
+    err = assert_error(post(server, COMP, {"prompt": "word " * 3000}), 400, "prompt", contains="2048")
     assert err["code"] == "context_length_exceeded"
     prompt_tokens = int(err["message"].split("has ")[1].split(" tokens")[0])
-    assert prompt_tokens > 256
-    err = assert_error(post(server, COMP, {"prompt": "x", "max_tokens": 300}), 400, "max_tokens", contains="256")
+    assert prompt_tokens > 2048
+    err = assert_error(post(server, COMP, {"prompt": "x", "max_tokens": 3000}), 400, "max_tokens", contains="2048")
     assert "300" in err["message"]
     with pytest.raises(openai.BadRequestError):
         client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
-        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "y " * 400}])
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "y " * 3000}])
 
 
 def test_oversized_body_is_413(server):
@@ -184,20 +184,25 @@ def test_unknown_route_and_wrong_method(server):
 
 def test_full_waiting_queue_is_503_with_retry_after(server):
     """One running and one waiting request fill this server; the next one is turned away."""
-    long = {"prompt": "x", "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
+    # Long enough to outlast the test on any CPU; the streams are closed (cancelled) once it has checked.
+    long = {"prompt": "x", "max_tokens": 2000, "temperature": 0, "stream": True, "ignore_eos": True}
     opened = []
+    release = threading.Event()
 
-    def hold(ready):
+    def hold(ready, running):
         with httpx.stream("POST", server.url + COMP, json=long, headers=AUTH, timeout=60) as r:
             opened.append(r.status_code)
-            ready.set()
+            if not running:  # headers: submitted (it waits behind the first)
+                ready.set()
             for _ in r.iter_lines():
-                pass
+                ready.set()  # a token: admitted, so the queue is empty again
+                if release.is_set():
+                    break
 
     threads = []
-    for _ in range(2):
+    for running in (True, False):
         ready = threading.Event()
-        t = threading.Thread(target=hold, args=(ready,))
+        t = threading.Thread(target=hold, args=(ready, running))
         t.start()
         ready.wait(30)
         threads.append(t)
@@ -205,6 +210,7 @@ def test_full_waiting_queue_is_503_with_retry_after(server):
     err = assert_error(r, 503)
     assert int(r.headers["retry-after"]) >= 1
     assert err["type"] == "server_overloaded"
+    release.set()
     for t in threads:
         t.join(60)
     assert opened == [200, 200]

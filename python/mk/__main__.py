@@ -1,8 +1,8 @@
 """`python -m mk`: a short greedy generation through the reference model over a paged KV cache.
 
-Until the server exists this is mk's smoke run. Without --model it uses the tiny geometry with
-random weights, so the text is noise: it shows the pipeline (tokenizer, prefill, paged decode)
-working end to end, not a trained model.
+A smoke run of the model path without the engine or the server: tokenizer, prefill, paged decode.
+Without --model it uses the built-in model (`mk.default_model`), a small coder trained on the Python
+standard library.
 """
 
 from __future__ import annotations
@@ -12,19 +12,18 @@ import time
 
 import torch
 
-from mk.config import PAGE_SIZE, ModelConfig
-from mk.model import PageAllocator, load, synthetic_weights
-from mk.model.reference import Model
-from mk.tokenizer_files import build_tokenizer
+from mk.config import PAGE_SIZE
+from mk.default_model import load_default
+from mk.model import PageAllocator, load
+from mk.tokenizer import Tokenizer
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m mk", description=__doc__)
     p.add_argument("--prompt", default="def fibonacci(n):", help="text to continue (default: %(default)r)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default: %(default)s)")
-    p.add_argument("--model", help="checkpoint folder (config.json, safetensors, tokenizer.json); default: tiny random")
+    p.add_argument("--model", help="checkpoint folder (config.json, safetensors, tokenizer.json); default: built-in")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (GPU when present; default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: %(default)s)")
     args = p.parse_args()
     if args.max_tokens < 1:
         p.error("--max-tokens must be at least 1")
@@ -38,16 +37,11 @@ def main() -> None:
     )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.model:
-        from tokenizers import Tokenizer
-
-        model = load(args.model, device=device, dtype=dtype)
-        tokenizer = Tokenizer.from_file(f"{args.model}/tokenizer.json")
+        model, tokenizer = load(args.model, device=device, dtype=dtype), Tokenizer.from_dir(args.model)
     else:
-        cfg = ModelConfig.tiny()
-        model = Model(cfg, synthetic_weights(cfg, seed=args.seed, device=device, dtype=dtype, std=0.1))
-        tokenizer = build_tokenizer(cfg.vocab_size)
+        model, tokenizer = load_default(device, dtype)
     cfg = model.config
-    prompt = tokenizer.encode(args.prompt).ids
+    prompt = tokenizer.encode(args.prompt)
     total = len(prompt) + args.max_tokens
     max_pages = -(-total // PAGE_SIZE)
     alloc = PageAllocator(cfg.num_hidden_layers * max_pages)
@@ -66,7 +60,7 @@ def main() -> None:
         if generated[-1] == cfg.eos_token_id:
             break
     elapsed = time.perf_counter() - start
-    print(args.prompt + tokenizer.decode(generated))
+    print(args.prompt + tokenizer.decode(generated, skip_special_tokens=True))
     rate = len(generated) / elapsed
     print(f"\n[{len(prompt)} prompt + {len(generated)} generated tokens on {device}, {rate:.1f} tok/s]")
 

@@ -115,6 +115,28 @@ def test_greedy_matches_a_token_by_token_reference_loop(model, engine):
     assert (tokens, finish) == (want[: want.index(stop) + 1], "stop")
 
 
+def test_fast_prefill_path_gives_the_reference_tokens(model, engine):
+    """`prefill="fast"` sends each Rust chunk through mk.prefill (on the CPU: SDPA and the expert loop);
+    prompts of several chunks, crossing pages and the sliding window, decode as the reference does."""
+    e = engine(max_batch=4, prefill="fast")
+    assert e.prefill == "fast" and engine(max_batch=1).prefill == "reference"  # auto on the CPU
+    prompts = [prompt(5, 3), prompt(130, 4), prompt(200, 5)]
+    params = dataclasses.replace(GREEDY, logprobs=0)
+    fast, chunks = e._runner.fast_prefill, []
+    e._runner.fast_prefill = lambda requests, kv: chunks.append(len(requests[0].tokens)) or fast(requests, kv)
+    results = run(e, [(0.02 * i, p, params) for i, p in enumerate(prompts)])
+    assert sum(chunks) == sum(map(len, prompts)) and max(chunks) <= 64  # every prompt token, in chunks
+    for p, (tokens, _, events) in zip(prompts, results, strict=True):
+        want, logprobs = reference_greedy(model, p, GREEDY.max_tokens)
+        assert tokens == want
+        assert [e.logprob for e in events] == pytest.approx(logprobs, abs=1e-5)
+
+
+def test_unknown_prefill_mode_is_refused(model):
+    with pytest.raises(ValueError, match="prefill must be"):
+        Engine(model, prefill="flash")
+
+
 @pytest.fixture(scope="module")
 def workload(model):
     """Eight requests of mixed lengths (greedy and seeded) and what each produces alone."""

@@ -2,7 +2,7 @@
 GPU-test geometry (synthetic bf16 weights): staggered greedy requests, a batch larger than one
 launch, seeded sampling, and the server end to end with `--synthetic`.
 
-Both backends prefill with the same PyTorch code (arrival timing may cut a prompt into different
+Both backends prefill with the same PyTorch code, mk.prefill (arrival timing may cut a prompt into different
 chunks), and decode tokens agree until the first near-tie. With these random weights the logits
 spread about 0.9, top-2 gaps are often a few bf16 steps (0.016 at |logit| ≈ 3.5), and an expert
 choice that flips on a near-tie router logit moves the logits by up to about 1 (bf16 against fp32
@@ -59,7 +59,7 @@ def engine(model, backend: str, max_batch: int = 8, prefill_chunk: int = 512):
         kv_blocks=4096,
         check_invariants=True,
     )
-    assert e.backend == backend
+    assert e.backend == backend and e.prefill == "fast"  # mk.prefill on the GPU, by default
     try:
         yield e
     finally:

@@ -297,22 +297,6 @@ def test_three_step_cpu_run_writes_a_checkpoint_the_loader_reads(fake_stdlib, tm
     assert got == exp["greedy_ids"]
 
 
-# Recorded from the shipped checkpoint (fp32 reference model, CPU); its closest top-2 race is 0.016 logits,
-# far above fp32 noise. The training run's own expectation above is short (a newline, then end of turn).
-LONGER_PROMPT = "import os\n\n\ndef list_files(path):\n"
-LONGER_GREEDY = [350, 357, 1640, 80, 821, 25, 529, 328, 279, 358, 721, 31, 529, 31, 974, 25, 529, 29, 699, 26, 216]
-
-
-@pytest.mark.skipif(not has_embedded(), reason="python/mk/embedded/ has not been trained yet")
-def test_shipped_model_greedy_continuation_of_a_longer_prompt_is_stable():
-    model, tok = load_default()
-    ids, got = tok.encode(LONGER_PROMPT), []
-    for _ in LONGER_GREEDY:
-        got.append(int(model.logits(ids + got)[-1].argmax()))
-    assert got == LONGER_GREEDY, tok.decode(got)
-    assert tok.decode(got).startswith("def _find_dir(path):\n    return os.path.join(")
-
-
 def test_runs_are_reproducible(fake_stdlib, tmp_path):
     """Same seed and flags: the same weights byte for byte (CPU); the recorded replay flags too."""
     first = _run(fake_stdlib, tmp_path / "a", tmp_path / "da", "--max-steps", "2")

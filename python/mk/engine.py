@@ -27,6 +27,7 @@ from mk.megakernel.runner import MegakernelRunner
 from mk.megakernel.support import choose_backend
 from mk.model.reference import Model
 from mk.outputs import TokenEvent
+from mk.prefill import Prefill, stack_experts
 from mk.runner import ReferenceRunner
 from mk.sampling import SamplingParams
 
@@ -76,7 +77,12 @@ class Engine:
 
     `backend`: "megakernel" decodes with one megakernel launch per step (bf16 on a Hopper GPU;
     an error elsewhere), "reference" with the PyTorch reference model, "auto" (the default) with
-    the megakernel wherever it can run. Prefill is PyTorch's either way. `self.backend` says which.
+    the megakernel wherever it can run. `self.backend` says which.
+
+    `prefill`: "fast" runs prompt chunks through `mk.prefill` (flex attention and grouped-GEMM MoE on
+    a GPU; it restacks the model's experts in place, see `mk.prefill.stack_experts`), "reference"
+    through the reference model's forward, "auto" (the default) is "fast" on a GPU and "reference" on
+    the CPU. Either way prefill is PyTorch, on the decode backend's stream.
 
     KV pool: `kv_blocks` blocks, else `kv_bytes`, else on a GPU `kv_fraction` of the memory free
     after the weights, else (CPU) room for `max_batch` sequences of `max_context` tokens.
@@ -96,9 +102,12 @@ class Engine:
         salt: bytes | None = None,
         check_invariants: bool = False,
         backend: str = "auto",
+        prefill: str = "auto",
     ) -> None:
         cfg = model.config
         self.backend = choose_backend(model, backend)
+        fast = _fast_prefill(model, prefill, prefill_chunk)
+        self.prefill = "reference" if fast is None else "fast"
         self.config = cfg
         self.max_batch = max_batch
         self.max_context = max_context
@@ -106,9 +115,10 @@ class Engine:
         decode_need, prefill_need = _native.kv_blocks_needed(sliding, cfg.sliding_window, max_context, prefill_chunk)
         num_blocks = _pool_blocks(model, kv_blocks, kv_bytes, kv_fraction, max(max_batch * decode_need, prefill_need))
         if self.backend == "megakernel":
-            self._runner = MegakernelRunner(model, num_blocks, max_batch, max_context)
+            self._runner = MegakernelRunner(model, num_blocks, max_batch, max_context, fast_prefill=fast)
         else:
-            self._runner = ReferenceRunner(model, num_blocks, max_batch, max_context)
+            self._runner = ReferenceRunner(model, num_blocks, max_batch, max_context, fast_prefill=fast)
+        self._runner.warm_up()
         self._native = _native.Engine(
             self._runner,
             sliding=sliding,
@@ -278,6 +288,19 @@ def _deliver(stream: _Stream, event: TokenEvent, by_loop: dict) -> None:
 def _put_all(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
     for queue, event in items:
         queue.put_nowait(event)
+
+
+def _fast_prefill(model: Model, mode: str, chunk: int) -> Prefill | None:
+    """The engine's `mk.prefill` runner, or None for the reference model's forward (see `Engine`)."""
+    if mode not in ("auto", "fast", "reference"):
+        raise ValueError(f"prefill must be 'auto', 'fast' or 'reference', not {mode!r}")
+    cuda = model.device.type == "cuda"
+    if mode == "reference" or (mode == "auto" and not cuda):
+        return None
+    if cuda:  # before anything records weight addresses (the megakernel's tables)
+        stack_experts(model.weights, model.config)
+    # Rust hands over at most `chunk` tokens a call, so each call is one chunk of mk.prefill.
+    return Prefill(model, chunk=chunk)
 
 
 def _weights_id(model: Model) -> int:

@@ -3,7 +3,8 @@ pool, called by the Rust decode loop (`rust/python/reference_backend.rs`) with t
 
 Rust owns the block ids; this object owns the K/V tensors and a mirror of the dense page table,
 patched with the rows Rust reports as changed. It returns logits as float32 numpy arrays and Rust
-samples them.
+samples them. Prefill chunks run through `mk.prefill.Prefill` when one is given (the engine's
+choice on a GPU), else through the reference model's own forward.
 """
 
 from __future__ import annotations
@@ -13,16 +14,31 @@ import torch
 
 from mk.config import PAGE_SIZE
 from mk.model.reference import Model
+from mk.prefill import Prefill, PrefillRequest
 
 
 class ReferenceRunner:
-    def __init__(self, model: Model, num_blocks: int, max_batch: int, max_context: int) -> None:
+    def __init__(
+        self, model: Model, num_blocks: int, max_batch: int, max_context: int, fast_prefill: Prefill | None = None
+    ) -> None:
         self.model = model
+        self.fast_prefill = fast_prefill
         self.kv = model.new_kv(num_blocks)
         self.layers = model.config.num_hidden_layers
         self.max_pages = -(-max_context // PAGE_SIZE)
         # [row, layer, page] on the CPU: the model reads block tables per sequence.
         self.tables = torch.full((max_batch, self.layers, self.max_pages), -1, dtype=torch.int32)
+
+    def warm_up(self) -> None:
+        """Run the fast prefill on scratch pages before serving, so its first-call compilation (tens of
+        seconds on a GPU) does not land on the first request. Uses blocks 0 .. layers-1, which nothing
+        holds yet and every later prefill overwrites before reading."""
+        if self.fast_prefill is None or self.kv.num_blocks < self.layers:
+            return
+        table = torch.full((self.layers, self.max_pages), -1, dtype=torch.int32)
+        table[:, 0] = torch.arange(self.layers, dtype=torch.int32)
+        for n in (16, 48):  # a second length, so dynamic-shape compilation is settled too
+            self.fast_prefill([PrefillRequest([0] * n, 0, table)], self.kv)
 
     def _sync(self, dirty: list[tuple[int, bytes]]) -> None:
         for row, data in dirty:
@@ -30,6 +46,10 @@ class ReferenceRunner:
 
     def prefill(self, row: int, tokens: list[int], start: int, dirty: list[tuple[int, bytes]], last: bool):
         self._sync(dirty)
+        if self.fast_prefill is not None:
+            # Rust mapped every page of the chunk before calling (the page contract of mk.prefill).
+            out = self.fast_prefill([PrefillRequest(tokens, start, self.tables[row])], self.kv)
+            return _host(out.logits[0]) if last else None
         logits = self.model.forward(torch.tensor(tokens), start, self.kv, self.tables[row], last_only=True)
         return _host(logits[-1]) if last else None
 

@@ -1,6 +1,6 @@
 """The Python half of the `Megakernel` decode backend (rust/python/megakernel_backend.rs).
 
-Prefill is the Reference runner's (PyTorch writes the prompt's K/V into the pool), run on this
+Prefill is the Reference runner's (PyTorch, `mk.prefill`, writes the prompt's K/V into the pool), run on this
 runner's own CUDA stream; decode never comes here: Rust launches the megakernel on the same
 stream, so every launch follows the prefills before it. This object owns every tensor the kernel
 reads (weights, KV pool, pointer tables, activation buffers) and hands their addresses to Rust once,
@@ -16,6 +16,7 @@ from mk.megakernel.launch import ModelTables, fixed_step_args, pack_step_args
 from mk.megakernel.state import StepBuffers
 from mk.megakernel.support import MAX_STEP_ROWS, MegakernelUnavailable, megakernel_unsupported
 from mk.model.reference import Model
+from mk.prefill import Prefill
 from mk.runner import ReferenceRunner
 
 # MkStepArgs fields Rust fills in for every launch (its buffers, or per-step values).
@@ -54,11 +55,12 @@ class MegakernelRunner(ReferenceRunner):
         *,
         row_groups: int = 4,
         sample_parts: int = 16,
+        fast_prefill: Prefill | None = None,
     ) -> None:
         why = megakernel_unsupported(model)
         if why is not None:
             raise MegakernelUnavailable(why)
-        super().__init__(model, num_blocks, max_batch, max_context)
+        super().__init__(model, num_blocks, max_batch, max_context, fast_prefill)
         cfg, device = model.config, model.device
         self.stream = torch.cuda.Stream(device)
         # Larger batches run as several launches, each over these buffers in turn.
@@ -78,6 +80,11 @@ class MegakernelRunner(ReferenceRunner):
     def prefill(self, row: int, tokens: list[int], start: int, dirty: list[tuple[int, bytes]], last: bool):
         with torch.cuda.stream(self.stream):
             return super().prefill(row, tokens, start, dirty, last)
+
+    def warm_up(self) -> None:
+        with torch.cuda.stream(self.stream):
+            super().warm_up()
+        self.stream.synchronize()
 
     def decode(self, rows, tokens, positions, dirty):
         raise RuntimeError("the megakernel backend decodes in Rust; this runner only prefills")

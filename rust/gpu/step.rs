@@ -12,8 +12,9 @@ use cudarc::driver::{result, sys, CudaSlice, CudaStream, DevicePtr, DriverError}
 
 use super::compact::{check_mapped, compact_tables, step_pages};
 use super::{Gpu, GpuError, MkStepArgs};
+use crate::graph::cache::GraphCache;
 use crate::graph::task::MkTask;
-use crate::graph::{build_step, BuildOptions, Geometry};
+use crate::graph::{BuildOptions, Geometry};
 use crate::sched::PageTable;
 
 /// Rows one launch can take: the kernel's GEMV tile covers one n-tile of 8 rows (v0).
@@ -57,6 +58,8 @@ pub struct StepRunner {
     gpu: Arc<Gpu>,
     stream: Arc<CudaStream>,
     setup: StepSetup,
+    /// The last step's task lists, patched while the batch keeps its shape.
+    graphs: GraphCache,
     tasks: Option<CudaSlice<MkTask>>,
     tokens: CudaSlice<i32>,
     positions: CudaSlice<i32>,
@@ -97,10 +100,12 @@ impl StepRunner {
         let positions = alloc(setup.rows)?;
         let tables = alloc(layers * setup.rows * setup.max_pages)?;
         let counters = stream.alloc_zeros::<u32>(2 * num_counters).map_err(driver("allocate the counters"))?;
+        let graphs = GraphCache::new(setup.geometry.clone(), setup.options.clone());
         Ok(Self {
             gpu,
             stream,
             setup,
+            graphs,
             tasks: None,
             tokens,
             positions,
@@ -150,15 +155,16 @@ impl StepRunner {
 
         self.host_positions.clear();
         self.host_positions.extend(step.positions.iter().map(|&p| p as usize));
-        // Not checked per step: the builder is what the static checker tests prove correct.
-        let graph = build_step(g, &self.host_positions, &self.setup.options).map_err(|e| invalid(e.to_string()))?;
+        // Not checked per step: the builder is what the static checker tests prove correct, and a
+        // patched graph equals a fresh build (graph::cache tests).
+        let graph = self.graphs.step(&self.host_positions).map_err(|e| invalid(e.to_string()))?;
         if graph.max_splits > self.setup.max_splits || graph.slots > self.setup.slots {
             return Err(invalid(format!(
                 "the step needs {} attention splits and {} MoE slots; the buffers hold {} and {}",
                 graph.max_splits, graph.slots, self.setup.max_splits, self.setup.slots
             )));
         }
-        let (tasks, per_sm) = graph.padded();
+        let (per_sm, num_sms, slots) = (graph.per_sm, graph.num_sms, graph.slots);
         let pages = step_pages(step.positions);
         if pages > table.max_pages() {
             return Err(invalid(format!("a position needs page {} of a {}-page table", pages - 1, table.max_pages())));
@@ -166,7 +172,8 @@ impl StepRunner {
         compact_tables(table, step.rows, pages, &mut self.host_tables);
         check_mapped(&self.host_tables, step.positions, pages, &g.window, self.setup.num_blocks).map_err(invalid)?;
 
-        self.upload(&tasks, step)?;
+        upload_tasks(&self.stream, &mut self.tasks, graph.tasks)?;
+        self.upload(step)?;
         let mut args = self.setup.args;
         args.tasks = ptr(self.tasks.as_ref().expect("uploaded"), &self.stream);
         args.counters = ptr(&self.counters, &self.stream);
@@ -179,26 +186,18 @@ impl StepRunner {
         args.batch = b as i32;
         args.max_pages = pages as i32;
         args.max_splits = self.setup.max_splits as i32;
-        args.slots = graph.slots as i32;
+        args.slots = slots as i32;
         args.sample_parts = self.setup.options.sample_parts as i32;
         // SAFETY: the addresses are Python's live buffers (see `new`) and this runner's, sized
         // for at least `b` rows, `pages` pages, these splits and slots (checked above); the task
         // lists come from `build_step`, whose graphs the static checker's tests cover.
-        unsafe { self.gpu.decode_step(&args, graph.per_sm.len() as u32, self.stream.cu_stream())? };
+        unsafe { self.gpu.decode_step(&args, num_sms as u32, self.stream.cu_stream())? };
         self.parity ^= 1;
         self.download(step, sampled, logits)
     }
 
-    fn upload(&mut self, tasks: &[MkTask], step: &StepRows<'_>) -> Result<(), GpuError> {
+    fn upload(&mut self, step: &StepRows<'_>) -> Result<(), GpuError> {
         let s = &self.stream;
-        if self.tasks.as_ref().is_none_or(|t| t.len() < tasks.len()) {
-            // Grows rarely (longer contexts add attention splits); the old buffer is freed in
-            // stream order, after the launches that read it.
-            let cap = tasks.len().next_power_of_two();
-            self.tasks = Some(s.alloc_zeros::<MkTask>(cap).map_err(driver("allocate the task lists"))?);
-        }
-        let dst = self.tasks.as_mut().expect("allocated");
-        s.memcpy_htod(tasks, &mut dst.slice_mut(..tasks.len())).map_err(driver("upload the task lists"))?;
         let b = step.rows.len();
         self.host_i32.clear();
         self.host_i32.extend(step.tokens.iter().map(|&t| t as i32));
@@ -234,6 +233,17 @@ impl StepRunner {
         sampled.extend(self.host_i32.iter().map(|&t| t as u32));
         Ok(())
     }
+}
+
+fn upload_tasks(s: &Arc<CudaStream>, buf: &mut Option<CudaSlice<MkTask>>, tasks: &[MkTask]) -> Result<(), GpuError> {
+    if buf.as_ref().is_none_or(|t| t.len() < tasks.len()) {
+        // Grows rarely (longer contexts add attention splits); the old buffer is freed in
+        // stream order, after the launches that read it.
+        let cap = tasks.len().next_power_of_two();
+        *buf = Some(s.alloc_zeros::<MkTask>(cap).map_err(driver("allocate the task lists"))?);
+    }
+    let dst = buf.as_mut().expect("allocated");
+    s.memcpy_htod(tasks, &mut dst.slice_mut(..tasks.len())).map_err(driver("upload the task lists"))
 }
 
 fn ptr<T>(slice: &CudaSlice<T>, stream: &CudaStream) -> u64 {

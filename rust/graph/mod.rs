@@ -6,6 +6,7 @@
 //! block can only wait on tasks that are earlier in it, so the step cannot deadlock.
 //! `check` proves this and the data flow of any graph without a GPU.
 
+pub mod cache;
 pub mod check;
 pub mod effects;
 pub mod task;
@@ -231,21 +232,13 @@ impl Builder<'_> {
     fn attention(&mut self, l: usize, positions: &[usize]) {
         let g = self.geom;
         let mut combines = Vec::new();
-        // Automatic chunks: about num_sms splits per layer in all.
-        let per_row = (self.opts.num_sms / (positions.len() * g.kv_heads)).max(1);
         for (b, &pos) in positions.iter().enumerate() {
-            let end = pos + 1;
-            let start = g.window[l].map_or(0, |w| end.saturating_sub(w));
-            let chunk = match self.opts.attn_chunk {
-                0 => ((end - start).div_ceil(per_row)).div_ceil(64).max(2) * 64,
-                c => c,
-            };
-            let splits = (end - start).div_ceil(chunk);
+            let keys = KeyRange::of(g, self.opts, positions.len(), l, pos);
+            let splits = keys.splits;
             self.max_splits = self.max_splits.max(splits);
             for kvh in 0..g.kv_heads {
                 for s in 0..splits {
-                    let lo = start + s * chunk;
-                    let hi = (lo + chunk).min(end);
+                    let (lo, hi) = keys.split(s);
                     let args = [b as i32, kvh as i32, s as i32, lo as i32, hi as i32];
                     self.push(
                         MkTask::new(Op::AttnSplit, l, &args)
@@ -286,6 +279,36 @@ impl Builder<'_> {
         for b in 0..self.batch {
             self.push(MkTask::new(Op::SampleFinal, l, &[b as i32, parts as i32]).waits(sample_counter(l)));
         }
+    }
+}
+
+/// The keys one row attends to in one layer, cut into splits (the attention tasks' ranges).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyRange {
+    pub start: usize,
+    pub end: usize,
+    pub chunk: usize,
+    pub splits: usize,
+}
+
+impl KeyRange {
+    /// Row writing at `pos` in layer `l` of a `batch`-row step. Automatic chunks (attn_chunk 0):
+    /// about num_sms splits per layer in all, at least two pages each.
+    pub fn of(g: &Geometry, opts: &BuildOptions, batch: usize, l: usize, pos: usize) -> KeyRange {
+        let end = pos + 1;
+        let start = g.window[l].map_or(0, |w| end.saturating_sub(w));
+        let per_row = (opts.num_sms / (batch * g.kv_heads)).max(1);
+        let chunk = match opts.attn_chunk {
+            0 => ((end - start).div_ceil(per_row)).div_ceil(64).max(2) * 64,
+            c => c,
+        };
+        KeyRange { start, end, chunk, splits: (end - start).div_ceil(chunk) }
+    }
+
+    /// Keys [lo, hi) of split `s`.
+    pub fn split(&self, s: usize) -> (usize, usize) {
+        let lo = self.start + s * self.chunk;
+        (lo, (lo + self.chunk).min(self.end))
     }
 }
 

@@ -1,0 +1,105 @@
+//! Host time to produce a decode step's per-SM task lists for the megakernel: a fresh
+//! `build_step(..).padded()` against `GraphCache::step`, which patches the attention key ranges
+//! of the previous step's lists while the batch keeps its shape (every position + 1).
+//!
+//! North Mini Code geometry (49 layers, 128 experts, top-8, 262144-token vocabulary), 132 SMs,
+//! default options. Each case times `STEPS` consecutive decode steps from the given context.
+//!
+//! `cargo bench --bench graph_build` prints a table and writes JSON to `$MK_BENCH_JSON`
+//! (default `target/graph_build.json`).
+
+use std::time::Instant;
+
+use mk::graph::cache::GraphCache;
+use mk::graph::{build_step, BuildOptions, Geometry};
+
+const STEPS: usize = 200;
+
+fn real() -> Geometry {
+    Geometry {
+        hidden: 2048,
+        heads: 32,
+        kv_heads: 4,
+        head_dim: 128,
+        experts: 128,
+        top_k: 8,
+        expert_ffn: 768,
+        dense_ffn: 3072,
+        vocab: 262_144,
+        window: (0..49).map(|i| if i % 4 == 0 { None } else { Some(4096) }).collect(),
+        moe: (0..49).map(|i| i >= 1).collect(),
+    }
+}
+
+struct Row {
+    batch: usize,
+    context: usize,
+    tasks: usize,
+    fresh_us: f64,
+    cached_us: f64,
+    rebuilds: u64,
+}
+
+fn case(geom: &Geometry, opts: &BuildOptions, batch: usize, context: usize) -> Row {
+    let start: Vec<usize> = (0..batch).map(|b| context - 1 - 37 * b).collect();
+    let step = |i: usize| start.iter().map(|p| p + i).collect::<Vec<_>>();
+
+    let t = Instant::now();
+    let mut tasks = 0;
+    for i in 0..STEPS / 10 {
+        let (padded, _) = build_step(geom, &step(i), opts).unwrap().padded();
+        tasks = padded.len();
+        std::hint::black_box(&padded);
+    }
+    let fresh_us = t.elapsed().as_secs_f64() * 1e6 / (STEPS / 10) as f64;
+
+    let mut cache = GraphCache::new(geom.clone(), opts.clone());
+    cache.step(&step(0)).unwrap();
+    let t = Instant::now();
+    for i in 1..=STEPS {
+        std::hint::black_box(cache.step(&step(i)).unwrap().tasks.len());
+    }
+    let cached_us = t.elapsed().as_secs_f64() * 1e6 / STEPS as f64;
+    Row { batch, context, tasks, fresh_us, cached_us, rebuilds: cache.rebuilds - 1 }
+}
+
+fn main() {
+    let geom = real();
+    let opts = BuildOptions::default();
+    let mut rows = Vec::new();
+    for batch in [1, 8] {
+        for context in [2048, 8192, 32768] {
+            rows.push(case(&geom, &opts, batch, context));
+        }
+    }
+    println!("\nper-SM task lists of one decode step, NMC geometry, 132 SMs ({STEPS} consecutive steps)");
+    println!(
+        "{:>6} {:>8} {:>9} {:>12} {:>12} {:>9} {:>9}",
+        "batch", "context", "tasks", "fresh µs", "cached µs", "speed-up", "rebuilds"
+    );
+    for r in &rows {
+        println!(
+            "{:>6} {:>8} {:>9} {:>12.0} {:>12.1} {:>8.0}x {:>9}",
+            r.batch,
+            r.context,
+            r.tasks,
+            r.fresh_us,
+            r.cached_us,
+            r.fresh_us / r.cached_us,
+            r.rebuilds
+        );
+    }
+    let body: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            format!(
+                "    {{\"batch\": {}, \"context\": {}, \"padded_tasks\": {}, \"fresh_us\": {:.3}, \"cached_us\": {:.3}, \"rebuilds\": {}}}",
+                r.batch, r.context, r.tasks, r.fresh_us, r.cached_us, r.rebuilds
+            )
+        })
+        .collect();
+    let json = format!("{{\n  \"steps\": {STEPS},\n  \"rows\": [\n{}\n  ]\n}}\n", body.join(",\n"));
+    let path = std::env::var("MK_BENCH_JSON").unwrap_or_else(|_| "target/graph_build.json".into());
+    std::fs::write(&path, json).unwrap();
+    println!("wrote {path}");
+}

@@ -1,0 +1,216 @@
+//! The per-SM task lists of consecutive decode steps, built once and patched.
+//!
+//! A step's graph depends on the batch size and, through attention, on each row's position.
+//! From one decode step to the next every position grows by one: the number of attention splits
+//! per (layer, row) rarely changes, and when it does not, the graph differs only in the key
+//! ranges of the attention tasks. So `GraphCache` keeps the last padded task array and, when
+//! the split counts match, rewrites just those ranges (a few thousand tasks) instead of building
+//! the whole graph again (~280K tasks at batch 8 on the real model). The result is the same
+//! array `build_step(..).padded()` gives, which the tests check step by step.
+
+use super::task::{MkTask, Op};
+use super::{build_step, BuildOptions, Geometry, GraphError, KeyRange};
+
+/// A step's task lists as the kernel takes them.
+#[derive(Debug, Clone, Copy)]
+pub struct StepTasks<'a> {
+    /// [num_sms][per_sm], padded with NOPs.
+    pub tasks: &'a [MkTask],
+    pub per_sm: usize,
+    pub num_sms: usize,
+    pub slots: usize,
+    pub max_splits: usize,
+    /// Whether the graph was built from scratch (else only attention ranges were rewritten).
+    pub rebuilt: bool,
+}
+
+pub struct GraphCache {
+    geom: Geometry,
+    opts: BuildOptions,
+    /// Batch size, then the split count of every (layer, row), of the cached graph.
+    key: Vec<usize>,
+    padded: Vec<MkTask>,
+    per_sm: usize,
+    slots: usize,
+    max_splits: usize,
+    /// Padded index of every attention split task, in build order (layer, row, KV head, split).
+    attn: Vec<usize>,
+    scratch: Vec<usize>,
+    pub rebuilds: u64,
+    pub patches: u64,
+}
+
+impl GraphCache {
+    pub fn new(geom: Geometry, opts: BuildOptions) -> Self {
+        GraphCache {
+            geom,
+            opts,
+            key: Vec::new(),
+            padded: Vec::new(),
+            per_sm: 0,
+            slots: 0,
+            max_splits: 0,
+            attn: Vec::new(),
+            scratch: Vec::new(),
+            rebuilds: 0,
+            patches: 0,
+        }
+    }
+
+    pub fn geometry(&self) -> &Geometry {
+        &self.geom
+    }
+
+    pub fn options(&self) -> &BuildOptions {
+        &self.opts
+    }
+
+    /// The task lists of a step whose rows write at `positions`.
+    pub fn step(&mut self, positions: &[usize]) -> Result<StepTasks<'_>, GraphError> {
+        if positions.is_empty() {
+            return Err(GraphError::EmptyBatch);
+        }
+        self.scratch.clear();
+        self.scratch.push(positions.len());
+        for l in 0..self.geom.layers() {
+            for &pos in positions {
+                self.scratch.push(KeyRange::of(&self.geom, &self.opts, positions.len(), l, pos).splits);
+            }
+        }
+        let rebuilt = self.scratch != self.key;
+        if rebuilt {
+            self.rebuild(positions)?;
+            std::mem::swap(&mut self.key, &mut self.scratch);
+            self.rebuilds += 1;
+        } else {
+            self.patch(positions);
+            self.patches += 1;
+        }
+        Ok(StepTasks {
+            tasks: &self.padded,
+            per_sm: self.per_sm,
+            num_sms: self.opts.num_sms,
+            slots: self.slots,
+            max_splits: self.max_splits,
+            rebuilt,
+        })
+    }
+
+    fn rebuild(&mut self, positions: &[usize]) -> Result<(), GraphError> {
+        let graph = build_step(&self.geom, positions, &self.opts)?;
+        let (padded, per_sm) = graph.padded();
+        let num_sms = graph.per_sm.len();
+        self.attn.clear();
+        self.attn.extend(
+            graph
+                .order
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| t.op() == Op::AttnSplit)
+                .map(|(i, _)| (i % num_sms) * per_sm + i / num_sms),
+        );
+        self.padded = padded;
+        self.per_sm = per_sm;
+        self.slots = graph.slots;
+        self.max_splits = graph.max_splits;
+        Ok(())
+    }
+
+    /// Rewrites the key range of every attention split; the split counts are the cached ones.
+    fn patch(&mut self, positions: &[usize]) {
+        let mut at = self.attn.iter();
+        for l in 0..self.geom.layers() {
+            for &pos in positions {
+                let keys = KeyRange::of(&self.geom, &self.opts, positions.len(), l, pos);
+                for _ in 0..self.geom.kv_heads {
+                    for s in 0..keys.splits {
+                        let (lo, hi) = keys.split(s);
+                        let t = &mut self.padded[*at.next().expect("one index per split")];
+                        t.arg[3] = lo as i32;
+                        t.arg[4] = hi as i32;
+                    }
+                }
+            }
+        }
+        debug_assert!(at.next().is_none());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{gpu_test, tiny};
+    use super::*;
+    use proptest::prelude::*;
+
+    fn fresh(geom: &Geometry, opts: &BuildOptions, positions: &[usize]) -> (Vec<MkTask>, usize) {
+        build_step(geom, positions, opts).unwrap().padded()
+    }
+
+    /// Decode steps of a batch that grows by one token a step, with rows joining and leaving.
+    fn check_run(
+        geom: Geometry,
+        opts: BuildOptions,
+        mut positions: Vec<usize>,
+        steps: usize,
+        churn: &[(usize, usize)],
+    ) {
+        let mut cache = GraphCache::new(geom.clone(), opts.clone());
+        for step in 0..steps {
+            for &(at, pos) in churn {
+                if at == step {
+                    if positions.len() > 1 && pos % 2 == 0 {
+                        positions.remove(pos % positions.len());
+                    } else {
+                        positions.push(pos);
+                    }
+                }
+            }
+            let got = cache.step(&positions).unwrap();
+            let (want, per_sm) = fresh(&geom, &opts, &positions);
+            assert_eq!((got.per_sm, got.tasks.len()), (per_sm, want.len()), "step {step} at {positions:?}");
+            assert!(got.tasks == &want[..], "step {step} at {positions:?}: patched tasks differ");
+            for p in &mut positions {
+                *p += 1;
+            }
+        }
+        assert!(cache.patches > 0, "a run of one-token steps must reuse the graph");
+    }
+
+    #[test]
+    fn patched_steps_equal_fresh_builds_across_pages_and_the_window() {
+        // tiny: window 96, so sliding layers move their start every step past it.
+        check_run(tiny(), BuildOptions { num_sms: 7, ..Default::default() }, vec![0, 60, 95, 200], 80, &[]);
+        check_run(tiny(), BuildOptions { num_sms: 7, attn_chunk: 64, ..Default::default() }, vec![3, 130], 70, &[]);
+    }
+
+    #[test]
+    fn a_changed_batch_rebuilds() {
+        let opts = BuildOptions { num_sms: 16, ..Default::default() };
+        let mut cache = GraphCache::new(tiny(), opts);
+        assert!(cache.step(&[10, 20]).unwrap().rebuilt);
+        assert!(!cache.step(&[11, 21]).unwrap().rebuilt);
+        assert!(cache.step(&[12]).unwrap().rebuilt);
+        assert!(cache.step(&[13, 5]).unwrap().rebuilt);
+        assert_eq!(cache.step(&[]).unwrap_err(), GraphError::EmptyBatch);
+        assert_eq!((cache.rebuilds, cache.patches), (3, 1));
+    }
+
+    #[test]
+    fn gpu_geometry_long_contexts() {
+        let opts = BuildOptions { num_sms: 132, ..Default::default() };
+        check_run(gpu_test(), opts.clone(), vec![4090, 8191, 127], 12, &[(5, 7), (9, 300)]);
+        check_run(gpu_test(), opts, vec![8185], 10, &[]);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+        #[test]
+        fn any_run_of_steps_equals_fresh_builds(
+            positions in prop::collection::vec(0usize..400, 1..6),
+            sms in 1usize..40,
+            churn in prop::collection::vec((0usize..30, 0usize..400), 0..4),
+        ) {
+            check_run(tiny(), BuildOptions { num_sms: sms, ..Default::default() }, positions, 30, &churn);
+        }
+    }
+}

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Runs ON the GPU machine (see shared/design/GPU.md): builds nothing. Installs the wheels carried
 # in .whl/, runs every GPU test and benchmark, writes logs and JSON under $OUT, prints a table last.
-#   device run:  bash scripts/device-check.sh [--quick]      (carry: [".whl"])
+#   device run:  bash scripts/device-check.sh [--quick|--tests|--bench]      (carry: [".whl"])
 # --quick: the megakernel tests and a two-point decode benchmark only.
+# --tests: every GPU test and the sanitizers, no benchmarks; --bench: the benchmarks only. The whole
+# thing no longer fits one 10-minute device call: run --tests and --bench as two calls.
 set -uo pipefail
 OUT=${OUT:-$PWD/bench-out}
 mkdir -p "$OUT"
@@ -24,14 +26,17 @@ status=0
 mapfile -t gpu_files < <(grep -l "mark.gpu" tests/test_*.py)
 tests=(-m gpu "${gpu_files[@]}")
 [ "$quick" = --quick ] && tests=(-m gpu tests/test_megakernel_gpu.py)
-timeout 480 python3 -m pytest -q -p no:cacheprovider "${tests[@]}" >"$OUT/tests.log" 2>&1 || status=1
+touch "$OUT/tests.log" "$OUT/bench.log"
+if [ "$quick" != --bench ]; then
+    timeout 480 python3 -m pytest -q -p no:cacheprovider "${tests[@]}" >"$OUT/tests.log" 2>&1 || status=1
+fi
 
-if [ "$quick" != --quick ] && command -v compute-sanitizer >/dev/null; then
+if [ "$quick" != --quick ] && [ "$quick" != --bench ] && command -v compute-sanitizer >/dev/null; then
     timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
         python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ops.py -k "matches and 2048" >>"$OUT/tests.log" 2>&1
     echo "memcheck (ops) exit: $?" >>"$OUT/tests.log"
 fi
-if [ "$quick" != --quick ] || [ "${SANITIZE:-}" = 1 ]; then
+if { [ "$quick" != --quick ] && [ "$quick" != --bench ]; } || [ "${SANITIZE:-}" = 1 ]; then
     for tool in memcheck racecheck; do
         timeout 400 compute-sanitizer --tool $tool --error-exitcode 3 python3 scripts/megakernel_once.py \
             >>"$OUT/tests.log" 2>&1
@@ -41,6 +46,7 @@ fi
 
 benches=(benches/norm.py benches/gemv.py benches/decode.py benches/prefill.py)
 [ "$quick" = --quick ] && benches=(benches/decode.py)
+[ "$quick" = --tests ] && benches=()
 for bench in "${benches[@]}"; do
     name=$(basename "$bench" .py)
     args=(--json "$OUT/$name.json")

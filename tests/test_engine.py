@@ -122,10 +122,13 @@ def test_fast_prefill_path_gives_the_reference_tokens(model, engine):
     assert e.prefill == "fast" and engine(max_batch=1).prefill == "reference"  # auto on the CPU
     prompts = [prompt(5, 3), prompt(130, 4), prompt(200, 5)]
     params = dataclasses.replace(GREEDY, logprobs=0)
-    fast, chunks = e._runner.fast_prefill, []
-    e._runner.fast_prefill = lambda requests, kv: chunks.append(len(requests[0].tokens)) or fast(requests, kv)
-    results = run(e, [(0.02 * i, p, params) for i, p in enumerate(prompts)])
-    assert sum(chunks) == sum(map(len, prompts)) and max(chunks) <= 64  # every prompt token, in chunks
+    fast, calls = e._runner.fast_prefill, []
+    e._runner.fast_prefill = lambda requests, kv: calls.append([len(r.tokens) for r in requests]) or fast(requests, kv)
+    results = run(e, [(0, p, params) for p in prompts])
+    # Every prompt token, in calls of at most one chunk (64 tokens) over all sequences; arriving
+    # together, the prompts share calls (packed).
+    assert sum(map(sum, calls)) == sum(map(len, prompts)) and max(map(sum, calls)) <= 64
+    assert any(len(c) > 1 for c in calls), calls
     for p, (tokens, _, events) in zip(prompts, results, strict=True):
         want, logprobs = reference_greedy(model, p, GREEDY.max_tokens)
         assert tokens == want

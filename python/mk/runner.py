@@ -31,27 +31,41 @@ class ReferenceRunner:
 
     def warm_up(self) -> None:
         """Run the fast prefill on scratch pages before serving, so its first-call compilation (tens of
-        seconds on a GPU) does not land on the first request. Uses blocks 0 .. layers-1, which nothing
-        holds yet and every later prefill overwrites before reading."""
+        seconds on a GPU) does not land on the first request. Uses blocks 0 .. 2 x layers - 1, which
+        nothing holds yet and every later prefill overwrites before reading."""
         if self.fast_prefill is None or self.kv.num_blocks < self.layers:
             return
         table = torch.full((self.layers, self.max_pages), -1, dtype=torch.int32)
         table[:, 0] = torch.arange(self.layers, dtype=torch.int32)
         for n in (16, 48):  # a second length, so dynamic-shape compilation is settled too
             self.fast_prefill([PrefillRequest([0] * n, 0, table)], self.kv)
+        if self.kv.num_blocks >= 2 * self.layers:  # and a packed call of two sequences
+            other = table.clone()
+            other[:, 0] += self.layers
+            self.fast_prefill([PrefillRequest([0] * 16, 0, table), PrefillRequest([0] * 32, 0, other)], self.kv)
 
     def _sync(self, dirty: list[tuple[int, bytes]]) -> None:
         for row, data in dirty:
             self.tables[row] = torch.frombuffer(bytearray(data), dtype=torch.int32).view(self.layers, self.max_pages)
 
-    def prefill(self, row: int, tokens: list[int], start: int, dirty: list[tuple[int, bytes]], last: bool):
+    def prefill(self, pieces: list[tuple[int, list[int], int, bool]], dirty: list[tuple[int, bytes]]):
+        """Prefill chunks `(row, tokens, start, last)` of distinct sequences; returns the logits of the
+        pieces with `last` set, [count, vocab], in order."""
         self._sync(dirty)
+        last = [i for i, (_, _, _, is_last) in enumerate(pieces) if is_last]
         if self.fast_prefill is not None:
-            # Rust mapped every page of the chunk before calling (the page contract of mk.prefill).
-            out = self.fast_prefill([PrefillRequest(tokens, start, self.tables[row])], self.kv)
-            return _host(out.logits[0]) if last else None
-        logits = self.model.forward(torch.tensor(tokens), start, self.kv, self.tables[row], last_only=True)
-        return _host(logits[-1]) if last else None
+            # One packed forward pass. Rust mapped every page of every chunk before calling (the
+            # page contract of mk.prefill).
+            requests = [PrefillRequest(tokens, start, self.tables[row]) for row, tokens, start, _ in pieces]
+            logits = self.fast_prefill(requests, self.kv).logits[last]
+        else:
+            rows = []
+            for row, tokens, start, is_last in pieces:
+                out = self.model.forward(torch.tensor(tokens), start, self.kv, self.tables[row], last_only=True)
+                if is_last:
+                    rows.append(out[-1])
+            logits = torch.stack(rows) if rows else torch.empty(0, self.model.config.vocab_size)
+        return _host(logits)
 
     def decode(self, rows: list[int], tokens: list[int], positions: list[int], dirty: list[tuple[int, bytes]]):
         self._sync(dirty)

@@ -58,6 +58,12 @@ pub trait DecodeBackend: Send {
     /// Computes K/V for one chunk; on the last chunk returns the sampled next token.
     fn prefill(&mut self, input: &PrefillInput<'_>) -> Result<Option<Sampled>, BackendError>;
 
+    /// Chunks of distinct sequences in one call (a backend that can packs them into one forward
+    /// pass); `out` receives one result per input, in order. By default, one `prefill` each.
+    fn prefill_many(&mut self, inputs: &[PrefillInput<'_>], out: &mut Vec<Result<Option<Sampled>, BackendError>>) {
+        out.extend(inputs.iter().map(|input| self.prefill(input)));
+    }
+
     /// Runs one decode step; `out` receives one `Sampled` per row, in row order.
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError>;
 }
@@ -65,6 +71,10 @@ pub trait DecodeBackend: Send {
 impl<B: DecodeBackend + ?Sized> DecodeBackend for Box<B> {
     fn prefill(&mut self, input: &PrefillInput<'_>) -> Result<Option<Sampled>, BackendError> {
         (**self).prefill(input)
+    }
+
+    fn prefill_many(&mut self, inputs: &[PrefillInput<'_>], out: &mut Vec<Result<Option<Sampled>, BackendError>>) {
+        (**self).prefill_many(inputs, out)
     }
 
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {

@@ -4,9 +4,9 @@
 
 use std::time::Instant;
 
-use super::backend::{DecodeBackend, DecodeInput, PrefillInput};
+use super::backend::{BackendError, DecodeBackend, DecodeInput, PrefillInput};
 use crate::sampling::Sampled;
-use crate::sched::{DecodeBatch, Event, Scheduler};
+use crate::sched::{DecodeBatch, Event, PrefillChunk, Scheduler};
 
 /// Where the loop's time goes. Host time is an iteration's wall time minus its backend calls:
 /// the control plane's own cost per step.
@@ -29,6 +29,8 @@ pub struct Core<B> {
     pub backend: B,
     batch: DecodeBatch,
     sampled: Vec<Sampled>,
+    chunks: Vec<PrefillChunk>,
+    prefilled: Vec<Result<Option<Sampled>, BackendError>>,
     pub metrics: LoopMetrics,
     /// Run `Scheduler::check` after every iteration (tests; O(arena) per step).
     pub check_invariants: bool,
@@ -41,6 +43,8 @@ impl<B: DecodeBackend> Core<B> {
             backend,
             batch: DecodeBatch::default(),
             sampled: Vec::new(),
+            chunks: Vec::new(),
+            prefilled: Vec::new(),
             metrics: LoopMetrics::default(),
             check_invariants: false,
         }
@@ -58,31 +62,46 @@ impl<B: DecodeBackend> Core<B> {
         let mut backend_ns = 0;
         self.sched.admit();
 
-        let mut budget = self.sched.config().prefill_chunk;
-        while budget > 0 {
-            let Some(chunk) = self.sched.next_prefill(budget, out) else { break };
-            budget -= chunk.end - chunk.start;
-            let seq = self.sched.seq(chunk.row).expect("planned row is live");
-            let input = PrefillInput {
-                row: chunk.row,
-                request: chunk.id,
-                tokens: &seq.tokens[chunk.start..chunk.end],
-                start: chunk.start,
-                last: chunk.last,
-                spec: chunk.spec,
-                table: self.sched.page_table(),
-                dirty_rows: self.sched.dirty_rows(),
-            };
+        // Every prefill chunk of this iteration (one per sequence, a chunk's worth of tokens in
+        // all) goes to the backend as one call, which packs them into one forward pass.
+        let mut chunks = std::mem::take(&mut self.chunks);
+        self.sched.plan_prefill(self.sched.config().prefill_chunk, &mut chunks, out);
+        if !chunks.is_empty() {
+            let (sched, table, dirty) = (&self.sched, self.sched.page_table(), self.sched.dirty_rows());
+            let inputs: Vec<PrefillInput<'_>> = chunks
+                .iter()
+                .map(|c| PrefillInput {
+                    row: c.row,
+                    request: c.id,
+                    tokens: &sched.seq(c.row).expect("planned row is live").tokens[c.start..c.end],
+                    start: c.start,
+                    last: c.last,
+                    spec: c.spec,
+                    table,
+                    dirty_rows: dirty,
+                })
+                .collect();
+            let mut results = std::mem::take(&mut self.prefilled);
+            results.clear();
             let t = Instant::now();
-            let result = self.backend.prefill(&input);
+            self.backend.prefill_many(&inputs, &mut results);
             backend_ns += t.elapsed().as_nanos() as u64;
+            drop(inputs);
             self.sched.clear_dirty();
-            self.metrics.prefill_chunks += 1;
-            match result {
-                Ok(sampled) => self.sched.prefill_done(&chunk, sampled.as_ref(), out),
-                Err(e) => self.sched.fail(chunk.row, &format!("prefill failed: {e}"), out),
+            self.metrics.prefill_chunks += chunks.len() as u64;
+            if results.len() != chunks.len() {
+                let n = results.len();
+                results.resize_with(chunks.len(), || Err(BackendError(format!("prefill returned {n} results"))));
             }
+            for (chunk, result) in chunks.iter().zip(results.drain(..)) {
+                match result {
+                    Ok(sampled) => self.sched.prefill_done(chunk, sampled.as_ref(), out),
+                    Err(e) => self.sched.fail(chunk.row, &format!("prefill failed: {e}"), out),
+                }
+            }
+            self.prefilled = results;
         }
+        self.chunks = chunks;
 
         if !out.is_empty() {
             between(self, out);
@@ -104,7 +123,7 @@ impl<B: DecodeBackend> Core<B> {
             self.sched.clear_dirty();
             let result = result.and_then(|()| match self.sampled.len() == self.batch.len() {
                 true => Ok(()),
-                false => Err(super::BackendError(format!(
+                false => Err(BackendError(format!(
                     "decode returned {} tokens for {} rows",
                     self.sampled.len(),
                     self.batch.len()

@@ -98,6 +98,8 @@ pub struct MockBackend {
     /// Fail the decode call with this index (0-based).
     pub fail_decode_call: Option<usize>,
     pub prefill_calls: usize,
+    /// Chunks per `prefill_many` call, in call order.
+    pub prefill_batches: Vec<usize>,
     pub decode_calls: usize,
     /// Largest decode batch seen.
     pub max_rows: usize,
@@ -113,6 +115,7 @@ impl MockBackend {
             fail_request: None,
             fail_decode_call: None,
             prefill_calls: 0,
+            prefill_batches: Vec::new(),
             decode_calls: 0,
             max_rows: 0,
         }
@@ -160,6 +163,13 @@ impl DecodeBackend for MockBackend {
         }
         let last = input.start + input.tokens.len() - 1;
         self.next(input.table, input.row, last, &input.spec).map(Some).map_err(BackendError)
+    }
+
+    fn prefill_many(&mut self, inputs: &[PrefillInput<'_>], out: &mut Vec<Result<Option<Sampled>, BackendError>>) {
+        let rows: std::collections::HashSet<usize> = inputs.iter().map(|i| i.row).collect();
+        assert_eq!(rows.len(), inputs.len(), "one chunk per sequence and call");
+        self.prefill_batches.push(inputs.len());
+        out.extend(inputs.iter().map(|input| self.prefill(input)));
     }
 
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {

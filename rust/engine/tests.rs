@@ -195,6 +195,22 @@ fn long_prefill_is_chunked_and_decoding_streams_keep_flowing() {
 }
 
 #[test]
+fn prompts_arriving_together_share_one_prefill_call() {
+    let model = MockModel::small();
+    // Four 10-token prompts and a 100-token one at once, a chunk of 64: the first iteration prefills
+    // the four and the first 24 tokens of the long one in one call.
+    let mut arrivals: Vec<(usize, Request)> =
+        (1..=4).map(|id| (0, req(id, 10, SamplingParams::greedy(6).with_ignore_eos()))).collect();
+    arrivals.push((0, req(5, 100, SamplingParams::greedy(6).with_ignore_eos())));
+    let mut c = core(&model, 600, 8, 64, 256);
+    let out = run(&mut c, &arrivals, &[]);
+    assert_solo(&model, &arrivals, &out, 256);
+    // 40 + 24 tokens, then 64 and 12 of the long prompt's remaining 76.
+    assert_eq!(c.backend.prefill_batches, vec![5, 1, 1]);
+    assert_eq!(c.backend.prefill_calls, 7);
+}
+
+#[test]
 fn prefix_cache_hit_skips_the_cached_prefill() {
     let model = MockModel::small();
     let a = req(1, 30, SamplingParams::greedy(5));

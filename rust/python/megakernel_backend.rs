@@ -89,17 +89,28 @@ impl MegakernelBackend {
 
 impl DecodeBackend for MegakernelBackend {
     fn prefill(&mut self, input: &PrefillInput<'_>) -> Result<Option<Sampled>, BackendError> {
-        self.unsent.resize(input.table.rows(), false);
-        for &r in input.dirty_rows {
+        let mut out = Vec::with_capacity(1);
+        self.prefill_many(std::slice::from_ref(input), &mut out);
+        out.pop().expect("one result per input")
+    }
+
+    fn prefill_many(&mut self, inputs: &[PrefillInput<'_>], out: &mut Vec<Result<Option<Sampled>, BackendError>>) {
+        let Some(first) = inputs.first() else { return };
+        self.unsent.resize(first.table.rows(), false);
+        for &r in first.dirty_rows {
             self.unsent[r] = true;
         }
         self.merged.clear();
         self.merged.extend(self.unsent.iter().enumerate().filter(|(_, &u)| u).map(|(r, _)| r));
-        let result = self.python.prefill(&PrefillInput { dirty_rows: &self.merged, ..*input });
-        if result.is_ok() {
+        let merged: Vec<PrefillInput<'_>> =
+            inputs.iter().map(|i| PrefillInput { dirty_rows: &self.merged, ..*i }).collect();
+        let at = out.len();
+        self.python.prefill_many(&merged, out);
+        // The runner saw the rows only if its call went through (then every result is Ok or a
+        // sampling error; a failed call fails every input alike).
+        if out[at..].iter().any(Result::is_ok) {
             self.unsent.fill(false);
         }
-        result
     }
 
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {

@@ -5,7 +5,8 @@
 //!
 //! Runner protocol (positional arguments; `dirty` is a list of `(row, bytes)`, each the row's
 //! entries of every layer as little-endian int32 `[layer][page]`):
-//! - `prefill(row, tokens, start, dirty, last)` → float32 buffer of `vocab` logits if `last`
+//! - `prefill(pieces, dirty)`, `pieces` a list of `(row, tokens, start, last)` chunks of distinct
+//!   sequences → float32 buffer `[number of pieces with last, vocab]`, in piece order
 //! - `decode(rows, tokens, positions, dirty)` → float32 buffer `[len(rows), vocab]`
 
 use pyo3::buffer::PyBuffer;
@@ -69,19 +70,38 @@ impl ReferenceBackend {
 
 impl DecodeBackend for ReferenceBackend {
     fn prefill(&mut self, input: &PrefillInput<'_>) -> Result<Option<Sampled>, BackendError> {
-        self.call(|me, py| {
-            let dirty = me.dirty(py, input.table, input.dirty_rows)?;
-            let args = (input.row, input.tokens, input.start, dirty, input.last);
-            let out = me.runner.call_method1(py, "prefill", args)?;
-            if input.last {
-                me.take_logits(py, out.bind(py), 1)?;
+        let mut out = Vec::with_capacity(1);
+        self.prefill_many(std::slice::from_ref(input), &mut out);
+        out.pop().expect("one result per input")
+    }
+
+    /// One runner call for every chunk; a Python error fails them all.
+    fn prefill_many(&mut self, inputs: &[PrefillInput<'_>], out: &mut Vec<Result<Option<Sampled>, BackendError>>) {
+        let Some(first) = inputs.first() else { return };
+        let lasts = inputs.iter().filter(|i| i.last).count();
+        let called = self.call(|me, py| {
+            let dirty = me.dirty(py, first.table, first.dirty_rows)?;
+            let pieces = PyList::empty(py);
+            for i in inputs {
+                pieces.append((i.row, i.tokens, i.start, i.last))?;
             }
-            Ok(())
-        })?;
-        if !input.last {
-            return Ok(None);
+            let logits = me.runner.call_method1(py, "prefill", (pieces, dirty))?;
+            me.take_logits(py, logits.bind(py), lasts)
+        });
+        if let Err(e) = called {
+            out.extend(inputs.iter().map(|_| Err(e.clone())));
+            return;
         }
-        self.sampler.sample(&self.logits, &input.spec).map(Some).map_err(|e| BackendError(e.to_string()))
+        let mut rows = self.logits.chunks_exact(self.vocab);
+        for input in inputs {
+            out.push(match input.last {
+                false => Ok(None),
+                true => {
+                    let logits = rows.next().expect("counted above");
+                    self.sampler.sample(logits, &input.spec).map(Some).map_err(|e| BackendError(e.to_string()))
+                }
+            });
+        }
     }
 
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {

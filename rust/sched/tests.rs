@@ -21,13 +21,12 @@ fn submit(s: &mut Scheduler, id: u64, len: usize, max_tokens: usize) {
 fn step(s: &mut Scheduler) -> Vec<Event> {
     let mut out = Vec::new();
     s.admit();
-    let mut budget = s.config().prefill_chunk;
-    while let Some(c) = s.next_prefill(budget, &mut out) {
-        budget -= c.end - c.start;
-        s.prefill_done(&c, Some(&Sampled::token(7)), &mut out);
-        if budget == 0 {
-            break;
-        }
+    let mut chunks = Vec::new();
+    s.plan_prefill(s.config().prefill_chunk, &mut chunks, &mut out);
+    let rows: Vec<usize> = chunks.iter().map(|c| c.row).collect();
+    assert!(rows.iter().all(|r| rows.iter().filter(|x| *x == r).count() == 1), "a row planned twice");
+    for c in &chunks {
+        s.prefill_done(c, Some(&Sampled::token(7)), &mut out);
     }
     let mut batch = DecodeBatch::default();
     s.plan_decode(&mut batch, &mut out);

@@ -77,9 +77,9 @@ class MegakernelRunner(ReferenceRunner):
         # The engine's stream starts on weights, pools and buffers made on the default stream.
         torch.cuda.synchronize(device)
 
-    def prefill(self, row: int, tokens: list[int], start: int, dirty: list[tuple[int, bytes]], last: bool):
+    def prefill(self, pieces, dirty):
         with torch.cuda.stream(self.stream):
-            return super().prefill(row, tokens, start, dirty, last)
+            return super().prefill(pieces, dirty)
 
     def warm_up(self) -> None:
         with torch.cuda.stream(self.stream):

@@ -6,7 +6,11 @@ Speed of light (SOL) = bytes the step must move / 4.8 TB/s: all non-expert weigh
 selected by at least one row (the kernel's routing of the last layer, times the MoE layers), the
 LM head, the KV each row reads (full layers: the whole context; sliding: the window) and the
 embedding rows. Prints a table, writes JSON (and a PNG plot when matplotlib is there).
-Usage: python benches/decode.py [--json out.json] [--quick]
+
+Every point is also timed with the kernel's L2 weight prefetch on (MkStepArgs.flags), in the same
+run: `mk_prefetch_ms`. With --trace, one step of each variant records when every task waited and
+ran, summarized per task family (mk.megakernel.trace) into the JSON and printed.
+Usage: python benches/decode.py [--json out.json] [--quick] [--trace]
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import torch
 
 from common import HBM_BYTES_PER_S, print_table, pyplot, write_json
 from mk.config import PAGE_SIZE, ModelConfig
-from mk.megakernel.launch import MegakernelStep
+from mk.megakernel.launch import STEP_PREFETCH_L2, MegakernelStep, trace_buffer
+from mk.megakernel.trace import print_summary, summarize
 from mk.model.names import expected_shapes
 from mk.model.paged import PagedKV
 from mk.model.reference import Model
@@ -89,7 +94,7 @@ def time_events(fn, iters: int) -> float:
     return start.elapsed_time(end) / 1e3 / iters
 
 
-def measure(cfg, model, stacked, batch: int, ctx: int, iters: int) -> dict:
+def measure(cfg, model, stacked, batch: int, ctx: int, iters: int, trace: bool = False) -> dict:
     kv, tables, pages = kv_for(cfg, batch, ctx)
     positions = [ctx - 1] * batch
     step = MegakernelStep(model, kv, pages)
@@ -104,8 +109,27 @@ def measure(cfg, model, stacked, batch: int, ctx: int, iters: int) -> dict:
     torch.cuda.synchronize()
     t_mk = time_events(lambda: step.run(g, buf, tasks), iters)
     ok = bool((buf.sampled >= 0).all() and (buf.sampled < cfg.vocab_size).all() and not buf.logits.isnan().any())
+    plain_logits = buf.logits.clone()
+    prefetch = MegakernelStep(model, kv, pages, flags=STEP_PREFETCH_L2)
+    for _ in range(3):
+        prefetch.run(g, buf, tasks)
+    torch.cuda.synchronize()
+    t_pf = time_events(lambda: prefetch.run(g, buf, tasks), iters)
+    traces = {}
+    if trace:
+        for name, variant in (("plain", step), ("prefetch", prefetch)):
+            tr = trace_buffer(g, buf.x.device)
+            variant.run(g, buf, tasks, trace=tr)
+            torch.cuda.synchronize()
+            traces[name] = summarize(g, tr.cpu().numpy())
+            print_summary(f"batch {batch}, context {ctx}, {name}", traces[name])
     experts = int(buf.slot_count[0])
     row = {"batch": batch, "ctx": ctx, "mk_ms": t_mk * 1e3, "mk_tok_s": batch / t_mk, "valid_output": ok}
+    row["mk_prefetch_ms"] = t_pf * 1e3
+    row["prefetch_gain"] = t_mk / t_pf
+    row["prefetch_same_logits"] = bool(torch.equal(plain_logits, buf.logits))
+    if traces:
+        row["trace"] = traces
     row["sol_ms"] = step_bytes(cfg, batch, ctx, experts) / HBM_BYTES_PER_S * 1e3
     row["sol_fraction"] = row["sol_ms"] / row["mk_ms"]
     row["experts_last_layer"] = experts
@@ -153,6 +177,7 @@ def main() -> None:
     parser.add_argument("--json", default="bench-out/decode.json")
     parser.add_argument("--quick", action="store_true", help="batch 1 and 8 at 8K only")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--trace", action="store_true", help="trace one step per point and variant")
     args = parser.parse_args()
     cfg = ModelConfig.real()
     weights, stacked = synthetic_stacked(cfg, seed=0)
@@ -162,10 +187,11 @@ def main() -> None:
         grid = [(1, 8192), (8, 8192)]
     rows = []
     for b, c in grid:
-        rows.append(measure(cfg, model, stacked, b, c, args.iters))
+        rows.append(measure(cfg, model, stacked, b, c, args.iters, args.trace))
         torch.cuda.empty_cache()  # the last size's KV pools
-        print(rows[-1], flush=True)
+        print({k: v for k, v in rows[-1].items() if k != "trace"}, flush=True)
     cols = ["batch", "ctx", "mk_ms", "mk_tok_s", "sol_ms", "sol_fraction", "torch_graph_ms", "speedup_vs_torch"]
+    cols += ["mk_prefetch_ms", "prefetch_gain"]
     print_table("decode step, real geometry, synthetic weights (SOL 4.8 TB/s)", rows, cols)
     write_json(args.json, "decode", rows)
     plot(rows, Path(args.json).with_suffix(".png"))

@@ -10,7 +10,7 @@ Achieved TFLOP/s = matrix FLOPs (`mk.prefill.prefill_flops`: the active weights 
 attention over the visible keys, the LM head for each last token) / wall time of the call,
 against the ~790 TFLOP/s the H200 reaches on large bf16 matmuls. Prints a table, writes JSON (and
 a PNG when matplotlib is there).
-Usage: python benches/prefill.py [--json out.json] [--quick]
+Usage: python benches/prefill.py [--json out.json] [--quick] [--profile]
 """
 
 from __future__ import annotations
@@ -88,6 +88,42 @@ def measure(prefill: Prefill, cfg, lengths: list[int], reps: int, gen, label: st
     return row
 
 
+def profile(prefill: Prefill, cfg, n: int, gen) -> dict:
+    """One n-token prefill under torch.profiler: wall time against the GPU's busy time, and the ops
+    that cost the most host and device time (where a short prompt's fixed cost goes)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    kv, reqs = requests_for(cfg, [n], gen)
+    prefill(reqs, kv)  # warm
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        prefill(reqs, kv)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+
+    def device_us(e) -> float:
+        return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+
+    ops = [
+        {"name": e.key, "count": e.count, "self_cpu_us": e.self_cpu_time_total, "self_device_us": device_us(e)}
+        for e in events
+    ]
+    busy = sum(o["self_device_us"] for o in ops)
+    out = {"tokens": n, "wall_ms": wall * 1e3, "device_busy_ms": busy / 1e3}
+    out["by_device"] = sorted(ops, key=lambda o: -o["self_device_us"])[:15]
+    out["by_host"] = sorted(ops, key=lambda o: -o["self_cpu_us"])[:15]
+    print(f"\nprofile of a {n}-token prefill: wall {wall * 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms")
+    for key, title in (("by_device", "self device µs"), ("by_host", "self host µs")):
+        print(f"{'op':>60} {'calls':>6} {title:>16}")
+        for o in out[key]:
+            value = o["self_device_us"] if key == "by_device" else o["self_cpu_us"]
+            print(f"{o['name'][:60]:>60} {o['count']:>6} {value:>16.0f}")
+    return out
+
+
 def plot(rows: list[dict], path: Path) -> None:
     plt = pyplot()
     if plt is None:
@@ -114,6 +150,7 @@ def main() -> None:
     parser.add_argument("--json", default="bench-out/prefill.json")
     parser.add_argument("--quick", action="store_true", help="8K prompt and the batch only")
     parser.add_argument("--chunk", type=int, default=8192)
+    parser.add_argument("--profile", action="store_true", help="profile a 512- and an 8K-token prefill, then stop")
     args = parser.parse_args()
     cfg = ModelConfig.real()
     t0 = time.perf_counter()
@@ -131,6 +168,10 @@ def main() -> None:
         torch.cuda.empty_cache()
     compile_s = time.perf_counter() - t0
     print(f"weights {setup_s:.0f} s, first calls (compile) {compile_s:.0f} s", flush=True)
+    if args.profile:
+        profiles = [profile(fast, cfg, n, gen) for n in (512, 8192)]
+        write_json(args.json, "prefill-profile", profiles, setup_s=setup_s, compile_s=compile_s, chunk=args.chunk)
+        return
 
     rows = []
     lengths = [8192] if args.quick else [512, 2048, 8192, 32768, 131072]

@@ -7,7 +7,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MK_ABI_VERSION 1
+#define MK_ABI_VERSION 2
 
 // Fused residual add + RMSNorm over `rows` rows of `dim` bf16 values:
 //   v = x + delta (fp32);  x <- bf16(v);  out <- bf16(v * rsqrt(mean(v^2) + eps) * gamma)
@@ -145,8 +145,20 @@ typedef struct MkStepArgs {
     int32_t layers, hidden, heads, kv_heads;
     int32_t head_dim, experts, top_k, expert_ffn;
     int32_t dense_ffn, vocab, max_pages, max_splits;
-    int32_t slots, sample_parts, reserved0, reserved1;
+    int32_t slots, sample_parts, flags, reserved1;  // flags: MK_STEP_* bits
     float eps, logit_scale, rope_theta, reserved2;
     uint64_t routing_log;   // int32 [layers][batch][top_k]: every layer's chosen experts (tests, debugging)
     uint64_t residual_log;  // fp32 [layers][batch][hidden]: x after every layer, or 0 (off)
+    uint64_t trace;         // MkTraceEntry [gridDim.x][per_sm]: when each task ran, or 0 (off)
 } MkStepArgs;
+
+// MkStepArgs.flags. PREFETCH_L2: before waiting on a task, prefetch the next task's weight rows
+// into L2 (non-expert GEMV tiles: their addresses do not depend on the step's data).
+#define MK_STEP_PREFETCH_L2 1
+
+// One executed task, written by thread 0 of its block when MkStepArgs.trace is set.
+typedef struct MkTraceEntry {
+    uint64_t start_ns;     // %globaltimer when the block reached the task (before its wait)
+    uint32_t wait_cycles;  // clock64 cycles spent waiting on its counters
+    uint32_t run_cycles;   // cycles from the end of the wait to its signal
+} MkTraceEntry;

@@ -79,7 +79,7 @@ extern "C" __device__ const unsigned long long mk_abi_layout[] = {
     offsetof(MkStepArgs, max_splits),
     offsetof(MkStepArgs, slots),
     offsetof(MkStepArgs, sample_parts),
-    offsetof(MkStepArgs, reserved0),
+    offsetof(MkStepArgs, flags),
     offsetof(MkStepArgs, reserved1),
     offsetof(MkStepArgs, eps),
     offsetof(MkStepArgs, logit_scale),
@@ -87,4 +87,7 @@ extern "C" __device__ const unsigned long long mk_abi_layout[] = {
     offsetof(MkStepArgs, reserved2),
     offsetof(MkStepArgs, routing_log),
     offsetof(MkStepArgs, residual_log),
+    offsetof(MkStepArgs, trace),
+    sizeof(MkTraceEntry),
+    MK_STEP_PREFETCH_L2,
 };

@@ -45,10 +45,19 @@ extern "C" __global__ void __launch_bounds__(mk::kThreads, 1) mk_decode_step(con
     for (int i = blockIdx.x * kThreads + threadIdx.x; i < a.num_counters; i += gridDim.x * kThreads) next[i] = 0;
 
     const MkTask* list = ptr<const MkTask>(a.tasks) + (size_t)blockIdx.x * a.per_sm;
+    const bool prefetch = (a.flags & MK_STEP_PREFETCH_L2) != 0;
+    MkTraceEntry* trace = a.trace ? ptr<MkTraceEntry>(a.trace) + (size_t)blockIdx.x * a.per_sm : nullptr;
+    if (prefetch && threadIdx.x == 0 && a.per_sm > 0) prefetch_gemv_weights(a, list[0]);
     for (int i = 0; i < a.per_sm; ++i) {
         const MkTask t = list[i];
         if (t.op == MK_OP_NOP) break;  // lists are NOP-padded at the end only
+        // The next task's weights stream into L2 while this one waits and runs.
+        if (prefetch && threadIdx.x == 0 && i + 1 < a.per_sm) prefetch_gemv_weights(a, list[i + 1]);
+        uint64_t start_ns = 0;
+        long long c0 = 0, c1 = 0;
+        if (trace && threadIdx.x == 0) start_ns = global_ns(), c0 = clock64();
         wait_for(t, counters);
+        if (trace && threadIdx.x == 0) c1 = clock64();
         switch (t.op) {
             case MK_OP_EMBED: run_embed(a, t, sm.norm.row, sm.norm.scratch); break;
             case MK_OP_GEMV: run_gemv(a, t, sm.gemv); break;
@@ -63,6 +72,7 @@ extern "C" __global__ void __launch_bounds__(mk::kThreads, 1) mk_decode_step(con
             default: break;
         }
         signal_done(t, counters);
+        if (trace && threadIdx.x == 0) trace[i] = MkTraceEntry{start_ns, (uint32_t)(c1 - c0), (uint32_t)(clock64() - c1)};
     }
 }
 

@@ -14,7 +14,7 @@ import torch
 
 from mk import _native
 from mk.config import PAGE_SIZE, ModelConfig
-from mk.megakernel.launch import MegakernelStep, pack_step_args
+from mk.megakernel.launch import STEP_PREFETCH_L2, MegakernelStep, pack_step_args, trace_buffer, trace_cycles
 from mk.megakernel.random_cache import random_step_inputs
 from mk.megakernel.vm import run_step
 from mk.model import synthetic_weights
@@ -160,6 +160,44 @@ def test_consecutive_steps_reuse_the_counters():
         outs.append(buf.logits.clone())
     torch.cuda.synchronize()
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+
+
+@pytest.mark.gpu
+def test_prefetch_and_trace_change_no_output():
+    """The L2 prefetch flag and the task trace are observers: logits, tokens, residuals and the K/V
+    written are bit for bit those of a plain step. The trace holds every task once, NOPs none."""
+    cfg = ModelConfig.gpu_test()
+    w = synthetic_weights(cfg, seed=SEED + 2, device="cuda", dtype=torch.bfloat16, std=0.02)
+    model = Model(cfg, w)
+    positions = [100, 5000, 64, 4159]
+    outs = []
+    for flags, traced in ((0, False), (STEP_PREFETCH_L2, False), (STEP_PREFETCH_L2, True), (0, True)):
+        gen = torch.Generator(device="cuda").manual_seed(SEED)
+        kv, tables, tokens = setup_step(model, positions, 80, gen)
+        step = MegakernelStep(model, kv, 80, flags=flags)
+        g = step.graph(positions)
+        buf = step.buffers(g)
+        buf.tokens.copy_(tokens.to(torch.int32))
+        buf.positions.copy_(torch.tensor(positions, dtype=torch.int32))
+        buf.block_tables.copy_(torch.stack(tables, dim=1))
+        trace = trace_buffer(g, buf.x.device) if traced else None
+        step.run(g, buf, trace=trace)
+        torch.cuda.synchronize()
+        outs.append((buf.logits.clone(), buf.sampled.clone(), buf.residual_log.clone(), kv.k.clone(), kv.v.clone()))
+        if traced:
+            real = torch.from_numpy(g.tasks[..., 0].copy()).to(trace.device) != 0  # MkTask.op; NOP = 0
+            wait, run = trace_cycles(trace)
+            assert (trace[..., 0][real] > 0).all() and (run[real] > 0).all(), "a task left no trace"
+            assert (trace[~real] == 0).all(), "a NOP was traced"
+            starts = torch.where(real, trace[..., 0], torch.iinfo(torch.int64).max)
+            assert (starts[:, 1:] >= starts[:, :-1]).all(), "a block's tasks ran out of order"
+            print(
+                f"trace: {int(real.sum())} tasks, mean wait {wait[real].float().mean():.0f} cycles, "
+                f"mean run {run[real].float().mean():.0f} cycles"
+            )
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other, strict=True):
+            assert torch.equal(a, b)
 
 
 @pytest.fixture(scope="module")

@@ -185,6 +185,20 @@ __device__ void gemv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvPl
     }
 }
 
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
+// Asks L2 for the weight rows of GEMV task `t` (one thread calls it). Expert tiles are skipped:
+// which expert a slot holds is only known once the layer's top-k task has run. Rows are
+// contiguous per group and 16-byte multiples (k is a multiple of 32).
+__device__ void prefetch_gemv_weights(const MkStepArgs& a, const MkTask& t) {
+    if (t.op != MK_OP_GEMV || t.arg[0] == MK_MAT_EXPERT_GATE_UP || t.arg[0] == MK_MAT_EXPERT_DOWN) return;
+    const GemvPlan p = gemv_plan(a, t);
+    for (int g = 0; g < p.groups; ++g)
+        if (p.valid[g] > 0) prefetch_l2(p.rows[g], (uint32_t)(p.valid[g] * p.k * sizeof(bf16)));
+}
+
 __device__ void run_gemv(const MkStepArgs& a, const MkTask& t, GemvSmem& s) {
     if (t.arg[0] == MK_MAT_EXPERT_GATE_UP || t.arg[0] == MK_MAT_EXPERT_DOWN) {
         if (t.arg[3] >= ld_i32(ptr<int32_t>(a.slot_count))) return;  // an unused MoE slot

@@ -6,6 +6,8 @@ from mk.config import ModelConfig
 
 # ---- GPU kernels (rust/python/mod.rs) ----------------------------------------------------------
 
+STEP_PREFETCH_L2: int  # MkStepArgs.flags bit (cuda/abi.h)
+
 class GpuError(RuntimeError):
     """The GPU path failed or is unavailable."""
 

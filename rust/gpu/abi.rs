@@ -106,7 +106,7 @@ abi_struct! {
         max_splits: i32,
         slots: i32,
         sample_parts: i32,
-        reserved0: i32,
+        flags: i32,
         reserved1: i32,
         eps: f32,
         logit_scale: f32,
@@ -114,6 +114,7 @@ abi_struct! {
         reserved2: f32,
         routing_log: u64,
         residual_log: u64,
+        trace: u64,
     }
 }
 
@@ -124,8 +125,14 @@ unsafe impl cudarc::driver::DeviceRepr for MkStepArgs {}
 pub const STEP_SMEM_BYTES: u32 = 64 * 1024;
 pub const STEP_THREADS: u32 = 256;
 
+/// `sizeof(MkTraceEntry)`: u64 start_ns, u32 wait_cycles, u32 run_cycles.
+pub const TRACE_ENTRY_BYTES: usize = 16;
+
+/// `MK_STEP_PREFETCH_L2`, a bit of `MkStepArgs.flags`.
+pub const STEP_PREFETCH_L2: i32 = 1;
+
 /// Must equal `MK_ABI_VERSION` in cuda/abi.h.
-pub const ABI_VERSION: u64 = 1;
+pub const ABI_VERSION: u64 = 2;
 
 /// The values `mk_abi_layout` in cuda/abi_probe.cu holds, in its order, computed on the Rust side.
 pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
@@ -158,6 +165,8 @@ pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
         ("sizeof(MkStepArgs)", size_of::<MkStepArgs>() as u64),
     ];
     out.extend(MkStepArgs::layout().into_iter().map(|(name, off, _)| (name, off as u64)));
+    out.push(("sizeof(MkTraceEntry)", TRACE_ENTRY_BYTES as u64));
+    out.push(("MK_STEP_PREFETCH_L2", STEP_PREFETCH_L2 as u64));
     out
 }
 

@@ -90,6 +90,7 @@ fn gemv(
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("GpuError", m.py().get_type::<errors::GpuError>())?;
+    m.add("STEP_PREFETCH_L2", gpu::abi::STEP_PREFETCH_L2)?;
     m.add_function(wrap_pyfunction!(gpu_available, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(add_rmsnorm, m)?)?;

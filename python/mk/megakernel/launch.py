@@ -74,11 +74,13 @@ class ModelTables:
         return cls(*(t.to(model.device) for t in (layers, experts, window, rope)))
 
 
-def fixed_step_args(model: Model, kv: PagedKV, tables: ModelTables, buf: StepBuffers) -> dict[str, int | float]:
-    """The MkStepArgs fields that stay the same from step to step: the model's dimensions and the
-    addresses of its weights, tables, KV pools and `buf` (empty tensors: 0). The caller adds the
-    step's own: tasks, counters, per_sm, num_counters, parity, batch, max_pages, max_splits, slots,
-    sample_parts."""
+def fixed_step_args(
+    model: Model, kv: PagedKV, tables: ModelTables, buf: StepBuffers, flags: int = 0
+) -> dict[str, int | float]:
+    """The MkStepArgs fields that stay the same from step to step: the model's dimensions, the
+    addresses of its weights, tables, KV pools and `buf` (empty tensors: 0), and the kernel's
+    `flags` (MK_STEP_* bits; tracing off). The caller adds the step's own: tasks, counters, per_sm,
+    num_counters, parity, batch, max_pages, max_splits, slots, sample_parts."""
     cfg = model.config
     values: dict[str, int | float] = {name: t.data_ptr() if t.numel() else 0 for name, t in buf.tensors().items()}
     values.update(
@@ -103,6 +105,8 @@ def fixed_step_args(model: Model, kv: PagedKV, tables: ModelTables, buf: StepBuf
         eps=cfg.rms_norm_eps,
         logit_scale=cfg.logit_scale,
         rope_theta=cfg.rope_theta,
+        flags=flags,
+        trace=0,
     )
     return values
 
@@ -111,7 +115,14 @@ class MegakernelStep:
     """Runs decode steps of `model` (bf16, on a CUDA device) over the paged cache `kv`."""
 
     def __init__(
-        self, model: Model, kv: PagedKV, max_pages: int, attn_chunk: int = 0, row_groups: int = 4, sample_parts=16
+        self,
+        model: Model,
+        kv: PagedKV,
+        max_pages: int,
+        attn_chunk: int = 0,
+        row_groups: int = 4,
+        sample_parts=16,
+        flags: int = 0,
     ) -> None:
         if model.device.type != "cuda" or model.dtype != torch.bfloat16:
             raise ValueError("the megakernel runs bf16 models on a CUDA device")
@@ -123,6 +134,7 @@ class MegakernelStep:
             sample_parts,
         )
         self.device = model.device
+        self.flags = flags  # MkStepArgs.flags: STEP_PREFETCH_L2
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.tables = ModelTables.build(model)
         cfg = self.cfg
@@ -154,16 +166,28 @@ class MegakernelStep:
             log_residuals,
         )
 
-    def run(self, g: mkgraph.StepGraph, buf: StepBuffers, tasks: torch.Tensor | None = None) -> None:
+    def run(
+        self,
+        g: mkgraph.StepGraph,
+        buf: StepBuffers,
+        tasks: torch.Tensor | None = None,
+        trace: torch.Tensor | None = None,
+    ) -> None:
         """Enqueue one step on the current stream. `buf.tokens/positions/block_tables` must be
-        filled; `tasks` (g.tasks on the device) may be passed to skip the upload."""
+        filled; `tasks` (g.tasks on the device) may be passed to skip the upload. `trace` (from
+        `trace_buffer`) receives when each task waited and ran."""
         if tasks is None:
             tasks = torch.from_numpy(g.tasks.copy()).to(self.device)
         if g.num_counters != self.num_counters or buf.block_tables.shape[2] != self.max_pages:
             raise ValueError("graph or buffers do not match this MegakernelStep")
         if int(buf.positions.max()) >= self.max_pages * PAGE_SIZE:
             raise ValueError("a position lies past the block tables")
-        values = fixed_step_args(self.model, self.kv, self.tables, buf)
+        values = fixed_step_args(self.model, self.kv, self.tables, buf, self.flags)
+        if trace is not None:
+            want = (*g.tasks.shape[:2], 2)
+            if trace.dtype != torch.int64 or tuple(trace.shape) != want or trace.device != self.device:
+                raise ValueError(f"trace must be int64 {want} on {self.device} (see trace_buffer)")
+            values["trace"] = trace.data_ptr()
         values.update(
             tasks=tasks.data_ptr(),
             counters=self.counters.data_ptr(),
@@ -179,3 +203,20 @@ class MegakernelStep:
         stream = torch.cuda.current_stream(self.device).cuda_stream
         _native.decode_step(self.device.index or 0, stream, pack_step_args(values), g.tasks.shape[0])
         self.parity ^= 1
+
+
+# MkStepArgs.flags bits (cuda/abi.h, mirrored in rust/gpu/abi.rs).
+STEP_PREFETCH_L2 = _native.STEP_PREFETCH_L2
+
+
+def trace_buffer(g: mkgraph.StepGraph, device: torch.device) -> torch.Tensor:
+    """A zeroed MkTraceEntry [num_sms][per_sm] array for `MegakernelStep.run(trace=...)`, as int64
+    pairs: [..., 0] the %globaltimer ns when the block reached the task, [..., 1] its wait cycles
+    (low 32 bits) and run cycles (high 32 bits). Entries of NOPs stay 0."""
+    return torch.zeros(*g.tasks.shape[:2], 2, dtype=torch.int64, device=device)
+
+
+def trace_cycles(trace: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(wait, run) clock cycles of every entry of a `trace_buffer`."""
+    word = trace[..., 1]
+    return word & 0xFFFFFFFF, (word >> 32) & 0xFFFFFFFF

@@ -1,0 +1,102 @@
+"""Where a decode step's time goes, from the kernel's task trace (`MegakernelStep.run(trace=...)`).
+
+Each executed task left: the %globaltimer time its block reached it, the clock cycles it waited on
+its counters and the cycles it ran. The SM clock is estimated from the trace itself (a block's
+consecutive tasks start `wait + run` cycles apart), so no clock query is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mk.megakernel.graph import ARG, Matrix, Op, StepGraph
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    count: int
+    wait_us: float  # mean per task
+    run_us: float  # mean per task
+    run_sm_us: float  # total: SM-time it kept blocks busy
+
+
+def task_family(words: np.ndarray) -> str:
+    op = Op(int(words[0]))
+    if op == Op.GEMV:
+        return f"gemv:{Matrix(int(words[ARG])).name.lower()}"
+    return op.name.lower()
+
+
+def summarize(g: StepGraph, trace: np.ndarray) -> dict:
+    """Per-family and whole-step figures of one traced step; `trace` is the int64 [num_sms, per_sm, 2]
+    `trace_buffer` copied to the host."""
+    ops = g.tasks[..., 0]
+    real = ops != Op.NOP
+    start = trace[..., 0].astype(np.float64)
+    wait = (trace[..., 1] & 0xFFFFFFFF).astype(np.float64)
+    run = ((trace[..., 1] >> 32) & 0xFFFFFFFF).astype(np.float64)
+    hz = clock_hz(real, start, wait, run)
+    end = start + (wait + run) / hz * 1e9
+    t0, t1 = start[real].min(), end[real].max()
+    span_us = (t1 - t0) / 1e3
+
+    families: dict[str, list[tuple[int, int]]] = {}
+    for s, i in zip(*np.nonzero(real), strict=True):
+        families.setdefault(task_family(g.tasks[s, i]), []).append((s, i))
+    rows = []
+    for name, where in sorted(families.items()):
+        idx = tuple(np.array(where).T)
+        rows.append(
+            Family(
+                name=name,
+                count=len(where),
+                wait_us=float(wait[idx].mean() / hz * 1e6),
+                run_us=float(run[idx].mean() / hz * 1e6),
+                run_sm_us=float(run[idx].sum() / hz * 1e6),
+            )
+        )
+    layers = g.tasks[..., 1]
+    layer_us = []
+    for layer in range(int(layers[real].max()) + 1):
+        sel = real & (layers == layer)
+        if sel.any():
+            layer_us.append(float((end[sel].max() - start[sel].min()) / 1e3))
+    num_sms = real.shape[0]
+    return {
+        "span_us": float(span_us),
+        "sm_clock_mhz": hz / 1e6,
+        "tasks": int(real.sum()),
+        "busy_fraction": float(run[real].sum() / hz * 1e6 / (num_sms * span_us)),
+        "wait_fraction": float(wait[real].sum() / (wait[real].sum() + run[real].sum())),
+        # First-to-last task of each layer (they overlap: layer l + 1 starts before l ends).
+        "layer_us": layer_us,
+        "families": [f.__dict__ for f in sorted(rows, key=lambda f: -f.run_sm_us)],
+    }
+
+
+def clock_hz(real: np.ndarray, start: np.ndarray, wait: np.ndarray, run: np.ndarray) -> float:
+    """Cycles per second: a block's next task starts about wait + run cycles after this one."""
+    cycles = ns = 0.0
+    for s in range(real.shape[0]):
+        n = int(real[s].sum())
+        if n < 2:
+            continue
+        cycles += float((wait[s, : n - 1] + run[s, : n - 1]).sum())
+        ns += float(start[s, n - 1] - start[s, 0])
+    if cycles == 0 or ns <= 0:
+        raise ValueError("the trace has no block with two timed tasks")
+    return cycles / ns * 1e9
+
+
+def print_summary(title: str, summary: dict, top: int = 12) -> None:
+    print(f"\n{title}: {summary['tasks']} tasks in {summary['span_us']:.0f} µs at ~{summary['sm_clock_mhz']:.0f} MHz")
+    print(
+        f"blocks busy {summary['busy_fraction']:.0%} of the span; {summary['wait_fraction']:.0%} of block time "
+        f"spent waiting; layer first-to-last task: mean {np.mean(summary['layer_us']):.0f} µs"
+    )
+    print(f"{'family':>22} {'tasks':>7} {'wait µs':>9} {'run µs':>8} {'SM-µs':>9}")
+    for f in summary["families"][:top]:
+        print(f"{f['name']:>22} {f['count']:>7} {f['wait_us']:>9.2f} {f['run_us']:>8.2f} {f['run_sm_us']:>9.0f}")

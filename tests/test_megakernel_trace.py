@@ -1,0 +1,48 @@
+"""The task-trace summary (mk.megakernel.trace) on a synthetic trace with a known clock and timings."""
+
+import numpy as np
+import pytest
+
+from mk.config import ModelConfig
+from mk.megakernel import graph as mkgraph
+from mk.megakernel.graph import Op
+from mk.megakernel.trace import summarize, task_family
+
+
+def synthetic_trace(g: mkgraph.StepGraph, hz: float, rng: np.random.Generator) -> np.ndarray:
+    """Each block runs its tasks back to back from a random start; gemv waits 2000 cycles, others 500."""
+    trace = np.zeros((*g.tasks.shape[:2], 2), dtype=np.int64)
+    for s in range(g.tasks.shape[0]):
+        t = 1_000_000.0 + rng.uniform(0, 500)
+        for i in range(g.tasks.shape[1]):
+            if g.tasks[s, i, 0] == Op.NOP:
+                break
+            wait = 2000 if g.tasks[s, i, 0] == Op.GEMV else 500
+            run = int(rng.integers(1000, 5000))
+            trace[s, i, 0] = int(t)
+            trace[s, i, 1] = wait | (run << 32)
+            t += (wait + run) / hz * 1e9
+    return trace
+
+
+def test_summary_recovers_the_clock_counts_and_waits():
+    g = mkgraph.build(ModelConfig.tiny(), [5, 130, 300], num_sms=7)
+    rng = np.random.default_rng(0)
+    s = summarize(g, synthetic_trace(g, 1.5e9, rng))
+    assert s["sm_clock_mhz"] == pytest.approx(1500, rel=1e-3)
+    assert s["tasks"] == len(g.order)
+    want = {}
+    for words in g.order:
+        want[task_family(words)] = want.get(task_family(words), 0) + 1
+    assert {f["name"]: f["count"] for f in s["families"]} == want
+    gemv = [f for f in s["families"] if f["name"].startswith("gemv:")]
+    assert all(f["wait_us"] == pytest.approx(2000 / 1.5e9 * 1e6, rel=1e-3) for f in gemv)
+    assert 0 < s["busy_fraction"] <= 1 and 0 < s["wait_fraction"] < 1
+    assert len(s["layer_us"]) == ModelConfig.tiny().num_hidden_layers + 1  # + the head's "layer"
+    assert s["families"][0]["run_sm_us"] >= s["families"][-1]["run_sm_us"]
+
+
+def test_a_trace_without_timed_tasks_is_refused():
+    g = mkgraph.build(ModelConfig.tiny(), [5], num_sms=4)
+    with pytest.raises(ValueError, match="no block with two timed tasks"):
+        summarize(g, np.zeros((*g.tasks.shape[:2], 2), dtype=np.int64))

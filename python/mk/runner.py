@@ -9,12 +9,17 @@ choice on a GPU), else through the reference model's own forward.
 
 from __future__ import annotations
 
+import logging
+import time
+
 import numpy as np
 import torch
 
 from mk.config import PAGE_SIZE
 from mk.model.reference import Model
 from mk.prefill import Prefill, PrefillRequest
+
+log = logging.getLogger("mk")
 
 
 class ReferenceRunner:
@@ -35,6 +40,9 @@ class ReferenceRunner:
         nothing holds yet and every later prefill overwrites before reading."""
         if self.fast_prefill is None or self.kv.num_blocks < self.layers:
             return
+        started = time.perf_counter()
+        if self.fast_prefill.compiled:
+            log.info("compiling the prefill path (torch.compile; the first start takes a while)")
         table = torch.full((self.layers, self.max_pages), -1, dtype=torch.int32)
         table[:, 0] = torch.arange(self.layers, dtype=torch.int32)
         for n in (16, 48):  # a second length, so dynamic-shape compilation is settled too
@@ -43,6 +51,7 @@ class ReferenceRunner:
             other = table.clone()
             other[:, 0] += self.layers
             self.fast_prefill([PrefillRequest([0] * 16, 0, table), PrefillRequest([0] * 32, 0, other)], self.kv)
+        log.info("prefill warm-up done in %.1f s", time.perf_counter() - started)
 
     def _sync(self, dirty: list[tuple[int, bytes]]) -> None:
         for row, data in dirty:

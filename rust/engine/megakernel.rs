@@ -79,6 +79,7 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
                 positions: &input.positions[r.clone()],
                 table: input.table,
                 want_logits: &self.want,
+                launch: start / per_launch,
             };
             self.launcher.launch(&step, &mut self.sampled, &mut self.logits)?;
             if self.sampled.len() != specs.len()
@@ -135,6 +136,7 @@ mod tests {
             logits: &mut Vec<f32>,
         ) -> Result<(), BackendError> {
             assert!(s.rows.len() <= self.max_rows && s.rows.windows(2).all(|w| w[0] < w[1]));
+            assert_eq!(s.launch, self.launches.len(), "launches of one step are numbered in order");
             self.launches.push(s.rows.to_vec());
             for i in 0..s.rows.len() {
                 let l = fake_logits(s.tokens[i], s.positions[i], self.vocab);

@@ -12,7 +12,7 @@ use cudarc::driver::{result, sys, CudaSlice, CudaStream, DevicePtr, DriverError}
 
 use super::compact::{check_mapped, compact_tables, step_pages};
 use super::{Gpu, GpuError, MkStepArgs};
-use crate::graph::cache::GraphCache;
+use crate::graph::cache::{GraphCache, StepTasks};
 use crate::graph::task::MkTask;
 use crate::graph::{BuildOptions, Geometry};
 use crate::sched::PageTable;
@@ -52,15 +52,28 @@ pub struct StepRows<'a> {
     pub table: &'a PageTable,
     /// Rows whose fp32 logits must come back (sampled on the host).
     pub want_logits: &'a [bool],
+    /// Which launch of the engine's step this is (0 unless the batch exceeds one launch's rows):
+    /// each keeps its own cached task lists.
+    pub launch: usize,
+}
+
+/// The task lists of one of a step's launches: patched from the previous step's, and their
+/// device copy.
+struct LaunchTasks {
+    graphs: GraphCache,
+    device: Option<CudaSlice<MkTask>>,
+    /// `version` of the lists the device copy holds (None: unknown, upload everything).
+    uploaded: Option<u64>,
 }
 
 pub struct StepRunner {
     gpu: Arc<Gpu>,
     stream: Arc<CudaStream>,
     setup: StepSetup,
-    /// The last step's task lists, patched while the batch keeps its shape.
-    graphs: GraphCache,
-    tasks: Option<CudaSlice<MkTask>>,
+    /// Per launch index: the last step's task lists, patched while the batch keeps its shape.
+    launches: Vec<LaunchTasks>,
+    /// Upload only the attention bands a patch changed (`MK_TASK_UPLOAD=bands`; else everything).
+    band_uploads: bool,
     tokens: CudaSlice<i32>,
     positions: CudaSlice<i32>,
     tables: CudaSlice<i32>,
@@ -100,13 +113,12 @@ impl StepRunner {
         let positions = alloc(setup.rows)?;
         let tables = alloc(layers * setup.rows * setup.max_pages)?;
         let counters = stream.alloc_zeros::<u32>(2 * num_counters).map_err(driver("allocate the counters"))?;
-        let graphs = GraphCache::new(setup.geometry.clone(), setup.options.clone());
         Ok(Self {
             gpu,
             stream,
             setup,
-            graphs,
-            tasks: None,
+            launches: Vec::new(),
+            band_uploads: std::env::var("MK_TASK_UPLOAD").is_ok_and(|v| v == "bands"),
             tokens,
             positions,
             tables,
@@ -157,7 +169,12 @@ impl StepRunner {
         self.host_positions.extend(step.positions.iter().map(|&p| p as usize));
         // Not checked per step: the builder is what the static checker tests prove correct, and a
         // patched graph equals a fresh build (graph::cache tests).
-        let graph = self.graphs.step(&self.host_positions).map_err(|e| invalid(e.to_string()))?;
+        while self.launches.len() <= step.launch {
+            let graphs = GraphCache::new(g.clone(), self.setup.options.clone());
+            self.launches.push(LaunchTasks { graphs, device: None, uploaded: None });
+        }
+        let launch = &mut self.launches[step.launch];
+        let graph = launch.graphs.step(&self.host_positions).map_err(|e| invalid(e.to_string()))?;
         if graph.max_splits > self.setup.max_splits || graph.slots > self.setup.slots {
             return Err(invalid(format!(
                 "the step needs {} attention splits and {} MoE slots; the buffers hold {} and {}",
@@ -172,10 +189,15 @@ impl StepRunner {
         compact_tables(table, step.rows, pages, &mut self.host_tables);
         check_mapped(&self.host_tables, step.positions, pages, &g.window, self.setup.num_blocks).map_err(invalid)?;
 
-        upload_tasks(&self.stream, &mut self.tasks, graph.tasks)?;
+        // A failed upload or launch leaves the device copy unknown.
+        let held = launch.uploaded.take();
+        let bands = self.band_uploads && !graph.rebuilt && held == Some(graph.version - 1);
+        upload_tasks(&self.stream, &mut launch.device, &graph, bands)?;
+        let tasks = ptr(launch.device.as_ref().expect("uploaded"), &self.stream);
+        let version = graph.version;
         self.upload(step)?;
         let mut args = self.setup.args;
-        args.tasks = ptr(self.tasks.as_ref().expect("uploaded"), &self.stream);
+        args.tasks = tasks;
         args.counters = ptr(&self.counters, &self.stream);
         args.tokens = ptr(&self.tokens, &self.stream);
         args.positions = ptr(&self.positions, &self.stream);
@@ -193,6 +215,7 @@ impl StepRunner {
         // lists come from `build_step`, whose graphs the static checker's tests cover.
         unsafe { self.gpu.decode_step(&args, num_sms as u32, self.stream.cu_stream())? };
         self.parity ^= 1;
+        self.launches[step.launch].uploaded = Some(version);
         self.download(step, sampled, logits)
     }
 
@@ -235,15 +258,55 @@ impl StepRunner {
     }
 }
 
-fn upload_tasks(s: &Arc<CudaStream>, buf: &mut Option<CudaSlice<MkTask>>, tasks: &[MkTask]) -> Result<(), GpuError> {
+/// Brings the device copy of a launch's task lists up to `graph`: everything, or (with `bands`:
+/// the copy holds the lists `graph` patched) only the attention bands.
+fn upload_tasks(
+    s: &Arc<CudaStream>,
+    buf: &mut Option<CudaSlice<MkTask>>,
+    graph: &StepTasks<'_>,
+    mut bands: bool,
+) -> Result<(), GpuError> {
+    let tasks = graph.tasks;
     if buf.as_ref().is_none_or(|t| t.len() < tasks.len()) {
         // Grows rarely (longer contexts add attention splits); the old buffer is freed in
         // stream order, after the launches that read it.
         let cap = tasks.len().next_power_of_two();
         *buf = Some(s.alloc_zeros::<MkTask>(cap).map_err(driver("allocate the task lists"))?);
+        bands = false;
     }
     let dst = buf.as_mut().expect("allocated");
-    s.memcpy_htod(tasks, &mut dst.slice_mut(..tasks.len())).map_err(driver("upload the task lists"))
+    if !bands {
+        return s.memcpy_htod(tasks, &mut dst.slice_mut(..tasks.len())).map_err(driver("upload the task lists"));
+    }
+    let (base, _sync) = dst.device_ptr(s);
+    s.context().bind_to_thread().map_err(driver("bind the context"))?;
+    for copy in graph.band_copies() {
+        let params = sys::CUDA_MEMCPY2D {
+            srcXInBytes: copy.offset_bytes,
+            srcY: 0,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+            srcHost: tasks.as_ptr().cast(),
+            srcDevice: 0,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: copy.pitch_bytes,
+            dstXInBytes: copy.offset_bytes,
+            dstY: 0,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: base,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: copy.pitch_bytes,
+            WidthInBytes: copy.width_bytes,
+            Height: copy.rows,
+        };
+        // SAFETY: the rectangle lies inside both arrays (rows × pitch = the lists' size; the device
+        // buffer is at least that large, checked above), and from pageable host memory the call
+        // returns once the source has been staged, so the host lists may change afterwards.
+        unsafe { sys::cuMemcpy2DAsync_v2(&params, s.cu_stream()) }
+            .result()
+            .map_err(driver("upload the attention bands"))?;
+    }
+    Ok(())
 }
 
 fn ptr<T>(slice: &CudaSlice<T>, stream: &CudaStream) -> u64 {

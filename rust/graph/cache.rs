@@ -22,6 +22,45 @@ pub struct StepTasks<'a> {
     pub max_splits: usize,
     /// Whether the graph was built from scratch (else only attention ranges were rewritten).
     pub rebuilt: bool,
+    /// Counts the steps this cache served; a patched step differs from step `version - 1` only
+    /// inside `bands`.
+    pub version: u64,
+    /// Per layer, the columns `[first, last]` of the padded array that hold its attention split
+    /// tasks (on every SM's row): all a patch can change.
+    pub bands: &'a [(usize, usize)],
+}
+
+impl StepTasks<'_> {
+    /// The 2D copies (one per band) that turn step `version - 1`'s array into this one's.
+    pub fn band_copies(&self) -> impl Iterator<Item = BandCopy> + '_ {
+        let task = std::mem::size_of::<MkTask>();
+        self.bands.iter().map(move |&(first, last)| BandCopy {
+            offset_bytes: first * task,
+            width_bytes: (last + 1 - first) * task,
+            pitch_bytes: self.per_sm * task,
+            rows: self.num_sms,
+        })
+    }
+}
+
+/// `rows` rows of `width_bytes` at `offset_bytes + r * pitch_bytes`, the same in the host array and
+/// the device copy (a `cuMemcpy2D`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BandCopy {
+    pub offset_bytes: usize,
+    pub width_bytes: usize,
+    pub pitch_bytes: usize,
+    pub rows: usize,
+}
+
+impl BandCopy {
+    /// What the copy does, on host memory (tests; the GPU path hands the same numbers to the driver).
+    pub fn apply(&self, src: &[u8], dst: &mut [u8]) {
+        for r in 0..self.rows {
+            let at = self.offset_bytes + r * self.pitch_bytes;
+            dst[at..at + self.width_bytes].copy_from_slice(&src[at..at + self.width_bytes]);
+        }
+    }
 }
 
 pub struct GraphCache {
@@ -35,6 +74,8 @@ pub struct GraphCache {
     max_splits: usize,
     /// Padded index of every attention split task, in build order (layer, row, KV head, split).
     attn: Vec<usize>,
+    bands: Vec<(usize, usize)>,
+    version: u64,
     scratch: Vec<usize>,
     pub rebuilds: u64,
     pub patches: u64,
@@ -51,6 +92,8 @@ impl GraphCache {
             slots: 0,
             max_splits: 0,
             attn: Vec::new(),
+            bands: Vec::new(),
+            version: 0,
             scratch: Vec::new(),
             rebuilds: 0,
             patches: 0,
@@ -86,6 +129,7 @@ impl GraphCache {
             self.patch(positions);
             self.patches += 1;
         }
+        self.version += 1;
         Ok(StepTasks {
             tasks: &self.padded,
             per_sm: self.per_sm,
@@ -93,6 +137,8 @@ impl GraphCache {
             slots: self.slots,
             max_splits: self.max_splits,
             rebuilt,
+            version: self.version,
+            bands: &self.bands,
         })
     }
 
@@ -101,14 +147,18 @@ impl GraphCache {
         let (padded, per_sm) = graph.padded();
         let num_sms = graph.per_sm.len();
         self.attn.clear();
-        self.attn.extend(
-            graph
-                .order
-                .iter()
-                .enumerate()
-                .filter(|(_, t)| t.op() == Op::AttnSplit)
-                .map(|(i, _)| (i % num_sms) * per_sm + i / num_sms),
-        );
+        self.bands.clear();
+        let mut layer_of_band = None;
+        for (i, t) in graph.order.iter().enumerate().filter(|(_, t)| t.op() == Op::AttnSplit) {
+            self.attn.push((i % num_sms) * per_sm + i / num_sms);
+            // A layer's splits are consecutive in the order, so they fill consecutive columns.
+            let column = i / num_sms;
+            match self.bands.last_mut() {
+                Some(band) if layer_of_band == Some(t.layer) => band.1 = column,
+                _ => self.bands.push((column, column)),
+            }
+            layer_of_band = Some(t.layer);
+        }
         self.padded = padded;
         self.per_sm = per_sm;
         self.slots = graph.slots;
@@ -146,7 +196,13 @@ mod tests {
         build_step(geom, positions, opts).unwrap().padded()
     }
 
-    /// Decode steps of a batch that grows by one token a step, with rows joining and leaving.
+    fn bytes(tasks: &[MkTask]) -> &[u8] {
+        // SAFETY: MkTask is plain-old-data (16 × i32, no padding).
+        unsafe { std::slice::from_raw_parts(tasks.as_ptr().cast::<u8>(), std::mem::size_of_val(tasks)) }
+    }
+
+    /// Decode steps of a batch that grows by one token a step, with rows joining and leaving. A
+    /// "device" copy follows along: a full upload after a rebuild, the band copies after a patch.
     fn check_run(
         geom: Geometry,
         opts: BuildOptions,
@@ -155,6 +211,7 @@ mod tests {
         churn: &[(usize, usize)],
     ) {
         let mut cache = GraphCache::new(geom.clone(), opts.clone());
+        let mut device: Vec<u8> = Vec::new();
         for step in 0..steps {
             for &(at, pos) in churn {
                 if at == step {
@@ -169,6 +226,15 @@ mod tests {
             let (want, per_sm) = fresh(&geom, &opts, &positions);
             assert_eq!((got.per_sm, got.tasks.len()), (per_sm, want.len()), "step {step} at {positions:?}");
             assert!(got.tasks == &want[..], "step {step} at {positions:?}: patched tasks differ");
+            assert_eq!(got.version, step as u64 + 1);
+            if got.rebuilt {
+                device = bytes(got.tasks).to_vec();
+            } else {
+                for copy in got.band_copies() {
+                    copy.apply(bytes(got.tasks), &mut device);
+                }
+                assert!(device == bytes(&want), "step {step} at {positions:?}: the band copies miss a change");
+            }
             for p in &mut positions {
                 *p += 1;
             }

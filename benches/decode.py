@@ -7,9 +7,11 @@ selected by at least one row (the kernel's routing of the last layer, times the 
 LM head, the KV each row reads (full layers: the whole context; sliding: the window) and the
 embedding rows. Prints a table, writes JSON (and a PNG plot when matplotlib is there).
 
-Every point is also timed with the kernel's L2 weight prefetch on (MkStepArgs.flags), in the same
-run: `mk_prefetch_ms`. With --trace, one step of each variant records when every task waited and
-ran, summarized per task family (mk.megakernel.trace) into the JSON and printed.
+Every point is also timed, in the same run, with the kernel's L2 weight prefetch on
+(MkStepArgs.flags): `mk_prefetch_ms`, and with the tasks dealt onto the SMs by the cost model
+instead of round-robin (rust/graph/deal.rs): `mk_balanced_ms` (its modelled step time beside the
+round-robin one: `model_balanced_us`, `model_rr_us`). With --trace, one step of each variant records
+when every task waited and ran, summarized per task family (mk.megakernel.trace) into the JSON.
 Usage: python benches/decode.py [--json out.json] [--quick] [--trace]
 """
 
@@ -110,24 +112,34 @@ def measure(cfg, model, stacked, batch: int, ctx: int, iters: int, trace: bool =
     t_mk = time_events(lambda: step.run(g, buf, tasks), iters)
     ok = bool((buf.sampled >= 0).all() and (buf.sampled < cfg.vocab_size).all() and not buf.logits.isnan().any())
     plain_logits = buf.logits.clone()
-    prefetch = MegakernelStep(model, kv, pages, flags=STEP_PREFETCH_L2)
-    for _ in range(3):
-        prefetch.run(g, buf, tasks)
-    torch.cuda.synchronize()
-    t_pf = time_events(lambda: prefetch.run(g, buf, tasks), iters)
+    variants = {
+        "prefetch": (MegakernelStep(model, kv, pages, flags=STEP_PREFETCH_L2), g, tasks),
+    }
+    balanced = MegakernelStep(model, kv, pages, dealing="balanced")
+    g_bal = balanced.graph(positions)
+    variants["balanced"] = (balanced, g_bal, torch.from_numpy(g_bal.tasks.copy()).cuda())
+    times, same = {}, {}
+    for name, (variant, graph, graph_tasks) in variants.items():
+        for _ in range(3):
+            variant.run(graph, buf, graph_tasks)
+        torch.cuda.synchronize()
+        times[name] = time_events(lambda v=variant, gr=graph, gt=graph_tasks: v.run(gr, buf, gt), iters)
+        same[name] = bool(torch.equal(plain_logits, buf.logits))
     traces = {}
     if trace:
-        for name, variant in (("plain", step), ("prefetch", prefetch)):
-            tr = trace_buffer(g, buf.x.device)
-            variant.run(g, buf, tasks, trace=tr)
+        for name, (variant, graph, graph_tasks) in {"plain": (step, g, tasks), **variants}.items():
+            tr = trace_buffer(graph, buf.x.device)
+            variant.run(graph, buf, graph_tasks, trace=tr)
             torch.cuda.synchronize()
-            traces[name] = summarize(g, tr.cpu().numpy())
+            traces[name] = summarize(graph, tr.cpu().numpy())
             print_summary(f"batch {batch}, context {ctx}, {name}", traces[name])
     experts = int(buf.slot_count[0])
     row = {"batch": batch, "ctx": ctx, "mk_ms": t_mk * 1e3, "mk_tok_s": batch / t_mk, "valid_output": ok}
-    row["mk_prefetch_ms"] = t_pf * 1e3
-    row["prefetch_gain"] = t_mk / t_pf
-    row["prefetch_same_logits"] = bool(torch.equal(plain_logits, buf.logits))
+    for name, t in times.items():
+        row[f"mk_{name}_ms"] = t * 1e3
+        row[f"{name}_gain"] = t_mk / t
+        row[f"{name}_same_logits"] = same[name]
+    row["model_rr_us"], row["model_balanced_us"] = g.modelled_ns / 1e3, g_bal.modelled_ns / 1e3
     if traces:
         row["trace"] = traces
     row["sol_ms"] = step_bytes(cfg, batch, ctx, experts) / HBM_BYTES_PER_S * 1e3
@@ -191,7 +203,7 @@ def main() -> None:
         torch.cuda.empty_cache()  # the last size's KV pools
         print({k: v for k, v in rows[-1].items() if k != "trace"}, flush=True)
     cols = ["batch", "ctx", "mk_ms", "mk_tok_s", "sol_ms", "sol_fraction", "torch_graph_ms", "speedup_vs_torch"]
-    cols += ["mk_prefetch_ms", "prefetch_gain"]
+    cols += ["mk_prefetch_ms", "prefetch_gain", "mk_balanced_ms", "balanced_gain", "model_rr_us", "model_balanced_us"]
     print_table("decode step, real geometry, synthetic weights (SOL 4.8 TB/s)", rows, cols)
     write_json(args.json, "decode", rows)
     plot(rows, Path(args.json).with_suffix(".png"))

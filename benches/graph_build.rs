@@ -3,7 +3,9 @@
 //! of the previous step's lists while the batch keeps its shape (every position + 1).
 //!
 //! North Mini Code geometry (49 layers, 128 experts, top-8, 262144-token vocabulary), 132 SMs,
-//! default options. Each case times `STEPS` consecutive decode steps from the given context.
+//! default options. Each case times `STEPS` consecutive decode steps from the given context. Also:
+//! a fresh build with the `Balanced` dealing, and the step time the dealing's cost model predicts
+//! for round-robin and balanced lists (`graph::deal::model`; a model, to be checked on the GPU).
 //!
 //! `cargo bench --bench graph_build` prints a table and writes JSON to `$MK_BENCH_JSON`
 //! (default `target/graph_build.json`).
@@ -11,6 +13,7 @@
 use std::time::Instant;
 
 use mk::graph::cache::GraphCache;
+use mk::graph::deal::{model, Dealing};
 use mk::graph::{build_step, BuildOptions, Geometry};
 
 const STEPS: usize = 200;
@@ -38,12 +41,16 @@ struct Row {
     fresh_us: f64,
     cached_us: f64,
     rebuilds: u64,
+    balanced_build_us: f64,
+    model_rr_us: f64,
+    model_balanced_us: f64,
 }
 
 fn case(geom: &Geometry, opts: &BuildOptions, batch: usize, context: usize) -> Row {
     let start: Vec<usize> = (0..batch).map(|b| context - 1 - 37 * b).collect();
     let step = |i: usize| start.iter().map(|p| p + i).collect::<Vec<_>>();
 
+    std::hint::black_box(build_step(geom, &step(0), opts).unwrap().padded()); // warm the allocator
     let t = Instant::now();
     let mut tasks = 0;
     for i in 0..STEPS / 10 {
@@ -60,12 +67,32 @@ fn case(geom: &Geometry, opts: &BuildOptions, batch: usize, context: usize) -> R
         std::hint::black_box(cache.step(&step(i)).unwrap().tasks.len());
     }
     let cached_us = t.elapsed().as_secs_f64() * 1e6 / STEPS as f64;
-    Row { batch, context, tasks, fresh_us, cached_us, rebuilds: cache.rebuilds - 1 }
+
+    let balanced = BuildOptions { dealing: Dealing::Balanced, ..opts.clone() };
+    let t = Instant::now();
+    let bal = build_step(geom, &step(0), &balanced).unwrap();
+    let balanced_build_us = t.elapsed().as_secs_f64() * 1e6;
+    let rr = build_step(geom, &step(0), opts).unwrap();
+    let model_rr_us = model(&rr.order, &rr.per_sm, geom, rr.num_counters).makespan_ns / 1e3;
+    let model_balanced_us = model(&bal.order, &bal.per_sm, geom, bal.num_counters).makespan_ns / 1e3;
+    Row {
+        batch,
+        context,
+        tasks,
+        fresh_us,
+        cached_us,
+        rebuilds: cache.rebuilds - 1,
+        balanced_build_us,
+        model_rr_us,
+        model_balanced_us,
+    }
 }
 
 fn main() {
     let geom = real();
     let opts = BuildOptions::default();
+    // The process's first large builds pay for page faults (~7x slower): warm up first.
+    case(&geom, &opts, 8, 2048);
     let mut rows = Vec::new();
     for batch in [1, 8] {
         for context in [2048, 8192, 32768] {
@@ -74,27 +101,39 @@ fn main() {
     }
     println!("\nper-SM task lists of one decode step, NMC geometry, 132 SMs ({STEPS} consecutive steps)");
     println!(
-        "{:>6} {:>8} {:>9} {:>12} {:>12} {:>9} {:>9}",
-        "batch", "context", "tasks", "fresh µs", "cached µs", "speed-up", "rebuilds"
+        "{:>6} {:>8} {:>9} {:>12} {:>12} {:>9} {:>9} {:>13} {:>10} {:>10}",
+        "batch",
+        "context",
+        "tasks",
+        "fresh µs",
+        "cached µs",
+        "speed-up",
+        "rebuilds",
+        "balanced µs",
+        "model rr",
+        "model bal"
     );
     for r in &rows {
         println!(
-            "{:>6} {:>8} {:>9} {:>12.0} {:>12.1} {:>8.0}x {:>9}",
+            "{:>6} {:>8} {:>9} {:>12.0} {:>12.1} {:>8.0}x {:>9} {:>13.0} {:>8.0}µs {:>8.0}µs",
             r.batch,
             r.context,
             r.tasks,
             r.fresh_us,
             r.cached_us,
             r.fresh_us / r.cached_us,
-            r.rebuilds
+            r.rebuilds,
+            r.balanced_build_us,
+            r.model_rr_us,
+            r.model_balanced_us
         );
     }
     let body: Vec<String> = rows
         .iter()
         .map(|r| {
             format!(
-                "    {{\"batch\": {}, \"context\": {}, \"padded_tasks\": {}, \"fresh_us\": {:.3}, \"cached_us\": {:.3}, \"rebuilds\": {}}}",
-                r.batch, r.context, r.tasks, r.fresh_us, r.cached_us, r.rebuilds
+                "    {{\"batch\": {}, \"context\": {}, \"padded_tasks\": {}, \"fresh_us\": {:.3}, \"cached_us\": {:.3}, \"rebuilds\": {}, \"balanced_build_us\": {:.1}, \"model_rr_us\": {:.1}, \"model_balanced_us\": {:.1}}}",
+                r.batch, r.context, r.tasks, r.fresh_us, r.cached_us, r.rebuilds, r.balanced_build_us, r.model_rr_us, r.model_balanced_us
             )
         })
         .collect();

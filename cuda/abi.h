@@ -59,7 +59,8 @@ typedef enum MkOp {
     // arg0 = MkMatrix, arg1 = first output row, arg2 = row groups of 16 (1, 2 or 4),
     // arg3 = MoE slot (expert matrices only). y = act · Wᵀ with the matrix's epilogue.
     MK_OP_GEMV = 2,
-    // arg0 = b, arg1 = kv head, arg2 = split, arg3 = first key position, arg4 = end position.
+    // arg0 = b, arg1 = kv head, arg2 = split, arg3 = first key position, arg4 = end position,
+    // arg5 = the row's split size (the host's scheduling only; the kernel does not read it).
     // Partial softmax(q kᵀ) v of the kv head's query group over keys [arg3, arg4).
     MK_OP_ATTN_SPLIT = 3,
     // arg0 = b, arg1 = kv head, arg2 = number of splits. Merges the partials into attn_out.

@@ -26,12 +26,14 @@ def build_step_graph(
     config: ModelConfig,
     positions: list[int],
     num_sms: int = 132,
-    attn_chunk: int = 512,
+    attn_chunk: int = 0,
     row_groups: int = 4,
     sample_parts: int = 16,
     check: bool = False,
+    dealing: str = "round_robin",
 ) -> dict[str, Any]:
-    """tasks, order (bytes of int32 [.., 16]), num_sms, per_sm, num_counters, slots, max_splits."""
+    """tasks, order (bytes of int32 [.., 16]), num_sms, per_sm, num_counters, slots, max_splits,
+    modelled_ns."""
 
 def step_args_layout() -> tuple[list[tuple[str, int, str]], int]: ...
 def decode_step(device: int, stream: int, args: bytes, grid: int) -> None: ...

@@ -3,13 +3,14 @@
 //! A step's graph depends on the batch size and, through attention, on each row's position.
 //! From one decode step to the next every position grows by one: the number of attention splits
 //! per (layer, row) rarely changes, and when it does not, the graph differs only in the key
-//! ranges of the attention tasks. So `GraphCache` keeps the last padded task array and, when
+//! ranges (and split sizes) of the attention tasks. The `Balanced` dealing weighs attention tasks
+//! by split size, so for it a changed size rebuilds too. So `GraphCache` keeps the last padded task array and, when
 //! the split counts match, rewrites just those ranges (a few thousand tasks) instead of building
 //! the whole graph again (~280K tasks at batch 8 on the real model). The result is the same
 //! array `build_step(..).padded()` gives, which the tests check step by step.
 
 use super::task::{MkTask, Op};
-use super::{build_step, BuildOptions, Geometry, GraphError, KeyRange};
+use super::{build_step, BuildOptions, Dealing, Geometry, GraphError, KeyRange};
 
 /// A step's task lists as the kernel takes them.
 #[derive(Debug, Clone, Copy)]
@@ -66,7 +67,8 @@ impl BandCopy {
 pub struct GraphCache {
     geom: Geometry,
     opts: BuildOptions,
-    /// Batch size, then the split count of every (layer, row), of the cached graph.
+    /// Batch size, then the split count of every (layer, row) of the cached graph, and with the
+    /// `Balanced` dealing (which weighs tasks by split size) each split size too.
     key: Vec<usize>,
     padded: Vec<MkTask>,
     per_sm: usize,
@@ -117,7 +119,11 @@ impl GraphCache {
         self.scratch.push(positions.len());
         for l in 0..self.geom.layers() {
             for &pos in positions {
-                self.scratch.push(KeyRange::of(&self.geom, &self.opts, positions.len(), l, pos).splits);
+                let keys = KeyRange::of(&self.geom, &self.opts, positions.len(), l, pos);
+                self.scratch.push(keys.splits);
+                if self.opts.dealing == Dealing::Balanced {
+                    self.scratch.push(keys.chunk);
+                }
             }
         }
         let rebuilt = self.scratch != self.key;
@@ -145,16 +151,22 @@ impl GraphCache {
     fn rebuild(&mut self, positions: &[usize]) -> Result<(), GraphError> {
         let graph = build_step(&self.geom, positions, &self.opts)?;
         let (padded, per_sm) = graph.padded();
-        let num_sms = graph.per_sm.len();
+        // Where each task of the order sits in the padded [SM][column] array.
+        let mut slot = vec![(0, 0); graph.order.len()];
+        for (s, list) in graph.per_sm.iter().enumerate() {
+            for (column, &i) in list.iter().enumerate() {
+                slot[i] = (s, column);
+            }
+        }
         self.attn.clear();
         self.bands.clear();
         let mut layer_of_band = None;
         for (i, t) in graph.order.iter().enumerate().filter(|(_, t)| t.op() == Op::AttnSplit) {
-            self.attn.push((i % num_sms) * per_sm + i / num_sms);
-            // A layer's splits are consecutive in the order, so they fill consecutive columns.
-            let column = i / num_sms;
+            let (s, column) = slot[i];
+            self.attn.push(s * per_sm + column);
+            // A layer's splits are consecutive in the order: one band of columns spans them.
             match self.bands.last_mut() {
-                Some(band) if layer_of_band == Some(t.layer) => band.1 = column,
+                Some(band) if layer_of_band == Some(t.layer) => *band = (band.0.min(column), band.1.max(column)),
                 _ => self.bands.push((column, column)),
             }
             layer_of_band = Some(t.layer);
@@ -178,6 +190,7 @@ impl GraphCache {
                         let t = &mut self.padded[*at.next().expect("one index per split")];
                         t.arg[3] = lo as i32;
                         t.arg[4] = hi as i32;
+                        t.arg[5] = keys.chunk as i32;
                     }
                 }
             }
@@ -247,6 +260,8 @@ mod tests {
         // tiny: window 96, so sliding layers move their start every step past it.
         check_run(tiny(), BuildOptions { num_sms: 7, ..Default::default() }, vec![0, 60, 95, 200], 80, &[]);
         check_run(tiny(), BuildOptions { num_sms: 7, attn_chunk: 64, ..Default::default() }, vec![3, 130], 70, &[]);
+        let balanced = BuildOptions { num_sms: 7, dealing: Dealing::Balanced, ..Default::default() };
+        check_run(tiny(), balanced, vec![0, 60, 95, 200], 80, &[]);
     }
 
     #[test]
@@ -265,7 +280,14 @@ mod tests {
     fn gpu_geometry_long_contexts() {
         let opts = BuildOptions { num_sms: 132, ..Default::default() };
         check_run(gpu_test(), opts.clone(), vec![4090, 8191, 127], 12, &[(5, 7), (9, 300)]);
-        check_run(gpu_test(), opts, vec![8185], 10, &[]);
+        check_run(gpu_test(), opts.clone(), vec![8185], 10, &[]);
+        check_run(
+            gpu_test(),
+            BuildOptions { dealing: Dealing::Balanced, ..opts },
+            vec![4090, 8191, 127],
+            12,
+            &[(5, 7)],
+        );
     }
 
     proptest! {
@@ -275,8 +297,10 @@ mod tests {
             positions in prop::collection::vec(0usize..400, 1..6),
             sms in 1usize..40,
             churn in prop::collection::vec((0usize..30, 0usize..400), 0..4),
+            balanced in any::<bool>(),
         ) {
-            check_run(tiny(), BuildOptions { num_sms: sms, ..Default::default() }, positions, 30, &churn);
+            let dealing = if balanced { Dealing::Balanced } else { Dealing::RoundRobin };
+            check_run(tiny(), BuildOptions { num_sms: sms, dealing, ..Default::default() }, positions, 30, &churn);
         }
     }
 }

@@ -8,8 +8,11 @@
 
 pub mod cache;
 pub mod check;
+pub mod deal;
 pub mod effects;
 pub mod task;
+
+pub use deal::Dealing;
 
 use task::{counter, logits_counter, num_counters, sample_counter, Counter, Matrix, MkTask, Op};
 
@@ -65,11 +68,13 @@ pub struct BuildOptions {
     pub row_groups: usize,
     /// Vocabulary slices per row for sampling.
     pub sample_parts: usize,
+    /// How the global order is dealt onto the SMs.
+    pub dealing: Dealing,
 }
 
 impl Default for BuildOptions {
     fn default() -> Self {
-        BuildOptions { num_sms: 132, attn_chunk: 0, row_groups: 4, sample_parts: 16 }
+        BuildOptions { num_sms: 132, attn_chunk: 0, row_groups: 4, sample_parts: 16, dealing: Dealing::RoundRobin }
     }
 }
 
@@ -122,7 +127,7 @@ pub fn build_step(geom: &Geometry, positions: &[usize], opts: &BuildOptions) -> 
     b.head();
     let num_counters = num_counters(geom.layers());
     set_targets(&mut b.order, num_counters);
-    let per_sm = deal(b.order.len(), opts.num_sms);
+    let per_sm = deal::deal(&b.order, geom, opts.num_sms, opts.dealing, num_counters);
     Ok(StepGraph {
         order: b.order,
         per_sm,
@@ -239,7 +244,7 @@ impl Builder<'_> {
             for kvh in 0..g.kv_heads {
                 for s in 0..splits {
                     let (lo, hi) = keys.split(s);
-                    let args = [b as i32, kvh as i32, s as i32, lo as i32, hi as i32];
+                    let args = [b as i32, kvh as i32, s as i32, lo as i32, hi as i32, keys.chunk as i32];
                     self.push(
                         MkTask::new(Op::AttnSplit, l, &args)
                             .waits(counter(l, Counter::Qkv))
@@ -328,15 +333,6 @@ fn set_targets(order: &mut [MkTask], num_counters: usize) {
             t.target1 = producers[t.wait1 as usize];
         }
     }
-}
-
-/// Round-robin: task i of the global order goes to SM i mod num_sms.
-fn deal(n: usize, num_sms: usize) -> Vec<Vec<usize>> {
-    let mut per_sm = vec![Vec::new(); num_sms];
-    for i in 0..n {
-        per_sm[i % num_sms].push(i);
-    }
-    per_sm
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::graph::{build_step, check, BuildOptions, Geometry};
+use crate::graph::{build_step, check, deal, BuildOptions, Dealing, Geometry};
 
 pub(crate) fn geometry_from(cfg: &Bound<'_, PyAny>) -> PyResult<Geometry> {
     let layers: usize = cfg.getattr("num_hidden_layers")?.extract()?;
@@ -34,9 +34,11 @@ pub(crate) fn geometry_from(cfg: &Bound<'_, PyAny>) -> PyResult<Geometry> {
 /// The task graph of one decode step of `config` (an mk.ModelConfig) for rows writing at
 /// `positions`. Returns a dict: `tasks` (bytes of int32 [num_sms, per_sm, 16], NOP-padded),
 /// `order` (bytes of int32 [n, 16], the global order), `per_sm`, `num_counters`, `slots`,
-/// `max_splits`. With `check=True` the static checker runs first and any violation raises.
+/// `max_splits`, and `modelled_ns` (the step's time in the dealing's cost model, `graph::deal`).
+/// With `check=True` the static checker runs first and any violation raises. `dealing`:
+/// "round_robin" or "balanced".
 #[pyfunction]
-#[pyo3(signature = (config, positions, num_sms=132, attn_chunk=0, row_groups=4, sample_parts=16, check=false))]
+#[pyo3(signature = (config, positions, num_sms=132, attn_chunk=0, row_groups=4, sample_parts=16, check=false, dealing="round_robin"))]
 #[allow(clippy::too_many_arguments)]
 pub fn build_step_graph<'py>(
     py: Python<'py>,
@@ -47,9 +49,11 @@ pub fn build_step_graph<'py>(
     row_groups: usize,
     sample_parts: usize,
     check: bool,
+    dealing: &str,
 ) -> PyResult<Bound<'py, PyDict>> {
     let geom = geometry_from(config)?;
-    let opts = BuildOptions { num_sms, attn_chunk, row_groups, sample_parts };
+    let dealing = parse_dealing(dealing)?;
+    let opts = BuildOptions { num_sms, attn_chunk, row_groups, sample_parts, dealing };
     let graph = build_step(&geom, &positions, &opts).map_err(|e| PyValueError::new_err(e.to_string()))?;
     if check {
         let violations = check::check(&geom, &graph, 5);
@@ -75,6 +79,7 @@ pub fn build_step_graph<'py>(
     out.set_item("num_counters", graph.num_counters)?;
     out.set_item("slots", graph.slots)?;
     out.set_item("max_splits", graph.max_splits)?;
+    out.set_item("modelled_ns", deal::model(&graph.order, &graph.per_sm, &geom, graph.num_counters).makespan_ns)?;
     Ok(out)
 }
 
@@ -102,4 +107,9 @@ pub fn decode_step(py: Python<'_>, device: usize, stream: u64, args: &[u8], grid
         unsafe { gpu.decode_step(&args, grid, stream as usize as _) }
     })
     .map_err(super::errors::to_py)
+}
+
+pub fn parse_dealing(name: &str) -> PyResult<Dealing> {
+    Dealing::parse(name)
+        .ok_or_else(|| PyValueError::new_err(format!("dealing must be 'round_robin' or 'balanced', not {name:?}")))
 }

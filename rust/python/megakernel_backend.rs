@@ -65,6 +65,7 @@ impl MegakernelBackend {
                 attn_chunk: get(d, "attn_chunk")?,
                 row_groups: get(d, "row_groups")?,
                 sample_parts: get(d, "sample_parts")?,
+                dealing: crate::python::graph::parse_dealing(&get::<String>(d, "dealing")?)?,
             },
         };
         let device: usize = get(d, "device")?;

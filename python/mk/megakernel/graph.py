@@ -45,6 +45,7 @@ class StepGraph:
     slots: int
     max_splits: int
     positions: tuple[int, ...]
+    modelled_ns: float = 0.0  # the step's time in the dealing's cost model (rust/graph/deal.rs)
 
     @property
     def batch(self) -> int:
@@ -59,8 +60,15 @@ def build(
     row_groups: int = 4,
     sample_parts: int = 16,
     check: bool = False,
+    dealing: str = "round_robin",
 ) -> StepGraph:
-    raw = _native.build_step_graph(cfg, list(positions), num_sms, attn_chunk, row_groups, sample_parts, check)
+    """`dealing`: "round_robin" (task i to SM i mod num_sms) or "balanced" (list scheduling under a
+    cost model); see rust/graph/deal.rs."""
+    raw = _native.build_step_graph(
+        cfg, list(positions), num_sms, attn_chunk, row_groups, sample_parts, check, dealing
+    )
     tasks = np.frombuffer(raw["tasks"], dtype=np.int32).reshape(raw["num_sms"], raw["per_sm"], TASK_WORDS)
     order = np.frombuffer(raw["order"], dtype=np.int32).reshape(-1, TASK_WORDS)
-    return StepGraph(tasks, order, raw["num_counters"], raw["slots"], raw["max_splits"], tuple(positions))
+    return StepGraph(
+        tasks, order, raw["num_counters"], raw["slots"], raw["max_splits"], tuple(positions), raw["modelled_ns"]
+    )

@@ -123,6 +123,7 @@ class MegakernelStep:
         row_groups: int = 4,
         sample_parts=16,
         flags: int = 0,
+        dealing: str = "round_robin",
     ) -> None:
         if model.device.type != "cuda" or model.dtype != torch.bfloat16:
             raise ValueError("the megakernel runs bf16 models on a CUDA device")
@@ -135,6 +136,7 @@ class MegakernelStep:
         )
         self.device = model.device
         self.flags = flags  # MkStepArgs.flags: STEP_PREFETCH_L2
+        self.dealing = dealing  # how graph() deals tasks onto the SMs
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.tables = ModelTables.build(model)
         cfg = self.cfg
@@ -151,6 +153,7 @@ class MegakernelStep:
             row_groups=self.row_groups,
             sample_parts=self.sample_parts,
             check=check,
+            dealing=self.dealing,
         )
 
     def buffers(self, g: mkgraph.StepGraph, log_residuals: bool = True) -> StepBuffers:

@@ -10,6 +10,8 @@ and the counters.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from mk.megakernel.launch import ModelTables, fixed_step_args, pack_step_args
@@ -103,4 +105,6 @@ class MegakernelRunner(ReferenceRunner):
             "attn_chunk": 0,
             "row_groups": self.row_groups,
             "sample_parts": self.sample_parts,
+            # An experiment until a GPU run compares it (docs/MEGAKERNEL.md): MK_DEALING=balanced.
+            "dealing": os.environ.get("MK_DEALING", "round_robin"),
         }

@@ -168,6 +168,7 @@ def test_the_rust_glue_checks_its_arguments():
         "attn_chunk": 0,
         "row_groups": 4,
         "sample_parts": 16,
+        "dealing": "round_robin",
     }
     with pytest.raises(ValueError, match='backend must be "reference" or "megakernel", got "fast"'):
         native_engine(FakeRunner(good, cfg), backend="fast")
@@ -175,6 +176,8 @@ def test_the_rust_glue_checks_its_arguments():
         native_engine(FakeRunner({k: v for k, v in good.items() if k != "rows"}, cfg))
     with pytest.raises(ValueError, match=f"MkStepArgs is {size} bytes, got 3"):
         native_engine(FakeRunner({**good, "step_args": b"abc"}, cfg))
+    with pytest.raises(ValueError, match="dealing must be 'round_robin' or 'balanced'"):
+        native_engine(FakeRunner({**good, "dealing": "random"}, cfg))
     if _native.gpu_available():
         # An all-zero template describes no model: refused before anything is allocated.
         with pytest.raises(ValueError, match="MkStepArgs.layers is 0, the model's geometry says 5"):

@@ -4,6 +4,7 @@ decode step: same logits, same K/V written, greedy token = argmax."""
 import copy
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -100,3 +101,30 @@ def test_forced_routing_follows_ties_and_refuses_real_differences(model):
     bad[-1] = worst.to(torch.int32)
     with pytest.raises(RoutingMismatch):
         run_step(model, copy.deepcopy(kv), g, fresh(), forced_routing=bad)
+
+
+def test_balanced_dealing_runs_the_same_step(model):
+    """The cost-model dealing moves tasks between SMs, never changes them: the checker passes, the
+    step equals the reference decode, and the task multiset is round-robin's."""
+    lengths = [5, 130, 300, 64]
+    kv, tables, tokens = prefilled(model, lengths)
+    kv_ref = copy.deepcopy(kv)
+    expected = model.decode(torch.tensor(tokens), torch.tensor(lengths), kv_ref, tables)
+    rr = mkgraph.build(CFG, lengths, num_sms=7)
+    g = mkgraph.build(CFG, lengths, num_sms=7, check=True, dealing="balanced")
+    assert not np.array_equal(g.tasks, rr.tasks) and np.array_equal(g.order, rr.order)
+
+    def real_tasks(graph):  # the padded lists' tasks without their NOP padding
+        words = graph.tasks.reshape(-1, 16)
+        return sorted(map(bytes, words[words[:, 0] != 0]))
+
+    assert real_tasks(g) == real_tasks(rr)
+    assert 0 < g.modelled_ns <= rr.modelled_ns * 1.001
+    buf = StepBuffers.allocate(CFG, len(lengths), g.slots, g.max_splits, MAX_PAGES, 16, torch.float32, "cpu")
+    buf.tokens[:] = torch.tensor(tokens, dtype=torch.int32)
+    buf.positions[:] = torch.tensor(lengths, dtype=torch.int32)
+    buf.block_tables[:] = torch.stack(tables, dim=1)
+    run_step(model, kv, g, buf)
+    assert (buf.logits - expected).norm() / expected.norm() < 1e-5
+    with pytest.raises(ValueError, match="dealing must be"):
+        mkgraph.build(CFG, lengths, dealing="random")

@@ -64,9 +64,7 @@ def build(
 ) -> StepGraph:
     """`dealing`: "round_robin" (task i to SM i mod num_sms) or "balanced" (list scheduling under a
     cost model); see rust/graph/deal.rs."""
-    raw = _native.build_step_graph(
-        cfg, list(positions), num_sms, attn_chunk, row_groups, sample_parts, check, dealing
-    )
+    raw = _native.build_step_graph(cfg, list(positions), num_sms, attn_chunk, row_groups, sample_parts, check, dealing)
     tasks = np.frombuffer(raw["tasks"], dtype=np.int32).reshape(raw["num_sms"], raw["per_sm"], TASK_WORDS)
     order = np.frombuffer(raw["order"], dtype=np.int32).reshape(-1, TASK_WORDS)
     return StepGraph(

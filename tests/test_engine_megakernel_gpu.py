@@ -223,16 +223,18 @@ def test_the_server_streams_a_chat_completion_on_the_megakernel():
     assert code == 0, server.output()
 
 
-def test_band_uploads_give_the_same_tokens(model, monkeypatch):
-    """MK_TASK_UPLOAD=bands uploads only the attention bands of a patched step's task lists; a lone
-    greedy request (one batch shape throughout, so the same kernel arithmetic) must decode the same
-    tokens with the same log-probabilities as with whole uploads, across pages and split changes."""
+@pytest.mark.parametrize("variable,value", [("MK_TASK_UPLOAD", "bands"), ("MK_DEALING", "balanced")])
+def test_host_side_variants_give_the_same_tokens(model, monkeypatch, variable, value):
+    """MK_TASK_UPLOAD=bands uploads only the attention bands of a patched step's task lists;
+    MK_DEALING=balanced deals the tasks by the cost model. Neither may change a result: a lone greedy
+    request (one batch shape throughout, so the same kernel arithmetic) decodes the same tokens with
+    the same log-probabilities as by default, across pages and split changes."""
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, logprobs=0)
     p = prompt(100, 11)
     with engine(model, "megakernel") as e:
-        whole = run(e, [(0, p, params)])[0]
-    monkeypatch.setenv("MK_TASK_UPLOAD", "bands")
+        default = run(e, [(0, p, params)])[0]
+    monkeypatch.setenv(variable, value)
     with engine(model, "megakernel") as e:
-        bands = run(e, [(0, p, params)])[0]
-    assert tokens_of(bands) == tokens_of(whole)
-    assert [ev.logprob for ev in bands[2]] == [ev.logprob for ev in whole[2]]
+        variant = run(e, [(0, p, params)])[0]
+    assert tokens_of(variant) == tokens_of(default)
+    assert [ev.logprob for ev in variant[2]] == [ev.logprob for ev in default[2]]

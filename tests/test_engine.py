@@ -135,6 +135,36 @@ def test_fast_prefill_path_gives_the_reference_tokens(model, engine):
         assert [e.logprob for e in events] == pytest.approx(logprobs, abs=1e-5)
 
 
+def test_a_failing_prefill_ends_only_its_own_request(model, engine):
+    """The runner raises on one of three prompts that arrive together (one packed call): the packed
+    call fails, each prompt is retried alone, and only the bad one ends with an error."""
+    e = engine(max_batch=4)
+    packed, calls = e._runner.prefill, []
+
+    def prefill(pieces, dirty):
+        poisoned = any(POISON in tokens for _, tokens, _, _ in pieces)
+        calls.append((len(pieces), poisoned))
+        if len(calls) == 1:
+            time.sleep(0.3)  # the other prompts arrive meanwhile and are packed into the next call
+        if poisoned:
+            raise RuntimeError("poisoned prompt")
+        return packed(pieces, dirty)
+
+    e._runner.prefill = prefill
+    prompts = [prompt(20, 1), [POISON, *prompt(19, 2)], prompt(20, 3)]
+    results = run(e, [(0.05 * bool(i), p, GREEDY) for i, p in enumerate(prompts)])
+    assert [finish for _, finish, _ in results] == ["length", "error", "length"]
+    for p, (tokens, _, _) in zip(prompts[::2], results[::2], strict=True):
+        assert tokens == reference_greedy(model, p, GREEDY.max_tokens)[0]
+    # The failed packed call is followed by one call per chunk it held.
+    failed = next(i for i, (n, poisoned) in enumerate(calls) if poisoned and n > 1)
+    n = calls[failed][0]
+    assert [size for size, _ in calls[failed + 1 : failed + 1 + n]] == [1] * n, calls
+
+
+POISON = 2  # a token id the prompts above never use
+
+
 def test_unknown_prefill_mode_is_refused(model):
     with pytest.raises(ValueError, match="prefill must be"):
         Engine(model, prefill="flash")

@@ -56,6 +56,37 @@ impl ReferenceBackend {
         buf.copy_to_slice(py, &mut self.logits)
     }
 
+    /// One runner call for `inputs` (chunks of distinct sequences); on success `out` gets one
+    /// result per input (a sampling error is that input's result).
+    fn prefill_packed(
+        &mut self,
+        inputs: &[PrefillInput<'_>],
+        out: &mut Vec<Result<Option<Sampled>, BackendError>>,
+    ) -> Result<(), BackendError> {
+        let Some(first) = inputs.first() else { return Ok(()) };
+        let lasts = inputs.iter().filter(|i| i.last).count();
+        self.call(|me, py| {
+            let dirty = me.dirty(py, first.table, first.dirty_rows)?;
+            let pieces = PyList::empty(py);
+            for i in inputs {
+                pieces.append((i.row, i.tokens, i.start, i.last))?;
+            }
+            let logits = me.runner.call_method1(py, "prefill", (pieces, dirty))?;
+            me.take_logits(py, logits.bind(py), lasts)
+        })?;
+        let mut rows = self.logits.chunks_exact(self.vocab);
+        for input in inputs {
+            out.push(match input.last {
+                false => Ok(None),
+                true => {
+                    let logits = rows.next().expect("counted above");
+                    self.sampler.sample(logits, &input.spec).map(Some).map_err(|e| BackendError(e.to_string()))
+                }
+            });
+        }
+        Ok(())
+    }
+
     /// Runs `f` holding the GIL; a Python error becomes a backend error (traceback to stderr).
     fn call(&mut self, f: impl FnOnce(&mut Self, Python<'_>) -> PyResult<()>) -> Result<(), BackendError> {
         Python::try_attach(|py| {
@@ -75,32 +106,19 @@ impl DecodeBackend for ReferenceBackend {
         out.pop().expect("one result per input")
     }
 
-    /// One runner call for every chunk; a Python error fails them all.
+    /// One runner call for every chunk. If it fails and held several, each chunk is tried alone, so
+    /// an error ends only the requests it concerns (a retried chunk rewrites the same K/V).
     fn prefill_many(&mut self, inputs: &[PrefillInput<'_>], out: &mut Vec<Result<Option<Sampled>, BackendError>>) {
-        let Some(first) = inputs.first() else { return };
-        let lasts = inputs.iter().filter(|i| i.last).count();
-        let called = self.call(|me, py| {
-            let dirty = me.dirty(py, first.table, first.dirty_rows)?;
-            let pieces = PyList::empty(py);
-            for i in inputs {
-                pieces.append((i.row, i.tokens, i.start, i.last))?;
+        if let Err(e) = self.prefill_packed(inputs, out) {
+            if inputs.len() == 1 {
+                out.push(Err(e));
+                return;
             }
-            let logits = me.runner.call_method1(py, "prefill", (pieces, dirty))?;
-            me.take_logits(py, logits.bind(py), lasts)
-        });
-        if let Err(e) = called {
-            out.extend(inputs.iter().map(|_| Err(e.clone())));
-            return;
-        }
-        let mut rows = self.logits.chunks_exact(self.vocab);
-        for input in inputs {
-            out.push(match input.last {
-                false => Ok(None),
-                true => {
-                    let logits = rows.next().expect("counted above");
-                    self.sampler.sample(logits, &input.spec).map(Some).map_err(|e| BackendError(e.to_string()))
+            for input in inputs {
+                if let Err(e) = self.prefill_packed(std::slice::from_ref(input), out) {
+                    out.push(Err(e));
                 }
-            });
+            }
         }
     }
 

@@ -32,6 +32,7 @@ from mk.tokenizer import Tokenizer
         (["--model", "/no/such/folder"], "--model"),
         (["--api-key", ""], "--api-key"),
         (["--model", ".", "--synthetic"], "--synthetic"),
+        (["--prefill", "flash"], "--prefill"),
     ],
 )
 def test_bad_flags_are_refused_with_one_line(argv, flag, capsys):
@@ -46,7 +47,8 @@ def test_help_documents_every_flag():
     out = subprocess.run([sys.executable, "-m", "mk.server", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
     for flag in ("--host", "--port", "--model", "--synthetic", "--served-model-name", "--max-batch", "--max-context",
-                 "--kv-fraction", "--prefill-chunk", "--api-key", "--log-level", "--drain-timeout"):  # fmt: skip
+                 "--kv-fraction", "--prefill-chunk", "--api-key", "--log-level", "--drain-timeout", "--backend",
+                 "--prefill"):  # fmt: skip
         assert flag in out.stdout
 
 
@@ -64,6 +66,20 @@ def checkpoint(tmp_path_factory):
     weights = synthetic_weights(cfg, seed=3, dtype=torch.float32, std=0.1)
     write_checkpoint(path, cfg, weights)
     return path, Model(cfg, weights)
+
+
+def test_fast_prefill_serves_on_the_cpu_too():
+    server = ServerProcess("--device", "cpu", "--prefill", "fast", "--max-context", "1024").wait_ready()
+    try:
+        out = httpx.post(
+            server.url + "/v1/completions",
+            json={"prompt": "def add(a, b):\n" * 20, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+            timeout=60,
+        ).json()
+        assert out["usage"]["completion_tokens"] == 8 and out["choices"][0]["text"]
+    finally:
+        assert server.stop() == 0
+    assert "reference decode, fast prefill" in server.output()
 
 
 def test_serves_a_checkpoint_folder_and_drains_on_sigterm(checkpoint):

@@ -97,6 +97,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the megakernel wherever it can run (default: %(default)s)",
     )
     p.add_argument(
+        "--prefill",
+        choices=["auto", "fast", "reference"],
+        default="auto",
+        help="what prefills prompts: fast = mk.prefill (flex attention, grouped-GEMM experts, packed prompts; "
+        "compiles at start), reference = the reference model's forward, auto = fast on a GPU and reference on "
+        "the CPU (default: %(default)s)",
+    )
+    p.add_argument(
         "--max-batch", type=_at_least(1), default=8, help="most sequences decoded together (default: %(default)s)"
     )
     p.add_argument(
@@ -216,11 +224,13 @@ def build_state(args: argparse.Namespace) -> ServerState:
         else _cpu_kv_blocks(model, max_context, args.max_batch),
         prefill_chunk=args.prefill_chunk,
         backend=args.backend,
+        prefill=args.prefill,
     )
     log.info(
-        "engine ready: %s, %s decode, max batch %d, context %d tokens",
+        "engine ready: %s, %s decode, %s prefill, max batch %d, context %d tokens",
         name,
         engine.backend,
+        engine.prefill,
         args.max_batch,
         max_context,
     )

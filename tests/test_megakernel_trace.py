@@ -8,18 +8,20 @@ from mk.megakernel import graph as mkgraph
 from mk.megakernel.graph import Op
 from mk.megakernel.trace import summarize, task_family
 
+EPOCH_NS = 1_700_000_000_000_000_000  # a real %globaltimer counts ns since an epoch: too big for float64 ns
+
 
 def synthetic_trace(g: mkgraph.StepGraph, hz: float, rng: np.random.Generator) -> np.ndarray:
     """Each block runs its tasks back to back from a random start; gemv waits 2000 cycles, others 500."""
     trace = np.zeros((*g.tasks.shape[:2], 2), dtype=np.int64)
     for s in range(g.tasks.shape[0]):
-        t = 1_000_000.0 + rng.uniform(0, 500)
+        t = rng.uniform(0, 500)
         for i in range(g.tasks.shape[1]):
             if g.tasks[s, i, 0] == Op.NOP:
                 break
             wait = 2000 if g.tasks[s, i, 0] == Op.GEMV else 500
             run = int(rng.integers(1000, 5000))
-            trace[s, i, 0] = int(t)
+            trace[s, i, 0] = EPOCH_NS + int(t)
             trace[s, i, 1] = wait | (run << 32)
             t += (wait + run) / hz * 1e9
     return trace

@@ -35,7 +35,9 @@ def summarize(g: StepGraph, trace: np.ndarray) -> dict:
     `trace_buffer` copied to the host."""
     ops = g.tasks[..., 0]
     real = ops != Op.NOP
-    start = trace[..., 0].astype(np.float64)
+    # %globaltimer counts ns since an epoch (~2^60): subtract the first start before going to float64.
+    first = trace[..., 0][real].min() if real.any() else 0
+    start = np.where(real, trace[..., 0] - first, 0).astype(np.float64)
     wait = (trace[..., 1] & 0xFFFFFFFF).astype(np.float64)
     run = ((trace[..., 1] >> 32) & 0xFFFFFFFF).astype(np.float64)
     hz = clock_hz(real, start, wait, run)

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Runs ON the GPU machine (see shared/design/GPU.md): builds nothing. Installs the wheels carried
 # in .whl/, runs every GPU test and benchmark, writes logs and JSON under $OUT, prints a table last.
-#   device run:  bash scripts/device-check.sh [--quick|--tests|--bench]      (carry: [".whl"])
+#   device run:  bash scripts/device-check.sh [--quick|--tests|--sanitize|--bench]      (carry: [".whl"])
 # --quick: the megakernel tests and a two-point decode benchmark only.
-# --tests: every GPU test and the sanitizers, no benchmarks; --bench: the benchmarks only. The whole
-# thing no longer fits one 10-minute device call: run --tests and --bench as two calls.
+# --tests: every GPU test; --sanitize: compute-sanitizer memcheck and racecheck; --bench: the
+# benchmarks. The whole thing no longer fits one 10-minute device call: run them as separate calls.
 set -uo pipefail
 OUT=${OUT:-$PWD/bench-out}
 mkdir -p "$OUT"
@@ -27,16 +27,18 @@ mapfile -t gpu_files < <(grep -l "mark.gpu" tests/test_*.py)
 tests=(-m gpu "${gpu_files[@]}")
 [ "$quick" = --quick ] && tests=(-m gpu tests/test_megakernel_gpu.py)
 touch "$OUT/tests.log" "$OUT/bench.log"
-if [ "$quick" != --bench ]; then
-    timeout 480 python3 -m pytest -q -p no:cacheprovider "${tests[@]}" >"$OUT/tests.log" 2>&1 || status=1
+if [ "$quick" != --bench ] && [ "$quick" != --sanitize ]; then
+    timeout 540 python3 -m pytest -q -p no:cacheprovider "${tests[@]}" >"$OUT/tests.log" 2>&1 || status=1
 fi
 
-if [ "$quick" != --quick ] && [ "$quick" != --bench ] && command -v compute-sanitizer >/dev/null; then
+sanitize=0
+{ [ -z "$quick" ] || [ "$quick" = --sanitize ]; } && sanitize=1
+if [ $sanitize = 1 ] && command -v compute-sanitizer >/dev/null; then
     timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
         python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ops.py -k "matches and 2048" >>"$OUT/tests.log" 2>&1
     echo "memcheck (ops) exit: $?" >>"$OUT/tests.log"
 fi
-if { [ "$quick" != --quick ] && [ "$quick" != --bench ]; } || [ "${SANITIZE:-}" = 1 ]; then
+if [ $sanitize = 1 ] || [ "${SANITIZE:-}" = 1 ]; then
     for tool in memcheck racecheck; do
         timeout 400 compute-sanitizer --tool $tool --error-exitcode 3 python3 scripts/megakernel_once.py \
             >>"$OUT/tests.log" 2>&1
@@ -46,7 +48,7 @@ fi
 
 benches=(benches/norm.py benches/gemv.py benches/decode.py benches/prefill.py)
 [ "$quick" = --quick ] && benches=(benches/decode.py)
-[ "$quick" = --tests ] && benches=()
+{ [ "$quick" = --tests ] || [ "$quick" = --sanitize ]; } && benches=()
 for bench in "${benches[@]}"; do
     name=$(basename "$bench" .py)
     args=(--json "$OUT/$name.json")

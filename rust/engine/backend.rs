@@ -12,8 +12,8 @@ use crate::sched::{PageTable, RequestId};
 
 /// One chunk of one sequence's prefill.
 #[derive(Debug, Clone, Copy)]
-pub struct PrefillInput<'a> {
-    /// The sequence's batch row (its entries in `table`).
+pub struct PrefillChunkInput<'a> {
+    /// The sequence's batch row (its entries in the page table).
     pub row: usize,
     pub request: RequestId,
     /// Tokens at positions `start..start + tokens.len()`; positions below `start` are in the cache.
@@ -22,6 +22,13 @@ pub struct PrefillInput<'a> {
     /// Last chunk of this prefill: return the next token, sampled with `spec`.
     pub last: bool,
     pub spec: SampleSpec,
+}
+
+/// One iteration's prefill: chunks of distinct sequences, to compute in one call (a backend that
+/// can packs them into one forward pass).
+#[derive(Debug, Clone, Copy)]
+pub struct PrefillInput<'a> {
+    pub chunks: &'a [PrefillChunkInput<'a>],
     pub table: &'a PageTable,
     pub dirty_rows: &'a [usize],
 }
@@ -54,27 +61,21 @@ impl DecodeInput<'_> {
 #[error("{0}")]
 pub struct BackendError(pub String);
 
-pub trait DecodeBackend: Send {
-    /// Computes K/V for one chunk; on the last chunk returns the sampled next token.
-    fn prefill(&mut self, input: &PrefillInput<'_>) -> Result<Option<Sampled>, BackendError>;
+/// What one prefill chunk gave: the next token after a last chunk, else None.
+pub type PrefillResult = Result<Option<Sampled>, BackendError>;
 
-    /// Chunks of distinct sequences in one call (a backend that can packs them into one forward
-    /// pass); `out` receives one result per input, in order. By default, one `prefill` each.
-    fn prefill_many(&mut self, inputs: &[PrefillInput<'_>], out: &mut Vec<Result<Option<Sampled>, BackendError>>) {
-        out.extend(inputs.iter().map(|input| self.prefill(input)));
-    }
+pub trait DecodeBackend: Send {
+    /// Computes K/V for every chunk; `out` receives one result per chunk, in order: the sampled
+    /// next token for a last chunk, else None (or the error that ended that chunk).
+    fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>);
 
     /// Runs one decode step; `out` receives one `Sampled` per row, in row order.
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError>;
 }
 
 impl<B: DecodeBackend + ?Sized> DecodeBackend for Box<B> {
-    fn prefill(&mut self, input: &PrefillInput<'_>) -> Result<Option<Sampled>, BackendError> {
-        (**self).prefill(input)
-    }
-
-    fn prefill_many(&mut self, inputs: &[PrefillInput<'_>], out: &mut Vec<Result<Option<Sampled>, BackendError>>) {
-        (**self).prefill_many(inputs, out)
+    fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) {
+        (**self).prefill(input, out)
     }
 
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {

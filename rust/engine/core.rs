@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use super::backend::{BackendError, DecodeBackend, DecodeInput, PrefillInput};
+use super::backend::{BackendError, DecodeBackend, DecodeInput, PrefillChunkInput, PrefillInput, PrefillResult};
 use crate::sampling::Sampled;
 use crate::sched::{DecodeBatch, Event, PrefillChunk, Scheduler};
 
@@ -30,7 +30,7 @@ pub struct Core<B> {
     batch: DecodeBatch,
     sampled: Vec<Sampled>,
     chunks: Vec<PrefillChunk>,
-    prefilled: Vec<Result<Option<Sampled>, BackendError>>,
+    prefilled: Vec<PrefillResult>,
     pub metrics: LoopMetrics,
     /// Run `Scheduler::check` after every iteration (tests; O(arena) per step).
     pub check_invariants: bool,
@@ -67,24 +67,23 @@ impl<B: DecodeBackend> Core<B> {
         let mut chunks = std::mem::take(&mut self.chunks);
         self.sched.plan_prefill(self.sched.config().prefill_chunk, &mut chunks, out);
         if !chunks.is_empty() {
-            let (sched, table, dirty) = (&self.sched, self.sched.page_table(), self.sched.dirty_rows());
-            let inputs: Vec<PrefillInput<'_>> = chunks
+            let sched = &self.sched;
+            let inputs: Vec<PrefillChunkInput<'_>> = chunks
                 .iter()
-                .map(|c| PrefillInput {
+                .map(|c| PrefillChunkInput {
                     row: c.row,
                     request: c.id,
                     tokens: &sched.seq(c.row).expect("planned row is live").tokens[c.start..c.end],
                     start: c.start,
                     last: c.last,
                     spec: c.spec,
-                    table,
-                    dirty_rows: dirty,
                 })
                 .collect();
+            let input = PrefillInput { chunks: &inputs, table: sched.page_table(), dirty_rows: sched.dirty_rows() };
             let mut results = std::mem::take(&mut self.prefilled);
             results.clear();
             let t = Instant::now();
-            self.backend.prefill_many(&inputs, &mut results);
+            self.backend.prefill(&input, &mut results);
             backend_ns += t.elapsed().as_nanos() as u64;
             drop(inputs);
             self.sched.clear_dirty();

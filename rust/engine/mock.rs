@@ -4,7 +4,7 @@
 //! id, a stale page or a bad prefix attach therefore changes the output or fails the call, while
 //! any correct schedule reproduces `MockModel::solo`, the request run alone.
 
-use super::backend::{BackendError, DecodeBackend, DecodeInput, PrefillInput};
+use super::backend::{BackendError, DecodeBackend, DecodeInput, PrefillChunkInput, PrefillInput, PrefillResult};
 use crate::kv::KvConfig;
 use crate::sampling::{SampleSpec, Sampled, Sampler};
 use crate::sched::{FinishReason, PageTable, Request, SamplingParams, Seq};
@@ -98,7 +98,7 @@ pub struct MockBackend {
     /// Fail the decode call with this index (0-based).
     pub fail_decode_call: Option<usize>,
     pub prefill_calls: usize,
-    /// Chunks per `prefill_many` call, in call order.
+    /// Chunks per `prefill` call, in call order.
     pub prefill_batches: Vec<usize>,
     pub decode_calls: usize,
     /// Largest decode batch seen.
@@ -149,27 +149,29 @@ impl MockBackend {
     }
 }
 
-impl DecodeBackend for MockBackend {
-    fn prefill(&mut self, input: &PrefillInput<'_>) -> Result<Option<Sampled>, BackendError> {
+impl MockBackend {
+    fn prefill_chunk(&mut self, table: &PageTable, c: &PrefillChunkInput<'_>) -> PrefillResult {
         self.prefill_calls += 1;
-        if self.fail_request == Some(input.request) {
+        if self.fail_request == Some(c.request) {
             return Err(BackendError("injected failure".into()));
         }
-        for (i, &t) in input.tokens.iter().enumerate() {
-            self.write(input.table, input.row, t, input.start + i).map_err(BackendError)?;
+        for (i, &t) in c.tokens.iter().enumerate() {
+            self.write(table, c.row, t, c.start + i).map_err(BackendError)?;
         }
-        if !input.last {
+        if !c.last {
             return Ok(None);
         }
-        let last = input.start + input.tokens.len() - 1;
-        self.next(input.table, input.row, last, &input.spec).map(Some).map_err(BackendError)
+        let last = c.start + c.tokens.len() - 1;
+        self.next(table, c.row, last, &c.spec).map(Some).map_err(BackendError)
     }
+}
 
-    fn prefill_many(&mut self, inputs: &[PrefillInput<'_>], out: &mut Vec<Result<Option<Sampled>, BackendError>>) {
-        let rows: std::collections::HashSet<usize> = inputs.iter().map(|i| i.row).collect();
-        assert_eq!(rows.len(), inputs.len(), "one chunk per sequence and call");
-        self.prefill_batches.push(inputs.len());
-        out.extend(inputs.iter().map(|input| self.prefill(input)));
+impl DecodeBackend for MockBackend {
+    fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) {
+        let rows: std::collections::HashSet<usize> = input.chunks.iter().map(|c| c.row).collect();
+        assert_eq!(rows.len(), input.chunks.len(), "one chunk per sequence and call");
+        self.prefill_batches.push(input.chunks.len());
+        out.extend(input.chunks.iter().map(|c| self.prefill_chunk(input.table, c)));
     }
 
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {

@@ -23,7 +23,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 pub use self::core::{Core, LoopMetrics};
-pub use backend::{BackendError, DecodeBackend, DecodeInput, PrefillInput};
+pub use backend::{BackendError, DecodeBackend, DecodeInput, PrefillChunkInput, PrefillInput, PrefillResult};
 pub use events::EventQueue;
 pub use noop::NoopBackend;
 

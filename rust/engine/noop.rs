@@ -2,7 +2,7 @@
 //! host work every real backend must: copying the page-table rows that changed into its own
 //! mirror (what a GPU backend uploads).
 
-use super::backend::{BackendError, DecodeBackend, DecodeInput, PrefillInput};
+use super::backend::{BackendError, DecodeBackend, DecodeInput, PrefillInput, PrefillResult};
 use crate::sampling::Sampled;
 use crate::sched::PageTable;
 
@@ -36,9 +36,9 @@ impl NoopBackend {
 }
 
 impl DecodeBackend for NoopBackend {
-    fn prefill(&mut self, input: &PrefillInput<'_>) -> Result<Option<Sampled>, BackendError> {
+    fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) {
         self.upload(input.table, input.dirty_rows);
-        Ok(input.last.then(|| Sampled::token(self.token)))
+        out.extend(input.chunks.iter().map(|c| Ok(c.last.then(|| Sampled::token(self.token)))));
     }
 
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {

@@ -16,7 +16,7 @@ use super::errors;
 use super::graph::geometry_from;
 use super::reference_backend::ReferenceBackend;
 use crate::engine::megakernel::MegakernelDecoder;
-use crate::engine::{BackendError, DecodeBackend, DecodeInput, PrefillInput};
+use crate::engine::{BackendError, DecodeBackend, DecodeInput, PrefillInput, PrefillResult};
 use crate::gpu::step::{StepRunner, StepSetup};
 use crate::gpu::{Gpu, MkStepArgs};
 use crate::graph::BuildOptions;
@@ -89,26 +89,17 @@ impl MegakernelBackend {
 }
 
 impl DecodeBackend for MegakernelBackend {
-    fn prefill(&mut self, input: &PrefillInput<'_>) -> Result<Option<Sampled>, BackendError> {
-        let mut out = Vec::with_capacity(1);
-        self.prefill_many(std::slice::from_ref(input), &mut out);
-        out.pop().expect("one result per input")
-    }
-
-    fn prefill_many(&mut self, inputs: &[PrefillInput<'_>], out: &mut Vec<Result<Option<Sampled>, BackendError>>) {
-        let Some(first) = inputs.first() else { return };
-        self.unsent.resize(first.table.rows(), false);
-        for &r in first.dirty_rows {
+    fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) {
+        self.unsent.resize(input.table.rows(), false);
+        for &r in input.dirty_rows {
             self.unsent[r] = true;
         }
         self.merged.clear();
         self.merged.extend(self.unsent.iter().enumerate().filter(|(_, &u)| u).map(|(r, _)| r));
-        let merged: Vec<PrefillInput<'_>> =
-            inputs.iter().map(|i| PrefillInput { dirty_rows: &self.merged, ..*i }).collect();
         let at = out.len();
-        self.python.prefill_many(&merged, out);
-        // The runner saw the rows only if its call went through (then every result is Ok or a
-        // sampling error; a failed call fails every input alike).
+        self.python.prefill(&PrefillInput { dirty_rows: &self.merged, ..*input }, out);
+        // The runner has the rows once one of its calls went through (an Ok result, or a sampling
+        // error after the call, which is rare enough to resend them for).
         if out[at..].iter().any(Result::is_ok) {
             self.unsent.fill(false);
         }

@@ -14,7 +14,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
-use crate::engine::{BackendError, DecodeBackend, DecodeInput, PrefillInput};
+use crate::engine::{BackendError, DecodeBackend, DecodeInput, PrefillInput, PrefillResult};
 use crate::sampling::{Sampled, Sampler};
 use crate::sched::PageTable;
 
@@ -56,26 +56,21 @@ impl ReferenceBackend {
         buf.copy_to_slice(py, &mut self.logits)
     }
 
-    /// One runner call for `inputs` (chunks of distinct sequences); on success `out` gets one
-    /// result per input (a sampling error is that input's result).
-    fn prefill_packed(
-        &mut self,
-        inputs: &[PrefillInput<'_>],
-        out: &mut Vec<Result<Option<Sampled>, BackendError>>,
-    ) -> Result<(), BackendError> {
-        let Some(first) = inputs.first() else { return Ok(()) };
-        let lasts = inputs.iter().filter(|i| i.last).count();
+    /// One runner call for `input`'s chunks; on success `out` gets one result per chunk (a
+    /// sampling error is that chunk's result).
+    fn prefill_packed(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) -> Result<(), BackendError> {
+        let lasts = input.chunks.iter().filter(|c| c.last).count();
         self.call(|me, py| {
-            let dirty = me.dirty(py, first.table, first.dirty_rows)?;
+            let dirty = me.dirty(py, input.table, input.dirty_rows)?;
             let pieces = PyList::empty(py);
-            for i in inputs {
-                pieces.append((i.row, i.tokens, i.start, i.last))?;
+            for c in input.chunks {
+                pieces.append((c.row, c.tokens, c.start, c.last))?;
             }
             let logits = me.runner.call_method1(py, "prefill", (pieces, dirty))?;
             me.take_logits(py, logits.bind(py), lasts)
         })?;
         let mut rows = self.logits.chunks_exact(self.vocab);
-        for input in inputs {
+        for input in input.chunks {
             out.push(match input.last {
                 false => Ok(None),
                 true => {
@@ -100,24 +95,18 @@ impl ReferenceBackend {
 }
 
 impl DecodeBackend for ReferenceBackend {
-    fn prefill(&mut self, input: &PrefillInput<'_>) -> Result<Option<Sampled>, BackendError> {
-        let mut out = Vec::with_capacity(1);
-        self.prefill_many(std::slice::from_ref(input), &mut out);
-        out.pop().expect("one result per input")
-    }
-
     /// One runner call for every chunk. If it fails and held several, each chunk is tried alone, so
     /// an error ends only the requests it concerns (a retried chunk rewrites the same K/V).
-    fn prefill_many(&mut self, inputs: &[PrefillInput<'_>], out: &mut Vec<Result<Option<Sampled>, BackendError>>) {
-        if let Err(e) = self.prefill_packed(inputs, out) {
-            if inputs.len() == 1 {
+    fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) {
+        let Err(e) = self.prefill_packed(input, out) else { return };
+        if input.chunks.len() == 1 {
+            out.push(Err(e));
+            return;
+        }
+        for chunk in input.chunks {
+            let alone = PrefillInput { chunks: std::slice::from_ref(chunk), ..*input };
+            if let Err(e) = self.prefill_packed(&alone, out) {
                 out.push(Err(e));
-                return;
-            }
-            for input in inputs {
-                if let Err(e) = self.prefill_packed(std::slice::from_ref(input), out) {
-                    out.push(Err(e));
-                }
             }
         }
     }

@@ -1,7 +1,7 @@
 //! Admission, continuous batching, chunked prefill and preemption over one KV arena.
 //!
 //! The scheduler is synchronous and backend-free: the engine loop asks it what to compute
-//! (`admit`, `next_prefill`, `plan_decode`), runs the backend, and reports back (`prefill_done`,
+//! (`admit`, `plan_prefill`, `plan_decode`), runs the backend, and reports back (`prefill_done`,
 //! `decoded`, `fail`). Every sequence holds a batch row from admission to its end, so its row of
 //! the dense page table stays put while it prefills and decodes.
 //!

@@ -45,12 +45,6 @@ impl DecodeBatch {
 }
 
 impl Scheduler {
-    /// The next prefill chunk of at most `budget` tokens, oldest prefilling sequence first, with
-    /// its blocks mapped. None when nothing is left to prefill.
-    pub fn next_prefill(&mut self, budget: usize, out: &mut Vec<Event>) -> Option<PrefillChunk> {
-        self.next_prefill_from(&mut 0, budget, out)
-    }
-
     /// One loop iteration's prefill work, to run as one backend call: chunks of distinct
     /// sequences, oldest first, `budget` tokens in all, every chunk's blocks mapped. Each chunk
     /// must then be reported with `prefill_done` (or its row failed).
@@ -60,15 +54,15 @@ impl Scheduler {
         // row, which is never one of them, so the cursor stays valid.
         let mut cursor = 0;
         while budget > 0 {
-            let Some(chunk) = self.next_prefill_from(&mut cursor, budget, out) else { break };
+            let Some(chunk) = self.next_prefill(&mut cursor, budget, out) else { break };
             budget -= chunk.end - chunk.start;
             chunks.push(chunk);
         }
     }
 
-    /// `next_prefill` from position `*cursor` of the age order; leaves the cursor after the row
-    /// it returns.
-    fn next_prefill_from(&mut self, cursor: &mut usize, budget: usize, out: &mut Vec<Event>) -> Option<PrefillChunk> {
+    /// The next prefill chunk of at most `budget` tokens from position `*cursor` of the age order
+    /// on, its blocks mapped; leaves the cursor after the row it returns. None when nothing is left.
+    fn next_prefill(&mut self, cursor: &mut usize, budget: usize, out: &mut Vec<Event>) -> Option<PrefillChunk> {
         let i = cursor;
         while *i < self.order.len() {
             let row = self.order[*i];

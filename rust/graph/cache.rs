@@ -67,9 +67,10 @@ impl BandCopy {
 pub struct GraphCache {
     geom: Geometry,
     opts: BuildOptions,
-    /// Batch size, then the split count of every (layer, row) of the cached graph, and with the
-    /// `Balanced` dealing (which weighs tasks by split size) each split size too.
-    key: Vec<usize>,
+    /// Every (layer, row)'s keys of the cached graph, layer-major: the batch's shape (their count
+    /// and split counts; with the `Balanced` dealing, which weighs tasks by split size, the sizes
+    /// too) decides whether the next step can be patched.
+    ranges: Vec<KeyRange>,
     padded: Vec<MkTask>,
     per_sm: usize,
     slots: usize,
@@ -78,7 +79,8 @@ pub struct GraphCache {
     attn: Vec<usize>,
     bands: Vec<(usize, usize)>,
     version: u64,
-    scratch: Vec<usize>,
+    /// This step's ranges, computed once (then kept as `ranges`).
+    scratch: Vec<KeyRange>,
     pub rebuilds: u64,
     pub patches: u64,
 }
@@ -88,7 +90,7 @@ impl GraphCache {
         GraphCache {
             geom,
             opts,
-            key: Vec::new(),
+            ranges: Vec::new(),
             padded: Vec::new(),
             per_sm: 0,
             slots: 0,
@@ -102,39 +104,33 @@ impl GraphCache {
         }
     }
 
-    pub fn geometry(&self) -> &Geometry {
-        &self.geom
-    }
-
-    pub fn options(&self) -> &BuildOptions {
-        &self.opts
-    }
-
     /// The task lists of a step whose rows write at `positions`.
     pub fn step(&mut self, positions: &[usize]) -> Result<StepTasks<'_>, GraphError> {
         if positions.is_empty() {
             return Err(GraphError::EmptyBatch);
         }
         self.scratch.clear();
-        self.scratch.push(positions.len());
         for l in 0..self.geom.layers() {
             for &pos in positions {
-                let keys = KeyRange::of(&self.geom, &self.opts, positions.len(), l, pos);
-                self.scratch.push(keys.splits);
-                if self.opts.dealing == Dealing::Balanced {
-                    self.scratch.push(keys.chunk);
-                }
+                self.scratch.push(KeyRange::of(&self.geom, &self.opts, positions.len(), l, pos));
             }
         }
-        let rebuilt = self.scratch != self.key;
+        let sizes_matter = self.opts.dealing == Dealing::Balanced;
+        let same_shape = self.scratch.len() == self.ranges.len()
+            && self
+                .scratch
+                .iter()
+                .zip(&self.ranges)
+                .all(|(a, b)| a.splits == b.splits && (!sizes_matter || a.chunk == b.chunk));
+        let rebuilt = !same_shape;
         if rebuilt {
             self.rebuild(positions)?;
-            std::mem::swap(&mut self.key, &mut self.scratch);
             self.rebuilds += 1;
         } else {
-            self.patch(positions);
+            self.patch();
             self.patches += 1;
         }
+        std::mem::swap(&mut self.ranges, &mut self.scratch);
         self.version += 1;
         Ok(StepTasks {
             tasks: &self.padded,
@@ -178,20 +174,18 @@ impl GraphCache {
         Ok(())
     }
 
-    /// Rewrites the key range of every attention split; the split counts are the cached ones.
-    fn patch(&mut self, positions: &[usize]) {
+    /// Rewrites every attention split's keys from this step's ranges (`scratch`, in the builder's
+    /// order: layer, row, KV head, split); the split counts are the cached graph's.
+    fn patch(&mut self) {
         let mut at = self.attn.iter();
-        for l in 0..self.geom.layers() {
-            for &pos in positions {
-                let keys = KeyRange::of(&self.geom, &self.opts, positions.len(), l, pos);
-                for _ in 0..self.geom.kv_heads {
-                    for s in 0..keys.splits {
-                        let (lo, hi) = keys.split(s);
-                        let t = &mut self.padded[*at.next().expect("one index per split")];
-                        t.arg[3] = lo as i32;
-                        t.arg[4] = hi as i32;
-                        t.arg[5] = keys.chunk as i32;
-                    }
+        for keys in &self.scratch {
+            for _ in 0..self.geom.kv_heads {
+                for s in 0..keys.splits {
+                    let (lo, hi) = keys.split(s);
+                    let t = &mut self.padded[*at.next().expect("one index per split")];
+                    t.arg[3] = lo as i32;
+                    t.arg[4] = hi as i32;
+                    t.arg[5] = keys.chunk as i32;
                 }
             }
         }

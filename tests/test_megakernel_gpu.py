@@ -14,8 +14,9 @@ import torch
 
 from mk import _native
 from mk.config import PAGE_SIZE, ModelConfig
-from mk.megakernel.launch import STEP_PREFETCH_L2, MegakernelStep, pack_step_args, trace_buffer, trace_cycles
+from mk.megakernel.launch import STEP_PREFETCH_L2, MegakernelStep, pack_step_args, trace_buffer
 from mk.megakernel.random_cache import random_step_inputs
+from mk.megakernel.trace import cycles as trace_cycles
 from mk.megakernel.vm import run_step
 from mk.model import synthetic_weights
 from mk.model.reference import Model

@@ -217,9 +217,3 @@ def trace_buffer(g: mkgraph.StepGraph, device: torch.device) -> torch.Tensor:
     pairs: [..., 0] the %globaltimer ns when the block reached the task, [..., 1] its wait cycles
     (low 32 bits) and run cycles (high 32 bits). Entries of NOPs stay 0."""
     return torch.zeros(*g.tasks.shape[:2], 2, dtype=torch.int64, device=device)
-
-
-def trace_cycles(trace: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(wait, run) clock cycles of every entry of a `trace_buffer`."""
-    word = trace[..., 1]
-    return word & 0xFFFFFFFF, (word >> 32) & 0xFFFFFFFF

@@ -23,6 +23,13 @@ class Family:
     run_sm_us: float  # total: SM-time it kept blocks busy
 
 
+def cycles(trace):
+    """(wait, run) clock cycles of every entry of a trace (a torch tensor or numpy array): the low
+    and high halves of each entry's second word."""
+    word = trace[..., 1]
+    return word & 0xFFFFFFFF, (word >> 32) & 0xFFFFFFFF
+
+
 def task_family(words: np.ndarray) -> str:
     op = Op(int(words[0]))
     if op == Op.GEMV:
@@ -38,8 +45,7 @@ def summarize(g: StepGraph, trace: np.ndarray) -> dict:
     # %globaltimer counts ns since an epoch (~2^60): subtract the first start before going to float64.
     first = trace[..., 0][real].min() if real.any() else 0
     start = np.where(real, trace[..., 0] - first, 0).astype(np.float64)
-    wait = (trace[..., 1] & 0xFFFFFFFF).astype(np.float64)
-    run = ((trace[..., 1] >> 32) & 0xFFFFFFFF).astype(np.float64)
+    wait, run = (c.astype(np.float64) for c in cycles(trace))
     hz = clock_hz(real, start, wait, run)
     end = start + (wait + run) / hz * 1e9
     t0, t1 = start[real].min(), end[real].max()

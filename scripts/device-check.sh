@@ -6,14 +6,7 @@
 # --tests: every GPU test; --sanitize: compute-sanitizer memcheck and racecheck; --bench: the
 # benchmarks. The whole thing no longer fits one 10-minute device call: run them as separate calls.
 set -uo pipefail
-OUT=${OUT:-$PWD/bench-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH=/tmp/site
-# Tests import mk from the installed wheel, never from python/ (that copy has no compiled module).
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/device-env.sh"
 quick=${1:-}
 
 {

@@ -5,13 +5,7 @@
 # under $OUT, prints a summary last. Fits one 10-minute device call.
 #   device run:  bash scripts/prefill-check.sh      (carry: [".whl"])
 set -uo pipefail
-OUT=${OUT:-$PWD/bench-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH=/tmp/site
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/device-env.sh"
 python3 -c 'import mk.prefill' || { echo "the wheel has no mk.prefill: rebuild it"; exit 1; }
 
 status=0

@@ -47,6 +47,15 @@ def prefilled(model, lengths):
     return kv, tables, last
 
 
+def step_buffers(g, tokens, positions, tables) -> StepBuffers:
+    """CPU buffers for graph `g` with the step's inputs filled in."""
+    buf = StepBuffers.allocate(CFG, len(positions), g.slots, g.max_splits, MAX_PAGES, 16, torch.float32, "cpu")
+    buf.tokens[:] = torch.tensor(tokens, dtype=torch.int32)
+    buf.positions[:] = torch.tensor(positions, dtype=torch.int32)
+    buf.block_tables[:] = torch.stack(tables, dim=1)
+    return buf
+
+
 @pytest.mark.parametrize("lengths", [[1], [63], [64, 96, 97], [5, 130, 300, 64, 200, 17, 95, 250]])
 @pytest.mark.parametrize("num_sms,row_groups,chunk", [(7, 4, 64), (132, 1, 0), (132, 2, 512)])
 def test_vm_step_equals_reference_decode(model, lengths, num_sms, row_groups, chunk):
@@ -56,10 +65,7 @@ def test_vm_step_equals_reference_decode(model, lengths, num_sms, row_groups, ch
     expected = model.decode(torch.tensor(tokens), torch.tensor(positions), kv_ref, tables)
 
     g = mkgraph.build(CFG, positions, num_sms=num_sms, attn_chunk=chunk, row_groups=row_groups, check=True)
-    buf = StepBuffers.allocate(CFG, len(lengths), g.slots, g.max_splits, MAX_PAGES, 16, torch.float32, "cpu")
-    buf.tokens[:] = torch.tensor(tokens, dtype=torch.int32)
-    buf.positions[:] = torch.tensor(positions, dtype=torch.int32)
-    buf.block_tables[:] = torch.stack(tables, dim=1)
+    buf = step_buffers(g, tokens, positions, tables)
     run_step(model, kv, g, buf)
 
     assert not buf.logits.isnan().any()
@@ -84,11 +90,7 @@ def test_forced_routing_follows_ties_and_refuses_real_differences(model):
     g = mkgraph.build(CFG, [70, 150], num_sms=5, check=True)
 
     def fresh():
-        buf = StepBuffers.allocate(CFG, 2, g.slots, g.max_splits, MAX_PAGES, 16, torch.float32, "cpu")
-        buf.tokens[:] = torch.tensor(tokens, dtype=torch.int32)
-        buf.positions[:] = torch.tensor([70, 150], dtype=torch.int32)
-        buf.block_tables[:] = torch.stack(tables, dim=1)
-        return buf
+        return step_buffers(g, tokens, [70, 150], tables)
 
     own = fresh()
     run_step(model, copy.deepcopy(kv), g, own)
@@ -120,10 +122,7 @@ def test_balanced_dealing_runs_the_same_step(model):
 
     assert real_tasks(g) == real_tasks(rr)
     assert 0 < g.modelled_ns <= rr.modelled_ns * 1.001
-    buf = StepBuffers.allocate(CFG, len(lengths), g.slots, g.max_splits, MAX_PAGES, 16, torch.float32, "cpu")
-    buf.tokens[:] = torch.tensor(tokens, dtype=torch.int32)
-    buf.positions[:] = torch.tensor(lengths, dtype=torch.int32)
-    buf.block_tables[:] = torch.stack(tables, dim=1)
+    buf = step_buffers(g, tokens, lengths, tables)
     run_step(model, kv, g, buf)
     assert (buf.logits - expected).norm() / expected.norm() < 1e-5
     with pytest.raises(ValueError, match="dealing must be"):

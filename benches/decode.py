@@ -12,7 +12,7 @@ Every point is also timed, in the same run, with the kernel's L2 weight prefetch
 instead of round-robin (rust/graph/deal.rs): `mk_balanced_ms` (its modelled step time beside the
 round-robin one: `model_balanced_us`, `model_rr_us`). With --trace, one step of each variant records
 when every task waited and ran, summarized per task family (mk.megakernel.trace) into the JSON.
-Usage: python benches/decode.py [--json out.json] [--quick] [--trace]
+Usage: python benches/decode.py [--json out.json] [--quick | --points 1x8192,8x8192] [--trace] [--plain]
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def time_events(fn, iters: int) -> float:
     return start.elapsed_time(end) / 1e3 / iters
 
 
-def measure(cfg, model, stacked, batch: int, ctx: int, iters: int, trace: bool = False) -> dict:
+def measure(cfg, model, stacked, batch: int, ctx: int, iters: int, trace: bool = False, plain: bool = False) -> dict:
     kv, tables, pages = kv_for(cfg, batch, ctx)
     positions = [ctx - 1] * batch
     step = MegakernelStep(model, kv, pages)
@@ -112,12 +112,11 @@ def measure(cfg, model, stacked, batch: int, ctx: int, iters: int, trace: bool =
     t_mk = time_events(lambda: step.run(g, buf, tasks), iters)
     ok = bool((buf.sampled >= 0).all() and (buf.sampled < cfg.vocab_size).all() and not buf.logits.isnan().any())
     plain_logits = buf.logits.clone()
-    variants = {
-        "prefetch": (MegakernelStep(model, kv, pages, flags=STEP_PREFETCH_L2), g, tasks),
-    }
+    variants = {} if plain else {"prefetch": (MegakernelStep(model, kv, pages, flags=STEP_PREFETCH_L2), g, tasks)}
     balanced = MegakernelStep(model, kv, pages, dealing="balanced")
     g_bal = balanced.graph(positions)
-    variants["balanced"] = (balanced, g_bal, torch.from_numpy(g_bal.tasks.copy()).cuda())
+    if not plain:
+        variants["balanced"] = (balanced, g_bal, torch.from_numpy(g_bal.tasks.copy()).cuda())
     times, same = {}, {}
     for name, (variant, graph, graph_tasks) in variants.items():
         for _ in range(3):
@@ -190,6 +189,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="batch 1 and 8 at 8K only")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--trace", action="store_true", help="trace one step per point and variant")
+    parser.add_argument("--plain", action="store_true", help="time only the default variant (no prefetch/balanced)")
+    parser.add_argument("--points", help="BATCHxCONTEXT,... instead of the grid (e.g. 1x8192,8x8192)")
     args = parser.parse_args()
     cfg = ModelConfig.real()
     weights, stacked = synthetic_stacked(cfg, seed=0)
@@ -197,9 +198,11 @@ def main() -> None:
     grid = [(b, c) for b in (1, 2, 4, 8) for c in (1024, 8192, 32768, 131072)] + [(1, 262144)]
     if args.quick:
         grid = [(1, 8192), (8, 8192)]
+    if args.points:
+        grid = [tuple(int(v) for v in p.split("x")) for p in args.points.split(",")]
     rows = []
     for b, c in grid:
-        rows.append(measure(cfg, model, stacked, b, c, args.iters, args.trace))
+        rows.append(measure(cfg, model, stacked, b, c, args.iters, args.trace, args.plain))
         torch.cuda.empty_cache()  # the last size's KV pools
         print({k: v for k, v in rows[-1].items() if k != "trace"}, flush=True)
     cols = ["batch", "ctx", "mk_ms", "mk_tok_s", "sol_ms", "sol_fraction", "torch_graph_ms", "speedup_vs_torch"]

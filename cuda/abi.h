@@ -7,7 +7,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MK_ABI_VERSION 2
+#define MK_ABI_VERSION 3
 
 // Fused residual add + RMSNorm over `rows` rows of `dim` bf16 values:
 //   v = x + delta (fp32);  x <- bf16(v);  out <- bf16(v * rsqrt(mean(v^2) + eps) * gamma)
@@ -56,7 +56,8 @@ typedef enum MkOp {
     MK_OP_NOP = 0,
     // arg0 = row b. x[b] = embed[token[b]]; h[b] = bf16(rmsnorm(x[b]) * gamma_0).
     MK_OP_EMBED = 1,
-    // arg0 = MkMatrix, arg1 = first output row, arg2 = row groups of 16 (1, 2 or 4),
+    // arg0 = MkMatrix, arg1 = first output row, arg2 = row groups of 16 (1, 2 or 4; gate/up
+    // matrices: 1 or 2 groups of 16 features, each streaming its gate and its up rows),
     // arg3 = MoE slot (expert matrices only). y = act · Wᵀ with the matrix's epilogue.
     MK_OP_GEMV = 2,
     // arg0 = b, arg1 = kv head, arg2 = split, arg3 = first key position, arg4 = end position,
@@ -65,7 +66,9 @@ typedef enum MkOp {
     MK_OP_ATTN_SPLIT = 3,
     // arg0 = b, arg1 = kv head, arg2 = number of splits. Merges the partials into attn_out.
     MK_OP_ATTN_COMBINE = 4,
-    // Sigmoid top-k of every row's router logits; builds the layer's active-expert slots.
+    // Sigmoid top-k of every row's router logits; builds the layer's active-expert slots. Exactly
+    // one per MoE layer: the weight producer waits for its counter to reach 1 before streaming
+    // the layer's expert tiles.
     MK_OP_TOPK = 5,
     // arg0 = b. x[b] += attn + ffn; h[b] = bf16(rmsnorm(x[b]) * gamma_{layer+1}) (final norm
     // after the last layer).
@@ -80,7 +83,7 @@ typedef enum MkMatrix {
     MK_MAT_QKV = 0,          // q|k|v rows; RoPE where the layer uses it, K/V into the paged cache
     MK_MAT_O = 1,            // attn_out · Woᵀ -> y_attn
     MK_MAT_ROUTER = 2,       // h · Wgateᵀ -> router logits (fp32)
-    MK_MAT_DENSE_GATE_UP = 3,  // 16 features: gate and up rows -> silu(g)·u -> dense_act
+    MK_MAT_DENSE_GATE_UP = 3,  // 16 * arg2 features: gate and up rows -> silu(g)·u -> dense_act
     MK_MAT_DENSE_DOWN = 4,   // dense_act · Wdownᵀ -> ffn_out
     MK_MAT_EXPERT_GATE_UP = 5,  // the same for the expert in MoE slot arg3 -> expert_act[slot]
     MK_MAT_EXPERT_DOWN = 6,  // expert_act[slot] · Wdownᵀ -> expert_out[slot]
@@ -120,10 +123,15 @@ typedef enum MkLayerWeight {
     MK_LW_COUNT = 9,
 } MkLayerWeight;
 
-// Dynamic shared memory every block of mk_decode_step is launched with (the kernel checks its
-// union of per-op layouts fits), and its threads per block.
-#define MK_STEP_SMEM_BYTES (64 * 1024)
-#define MK_STEP_THREADS 256
+// Dynamic shared memory every block of mk_decode_step is launched with (all a Hopper block may
+// have: the ops' union, then a ring of weight stages filling the rest), and its threads per
+// block: 8 compute warps and the weight producer warp.
+#define MK_STEP_SMEM_BYTES (227 * 1024)
+#define MK_STEP_THREADS 288
+// The longest reduction (k) of any GEMV task and the most rows per launch: the activation
+// buffer in shared memory holds [MK_STEP_MAX_BATCH][MK_STEP_MAX_K].
+#define MK_STEP_MAX_K 4096
+#define MK_STEP_MAX_BATCH 8
 
 // Everything one launch of the decode megakernel needs. Pointers are device addresses; the
 // buffers are described in python/mk/megakernel/state.py (StepBuffers).
@@ -151,7 +159,18 @@ typedef struct MkStepArgs {
     uint64_t routing_log;   // int32 [layers][batch][top_k]: every layer's chosen experts (tests, debugging)
     uint64_t residual_log;  // fp32 [layers][batch][hidden]: x after every layer, or 0 (off)
     uint64_t trace;         // MkTraceEntry [gridDim.x][per_sm]: when each task ran, or 0 (off)
+    // Bulk-tensor-copy descriptors (CUtensorMap, 128 bytes each, encoded by the host with boxes of
+    // MK_STAGE_ROWS x min(k, MK_STAGE_COLS)) of the same matrices as the pointer tables above.
+    uint64_t layer_maps;    // [layers][MK_LW_COUNT] (entries without a matrix are zero)
+    uint64_t expert_maps;   // [layers][experts][3]: gate, up, down
+    uint64_t embed_map;     // the LM head (embed)
 } MkStepArgs;
+
+// One stage of the weight ring: a tile of MK_STAGE_ROWS weight rows by MK_STAGE_COLS columns
+// (fewer where k is shorter), one bulk tensor copy.
+#define MK_STAGE_ROWS 16
+#define MK_STAGE_COLS 256
+#define MK_TENSOR_MAP_BYTES 128
 
 // MkStepArgs.flags. PREFETCH_L2: before waiting on a task, prefetch the next task's weight rows
 // into L2 (non-expert GEMV tiles: their addresses do not depend on the step's data).

@@ -6,6 +6,7 @@
 #include "ops/step_common.cuh"
 #include "ops/step_gemv.cuh"
 #include "ops/step_misc.cuh"
+#include "ops/step_stream.cuh"
 
 namespace mk {
 
@@ -29,28 +30,48 @@ union StepSmem {
     } sample;
 };
 
-static_assert(sizeof(StepSmem) <= MK_STEP_SMEM_BYTES, "raise MK_STEP_SMEM_BYTES");
-static_assert(kThreads == MK_STEP_THREADS, "block size is part of the ABI");
+// Dynamic shared memory: the ops' union, the ring's barriers, then as many stages as fit.
+constexpr int kMaxRingStages = 32;
+constexpr size_t kBarrierOffset = (sizeof(StepSmem) + 127) / 128 * 128;
+constexpr size_t kListOffset = kBarrierOffset + 2 * kMaxRingStages * sizeof(uint64_t);
+constexpr size_t kStagesOffset = (kListOffset + kListBatch * sizeof(MkTask) + 127) / 128 * 128;
+constexpr int kRingStages = (int)((MK_STEP_SMEM_BYTES - kStagesOffset) / kStageBytes);
+static_assert(kRingStages >= 4, "raise MK_STEP_SMEM_BYTES: the weight ring needs at least 4 stages");
+static_assert(kRingStages <= kMaxRingStages, "more stages than barriers");
+static_assert(kBlockThreads == MK_STEP_THREADS, "block size is part of the ABI");
 
 }  // namespace mk
 
-extern "C" __global__ void __launch_bounds__(mk::kThreads, 1) mk_decode_step(const MkStepArgs a) {
+extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_step(const MkStepArgs a) {
     using namespace mk;
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+    extern __shared__ __align__(128) unsigned char smem_raw[];
     StepSmem& sm = *reinterpret_cast<StepSmem*>(smem_raw);
+    uint64_t* barriers = reinterpret_cast<uint64_t*>(smem_raw + kBarrierOffset);
+    const Ring ring{smem_raw + kStagesOffset, barriers, barriers + kMaxRingStages, kRingStages};
+    if (threadIdx.x == 0) ring_init(ring);
+    __syncthreads();  // the last barrier the producer warp joins
+
     uint32_t* counters = ptr<uint32_t>(a.counters) + (size_t)a.parity * a.num_counters;
+    const MkTask* list = ptr<const MkTask>(a.tasks) + (size_t)blockIdx.x * a.per_sm;
+    if (threadIdx.x / 32 == kProducerWarp) {
+        stream_weights(a, list, counters, ring, reinterpret_cast<MkTask*>(smem_raw + kListOffset));
+        return;
+    }
     // The other set serves the next step: zero it now (the previous step, its last user, has
     // finished before this launch began; the next one starts after this one ends).
     uint32_t* next = ptr<uint32_t>(a.counters) + (size_t)(1 - a.parity) * a.num_counters;
     for (int i = blockIdx.x * kThreads + threadIdx.x; i < a.num_counters; i += gridDim.x * kThreads) next[i] = 0;
 
-    const MkTask* list = ptr<const MkTask>(a.tasks) + (size_t)blockIdx.x * a.per_sm;
+    uint32_t stage = 0;     // the ring stage the next GEMV task starts at (the producer's order)
+    uint64_t act_key = 0;   // what the GEMV activation buffer holds (stage_activations)
     const bool prefetch = (a.flags & MK_STEP_PREFETCH_L2) != 0;
     MkTraceEntry* trace = a.trace ? ptr<MkTraceEntry>(a.trace) + (size_t)blockIdx.x * a.per_sm : nullptr;
     if (prefetch && threadIdx.x == 0 && a.per_sm > 0) prefetch_gemv_weights(a, list[0]);
+    MkTask upcoming = list[0];  // per_sm > 0 (checked by the host)
     for (int i = 0; i < a.per_sm; ++i) {
-        const MkTask t = list[i];
+        const MkTask t = upcoming;
         if (t.op == MK_OP_NOP) break;  // lists are NOP-padded at the end only
+        if (i + 1 < a.per_sm) upcoming = list[i + 1];  // in flight while this task waits and runs
         // The next task's weights stream into L2 while this one waits and runs.
         if (prefetch && threadIdx.x == 0 && i + 1 < a.per_sm) prefetch_gemv_weights(a, list[i + 1]);
         uint64_t start_ns = 0;
@@ -60,7 +81,7 @@ extern "C" __global__ void __launch_bounds__(mk::kThreads, 1) mk_decode_step(con
         if (trace && threadIdx.x == 0) c1 = clock64();
         switch (t.op) {
             case MK_OP_EMBED: run_embed(a, t, sm.norm.row, sm.norm.scratch); break;
-            case MK_OP_GEMV: run_gemv(a, t, sm.gemv); break;
+            case MK_OP_GEMV: run_gemv(a, t, sm.gemv, ring, stage, act_key); break;
             case MK_OP_ATTN_SPLIT: run_attn_split(a, t, sm.attn); break;
             case MK_OP_ATTN_COMBINE: run_attn_combine(a, t); break;
             case MK_OP_TOPK: run_topk(a, t, sm.topk.logits, sm.topk.chosen, sm.topk.slot_of); break;
@@ -71,6 +92,7 @@ extern "C" __global__ void __launch_bounds__(mk::kThreads, 1) mk_decode_step(con
             case MK_OP_SAMPLE_FINAL: run_sample_final(a, t); break;
             default: break;
         }
+        if (t.op != MK_OP_GEMV) act_key = 0;  // the ops share the activation buffer's memory
         signal_done(t, counters);
         if (trace && threadIdx.x == 0) trace[i] = MkTraceEntry{start_ns, (uint32_t)(c1 - c0), (uint32_t)(clock64() - c1)};
     }

@@ -110,6 +110,10 @@ def test_the_template_holds_every_address_python_owns(tiny):
     assert v["embed"] == tiny.weights["model.embed_tokens.weight"].data_ptr()
     assert v["final_norm"] == tiny.weights["model.norm.weight"].data_ptr()
     assert v["layer_weights"] == tables.layer_weights.data_ptr()
+    for name in ("layer_maps", "expert_maps", "embed_map"):
+        assert v[name] == getattr(tables, name).data_ptr(), name
+    assert tables.layer_maps.shape == (cfg.num_hidden_layers, _native.LAYER_WEIGHT_COUNT, _native.TENSOR_MAP_BYTES)
+    assert tables.expert_maps.shape == (cfg.num_hidden_layers, cfg.num_experts, 3, _native.TENSOR_MAP_BYTES)
     # Layer 0 is dense (no router), layer 1 is MoE: its expert 3's down projection is where it says.
     assert tables.layer_weights[0, 5] == 0 and tables.layer_weights[1, 5] != 0
     assert tables.expert_weights[1, 3, 2] == tiny.weights["model.layers.1.mlp.experts.3.down_proj.weight"].data_ptr()

@@ -2,7 +2,9 @@
 // KV head for the whole query group (online softmax, unnormalised partials); a combine task
 // merges a (row, kv head)'s splits. Supports head_dim 128 and groups of up to 8 query heads.
 #pragma once
+#include "gemv.cuh"
 #include "step_common.cuh"
+#include "step_stream.cuh"
 
 namespace mk {
 
@@ -10,101 +12,148 @@ constexpr int kHeadDim = 128;
 constexpr int kMaxGroup = 8;
 constexpr int kPage = 64;
 
+constexpr int kKvStages = 3;             // pages in shared memory: two in flight while one is used
+constexpr int kKvPitch = kHeadDim + 8;   // bf16 per smem row: 272 bytes, so 8 rows hit 8 distinct bank groups
+constexpr int kPPitch = kPage + 8;       // bf16 per row of P
+
+// One split streams its pages through a 3-stage cp.async pipeline; the query group is the
+// 16-row A operand of mma.m16n8k16 (heads 0..7, rows 8..15 zero), so S = Q Kᵀ and O += P V run on
+// the tensor cores: warp w takes keys 8w..8w+7 of S and dims 16w..16w+15 of O.
 struct AttnSmem {
-    uint4 k[kPage][kHeadDim / 8 + 1];  // +16 B per row: rows land on different banks
-    uint4 v[kPage][kHeadDim / 8];
-    float q[kMaxGroup][kHeadDim];
-    float s[kMaxGroup][kPage];
+    bf16 k[kKvStages][kPage][kKvPitch];
+    bf16 v[kKvStages][kPage][kKvPitch];
+    bf16 p[kMaxGroup][kPPitch];
+    float row_max[kWarps][kMaxGroup];
+    float row_sum[kWarps][kMaxGroup];
 };
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+__device__ __forceinline__ uint32_t lds32(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+__device__ __forceinline__ void ldmatrix_x4_trans(const void* p, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                                  uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
 
 __device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, AttnSmem& sm) {
     const int b = t.arg[0], kvh = t.arg[1], split = t.arg[2], lo = t.arg[3], hi = t.arg[4];
     const int group = a.heads / a.kv_heads, qw = a.heads * kHeadDim;
     const float inv_sqrt = rsqrtf((float)kHeadDim);
-    for (int i = threadIdx.x; i < group * kHeadDim; i += kThreads)
-        sm.q[i / kHeadDim][i % kHeadDim] = ld_f32(ptr<float>(a.q) + (size_t)b * qw + kvh * group * kHeadDim + i);
-
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int g = warp, d0 = 4 * lane;  // this thread's head and 4 output dims
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    float m_run = -INFINITY, l_run = 0.f;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
     const int32_t* table = ptr<int32_t>(a.block_tables) + ((size_t)t.layer * a.batch + b) * a.max_pages;
-    // Each thread carries its share of the next page (4 x 16 B of K and of V) in registers, so
-    // the page's loads are in flight while the current page is computed.
-    constexpr int kVecs = kPage * (kHeadDim / 8) / kThreads;
-    uint4 next_k[kVecs], next_v[kVecs];
-    auto fetch = [&](int page_start) {
-        const int t0 = max(lo, page_start), n = min(hi, page_start + kPage) - t0;
-        const size_t block = (size_t)ld_i32(table + page_start / kPage);
-#pragma unroll
-        for (int r = 0; r < kVecs; ++r) {
-            const int i = threadIdx.x + r * kThreads, j = i / (kHeadDim / 8), c = i % (kHeadDim / 8);
-            if (j < n) {
-                const size_t off = ((block * kPage + (t0 - page_start + j)) * a.kv_heads + kvh) * kHeadDim;
-                next_k[r] = __ldcg(reinterpret_cast<const uint4*>(ptr<bf16>(a.k_pool) + off) + c);
-                next_v[r] = __ldcg(reinterpret_cast<const uint4*>(ptr<bf16>(a.v_pool) + off) + c);
-            }
-        }
-    };
-    fetch(lo - lo % kPage);
-    for (int page_start = lo - lo % kPage; page_start < hi; page_start += kPage) {
-        const int t0 = max(lo, page_start), t1 = min(hi, page_start + kPage), n = t1 - t0;
-        __syncthreads();  // the previous page's smem is no longer read
-#pragma unroll
-        for (int r = 0; r < kVecs; ++r) {
-            const int i = threadIdx.x + r * kThreads, j = i / (kHeadDim / 8), c = i % (kHeadDim / 8);
-            if (j < n) sm.k[j][c] = next_k[r], sm.v[j][c] = next_v[r];
-        }
-        if (page_start + kPage < hi) fetch(page_start + kPage);
-        __syncthreads();
-        for (int i = threadIdx.x; i < group * n; i += kThreads) {
-            const int gg = i / n, j = i % n;
-            float dot = 0.f;
-#pragma unroll 4
-            for (int c = 0; c < kHeadDim / 8; ++c) {
-                const uint4 raw = sm.k[j][c];
-                const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
-                const float* qq = &sm.q[gg][8 * c];
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float2 kf = __bfloat1622float2(k2[e]);
-                    dot += qq[2 * e] * kf.x + qq[2 * e + 1] * kf.y;
+    const int first_page = lo - lo % kPage, pages = (hi - first_page + kPage - 1) / kPage;
+
+    // Page `i` of the split into stage i % kKvStages: rows outside [lo, hi) are zeroed (they may
+    // hold anything, and 0 * NaN would poison P V), the others copied.
+    auto issue = [&](int i) {
+        if (i < pages) {
+            const int start = first_page + i * kPage, st = i % kKvStages;
+            const size_t block = (size_t)ld_i32(table + start / kPage);
+            for (int c = threadIdx.x; c < 2 * kPage * (kHeadDim / 8); c += kThreads) {
+                const int which = c / (kPage * (kHeadDim / 8)), row = (c / (kHeadDim / 8)) % kPage, col = c % (kHeadDim / 8);
+                bf16* dst = (which ? &sm.v[st][row][0] : &sm.k[st][row][0]) + 8 * col;
+                if (start + row >= lo && start + row < hi) {
+                    const size_t off = ((block * kPage + row) * a.kv_heads + kvh) * kHeadDim + 8 * col;
+                    cp_async16(dst, ptr<bf16>(which ? a.v_pool : a.k_pool) + off);
+                } else {
+                    *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
                 }
             }
-            sm.s[gg][j] = dot * inv_sqrt;
         }
-        __syncthreads();
-        if (g < group) {
-            float tile_max = -INFINITY;
-            for (int j = lane; j < n; j += 32) tile_max = fmaxf(tile_max, sm.s[g][j]);
-            const float m_new = fmaxf(m_run, warp_max(tile_max));
-            const float factor = __expf(m_run - m_new);
-            float psum = 0.f;
-            for (int j = lane; j < n; j += 32) {
-                const float p = __expf(sm.s[g][j] - m_new);
-                sm.s[g][j] = p;
-                psum += p;
-            }
-            __syncwarp();
-            l_run = l_run * factor + warp_sum(psum);
-            m_run = m_new;
+        cp_async_commit();  // an empty group past the end keeps the wait count uniform
+    };
+    issue(0);
+    issue(1);
+
+    // This thread's A fragments of Q (head g; rows g + 8 are zero) for the 8 k-steps of 16 dims.
+    uint32_t qa[kHeadDim / 16][2];
+    {
+        const float* q = ptr<float>(a.q) + (size_t)b * qw + (kvh * group + g) * kHeadDim;
 #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[i] *= factor;
-            for (int j = 0; j < n; ++j) {
-                const float p = sm.s[g][j];
-                const bf16* vrow = reinterpret_cast<const bf16*>(sm.v[j]) + d0;
-#pragma unroll
-                for (int i = 0; i < 4; ++i) acc[i] += p * __bfloat162float(vrow[i]);
+        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+            float2 x0 = make_float2(0.f, 0.f), x1 = x0;
+            if (g < group) {
+                x0 = __ldcg(reinterpret_cast<const float2*>(q + 16 * ks + 2 * tq));
+                x1 = __ldcg(reinterpret_cast<const float2*>(q + 16 * ks + 8 + 2 * tq));
             }
+            qa[ks][0] = pack_bf16(x0.x, x0.y), qa[ks][1] = pack_bf16(x1.x, x1.y);
+        }
+    }
+
+    float m_run = -INFINITY, l_run = 0.f;  // of head g, identical in every warp
+    float o[2][4] = {};                    // O[head g][dims 16w + 8j + 2tq, +1] in o[j][0..1]
+    for (int i = 0; i < pages; ++i) {
+        cp_async_wait_one();  // this thread's copies of page i have landed
+        compute_sync();       // everyone's have; everyone is done with page i - 1
+        issue(i + 2);
+        const int st = i % kKvStages, start = first_page + i * kPage;
+
+        // S for keys 8w + 2tq, + 1 of head g.
+        float sc[4] = {0.f, 0.f, 0.f, 0.f};
+        const bf16* krow = &sm.k[st][8 * warp + g][0];
+#pragma unroll
+        for (int ks = 0; ks < kHeadDim / 16; ++ks)
+            mma_16816(sc, qa[ks][0], 0u, qa[ks][1], 0u, lds32(krow + 16 * ks + 2 * tq), lds32(krow + 16 * ks + 8 + 2 * tq));
+        const int key = start + 8 * warp + 2 * tq;
+        const bool ok0 = key >= lo && key < hi, ok1 = key + 1 >= lo && key + 1 < hi;
+        const float s0 = ok0 ? sc[0] * inv_sqrt : -INFINITY, s1 = ok1 ? sc[1] * inv_sqrt : -INFINITY;
+        float mx = fmaxf(s0, s1);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        if (tq == 0) sm.row_max[warp][g] = mx;
+        compute_sync();
+        float page_max = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) page_max = fmaxf(page_max, sm.row_max[w][g]);
+        const float m_new = fmaxf(m_run, page_max);  // finite: every page has a key in range
+        const float factor = __expf(m_run - m_new);
+        const float p0 = ok0 ? __expf(s0 - m_new) : 0.f, p1 = ok1 ? __expf(s1 - m_new) : 0.f;
+        float ps = p0 + p1;
+        ps += __shfl_xor_sync(0xffffffffu, ps, 1);
+        ps += __shfl_xor_sync(0xffffffffu, ps, 2);
+        if (tq == 0) sm.row_sum[warp][g] = ps;
+        *reinterpret_cast<uint32_t*>(&sm.p[g][8 * warp + 2 * tq]) = pack_bf16(p0, p1);
+        compute_sync();
+        float page_sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) page_sum += sm.row_sum[w][g];
+        l_run = l_run * factor + page_sum;
+        m_run = m_new;
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[j][e] *= factor;
+
+        // O += P V for dims 16w..16w+15: V's [key][dim] tiles transposed by ldmatrix.
+        const int mat = lane / 8;
+#pragma unroll
+        for (int ks = 0; ks < kPage / 16; ++ks) {
+            const uint32_t pa0 = lds32(&sm.p[g][16 * ks + 2 * tq]), pa2 = lds32(&sm.p[g][16 * ks + 8 + 2 * tq]);
+            uint32_t v0, v1, v2, v3;
+            ldmatrix_x4_trans(&sm.v[st][16 * ks + (mat & 1) * 8 + lane % 8][16 * warp + (mat >> 1) * 8], v0, v1, v2, v3);
+            mma_16816(o[0], pa0, 0u, pa2, 0u, v0, v1);
+            mma_16816(o[1], pa0, 0u, pa2, 0u, v2, v3);
         }
     }
     if (g < group) {
-        const size_t slot = (size_t)b * a.kv_heads + kvh;
-        float* o = ptr<float>(a.attn_o) + ((slot * a.max_splits + split) * group + g) * kHeadDim + d0;
+        const size_t slot = ((size_t)b * a.kv_heads + kvh) * a.max_splits + split;
+        float* out = ptr<float>(a.attn_o) + (slot * group + g) * kHeadDim + 16 * warp + 2 * tq;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) o[i] = acc[i];
-        if (lane == 0) {
-            float* ml = ptr<float>(a.attn_ml) + ((slot * a.max_splits + split) * group + g) * 2;
+        for (int j = 0; j < 2; ++j) *reinterpret_cast<float2*>(out + 8 * j) = make_float2(o[j][0], o[j][1]);
+        if (warp == 0 && tq == 0) {
+            float* ml = ptr<float>(a.attn_ml) + (slot * group + g) * 2;
             ml[0] = m_run, ml[1] = l_run;
         }
     }
@@ -119,14 +168,17 @@ __device__ void run_attn_combine(const MkStepArgs& a, const MkTask& t) {
     const float* ml = ptr<float>(a.attn_ml);
     const float* o = ptr<float>(a.attn_o);
     float m = -INFINITY;
+#pragma unroll 8
     for (int s = 0; s < splits; ++s) m = fmaxf(m, ld_f32(ml + ((slot * a.max_splits + s) * group + g) * 2));
     float l = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 8
     for (int s = 0; s < splits; ++s) {
         const size_t base = (slot * a.max_splits + s) * group + g;
-        const float w = __expf(ld_f32(ml + base * 2) - m);
-        l += w * ld_f32(ml + base * 2 + 1);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[i] += w * ld_f32(o + base * kHeadDim + d0 + i);
+        const float2 ms = __ldcg(reinterpret_cast<const float2*>(ml + base * 2));
+        const float4 os = __ldcg(reinterpret_cast<const float4*>(o + base * kHeadDim + d0));
+        const float w = __expf(ms.x - m);
+        l += w * ms.y;
+        acc[0] += w * os.x, acc[1] += w * os.y, acc[2] += w * os.z, acc[3] += w * os.w;
     }
     bf16* out = ptr<bf16>(a.attn_out) + (size_t)b * a.heads * kHeadDim + (kvh * group + g) * kHeadDim + d0;
 #pragma unroll

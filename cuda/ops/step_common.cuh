@@ -9,8 +9,15 @@
 namespace mk {
 
 using bf16 = __nv_bfloat16;
+// The compute warps run the tasks; one more warp, the producer, streams weight tiles into the
+// shared-memory ring ahead of them (step_stream.cuh). Ops see only the kThreads compute threads.
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
+constexpr int kProducerWarp = kWarps;
+constexpr int kBlockThreads = kThreads + 32;
+
+// A barrier of the compute warps only (named barrier 1): the producer never joins it.
+__device__ __forceinline__ void compute_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory"); }
 
 template <typename T>
 __device__ __forceinline__ T* ptr(uint64_t address) {
@@ -43,11 +50,11 @@ __device__ __forceinline__ float warp_max(float v) {
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
     v = warp_sum(v);
     if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
-    __syncthreads();
+    compute_sync();
     float total = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) total += scratch[w];
-    __syncthreads();
+    compute_sync();
     return total;
 }
 
@@ -84,12 +91,12 @@ __device__ __forceinline__ void wait_for(const MkTask& t, const uint32_t* counte
         if (t.wait0 >= 0) spin_until(counters + t.wait0, (uint32_t)t.target0);
         if (t.wait1 >= 0) spin_until(counters + t.wait1, (uint32_t)t.target1);
     }
-    __syncthreads();
+    compute_sync();
 }
 
 // After the barrier every thread's writes of the task are done; thread 0 publishes them.
 __device__ __forceinline__ void signal_done(const MkTask& t, uint32_t* counters) {
-    __syncthreads();
+    compute_sync();
     if (threadIdx.x == 0 && t.signal >= 0) {
         __threadfence();
         atomicAdd(counters + t.signal, 1u);

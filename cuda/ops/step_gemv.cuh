@@ -3,19 +3,29 @@
 #pragma once
 #include "gemv.cuh"
 #include "step_common.cuh"
+#include "step_stream.cuh"
 
 namespace mk {
 
-// Shared memory of a GEMV task.
+constexpr int kMaxBatch = MK_STEP_MAX_BATCH;
+constexpr int kMaxK = MK_STEP_MAX_K;
+// Bytes per activation row in shared memory: 64 mod 128, as for the stage rows.
+__device__ __forceinline__ int act_pitch(int k) { return (2 * k + 127) / 128 * 128 + 64; }
+constexpr int kActBytes = kMaxBatch * ((2 * kMaxK + 127) / 128 * 128 + 64);
+
+// Shared memory of a GEMV task (outside the weight ring).
 struct GemvSmem {
-    float partial[kWarps][4][32];
-    float out[4][16][8];  // [group][row][batch]
-    int has_row[8];       // expert tiles: which batch rows routed to the slot's expert
+    alignas(16) unsigned char act[kActBytes];  // the task's activations, [kMaxBatch][act_pitch(k)]
+    float partial[4][kWarps][4][32];           // [group][warp][fragment][lane]
+    float out[4][16][8];                       // [group][row][batch]
+    int has_row[8];                            // expert tiles: which batch rows routed to the slot's expert
 };
 
 // What a task multiplies: up to 4 row groups, each 16 rows of some matrix with k columns.
 struct GemvPlan {
     const bf16* rows[4];  // first row of each group
+    const void* map[4];   // the group's matrix as a bulk-copy descriptor (CUtensorMap)
+    int first[4];         // the group's first row within that matrix
     int valid[4];         // rows of the group that exist (the rest read row 0 and are dropped)
     int groups;
     int k;
@@ -34,13 +44,20 @@ __device__ __forceinline__ void load_slot_rows(const MkStepArgs& a, int slot, in
 
 __device__ GemvPlan gemv_plan(const MkStepArgs& a, const MkTask& t) {
     const uint64_t* lw = ptr<uint64_t>(a.layer_weights) + (size_t)t.layer * MK_LW_COUNT;
+    const unsigned char* lmaps = ptr<unsigned char>(a.layer_maps) + (size_t)t.layer * MK_LW_COUNT * MK_TENSOR_MAP_BYTES;
     const int matrix = t.arg[0], r0 = t.arg[1], slot = t.arg[3];
     GemvPlan p{};
     p.groups = t.arg[2];
     const int qw = a.heads * a.head_dim, kvw = a.kv_heads * a.head_dim;
-    auto rows_of = [&](uint64_t w, int k, int first, int n) {
+    auto layer_map = [&](int which) -> const void* { return lmaps + (size_t)which * MK_TENSOR_MAP_BYTES; };
+    auto expert_map = [&](int e, int which) -> const void* {
+        return ptr<unsigned char>(a.expert_maps) + (((size_t)t.layer * a.experts + e) * 3 + which) * MK_TENSOR_MAP_BYTES;
+    };
+    auto rows_of = [&](uint64_t w, const void* map, int k, int first, int n) {
         for (int g = 0; g < p.groups; ++g) {
             p.rows[g] = ptr<const bf16>(w) + (size_t)(first + 16 * g) * k;
+            p.map[g] = map;
+            p.first[g] = first + 16 * g;
             p.valid[g] = max(0, min(16, n - (first + 16 * g)));
         }
         p.k = k;
@@ -48,76 +65,186 @@ __device__ GemvPlan gemv_plan(const MkStepArgs& a, const MkTask& t) {
     switch (matrix) {
         case MK_MAT_QKV: {
             p.act = ptr<const bf16>(a.h);
-            if (r0 < qw) rows_of(lw[MK_LW_Q], a.hidden, r0, qw);
-            else if (r0 < qw + kvw) rows_of(lw[MK_LW_K], a.hidden, r0 - qw, kvw);
-            else rows_of(lw[MK_LW_V], a.hidden, r0 - qw - kvw, kvw);
+            if (r0 < qw) rows_of(lw[MK_LW_Q], layer_map(MK_LW_Q), a.hidden, r0, qw);
+            else if (r0 < qw + kvw) rows_of(lw[MK_LW_K], layer_map(MK_LW_K), a.hidden, r0 - qw, kvw);
+            else rows_of(lw[MK_LW_V], layer_map(MK_LW_V), a.hidden, r0 - qw - kvw, kvw);
             break;
         }
         case MK_MAT_O:
             p.act = ptr<const bf16>(a.attn_out);
-            rows_of(lw[MK_LW_O], qw, r0, a.hidden);
+            rows_of(lw[MK_LW_O], layer_map(MK_LW_O), qw, r0, a.hidden);
             break;
         case MK_MAT_ROUTER:
             p.act = ptr<const bf16>(a.h);
-            rows_of(lw[MK_LW_ROUTER], a.hidden, r0, a.experts);
+            rows_of(lw[MK_LW_ROUTER], layer_map(MK_LW_ROUTER), a.hidden, r0, a.experts);
             break;
         case MK_MAT_DENSE_GATE_UP:
         case MK_MAT_EXPERT_GATE_UP: {
             uint64_t gate = lw[MK_LW_GATE], up = lw[MK_LW_UP];
+            const void *gate_map = layer_map(MK_LW_GATE), *up_map = layer_map(MK_LW_UP);
             int ffn = a.dense_ffn;
             if (matrix == MK_MAT_EXPERT_GATE_UP) {
                 const int e = ld_i32(ptr<int32_t>(a.slot_expert) + slot);
                 const uint64_t* ew = ptr<uint64_t>(a.expert_weights) + ((size_t)t.layer * a.experts + e) * 3;
                 gate = ew[0], up = ew[1], ffn = a.expert_ffn;
+                gate_map = expert_map(e, 0), up_map = expert_map(e, 1);
             }
+            // arg2 features groups (1 or 2): weight group 2j holds 16 gate rows, 2j + 1 the
+            // matching up rows.
             p.act = ptr<const bf16>(a.h);
-            p.groups = 2;  // group 0: 16 gate rows, group 1: the matching 16 up rows
-            p.rows[0] = ptr<const bf16>(gate) + (size_t)r0 * a.hidden;
-            p.rows[1] = ptr<const bf16>(up) + (size_t)r0 * a.hidden;
-            p.valid[0] = p.valid[1] = min(16, ffn - r0);
+            p.groups = 2 * t.arg[2];
+            for (int j = 0; j < t.arg[2]; ++j) {
+                const int first = r0 + 16 * j;
+                p.rows[2 * j] = ptr<const bf16>(gate) + (size_t)first * a.hidden;
+                p.rows[2 * j + 1] = ptr<const bf16>(up) + (size_t)first * a.hidden;
+                p.map[2 * j] = gate_map, p.map[2 * j + 1] = up_map;
+                p.first[2 * j] = p.first[2 * j + 1] = first;
+                p.valid[2 * j] = p.valid[2 * j + 1] = max(0, min(16, ffn - first));
+            }
             p.k = a.hidden;
             break;
         }
         case MK_MAT_DENSE_DOWN:
             p.act = ptr<const bf16>(a.dense_act);
-            rows_of(lw[MK_LW_DOWN], a.dense_ffn, r0, a.hidden);
+            rows_of(lw[MK_LW_DOWN], layer_map(MK_LW_DOWN), a.dense_ffn, r0, a.hidden);
             break;
         case MK_MAT_EXPERT_DOWN: {
             const int e = ld_i32(ptr<int32_t>(a.slot_expert) + slot);
             const uint64_t* ew = ptr<uint64_t>(a.expert_weights) + ((size_t)t.layer * a.experts + e) * 3;
             p.act = ptr<const bf16>(a.expert_act) + (size_t)slot * a.batch * a.expert_ffn;
-            rows_of(ew[2], a.expert_ffn, r0, a.hidden);
+            rows_of(ew[2], expert_map(e, 2), a.expert_ffn, r0, a.hidden);
             break;
         }
         case MK_MAT_LM_HEAD:
             p.act = ptr<const bf16>(a.h);
-            rows_of(a.embed, a.hidden, r0, a.vocab);
+            rows_of(a.embed, ptr<const void>(a.embed_map), a.hidden, r0, a.vocab);
             break;
     }
     return p;
 }
 
-// out[g][row][b] = sum_k act[b][k] * rows[g][row][k] (fp32), for b < batch (<= 8).
-__device__ void gemv_compute(const GemvPlan& p, int batch, GemvSmem& s) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int per_group = kWarps / p.groups;
-    const int g = warp / per_group, slice = warp % per_group;
-    const int chunks = p.k / 32;
-    const int k_begin = 32 * (slice * chunks / per_group), k_end = 32 * ((slice + 1) * chunks / per_group);
-    float acc[1][4] = {};
-    if (g < p.groups && p.valid[g] > 0)
-        gemv_warp_rows16<1, 4>(p.rows[g], p.k, p.act, p.k, batch, 0, k_begin, k_end, acc, p.valid[g]);
+__device__ __forceinline__ bool is_expert(const MkTask& t) {
+    return t.arg[0] == MK_MAT_EXPERT_GATE_UP || t.arg[0] == MK_MAT_EXPERT_DOWN;
+}
+
+// Expert tiles of a slot the batch did not fill have nothing to do (read after the layer's top-k).
+__device__ __forceinline__ bool slot_in_use(const MkStepArgs& a, const MkTask& t) {
+    return t.arg[3] < ld_i32(ptr<int32_t>(a.slot_count));
+}
+
+// The producer warp's loop: every stage of every GEMV task of the block's list, in list order, as
+// soon as a ring slot is free; one bulk tensor copy per box. The warp reads the list kListBatch
+// tasks at a time into `tasks` (shared memory of its own); lane 0 then walks them.
+constexpr int kListBatch = 32;
+
+__device__ void stream_weights(const MkStepArgs& a, const MkTask* list, const uint32_t* counters, const Ring& r,
+                               MkTask* tasks) {
+    const int lane = threadIdx.x % 32;
+    const uint64_t policy = evict_first_policy();
+    uint32_t n = 0;
+    int slots_layer = -1, slots = 0;  // the layer whose used-slot count `slots` is
+    bool done = false;
+    for (int base = 0; base < a.per_sm && !done; base += kListBatch) {
+        if (base + lane < a.per_sm) tasks[lane] = list[base + lane];
+        __syncwarp();
+        if (lane == 0) {
+            for (int j = 0; j < kListBatch && base + j < a.per_sm; ++j) {
+                const MkTask& t = tasks[j];
+                if (t.op == MK_OP_NOP) {
+                    done = true;
+                    break;
+                }
+                if (t.op != MK_OP_GEMV) continue;
+                if (is_expert(t)) {
+                    if (t.layer != slots_layer) {
+                        // A slot's expert is known once the layer's one top-k task has run.
+                        spin_until(counters + t.layer * MK_COUNTERS_PER_LAYER + MK_CTR_TOPK, 1);
+                        slots = ld_i32(ptr<int32_t>(a.slot_count)), slots_layer = t.layer;
+                    }
+                    if (t.arg[3] >= slots) continue;
+                }
+                const GemvPlan p = gemv_plan(a, t);
+                const int box = box_cols(p.k), kc = box * kStageBoxes;
+                for (int g = 0; g < p.groups; ++g) {
+                    if (p.valid[g] <= 0) continue;
+                    for (int c = 0; c < p.k; c += kc, ++n) {
+                        if (n >= (uint32_t)r.count) mbar_wait(r.empty_of(n), r.parity(n) ^ 1u);
+                        uint64_t* full = r.full_of(n);
+                        const int boxes = min(kStageBoxes, (p.k - c + box - 1) / box);
+                        // Whole boxes count, rows past the matrix's end too (the copy zero-fills them).
+                        mbar_arrive_expect_tx(full, (uint32_t)(boxes * kStageRows * box * 2));
+                        for (int b = 0; b < boxes; ++b)
+                            tensor_copy_2d(r.stage(n) + b * kStageRows * box * 2, p.map[g], c + b * box, p.first[g],
+                                           full, policy);
+                    }
+                }
+            }
+        }
+        done = __shfl_sync(0xffffffffu, done, 0);
+        __syncwarp();
+    }
+}
+
+// Stages the task's activations [batch][k] in shared memory (rows batch..7 zero), unless the
+// previous GEMV task of this block already did: `key` names what the buffer holds (the source
+// address and layer; activation buffers are rewritten only after every reader of the layer has
+// finished), 0 when another op has reused the memory.
+__device__ void stage_activations(const GemvPlan& p, int batch, int layer, GemvSmem& s, uint64_t& key) {
+    const uint64_t want = reinterpret_cast<uint64_t>(p.act) ^ ((uint64_t)layer << 56);
+    if (key == want) return;
+    const int vecs = p.k / 8, pitch = act_pitch(p.k);
+    for (int i = threadIdx.x; i < kMaxBatch * vecs; i += kThreads) {
+        const int b = i / vecs, v = i % vecs;
+        const uint4 x = b < batch ? ld_activations(p.act + (size_t)b * p.k + 8 * v) : make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(s.act + b * pitch + 16 * v) = x;
+    }
+    compute_sync();
+    key = want;
+}
+
+// out[g][row][b] = sum_k act[b][k] * rows[g][row][k] (fp32), for b < batch (<= 8), from the
+// ring's stages. Warp w takes 32-column chunks w, w + 8, ... of each stage: thread (g = lane / 4,
+// t = lane % 4) reads 16 bytes of weight rows g and g + 8 and of activation row g at column
+// 8t of the chunk (the same k permutation for A and B, see gemv.cuh).
+__device__ void gemv_compute(const GemvPlan& p, GemvSmem& s, const Ring& r, uint32_t& n) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
+    const int box = box_cols(p.k), kc = box * kStageBoxes, pitch = act_pitch(p.k);
+    const int box_chunks = box / 32, box_bytes = kStageRows * box * 2;
+    const unsigned char* act_row = s.act + gi * pitch + 16 * ti;
+    for (int g = 0; g < p.groups; ++g) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        if (p.valid[g] > 0) {
+            for (int c = 0; c < p.k; c += kc, ++n) {
+                mbar_wait(r.full_of(n), r.parity(n));
+                const unsigned char* st = r.stage(n) + gi * 2 * box + 16 * ti;
+                const int chunks = min(kc, p.k - c) / 32;  // the last stage may run past k
+#ifndef MK_SKIP_COMPUTE
+                for (int ch = warp; ch < chunks; ch += kWarps) {
+                    const unsigned char* w = st + (ch / box_chunks) * box_bytes + 64 * (ch % box_chunks);
+                    const uint4 wa = *reinterpret_cast<const uint4*>(w);
+                    const uint4 wb = *reinterpret_cast<const uint4*>(w + 16 * box);
+                    const uint4 x = *reinterpret_cast<const uint4*>(act_row + 2 * c + 64 * ch);
+                    mma_16816(acc, wa.x, wb.x, wa.y, wb.y, x.x, x.y);
+                    mma_16816(acc, wa.z, wb.z, wa.w, wb.w, x.z, x.w);
+                }
+#endif
+                __syncwarp();
+                if (lane == 0) mbar_arrive(r.empty_of(n));
+            }
+        }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) s.partial[warp][i][lane] = acc[0][i];
-    __syncthreads();
+        for (int i = 0; i < 4; ++i) s.partial[g][warp][i][lane] = acc[i];
+    }
+    compute_sync();
     for (int idx = threadIdx.x; idx < p.groups * 128; idx += kThreads) {
         const int grp = idx / 128, i = (idx / 32) % 4, l = idx % 32;
         float sum = 0.f;
-        for (int w = grp * per_group; w < (grp + 1) * per_group; ++w) sum += s.partial[w][i][l];
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) sum += s.partial[grp][w][i][l];
         const int row = l / 4 + (i >= 2 ? 8 : 0), b = 2 * (l % 4) + (i & 1);
         s.out[grp][row][b] = sum;
     }
-    __syncthreads();
+    compute_sync();
 }
 
 __device__ void gemv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvPlan& p, GemvSmem& s) {
@@ -141,13 +268,14 @@ __device__ void gemv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvPl
             case MK_MAT_LM_HEAD: ptr<float>(a.logits)[(size_t)b * a.vocab + out_row] = v * a.logit_scale; break;
             case MK_MAT_DENSE_GATE_UP:
             case MK_MAT_EXPERT_GATE_UP: {
-                if (grp != 0) break;  // one thread per (feature, row) does both halves
-                const float gate = v, up = round_bf16(s.out[1][r][b]);
+                if (grp % 2 != 0) break;  // one thread per (feature, row) does both halves
+                const float gate = v, up = round_bf16(s.out[grp + 1][r][b]);
                 const bf16 act = __float2bfloat16(gate / (1.f + __expf(-gate)) * up);
+                const int feature = r0 + 16 * (grp / 2) + r;
                 if (matrix == MK_MAT_DENSE_GATE_UP) {
-                    ptr<bf16>(a.dense_act)[b * a.dense_ffn + out_row] = act;
+                    ptr<bf16>(a.dense_act)[b * a.dense_ffn + feature] = act;
                 } else if (s.has_row[b]) {
-                    ptr<bf16>(a.expert_act)[((size_t)slot * a.batch + b) * a.expert_ffn + out_row] = act;
+                    ptr<bf16>(a.expert_act)[((size_t)slot * a.batch + b) * a.expert_ffn + feature] = act;
                 }
                 break;
             }
@@ -199,13 +327,13 @@ __device__ void prefetch_gemv_weights(const MkStepArgs& a, const MkTask& t) {
         if (p.valid[g] > 0) prefetch_l2(p.rows[g], (uint32_t)(p.valid[g] * p.k * sizeof(bf16)));
 }
 
-__device__ void run_gemv(const MkStepArgs& a, const MkTask& t, GemvSmem& s) {
-    if (t.arg[0] == MK_MAT_EXPERT_GATE_UP || t.arg[0] == MK_MAT_EXPERT_DOWN) {
-        if (t.arg[3] >= ld_i32(ptr<int32_t>(a.slot_count))) return;  // an unused MoE slot
-    }
+__device__ void run_gemv(const MkStepArgs& a, const MkTask& t, GemvSmem& s, const Ring& r, uint32_t& n,
+                         uint64_t& act_key) {
+    if (is_expert(t) && !slot_in_use(a, t)) return;  // the producer skipped it too
     const GemvPlan p = gemv_plan(a, t);
-    if (t.arg[0] == MK_MAT_EXPERT_GATE_UP || t.arg[0] == MK_MAT_EXPERT_DOWN) load_slot_rows(a, t.arg[3], s.has_row);
-    gemv_compute(p, a.batch, s);  // its barriers publish has_row
+    if (is_expert(t)) load_slot_rows(a, t.arg[3], s.has_row);
+    stage_activations(p, a.batch, t.layer, s, act_key);
+    gemv_compute(p, s, r, n);  // its barriers publish has_row
     gemv_epilogue(a, t, p, s);
 }
 

@@ -4,19 +4,54 @@
 
 namespace mk {
 
-// h[b] = bf16(rmsnorm(v) * gamma) for the fp32 row v, which is also stored to x[b] (and, when
-// logging, as the residual after layer `done`).
-__device__ void store_normed(const MkStepArgs& a, int b, float* v_smem, const bf16* gamma, float* scratch,
+// These tasks sit on every layer's critical path, so each thread owns 8 consecutive values of the
+// row and issues all its loads before the first use (one memory latency per task, not one per
+// value). hidden is a multiple of 32.
+constexpr int kVec = 8;
+
+__device__ __forceinline__ void load8_f32(const float* p, float (&v)[kVec]) {
+    const float4 lo = __ldcg(reinterpret_cast<const float4*>(p)), hi = __ldcg(reinterpret_cast<const float4*>(p) + 1);
+    v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+}
+
+__device__ __forceinline__ void store8_f32(float* p, const float (&v)[kVec]) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+// 8 bf16 values of data no one writes during the step (weights), as floats.
+__device__ __forceinline__ void load8_bf16(const bf16* p, float (&v)[kVec]) {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        v[2 * i] = f.x, v[2 * i + 1] = f.y;
+    }
+}
+
+// h[b] = bf16(rmsnorm(v) * gamma) for the fp32 row v (in shared memory), which is also stored
+// to x[b] (and, when logging, as the residual after layer `done`).
+__device__ void store_normed(const MkStepArgs& a, int b, const float* v_smem, const bf16* gamma, float* scratch,
                              int done = -1) {
     float sq = 0.f;
     for (int i = threadIdx.x; i < a.hidden; i += kThreads) sq += v_smem[i] * v_smem[i];
     const float rstd = rsqrtf(block_sum(sq, scratch) / (float)a.hidden + a.eps);
     float* log = done >= 0 && a.residual_log ? ptr<float>(a.residual_log) + ((size_t)done * a.batch + b) * a.hidden
                                              : nullptr;
-    for (int i = threadIdx.x; i < a.hidden; i += kThreads) {
-        ptr<float>(a.x)[(size_t)b * a.hidden + i] = v_smem[i];
-        if (log) log[i] = v_smem[i];
-        ptr<bf16>(a.h)[(size_t)b * a.hidden + i] = __float2bfloat16(v_smem[i] * rstd * __bfloat162float(gamma[i]));
+    for (int i0 = kVec * threadIdx.x; i0 < a.hidden; i0 += kVec * kThreads) {
+        float g[kVec], v[kVec];
+        load8_bf16(gamma + i0, g);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) v[j] = v_smem[i0 + j];
+        store8_f32(ptr<float>(a.x) + (size_t)b * a.hidden + i0, v);
+        if (log) store8_f32(log + i0, v);
+        uint4 out;
+        __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            o[j] = __floats2bfloat162_rn(v[2 * j] * rstd * g[2 * j], v[2 * j + 1] * rstd * g[2 * j + 1]);
+        *reinterpret_cast<uint4*>(ptr<bf16>(a.h) + (size_t)b * a.hidden + i0) = out;
     }
 }
 
@@ -29,8 +64,13 @@ __device__ void run_embed(const MkStepArgs& a, const MkTask& t, float* v, float*
     const int b = t.arg[0];
     const int token = ld_i32(ptr<int32_t>(a.tokens) + b);
     const bf16* row = ptr<const bf16>(a.embed) + (size_t)token * a.hidden;
-    for (int i = threadIdx.x; i < a.hidden; i += kThreads) v[i] = __bfloat162float(row[i]);
-    __syncthreads();
+    for (int i0 = kVec * threadIdx.x; i0 < a.hidden; i0 += kVec * kThreads) {
+        float e[kVec];
+        load8_bf16(row + i0, e);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) v[i0 + j] = e[j];
+    }
+    compute_sync();
     store_normed(a, b, v, norm_weight(a, 0), scratch);
 }
 
@@ -39,30 +79,44 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, float* v
                                   float* scores) {
     const int b = t.arg[0], layer = t.layer;
     const bool moe = ptr<uint64_t>(a.layer_weights)[(size_t)layer * MK_LW_COUNT + MK_LW_ROUTER] != 0;
+    if (moe && threadIdx.x < a.top_k) {
+        slots[threadIdx.x] = ld_i32(ptr<int32_t>(a.topk_slot) + b * a.top_k + threadIdx.x);
+        scores[threadIdx.x] = ld_f32(ptr<float>(a.topk_score) + b * a.top_k + threadIdx.x);
+    }
+    compute_sync();
     if (moe && threadIdx.x == 0) {
         // The row's choices sorted by slot (= ascending expert): the reference's summation order.
-        int n = 0;
-        for (int k = 0; k < a.top_k; ++k) {
-            const int slot = ld_i32(ptr<int32_t>(a.topk_slot) + b * a.top_k + k);
-            const float score = ld_f32(ptr<float>(a.topk_score) + b * a.top_k + k);
-            int j = n++;
+        for (int k = 1; k < a.top_k; ++k) {
+            const int slot = slots[k];
+            const float score = scores[k];
+            int j = k;
             for (; j > 0 && slots[j - 1] > slot; --j) slots[j] = slots[j - 1], scores[j] = scores[j - 1];
             slots[j] = slot, scores[j] = score;
         }
     }
-    __syncthreads();
-    for (int i = threadIdx.x; i < a.hidden; i += kThreads) {
-        const size_t at = (size_t)b * a.hidden + i;
-        float ffn = 0.f;
+    compute_sync();
+    for (int i0 = kVec * threadIdx.x; i0 < a.hidden; i0 += kVec * kThreads) {
+        const size_t at = (size_t)b * a.hidden + i0;
+        float x[kVec], y[kVec], ffn[kVec] = {};
+        load8_f32(ptr<float>(a.x) + at, x);
+        load8_f32(ptr<float>(a.y_attn) + at, y);
         if (moe) {
-            for (int k = 0; k < a.top_k; ++k)
-                ffn += ld_f32(ptr<float>(a.expert_out) + ((size_t)slots[k] * a.batch + b) * a.hidden + i) * scores[k];
+            // top_k <= 8, unrolled: no store separates the loads, so they are all in flight at once.
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                if (k >= a.top_k) break;
+                float part[kVec];
+                load8_f32(ptr<float>(a.expert_out) + ((size_t)slots[k] * a.batch + b) * a.hidden + i0, part);
+#pragma unroll
+                for (int j = 0; j < kVec; ++j) ffn[j] += part[j] * scores[k];
+            }
         } else {
-            ffn = ld_f32(ptr<float>(a.ffn_out) + at);
+            load8_f32(ptr<float>(a.ffn_out) + at, ffn);
         }
-        v[i] = ld_f32(ptr<float>(a.x) + at) + ld_f32(ptr<float>(a.y_attn) + at) + ffn;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) v[i0 + j] = x[j] + y[j] + ffn[j];
     }
-    __syncthreads();
+    compute_sync();
     store_normed(a, b, v, norm_weight(a, layer + 1), scratch, layer);
 }
 
@@ -73,7 +127,7 @@ __device__ void run_topk(const MkStepArgs& a, const MkTask& t, float* logits /* 
                          int* chosen /* [8 * 8] */, int* slot_of /* [experts] */) {
     for (int i = threadIdx.x; i < a.batch * a.experts; i += kThreads) logits[i] = ld_f32(ptr<float>(a.router) + i);
     for (int e = threadIdx.x; e < a.experts; e += kThreads) slot_of[e] = -1;
-    __syncthreads();
+    compute_sync();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int b = warp; b < a.batch; b += kWarps) {
         float* row = logits + b * a.experts;
@@ -98,17 +152,24 @@ __device__ void run_topk(const MkStepArgs& a, const MkTask& t, float* logits /* 
             __syncwarp();
         }
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
+    compute_sync();
+    if (warp == 0) {
+        // Slots in ascending expert order: a ballot per 32 experts, ranks by prefix popcount.
         int count = 0;
-        for (int e = 0; e < a.experts; ++e)
-            if (slot_of[e] == 0) {
-                ptr<int32_t>(a.slot_expert)[count] = e;
-                slot_of[e] = count++;
+        for (int e0 = 0; e0 < a.experts; e0 += 32) {
+            const int e = e0 + lane;
+            const bool used = e < a.experts && slot_of[e] == 0;
+            const unsigned mask = __ballot_sync(0xffffffffu, used);
+            if (used) {
+                const int slot = count + __popc(mask & ((1u << lane) - 1u));
+                ptr<int32_t>(a.slot_expert)[slot] = e;
+                slot_of[e] = slot;
             }
-        ptr<int32_t>(a.slot_count)[0] = count;
+            count += __popc(mask);
+        }
+        if (lane == 0) ptr<int32_t>(a.slot_count)[0] = count;
     }
-    __syncthreads();
+    compute_sync();
     for (int i = threadIdx.x; i < a.batch * a.top_k; i += kThreads)
         ptr<int32_t>(a.topk_slot)[i] = slot_of[chosen[(i / a.top_k) * 8 + i % a.top_k]];
 }
@@ -123,7 +184,7 @@ __device__ void run_sample_part(const MkStepArgs& a, const MkTask& t, float* sv,
         if (v > best) best = v, id = i;  // ascending i per thread: keeps the lowest id on ties
     }
     sv[threadIdx.x] = best, si[threadIdx.x] = id;
-    __syncthreads();
+    compute_sync();
     if (threadIdx.x == 0) {
         for (int i = 1; i < kThreads; ++i)
             if (sv[i] > best || (sv[i] == best && si[i] < id)) best = sv[i], id = si[i];

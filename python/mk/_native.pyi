@@ -7,6 +7,10 @@ from mk.config import ModelConfig
 # ---- GPU kernels (rust/python/mod.rs) ----------------------------------------------------------
 
 STEP_PREFETCH_L2: int  # MkStepArgs.flags bit (cuda/abi.h)
+STEP_MAX_K: int  # MK_STEP_MAX_K: the longest GEMV reduction the megakernel takes
+STEP_MAX_BATCH: int  # MK_STEP_MAX_BATCH: rows per megakernel launch
+TENSOR_MAP_BYTES: int  # MK_TENSOR_MAP_BYTES: one encoded weight map
+LAYER_WEIGHT_COUNT: int  # MK_LW_COUNT: entries per layer of the weight tables
 
 class GpuError(RuntimeError):
     """The GPU path failed or is unavailable."""
@@ -19,6 +23,7 @@ def add_rmsnorm(
     device: int, stream: int, x: int, delta: int, gamma: int, out: int, rows: int, dim: int, eps: float
 ) -> None: ...
 def gemv(device: int, stream: int, w: int, x: int, y: int, n: int, k: int, batch: int) -> None: ...
+def weight_maps(matrices: list[tuple[int, int, int]]) -> bytes: ...
 
 # ---- decode-step task graph (rust/python/graph.rs) ---------------------------------------------
 

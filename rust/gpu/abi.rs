@@ -115,6 +115,9 @@ abi_struct! {
         routing_log: u64,
         residual_log: u64,
         trace: u64,
+        layer_maps: u64,
+        expert_maps: u64,
+        embed_map: u64,
     }
 }
 
@@ -122,8 +125,18 @@ abi_struct! {
 unsafe impl cudarc::driver::DeviceRepr for MkStepArgs {}
 
 /// `MK_STEP_SMEM_BYTES` and `MK_STEP_THREADS`: how mk_decode_step is launched.
-pub const STEP_SMEM_BYTES: u32 = 64 * 1024;
-pub const STEP_THREADS: u32 = 256;
+pub const STEP_SMEM_BYTES: u32 = 227 * 1024;
+pub const STEP_THREADS: u32 = 288;
+/// `MK_STEP_MAX_K` and `MK_STEP_MAX_BATCH`: the longest GEMV reduction and the most rows per launch.
+pub const STEP_MAX_K: usize = 4096;
+pub const STEP_MAX_BATCH: usize = 8;
+/// `MK_STAGE_ROWS` x `MK_STAGE_COLS`: the box of the weight tensor maps (one ring stage), and
+/// `MK_TENSOR_MAP_BYTES`, the size of one encoded map.
+pub const STAGE_ROWS: u32 = 16;
+pub const STAGE_COLS: u32 = 256;
+pub const TENSOR_MAP_BYTES: usize = 128;
+/// `MK_LW_COUNT`: entries per layer of the weight tables (`MkStepArgs.layer_weights`, `layer_maps`).
+pub const LAYER_WEIGHT_COUNT: usize = 9;
 
 /// `sizeof(MkTraceEntry)`: u64 start_ns, u32 wait_cycles, u32 run_cycles.
 pub const TRACE_ENTRY_BYTES: usize = 16;
@@ -132,7 +145,7 @@ pub const TRACE_ENTRY_BYTES: usize = 16;
 pub const STEP_PREFETCH_L2: i32 = 1;
 
 /// Must equal `MK_ABI_VERSION` in cuda/abi.h.
-pub const ABI_VERSION: u64 = 2;
+pub const ABI_VERSION: u64 = 3;
 
 /// The values `mk_abi_layout` in cuda/abi_probe.cu holds, in its order, computed on the Rust side.
 pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
@@ -167,6 +180,12 @@ pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
     out.extend(MkStepArgs::layout().into_iter().map(|(name, off, _)| (name, off as u64)));
     out.push(("sizeof(MkTraceEntry)", TRACE_ENTRY_BYTES as u64));
     out.push(("MK_STEP_PREFETCH_L2", STEP_PREFETCH_L2 as u64));
+    out.push(("MK_STEP_MAX_K", STEP_MAX_K as u64));
+    out.push(("MK_STEP_MAX_BATCH", STEP_MAX_BATCH as u64));
+    out.push(("MK_STAGE_ROWS", STAGE_ROWS as u64));
+    out.push(("MK_STAGE_COLS", STAGE_COLS as u64));
+    out.push(("MK_TENSOR_MAP_BYTES", TENSOR_MAP_BYTES as u64));
+    out.push(("MK_LW_COUNT", LAYER_WEIGHT_COUNT as u64));
     out
 }
 

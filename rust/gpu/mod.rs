@@ -6,6 +6,7 @@
 pub mod abi;
 pub mod compact;
 pub mod step;
+pub mod tensor_map;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -23,6 +24,20 @@ pub use embedded::{CUBINS, GENCODE, NVCC_VERSION};
 /// The embedded cubin built from `cuda/<name>.cu`.
 pub fn cubin(name: &str) -> Option<&'static [u8]> {
     CUBINS.iter().find(|(n, _)| *n == name).map(|(_, bytes)| *bytes)
+}
+
+/// Names a cubin file to load instead of the embedded megakernel: a kernel change is measured on
+/// the GPU machine by compiling `cuda/megakernel.cu` there, without rebuilding the wheel
+/// (scripts/device-kernel.sh). It must be built from the same `cuda/abi.h`.
+pub const MEGAKERNEL_CUBIN_ENV: &str = "MK_MEGAKERNEL_CUBIN";
+
+/// The megakernel image to load: `$MK_MEGAKERNEL_CUBIN` when set, else the embedded one.
+fn megakernel_image() -> Result<Vec<u8>, GpuError> {
+    match std::env::var_os(MEGAKERNEL_CUBIN_ENV) {
+        Some(path) => std::fs::read(&path)
+            .map_err(|e| GpuError::InvalidArgument(format!("{MEGAKERNEL_CUBIN_ENV}={}: {e}", path.to_string_lossy()))),
+        None => Ok(cubin("megakernel").expect("megakernel cubin is embedded by build.rs").to_vec()),
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -115,8 +130,7 @@ impl Gpu {
             kernels.load_function("mk_gemv_b32").during("find mk_gemv_b32")?,
             kernels.load_function("mk_gemv_b64").during("find mk_gemv_b64")?,
         ];
-        let image = cubin("megakernel").expect("megakernel cubin is embedded by build.rs");
-        let megakernel = ctx.load_module(Ptx::from_binary(image.to_vec())).during("load the megakernel")?;
+        let megakernel = ctx.load_module(Ptx::from_binary(megakernel_image()?)).during("load the megakernel")?;
         let decode_step = megakernel.load_function("mk_decode_step").during("find mk_decode_step")?;
         decode_step
             .set_attribute(
@@ -193,17 +207,26 @@ impl Gpu {
     /// (a list waiting on work that never comes hangs the GPU). `grid` must not exceed the number
     /// of multiprocessors, so every block is resident at once.
     pub unsafe fn decode_step(&self, args: &MkStepArgs, grid: u32, stream: sys::CUstream) -> Result<(), GpuError> {
-        if grid == 0 || grid > self.num_sms || args.per_sm <= 0 || args.batch < 1 || args.batch > 8 {
+        if grid == 0
+            || grid > self.num_sms
+            || args.per_sm <= 0
+            || args.batch < 1
+            || args.batch as usize > abi::STEP_MAX_BATCH
+        {
             return Err(GpuError::InvalidArgument(format!(
-                "decode_step needs 1 <= grid <= {} SMs, per_sm > 0 and 1 <= batch <= 8; got grid={grid}, per_sm={}, \
+                "decode_step needs 1 <= grid <= {} SMs, per_sm > 0 and 1 <= batch <= {}; got grid={grid}, per_sm={}, \
                  batch={}",
-                self.num_sms, args.per_sm, args.batch
+                self.num_sms,
+                abi::STEP_MAX_BATCH,
+                args.per_sm,
+                args.batch
             )));
         }
-        if args.head_dim != 128 || args.heads / args.kv_heads.max(1) > 8 || args.hidden > 8192 {
-            return Err(GpuError::InvalidArgument(
-                "decode_step supports head_dim 128, query groups of at most 8 and hidden <= 8192".into(),
-            ));
+        if args.head_dim != 128 || args.heads / args.kv_heads.max(1) > 8 || args.hidden as usize > abi::STEP_MAX_K {
+            return Err(GpuError::InvalidArgument(format!(
+                "decode_step supports head_dim 128, query groups of at most 8 and hidden <= {}",
+                abi::STEP_MAX_K
+            )));
         }
         let stream = self.ctx.wrap_borrowed_stream(stream);
         let cfg = LaunchConfig {

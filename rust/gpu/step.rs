@@ -17,8 +17,8 @@ use crate::graph::task::MkTask;
 use crate::graph::{BuildOptions, Geometry};
 use crate::sched::PageTable;
 
-/// Rows one launch can take: the kernel's GEMV tile covers one n-tile of 8 rows (v0).
-pub const MAX_STEP_ROWS: usize = 8;
+/// Rows one launch can take (`MK_STEP_MAX_BATCH`: the GEMV tile's one n-tile of 8).
+pub const MAX_STEP_ROWS: usize = crate::gpu::abi::STEP_MAX_BATCH;
 
 /// What Python allocated, described once at construction.
 #[derive(Debug, Clone)]
@@ -337,6 +337,9 @@ fn validate(s: &StepSetup) -> Result<(), GpuError> {
     let pointers = [
         ("layer_weights", a.layer_weights),
         ("expert_weights", a.expert_weights),
+        ("layer_maps", a.layer_maps),
+        ("expert_maps", a.expert_maps),
+        ("embed_map", a.embed_map),
         ("layer_window", a.layer_window),
         ("layer_rope", a.layer_rope),
         ("embed", a.embed),
@@ -370,6 +373,13 @@ fn validate(s: &StepSetup) -> Result<(), GpuError> {
     }
     if s.rows == 0 || s.rows > MAX_STEP_ROWS {
         return Err(invalid(format!("a launch holds 1 to {MAX_STEP_ROWS} rows, got buffers for {}", s.rows)));
+    }
+    let longest_k = [g.hidden, g.q_width(), g.dense_ffn, g.expert_ffn].into_iter().max().unwrap_or(0);
+    if longest_k > crate::gpu::abi::STEP_MAX_K {
+        return Err(invalid(format!(
+            "a GEMV reduces over at most {} values (MK_STEP_MAX_K); this geometry needs {longest_k}",
+            crate::gpu::abi::STEP_MAX_K
+        )));
     }
     if s.max_splits == 0 || s.max_splits > s.options.num_sms || s.slots < g.slots(s.rows) || s.max_pages == 0 {
         return Err(invalid(format!(

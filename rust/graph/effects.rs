@@ -171,7 +171,7 @@ fn gemv_effects(t: &MkTask, geom: &Geometry, positions: &[usize], e: &mut Effect
         }
         Matrix::DenseGateUp => {
             e.reads.extend(all(Buf::H, 0, d));
-            e.writes.extend(all(Buf::DenseAct, r0, r0 + 16));
+            e.writes.extend(all(Buf::DenseAct, r0, (r0 + n_rows).min(geom.dense_ffn)));
         }
         Matrix::DenseDown => {
             e.reads.extend(all(Buf::DenseAct, 0, geom.dense_ffn));
@@ -180,7 +180,7 @@ fn gemv_effects(t: &MkTask, geom: &Geometry, positions: &[usize], e: &mut Effect
         Matrix::ExpertGateUp => {
             e.reads.push(r(Buf::Routing, 0, 0, 1));
             e.reads.extend(all(Buf::H, 0, d));
-            e.writes.extend(slot_rows(Buf::ExpertAct, r0, r0 + 16));
+            e.writes.extend(slot_rows(Buf::ExpertAct, r0, (r0 + n_rows).min(geom.expert_ffn)));
         }
         Matrix::ExpertDown => {
             e.reads.push(r(Buf::Routing, 0, 0, 1));

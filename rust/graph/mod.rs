@@ -56,6 +56,10 @@ impl Geometry {
     }
 }
 
+/// Features (groups of 16) per gate/up task: each streams the gate and the up rows of its
+/// features, 2 * GATE_UP_GROUPS weight groups (the kernel's tile holds at most 4).
+pub const GATE_UP_GROUPS: usize = 2;
+
 /// Knobs of the task decomposition.
 #[derive(Debug, Clone)]
 pub struct BuildOptions {
@@ -206,13 +210,18 @@ impl Builder<'_> {
             for s in 0..g.slots(self.batch) {
                 self.gemv(
                     l,
-                    (Matrix::ExpertGateUp, g.expert_ffn, 1, s as i32),
+                    (Matrix::ExpertGateUp, g.expert_ffn, GATE_UP_GROUPS, s as i32),
                     &[counter(l, Counter::TopK)],
                     counter(l, Counter::FfnUp),
                 );
             }
         } else {
-            self.gemv(l, (Matrix::DenseGateUp, g.dense_ffn, 1, -1), &[h_ready], counter(l, Counter::FfnUp));
+            self.gemv(
+                l,
+                (Matrix::DenseGateUp, g.dense_ffn, GATE_UP_GROUPS, -1),
+                &[h_ready],
+                counter(l, Counter::FfnUp),
+            );
         }
         self.attention(l, positions);
         // O and the dense down projection have long rows (4096, 3072): 16-row tasks keep each
@@ -413,6 +422,18 @@ pub(crate) mod tests {
         for t in g.order.iter().filter(|t| t.op() == Op::AttnSplit) {
             assert!(chunk(t) == 128 || t.arg[4] == ends[t.arg[0] as usize], "{t:?}");
         }
+    }
+
+    #[test]
+    fn gate_up_tasks_cover_gate_up_groups_of_16_features() {
+        let geom = gpu_test();
+        let g = build_step(&geom, &[100, 200], &BuildOptions::default()).unwrap();
+        let gate_up: Vec<&MkTask> =
+            g.order.iter().filter(|t| t.op() == Op::Gemv && t.arg[0] == Matrix::ExpertGateUp as i32).collect();
+        let per_layer = geom.slots(2) * geom.expert_ffn / (16 * GATE_UP_GROUPS);
+        assert_eq!(gate_up.len(), per_layer * (geom.layers() - 1));
+        assert!(gate_up.iter().all(|t| t.arg[2] == GATE_UP_GROUPS as i32 && t.arg[1] % 32 == 0));
+        assert!(check::check(&geom, &g, 10).is_empty());
     }
 
     #[test]

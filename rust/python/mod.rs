@@ -87,14 +87,30 @@ fn gemv(
     .map_err(errors::to_py)
 }
 
+/// Bulk-copy descriptors of weight matrices for the megakernel (`MkStepArgs.layer_maps` etc.):
+/// one (address, rows, cols) per matrix, address 0 for an empty entry; returns
+/// MK_TENSOR_MAP_BYTES bytes per entry, in order, to be uploaded 64-byte aligned.
+#[pyfunction]
+fn weight_maps<'py>(py: Python<'py>, matrices: Vec<(u64, u64, u64)>) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+    let specs: Vec<gpu::tensor_map::MatrixSpec> =
+        matrices.into_iter().map(|(address, rows, cols)| gpu::tensor_map::MatrixSpec { address, rows, cols }).collect();
+    let bytes = py.detach(|| gpu::tensor_map::encode(&specs)).map_err(errors::to_py)?;
+    Ok(pyo3::types::PyBytes::new(py, &bytes))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("GpuError", m.py().get_type::<errors::GpuError>())?;
     m.add("STEP_PREFETCH_L2", gpu::abi::STEP_PREFETCH_L2)?;
+    m.add("STEP_MAX_K", gpu::abi::STEP_MAX_K)?;
+    m.add("STEP_MAX_BATCH", gpu::abi::STEP_MAX_BATCH)?;
     m.add_function(wrap_pyfunction!(gpu_available, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(add_rmsnorm, m)?)?;
     m.add_function(wrap_pyfunction!(gemv, m)?)?;
+    m.add_function(wrap_pyfunction!(weight_maps, m)?)?;
+    m.add("TENSOR_MAP_BYTES", gpu::abi::TENSOR_MAP_BYTES)?;
+    m.add("LAYER_WEIGHT_COUNT", gpu::abi::LAYER_WEIGHT_COUNT)?;
     m.add_function(wrap_pyfunction!(graph::build_step_graph, m)?)?;
     m.add_function(wrap_pyfunction!(graph::step_args_layout, m)?)?;
     m.add_function(wrap_pyfunction!(graph::decode_step, m)?)?;

@@ -40,13 +40,17 @@ def pack_step_args(values: dict[str, int | float]) -> bytes:
 
 @dataclass(frozen=True)
 class ModelTables:
-    """The model's device-side lookup tables: weight addresses (nothing is repacked) and per-layer
+    """The model's device-side lookup tables: weight addresses (nothing is repacked), the weights'
+    bulk-copy descriptors (the same matrices, for the kernel's weight producer) and per-layer
     flags."""
 
     layer_weights: torch.Tensor  # uint64 [layers][MK_LW_COUNT]
     expert_weights: torch.Tensor  # uint64 [layers][experts][3]: gate, up, down
     layer_window: torch.Tensor  # int32 [layers], 0 = full attention
     layer_rope: torch.Tensor  # int32 [layers]
+    layer_maps: torch.Tensor  # uint8 [layers][MK_LW_COUNT][TENSOR_MAP_BYTES]
+    expert_maps: torch.Tensor  # uint8 [layers][experts][3][TENSOR_MAP_BYTES]
+    embed_map: torch.Tensor  # uint8 [TENSOR_MAP_BYTES]
 
     @classmethod
     def build(cls, model: Model) -> ModelTables:
@@ -54,24 +58,51 @@ class ModelTables:
         for t in w.values():
             if not t.is_contiguous():
                 raise ValueError("the megakernel needs contiguous weights")
-        layers = torch.zeros(cfg.num_hidden_layers, 9, dtype=torch.int64)
+        n_lw = _native.LAYER_WEIGHT_COUNT
+        layers = torch.zeros(cfg.num_hidden_layers, n_lw, dtype=torch.int64)
         experts = torch.zeros(cfg.num_hidden_layers, cfg.num_experts, 3, dtype=torch.int64)
+        # (address, rows, cols) of every matrix, in the tables' order, for the tensor maps.
+        layer_specs = [[(0, 0, 0)] * n_lw for _ in range(cfg.num_hidden_layers)]
+        expert_specs = [[[(0, 0, 0)] * 3 for _ in range(cfg.num_experts)] for _ in range(cfg.num_hidden_layers)]
+
+        def spec(t: torch.Tensor) -> tuple[int, int, int]:
+            return (t.data_ptr(), t.shape[0], t.shape[1]) if t.dim() == 2 else (0, 0, 0)
+
         for layer in range(cfg.num_hidden_layers):
             p = f"model.layers.{layer}."
-            for i, name in enumerate(_LAYER_WEIGHTS):
-                layers[layer, i] = w[f"{p}{name}.weight"].data_ptr()
+            named = [(i, f"{p}{name}.weight") for i, name in enumerate(_LAYER_WEIGHTS)]
             if cfg.is_moe(layer):
-                layers[layer, 5] = w[p + "mlp.gate.weight"].data_ptr()
+                named.append((5, p + "mlp.gate.weight"))
                 for e in range(cfg.num_experts):
                     for j, proj in enumerate(("gate_proj", "up_proj", "down_proj")):
-                        experts[layer, e, j] = w[f"{p}mlp.experts.{e}.{proj}.weight"].data_ptr()
+                        t = w[f"{p}mlp.experts.{e}.{proj}.weight"]
+                        experts[layer, e, j] = t.data_ptr()
+                        expert_specs[layer][e][j] = spec(t)
             else:
-                for j, proj in enumerate(("gate_proj", "up_proj", "down_proj")):
-                    layers[layer, 6 + j] = w[f"{p}mlp.{proj}.weight"].data_ptr()
+                named += [
+                    (6 + j, f"{p}mlp.{proj}.weight") for j, proj in enumerate(("gate_proj", "up_proj", "down_proj"))
+                ]
+            for i, name in named:
+                layers[layer, i] = w[name].data_ptr()
+                layer_specs[layer][i] = spec(w[name])
         n = cfg.num_hidden_layers
         window = torch.tensor([cfg.window(i) or 0 for i in range(n)], dtype=torch.int32)
         rope = torch.tensor([int(cfg.needs_rope(i)) for i in range(n)], dtype=torch.int32)
-        return cls(*(t.to(model.device) for t in (layers, experts, window, rope)))
+        mb = _native.TENSOR_MAP_BYTES
+
+        def maps(specs: list, shape: tuple[int, ...]) -> torch.Tensor:
+            # Encoding needs the CUDA driver; a model elsewhere (CPU tests of the templates) gets
+            # zeros, and the megakernel refuses to run it anyway.
+            if model.device.type != "cuda" or not specs:
+                return torch.zeros(*shape, mb, dtype=torch.uint8)
+            return torch.frombuffer(bytearray(_native.weight_maps(specs)), dtype=torch.uint8).reshape(*shape, mb)
+
+        flat_experts = [s for per_layer in expert_specs for per_expert in per_layer for s in per_expert]
+        layer_maps = maps([s for per_layer in layer_specs for s in per_layer], (n, n_lw))
+        expert_maps = maps(flat_experts, (n, cfg.num_experts, 3))
+        embed_map = maps([spec(w["model.embed_tokens.weight"])], ())
+        tensors = (layers, experts, window, rope, layer_maps, expert_maps, embed_map)
+        return cls(*(t.to(model.device) for t in tensors))
 
 
 def fixed_step_args(
@@ -88,6 +119,9 @@ def fixed_step_args(
         expert_weights=tables.expert_weights.data_ptr(),
         layer_window=tables.layer_window.data_ptr(),
         layer_rope=tables.layer_rope.data_ptr(),
+        layer_maps=tables.layer_maps.data_ptr(),
+        expert_maps=tables.expert_maps.data_ptr(),
+        embed_map=tables.embed_map.data_ptr(),
         embed=model.weights["model.embed_tokens.weight"].data_ptr(),
         final_norm=model.weights["model.norm.weight"].data_ptr(),
         k_pool=kv.k.data_ptr(),

@@ -14,9 +14,9 @@ from mk.config import ModelConfig
 
 BACKENDS = ("auto", "megakernel", "reference")
 
-# Rows one launch takes (the v0 GEMV tile: one n-tile of 8; rust/gpu/step.rs MAX_STEP_ROWS). A
-# larger engine batch runs as several launches per step.
-MAX_STEP_ROWS = 8
+# Rows one launch takes (MK_STEP_MAX_BATCH in cuda/abi.h). A larger engine batch runs as several
+# launches per step.
+MAX_STEP_ROWS = _native.STEP_MAX_BATCH
 
 
 class MegakernelUnavailable(RuntimeError):
@@ -26,15 +26,17 @@ class MegakernelUnavailable(RuntimeError):
 def geometry_unsupported(cfg: ModelConfig) -> str | None:
     """Why the kernel cannot run this geometry (cuda/ops limits), or None."""
     group = cfg.num_attention_heads // cfg.num_key_value_heads
+    longest_k = max(cfg.hidden_size, cfg.q_width, cfg.intermediate_size, cfg.prefix_dense_intermediate_size)
     checks = [
         (cfg.head_dim == 128, f"head_dim is {cfg.head_dim} (the kernel's attention is built for 128)"),
         (
             cfg.num_attention_heads % cfg.num_key_value_heads == 0 and group <= 8,
             f"{cfg.num_attention_heads} query heads over {cfg.num_key_value_heads} KV heads (groups of at most 8)",
         ),
+        (cfg.hidden_size % 32 == 0, f"hidden_size {cfg.hidden_size} is not a multiple of 32"),
         (
-            cfg.hidden_size % 32 == 0 and cfg.hidden_size <= 8192,
-            f"hidden_size {cfg.hidden_size} (a multiple of 32, ≤ 8192)",
+            longest_k <= _native.STEP_MAX_K,
+            f"a reduction over {longest_k} values (hidden, q width or FFN width; at most {_native.STEP_MAX_K})",
         ),
         (
             cfg.intermediate_size % 32 == 0 and cfg.prefix_dense_intermediate_size % 32 == 0,

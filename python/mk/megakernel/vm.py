@@ -109,15 +109,15 @@ class _Interpreter:
         elif matrix == Matrix.ROUTER:
             b.router[:, r0:r1] = self.matmul(b.h, self.lw(layer, "mlp.gate")[r0:r1])
         elif matrix == Matrix.DENSE_GATE_UP:
-            gate, up = self.lw(layer, "mlp.gate_proj")[r0 : r0 + 16], self.lw(layer, "mlp.up_proj")[r0 : r0 + 16]
-            b.dense_act[:, r0 : r0 + 16] = self.swiglu_half(b.h, gate, up)
+            gate, up = self.lw(layer, "mlp.gate_proj")[r0:r1], self.lw(layer, "mlp.up_proj")[r0:r1]
+            b.dense_act[:, r0:r1] = self.swiglu_half(b.h, gate, up)
         elif matrix == Matrix.DENSE_DOWN:
             b.ffn_out[:, r0:r1] = self.matmul(b.dense_act, self.lw(layer, "mlp.down_proj")[r0:r1])
         elif matrix == Matrix.EXPERT_GATE_UP:
             if slot < int(b.slot_count[0]):
                 p, rows = self.expert_prefix(layer, slot), self.expert_rows(slot)
-                gate, up = self.w[p + "gate_proj.weight"][r0 : r0 + 16], self.w[p + "up_proj.weight"][r0 : r0 + 16]
-                b.expert_act[slot, rows, r0 : r0 + 16] = self.swiglu_half(b.h[rows], gate, up)
+                gate, up = self.w[p + "gate_proj.weight"][r0:r1], self.w[p + "up_proj.weight"][r0:r1]
+                b.expert_act[slot, rows, r0:r1] = self.swiglu_half(b.h[rows], gate, up)
         elif matrix == Matrix.EXPERT_DOWN:
             if slot < int(b.slot_count[0]):
                 p, rows = self.expert_prefix(layer, slot), self.expert_rows(slot)

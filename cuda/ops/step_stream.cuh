@@ -1,0 +1,115 @@
+// Weight streaming for the decode megakernel's GEMV tasks: a producer warp walks the block's task
+// list ahead of the compute warps and bulk-copies (cp.async.bulk, the copy engine) every GEMV
+// task's weight tiles into a ring of shared-memory stages, each guarded by a "full" mbarrier
+// (bytes landed) and an "empty" one (every compute warp is done with it). Weights never change,
+// so a task's tiles are in flight while earlier tasks still wait on their inputs; only expert
+// tiles wait, for the layer's top-k task that says which expert a slot holds.
+//
+// Producer and consumers walk the same stage sequence: for each GEMV task with weights, for each
+// 16-row group with rows, for each chunk of kc columns, one stage (stream_stages below).
+#pragma once
+#include "step_common.cuh"
+
+namespace mk {
+
+constexpr int kStageRows = MK_STAGE_ROWS;
+constexpr int kBoxCols = MK_STAGE_COLS;  // weight columns per bulk tensor copy (bf16)
+#ifndef MK_STAGE_BOXES
+#define MK_STAGE_BOXES 1
+#endif
+constexpr int kStageBoxes = MK_STAGE_BOXES;  // copies per stage, side by side along k
+// A stage is kStageBoxes dense [kStageRows][box] tiles: rows g and g + 1 read at one column by a
+// quarter-warp share banks (2-way), a small cost beside the copy it saves.
+constexpr int kStageBytes = kStageBoxes * kStageRows * kBoxCols * 2;
+
+// Columns per copy for a reduction length k (a multiple of 32): the box of the host's tensor
+// maps (rust/gpu/tensor_map.rs stage_cols), min(k, MK_STAGE_COLS). Where the stage's columns do
+// not divide k the last stage runs past the matrix: copies past k are not issued, a copy that
+// straddles k is zero-filled, and the compute skips those columns.
+__device__ __forceinline__ int box_cols(int k) { return min(k, kBoxCols); }
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+
+// Makes the initialised barriers visible to the copy engine (the async proxy).
+__device__ __forceinline__ void mbar_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
+    uint32_t done;
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+
+// Waits for the phase of parity `parity` to complete; traps (a launch error, not a hung GPU) if
+// it never does.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+    if (mbar_try_wait(bar, parity)) return;
+    const uint64_t start = global_ns();
+    while (!mbar_try_wait(bar, parity))
+        if (global_ns() - start > kWaitLimitNs) __trap();
+}
+
+__device__ __forceinline__ uint64_t evict_first_policy() {
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
+// Copies the [kStageRows][box cols] tile at (column c0, row r0) of the matrix `map` describes
+// into shared memory, counted on `bar`'s transaction count.
+__device__ __forceinline__ void tensor_copy_2d(void* dst, const void* map, int c0, int r0, uint64_t* bar,
+                                               uint64_t policy) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(smem_addr(dst)),
+        "l"(map), "r"(c0), "r"(r0), "r"(smem_addr(bar)), "l"(policy)
+        : "memory");
+}
+
+// The ring of stages and its barriers, carved out of the block's dynamic shared memory.
+struct Ring {
+    unsigned char* stages;  // [stages][kStageBytes]
+    uint64_t* full;         // [stages], 1 arrival (the producer) + the stage's bytes
+    uint64_t* empty;        // [stages], kWarps arrivals (one per compute warp)
+    int count;
+
+    __device__ unsigned char* stage(uint32_t n) const { return stages + (size_t)(n % count) * kStageBytes; }
+    __device__ uint64_t* full_of(uint32_t n) const { return full + n % count; }
+    __device__ uint64_t* empty_of(uint32_t n) const { return empty + n % count; }
+    // Parity of the n-th use's phase of its slot.
+    __device__ uint32_t parity(uint32_t n) const { return (n / count) & 1u; }
+};
+
+// One thread initialises the barriers before the block splits into roles.
+__device__ __forceinline__ void ring_init(const Ring& r) {
+    for (int i = 0; i < r.count; ++i) {
+        mbar_init(r.full + i, 1);
+        mbar_init(r.empty + i, kWarps);
+    }
+    mbar_init_fence();
+}
+
+}  // namespace mk

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Runs ON the GPU machine: one megakernel iteration without a wheel rebuild (~3-5 min). Compiles
+# cuda/megakernel.cu with that machine's nvcc into a cubin the installed wheel loads instead of
+# its embedded one ($MK_MEGAKERNEL_CUBIN; the wheel must come from the same cuda/abi.h), then in
+# the same call runs the megakernel's GPU tests, the decode benchmark with one trace, and the
+# yardstick of record (copied beside the wheels: cp ../shared/tools/yardstick.py .whl/).
+#   device run:  bash scripts/device-kernel.sh      (carry: [".whl"])
+# Environment: TESTS (pytest files/args, default the megakernel tests; "none" skips them),
+# POINTS (decode points, default 1x8192,8x8192), TRACE=0 (no trace), YARDSTICK=0 (skip it),
+# NVCC_FLAGS (extra nvcc flags, e.g. -D switches of a variant).
+# Writes $OUT/{nvcc.log,tests.log,decode.json,bench.log,yardstick.json}; prints a summary last.
+set -uo pipefail
+source "$(dirname "$0")/device-env.sh"
+nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+export MK_MEGAKERNEL_CUBIN=/tmp/mk-megakernel.cubin
+# The flags of build.rs.
+# shellcheck disable=SC2086
+"$nvcc" -cubin -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Icuda -Xptxas=-v,-warn-spills ${NVCC_FLAGS:-} \
+    -o "$MK_MEGAKERNEL_CUBIN" cuda/megakernel.cu >"$OUT/nvcc.log" 2>&1 || { cat "$OUT/nvcc.log"; exit 1; }
+
+status=0
+tests=${TESTS:-tests/test_megakernel_gpu.py}
+if [ "$tests" != none ]; then
+    # shellcheck disable=SC2086
+    timeout "${TEST_S:-300}" python3 -m pytest -q -x -p no:cacheprovider -m gpu $tests >"$OUT/tests.log" 2>&1 || status=1
+fi
+trace=(--trace)
+[ "${TRACE:-1}" = 0 ] && trace=()
+timeout "${BENCH_S:-240}" python3 benches/decode.py --plain "${trace[@]}" --points "${POINTS:-1x8192,8x8192}" \
+    --json "$OUT/decode.json" >"$OUT/bench.log" 2>&1 || status=1
+if [ "${YARDSTICK:-1}" = 1 ] && [ -f .whl/yardstick.py ]; then
+    timeout 200 python3 .whl/yardstick.py --points "${POINTS:-1x8192,8x8192}" --json "$OUT/yardstick.json" \
+        >"$OUT/yardstick.log" 2>&1 || status=1
+fi
+
+echo "== nvcc =="
+grep -E "registers|stack frame" "$OUT/nvcc.log" | grep -A0 -B0 "" | tail -n 2
+echo "== tests =="
+[ -f "$OUT/tests.log" ] && { grep -E "passed|failed|error" "$OUT/tests.log" | tail -n 3; grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/tests.log" | head -n 15; }
+echo "== decode =="
+grep -vE "^\{'" "$OUT/bench.log" | tail -n 60
+echo "== yardstick =="
+[ -f "$OUT/yardstick.log" ] && tail -n 4 "$OUT/yardstick.log"
+exit $status

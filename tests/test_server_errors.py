@@ -215,3 +215,90 @@ def test_full_waiting_queue_is_503_with_retry_after(server):
         t.join(60)
     assert opened == [200, 200]
     assert post(server, COMP, {"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_unknown_and_refused_top_level_fields_are_named(server):
+    err = assert_error(post(server, CHAT, {"messages": USER, "max_token": 5}), 400, param="max_token")
+    assert "did you mean 'max_tokens'" in err["message"] and err["code"] == "unknown_field"
+    assert_error(post(server, COMP, {"prompt": "x", "stream_option": {}}), 400, param="stream_option")
+    for field, value in [("functions", []), ("function_call", "auto"), ("modalities", ["text"]), ("prediction", {})]:
+        assert_error(post(server, CHAT, {"messages": USER, field: value}), 400, param=field)
+    assert_error(post(server, CHAT, {"messages": USER, "temperature": 2.5}), 400, param="temperature")
+    # The documented harmless ones are accepted (and change nothing).
+    r = post(server, CHAT, {"messages": USER, "max_tokens": 1, "user": "u1", "metadata": {"k": "v"}, "store": False})
+    assert r.status_code == 200, r.text
+
+
+def test_lone_surrogates_are_a_400_naming_the_field(server):
+    raw = [
+        (CHAT, b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content"),
+        (COMP, b'{"prompt": "x\\udfff"}', "prompt"),
+        (COMP, b'{"prompt": ["ok", "\\ud83d"]}', "prompt[1]"),
+        (
+            CHAT,
+            b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+            b'"function": {"name": "f", "description": "\\udc00"}}]}',
+            "tools[0].function.description",
+        ),
+    ]
+    for path, body, param in raw:
+        assert_error(post(server, path, content=body), 400, param=param, contains="surrogate")
+    # A proper pair (an emoji) is valid Unicode.
+    ok = b'{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}], "max_tokens": 1}'
+    assert post(server, CHAT, content=ok).status_code == 200
+
+
+def test_a_body_declared_as_not_json_is_415(server):
+    body = b'{"prompt": "x", "max_tokens": 1}'
+    for declared in ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"]:
+        r = post(server, COMP, content=body, headers={**AUTH, "Content-Type": declared})
+        assert_error(r, 415, contains="application/json")
+    for declared in ["application/json", "application/json; charset=utf-8", "application/vnd.api+json"]:
+        r = post(server, COMP, content=body, headers={**AUTH, "Content-Type": declared})
+        assert r.status_code == 200, (declared, r.text)
+
+
+def test_models_retrieve_and_head_health(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    model = client.models.retrieve(NAME)
+    assert model.id == NAME and model.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    assert_error(httpx.get(server.url + "/v1/models/" + NAME), 401)  # the key is needed there too
+    r = httpx.head(server.url + "/health")
+    assert r.status_code == 200 and r.content == b""
+
+
+def test_prompts_are_rendered_and_tokenized_off_the_event_loop():
+    import asyncio
+    from types import SimpleNamespace
+
+    from mk.server.app import ServerState
+    from mk.server.chat_completions import chat_completions
+    from mk.server.completions import completions
+    from mk.server.errors import APIError, bad_request
+    from mk.tokenizer import Tokenizer
+
+    threads = []
+    tokenizer = Tokenizer.builtin(512)
+
+    def encode(text, add_special_tokens=True):
+        threads.append(threading.get_ident())
+        raise bad_request("stop before the engine")
+
+    tokenizer.encode = encode
+
+    class NoEngine:
+        max_context = 512
+        config = SimpleNamespace(vocab_size=512)
+
+    state = ServerState(NoEngine(), tokenizer, NAME)
+
+    async def run() -> int:
+        for handler, body in [(chat_completions, {"messages": USER}), (completions, {"prompt": "x"})]:
+            with pytest.raises(APIError, match="stop before the engine"):
+                await handler(state, body, {"id": "t"})
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(run())
+    assert len(threads) == 2 and loop_thread not in threads

@@ -144,3 +144,18 @@ def test_drain_timeout_cuts_long_requests_and_still_exits_0():
         assert server.proc.wait(30) == 0
     finally:
         server.stop()
+
+
+def test_a_port_in_use_is_one_line_and_a_non_zero_exit():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "mk.server", "--device", "cpu", "--port", str(port)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert f"cannot listen on 127.0.0.1:{port}" in out and "Traceback" not in out, out
+    assert "serving" not in out and "engine ready" not in out, out

@@ -1,6 +1,7 @@
 """`python -m mk.server`: the OpenAI-compatible server.
 
-With no arguments it serves the built-in tiny model (random weights: the text is noise) on
+With no arguments it serves the built-in model (a small coder of North Mini Code's architecture,
+trained on the Python standard library: it writes code-shaped text, not good code) on
 127.0.0.1:8000, on the GPU when there is one. Routes: /v1/chat/completions, /v1/completions,
 /v1/models, /health, /metrics.
 """
@@ -11,6 +12,7 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -178,10 +180,23 @@ def main(argv: list[str] | None = None) -> None:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     try:
+        check_port(args.host, args.port)  # before the model loads, and before any "serving" line
         state = build_state(args)
     except (ValueError, OSError, RuntimeError) as e:
         sys.exit(f"python -m mk.server: error: {e}")
     asyncio.run(serve(App(state), args.host, args.port, args.drain_timeout, args.log_level == "debug"))
+
+
+def check_port(host: str, port: int) -> None:
+    """OSError naming the address when nothing could listen on it (in use, not ours, bad host)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def build_state(args: argparse.Namespace) -> ServerState:

@@ -4,6 +4,7 @@ request, a periodic engine-status line, and draining for shutdown."""
 from __future__ import annotations
 
 import asyncio
+import difflib
 import hmac
 import logging
 import time
@@ -17,6 +18,7 @@ from mk.engine_api import AsyncEngine
 from mk.server import http
 from mk.server.errors import APIError, bad_request, error_body
 from mk.server.metrics import Metrics
+from mk.server.schemas import IGNORED_FIELDS, REFUSED_FIELDS
 from mk.tokenizer import Tokenizer
 
 log = logging.getLogger("mk.server")
@@ -50,9 +52,22 @@ class ServerState:
 
 
 def validate(model: type, obj: Any) -> Any:
-    """A pydantic model of the body, or 400 naming the first offending field."""
+    """A pydantic model of the body, or 400 naming the first offending field (a string that is not valid
+    Unicode, a refused or unknown top-level field, a bad value)."""
     if not isinstance(obj, dict):
         raise bad_request("the request body must be a JSON object")
+    where = _lone_surrogate(obj)
+    if where is not None:
+        raise bad_request(f"{where or 'the body'}: a string holds a lone UTF-16 surrogate (not valid Unicode)", where)
+    for name in obj:
+        if name in REFUSED_FIELDS:
+            raise bad_request(REFUSED_FIELDS[name], name)
+    unknown = [n for n in obj if n not in model.model_fields and n not in IGNORED_FIELDS]
+    if unknown:
+        name = unknown[0]
+        close = difflib.get_close_matches(name, list(model.model_fields), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise bad_request(f"unknown field {name!r}{hint}", name, "unknown_field")
     try:
         return model.model_validate(obj)
     except ValidationError as e:
@@ -63,6 +78,31 @@ def validate(model: type, obj: Any) -> Any:
         raise bad_request(f"{loc}: {msg}" if loc else msg, loc or None) from None
 
 
+def _lone_surrogate(obj: Any, where: str = "") -> str | None:
+    """The location of the first string (value or key) the JSON decoder made from a lone \\uD800-style
+    escape: such text cannot be encoded, so the tokenizer would fail on it."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+        return None
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            at = f"{where}.{k}".lstrip(".") if isinstance(k, str) and k.isprintable() else where
+            found = _lone_surrogate(k, at) if isinstance(k, str) else None
+            if found is None:
+                found = _lone_surrogate(v, at)
+            if found is not None:
+                return found
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            found = _lone_surrogate(v, f"{where}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
 def _union_tag(part: str | int) -> bool:
     """pydantic names the union member in an error's location ('str', 'list[TextPart]', 'NamedToolChoice');
     field names are lowercase identifiers."""
@@ -70,6 +110,8 @@ def _union_tag(part: str | int) -> bool:
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+MODEL_ROUTE = "/v1/models/"  # + a model id
 
 
 class App:
@@ -171,11 +213,18 @@ class App:
 
     async def _route(self, scope: dict[str, Any], receive: http.Receive, send: http.Send, info: dict) -> None:
         path, method = scope["path"], scope["method"]
-        known = path in self._get or path in self._post
+        model_id = path.removeprefix(MODEL_ROUTE) if path.startswith(MODEL_ROUTE) else None
+        known = path in self._get or path in self._post or model_id is not None
         if not known:
             raise APIError(404, f"no route {path}", code="not_found")
         if path != "/health" and self.state.api_key is not None:
             self._authorize(scope)
+        if method == "HEAD" and path == "/health":  # load balancers' probe: the status, no body
+            await http.send_bytes(send, 503 if self.state.draining else 200, b"", "application/json", None)
+            return
+        if method == "GET" and model_id is not None:
+            await self._model(send, model_id)
+            return
         if method == "GET" and path in self._get:
             await self._get[path](send)
             return
@@ -183,6 +232,7 @@ class App:
             raise APIError(405, f"{method} is not allowed on {path}", code="method_not_allowed")
         if self.state.draining:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
+        http.require_json(scope)
         obj = http.parse_json(await http.read_body(scope, receive, self.state.max_body_bytes))
         await http.race_disconnect(self._respond(self._post[path], obj, send, info), receive)
 
@@ -216,15 +266,23 @@ class App:
         else:
             await http.send_json(send, 200, {"status": "ok"})
 
-    async def _models(self, send: http.Send) -> None:
-        model = {
+    def _model_card(self) -> dict[str, Any]:
+        return {
             "id": self.state.model_name,
             "object": "model",
             "created": self.state.created,
             "owned_by": "mk",
             "max_model_len": self.state.engine.max_context,
         }
-        await http.send_json(send, 200, {"object": "list", "data": [model]})
+
+    async def _models(self, send: http.Send) -> None:
+        await http.send_json(send, 200, {"object": "list", "data": [self._model_card()]})
+
+    async def _model(self, send: http.Send, model_id: str) -> None:
+        """GET /v1/models/{id} (the client's models.retrieve)."""
+        if model_id != self.state.model_name:
+            raise APIError(404, f"model {model_id!r} is not served here", "model", "model_not_found")
+        await http.send_json(send, 200, self._model_card())
 
     async def _metrics(self, send: http.Send) -> None:
         text = self.state.metrics.render(self.state.engine.stats()).encode()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -33,7 +34,9 @@ async def chat_completions(state: ServerState, obj: Any, info: dict) -> dict | A
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options needs stream: true", "stream_options")
-    prompt = build_prompt(req, state.tokenizer)
+    # Rendering and tokenizing a long conversation takes seconds: off the event loop, so other
+    # streams and /health are not held up.
+    prompt = await asyncio.to_thread(build_prompt, req, state.tokenizer)
     max_tokens = max_new_tokens(req, len(prompt.token_ids), state.engine.max_context)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     rid = "chatcmpl-" + info["id"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ async def completions(state: ServerState, obj: Any, info: dict) -> dict | AsyncI
     refuse_unsupported(req)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options needs stream: true", "stream_options")
-    prompts = _prompt_ids(req, state)
+    prompts = await asyncio.to_thread(_prompt_ids, req, state)  # tokenizing is slow: off the event loop
     budgets = [max_new_tokens(req, len(ids), state.engine.max_context) for ids, _ in prompts]
     rid = "cmpl-" + info["id"]
     choices: list[_Choice] = []

@@ -11,6 +11,7 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     500: "server_error",
     502: "model_output_error",
     503: "server_overloaded",

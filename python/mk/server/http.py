@@ -43,6 +43,20 @@ async def read_body(scope: dict[str, Any], receive: Receive, limit: int) -> byte
             return b"".join(chunks)
 
 
+def require_json(scope: dict[str, Any]) -> None:
+    """415 for a body declared as something other than JSON (no Content-Type at all is taken as JSON)."""
+    declared = header(scope, b"content-type")
+    if declared is None:
+        return
+    media = declared.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise APIError(
+            415,
+            f"the request body must be JSON (Content-Type: application/json), not {media!r}",
+            code="unsupported_media_type",
+        )
+
+
 def parse_json(body: bytes) -> Any:
     def no_constants(name: str) -> Any:
         raise ValueError(f"{name} is not JSON")

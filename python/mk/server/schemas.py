@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI routes (pydantic v2, strict types: "1" is not a number, true is not 1).
 
-Fields mk honours are typed here; fields that change nothing for this engine (`user`, `metadata`,
-`store`, ...) pass as extras and are ignored; fields mk cannot honour are refused with 400 in
-`sampling.py` rather than ignored.
+Fields mk honours are typed here. At the top level of a request, the few fields that change nothing
+for this engine (IGNORED_FIELDS: `user`, `metadata`, `store`, ...) are accepted and ignored; any other
+unknown field is refused with a 400 that names it (a typo such as `max_token` must not silently run
+the default), and fields mk cannot honour are refused in `params.py` rather than ignored.
 """
 
 from __future__ import annotations
@@ -13,6 +14,19 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_N = 32
 MAX_STOPS = 16
+
+# Top-level fields accepted and ignored: they change nothing a self-hosted engine computes.
+IGNORED_FIELDS = frozenset(
+    {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier", "prompt_cache_key"}
+)
+# Top-level fields refused with a reason of their own.
+REFUSED_FIELDS = {
+    "functions": "the legacy 'functions' field is not supported; send 'tools'",
+    "function_call": "the legacy 'function_call' field is not supported; send 'tool_choice'",
+    "modalities": "only text output is supported; leave 'modalities' out",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs ('prediction') are not supported",
+}
 
 
 class _Body(BaseModel):
@@ -28,7 +42,7 @@ class _Sampling(_Body):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = None

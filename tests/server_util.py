@@ -60,9 +60,9 @@ class ServerProcess:
         return self.proc.returncode
 
     def metric(self, name: str, headers: dict[str, str] | None = None) -> float:
-        """One unlabelled sample of /metrics."""
+        """The first sample of `name` on /metrics, whatever its labels."""
         text = httpx.get(self.url + "/metrics", headers=headers, timeout=5).text
         for line in text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
+            if line.startswith((name + " ", name + "{")):
+                return float(line.rsplit(" ", 1)[1])
         raise KeyError(name)

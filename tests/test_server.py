@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+from pathlib import Path
 
 import httpx
 import openai
@@ -197,6 +198,18 @@ def test_metrics_count_tokens_and_latencies(server, client):
     ):
         assert name in text
     assert server.metric("mk_time_to_first_token_seconds_count") >= 1
+    for name in ("mk_request_queue_time_seconds", "mk_request_prefill_time_seconds", "mk_request_decode_time_seconds"):
+        assert server.metric(name + "_count") >= 1, name
+    assert f'model_name="{NAME}"' in text
+
+
+def test_every_metric_is_documented_in_the_readme(server):
+    text = httpx.get(server.url + "/metrics").text
+    names = {line.split()[2] for line in text.splitlines() if line.startswith("# HELP mk_")}
+    assert len(names) >= 15
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    missing = sorted(n for n in names if f"`{n}`" not in readme)
+    assert not missing, f"metrics missing from README.md: {missing}"
 
 
 def test_a_disconnect_cancels_the_request_and_frees_its_blocks(server):

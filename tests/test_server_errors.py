@@ -43,9 +43,10 @@ def assert_error(r, status, param=None, contains=None):
     return err
 
 
-def test_api_key_is_required_everywhere_but_health(server):
+def test_api_key_is_required_everywhere_but_health_and_metrics(server):
     assert httpx.get(server.url + "/health").status_code == 200
-    for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", CHAT), ("POST", COMP)]:
+    assert httpx.get(server.url + "/metrics").status_code == 200  # scrapers carry no key (--protect-metrics)
+    for method, path in [("GET", "/v1/models"), ("POST", CHAT), ("POST", COMP)]:
         r = httpx.request(method, server.url + path, json={"messages": USER})
         assert_error(r, 401)
         r = httpx.request(method, server.url + path, headers={"Authorization": "Bearer wrong"})

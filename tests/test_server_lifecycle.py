@@ -159,3 +159,13 @@ def test_a_port_in_use_is_one_line_and_a_non_zero_exit():
     assert done.returncode != 0, out
     assert f"cannot listen on 127.0.0.1:{port}" in out and "Traceback" not in out, out
     assert "serving" not in out and "engine ready" not in out, out
+
+
+def test_protect_metrics_puts_metrics_behind_the_key():
+    s = ServerProcess("--device", "cpu", "--api-key", "k1", "--protect-metrics").wait_ready()
+    try:
+        assert httpx.get(s.url + "/metrics", timeout=5).status_code == 401
+        r = httpx.get(s.url + "/metrics", headers={"Authorization": "Bearer k1"}, timeout=5)
+        assert r.status_code == 200 and "mk_generation_tokens_total" in r.text
+    finally:
+        assert s.stop() == 0, s.output()

@@ -69,8 +69,10 @@ class MegakernelRunner(Runner, Protocol):
 
     def megakernel_setup(self) -> dict[str, Any]: ...
 
-# (id, token, logprob, top alternatives, finish reason, error, cached prompt tokens)
-EventTuple = tuple[int, int | None, float | None, list[tuple[int, float]] | None, str | None, str | None, int | None]
+# (id, token, logprob, top alternatives, finish reason, error, cached prompt tokens, seconds queued)
+EventTuple = tuple[
+    int, int | None, float | None, list[tuple[int, float]] | None, str | None, str | None, int | None, float | None
+]
 
 def kv_blocks_needed(sliding: list[bool], window: int, len: int, chunk: int) -> tuple[int, int]:
     """(blocks a len-token sequence holds decoding, peak blocks prefilling it in chunks), 64-token pages."""

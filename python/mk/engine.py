@@ -251,11 +251,11 @@ def _pump(native: _native.Engine, streams: dict[int, _Stream]) -> None:
         if batch is None:
             break
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for nid, token, logprob, top, finish, error, cached in batch:
+        for nid, token, logprob, top, finish, error, cached, queued in batch:
             stream = streams.get(nid)
             if stream is None:
                 continue
-            event = TokenEvent(token, logprob, None if top is None else tuple(top), finish, error, cached)
+            event = TokenEvent(token, logprob, None if top is None else tuple(top), finish, error, cached, queued)
             if finish is not None:
                 stream.finished = True
                 del streams[nid]

@@ -22,6 +22,8 @@ class TokenEvent:
     error: str | None = None
     # On a request's first token: prompt tokens served from the prefix cache (None elsewhere).
     cached_tokens: int | None = None
+    # On a request's first token: seconds from submission to its admission by the scheduler.
+    queue_time: float | None = None
 
 
 @dataclass(slots=True)

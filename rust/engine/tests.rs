@@ -36,6 +36,8 @@ pub(crate) struct Outcome {
     /// Tokens each request received per iteration (for stall checks).
     pub per_iteration: Vec<HashMap<u64, usize>>,
     pub cached: HashMap<u64, usize>,
+    /// Seconds each request waited before its first admission.
+    pub queued: HashMap<u64, f64>,
 }
 
 impl Outcome {
@@ -49,6 +51,10 @@ impl Outcome {
             }
             if let Some(c) = e.cached_tokens {
                 assert!(self.cached.insert(e.id, c).is_none(), "cached_tokens reported twice");
+            }
+            if let Some(q) = e.queue_seconds {
+                assert!(q >= 0.0 && e.cached_tokens.is_some(), "the queue time comes with the first token");
+                assert!(self.queued.insert(e.id, q).is_none(), "queue time reported twice");
             }
             if let Some(f) = e.finish {
                 self.finish.insert(e.id, f);
@@ -125,6 +131,7 @@ fn staggered_arrivals_match_solo_runs_at_every_batch_size() {
         let mut c = core(&model, 400, max_batch, 16, 80);
         let out = run(&mut c, &arrivals, &[]);
         assert_solo(&model, &arrivals, &out, 80);
+        assert_eq!(out.queued.len(), arrivals.len(), "every request reports its queue time once");
         assert!(c.backend.max_rows <= max_batch);
         assert_eq!(c.sched.stats().preemptions, 0);
     }

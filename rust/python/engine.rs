@@ -14,12 +14,21 @@ use crate::engine::{Engine, EngineConfig, NoopBackend};
 use crate::kv::KvConfig;
 use crate::sched::{Event, Request, SamplingParams, SchedConfig};
 
-/// (request id, token, logprob, top alternatives, finish reason, error, cached prompt tokens)
-type EventTuple =
-    (u64, Option<u32>, Option<f32>, Option<Vec<(u32, f32)>>, Option<&'static str>, Option<String>, Option<usize>);
+/// (request id, token, logprob, top alternatives, finish reason, error, cached prompt tokens,
+/// seconds queued before admission)
+type EventTuple = (
+    u64,
+    Option<u32>,
+    Option<f32>,
+    Option<Vec<(u32, f32)>>,
+    Option<&'static str>,
+    Option<String>,
+    Option<usize>,
+    Option<f64>,
+);
 
 fn to_tuple(e: Event) -> EventTuple {
-    (e.id, e.token, e.logprob, e.top, e.finish.map(|f| f.as_str()), e.error, e.cached_tokens)
+    (e.id, e.token, e.logprob, e.top, e.finish.map(|f| f.as_str()), e.error, e.cached_tokens, e.queue_seconds)
 }
 
 #[pyclass(name = "Engine", module = "mk._native", frozen)]

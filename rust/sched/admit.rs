@@ -30,6 +30,7 @@ impl Scheduler {
             if seq.fresh {
                 seq.fresh = false;
                 seq.cached = Some(attached);
+                seq.queued = Some(seq.submitted.elapsed().as_secs_f64());
                 self.dequeued += 1;
                 self.stats.prompt_tokens += seq.prompt_len as u64;
             }

@@ -106,6 +106,8 @@ pub struct Event {
     pub error: Option<String>,
     /// On the first token only: prompt tokens served from the prefix cache.
     pub cached_tokens: Option<usize>,
+    /// On the first token only: seconds the request waited from submission to its first admission.
+    pub queue_seconds: Option<f64>,
 }
 
 impl Event {
@@ -143,6 +145,10 @@ pub struct Seq {
     pub fresh: bool,
     /// Prompt tokens attached from the prefix cache at first admission, until reported.
     pub cached: Option<usize>,
+    /// When the engine took the request, and the seconds it then waited for its first admission
+    /// (until reported with the first token).
+    pub submitted: std::time::Instant,
+    pub queued: Option<f64>,
     pub preemptions: u32,
     /// Scratch of `plan_decode`: grown for this step.
     pub planned: bool,
@@ -161,6 +167,8 @@ impl Seq {
             phase: Phase::Waiting,
             fresh: true,
             cached: None,
+            submitted: std::time::Instant::now(),
+            queued: None,
             preemptions: 0,
             planned: false,
         }
@@ -202,6 +210,7 @@ impl Seq {
             finish,
             error: None,
             cached_tokens: self.cached.take(),
+            queue_seconds: self.queued.take(),
         }
     }
 }

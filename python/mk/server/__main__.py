@@ -3,7 +3,7 @@
 With no arguments it serves the built-in model (a small coder of North Mini Code's architecture,
 trained on the Python standard library: it writes code-shaped text, not good code) on
 127.0.0.1:8000, on the GPU when there is one. Routes: /v1/chat/completions, /v1/completions,
-/v1/models, /health, /metrics.
+/v1/models[/ID], /health, /metrics (Prometheus; README "Metrics" lists them).
 """
 
 from __future__ import annotations
@@ -136,7 +136,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--api-key",
         default=os.environ.get("MK_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every route but /health (default: $MK_API_KEY; none)",
+        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics (default: $MK_API_KEY; none)",
+    )
+    p.add_argument(
+        "--protect-metrics",
+        action="store_true",
+        help="make /metrics require the API key too (by default it is open to scrapers, as in vLLM)",
     )
     p.add_argument(
         "--max-body-mb",
@@ -254,6 +259,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         tokenizer,
         name,
         api_key=args.api_key,
+        protect_metrics=args.protect_metrics,
         max_body_bytes=args.max_body_mb * 2**20,
         stats_interval=args.stats_interval,
     )

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from mk.engine_api import AsyncEngine
 from mk.server import http
 from mk.server.errors import APIError, bad_request, error_body
+from mk.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mk.server.metrics import Metrics
 from mk.server.schemas import IGNORED_FIELDS, REFUSED_FIELDS
 from mk.tokenizer import Tokenizer
@@ -32,6 +33,7 @@ class ServerState:
     tokenizer: Tokenizer
     model_name: str
     api_key: str | None = None
+    protect_metrics: bool = False  # /metrics needs the API key too (by default scrapers need none)
     max_body_bytes: int = 32 * 2**20
     stats_interval: float = 5.0
     metrics: Metrics = field(init=False)
@@ -39,7 +41,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
-        self.metrics = Metrics(self.model_name)
+        self.metrics = Metrics(self.model_name, lambda: self.engine.stats())
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -207,7 +209,7 @@ class App:
                 body = error_body(f"internal error (request {info['id']}; see the server log)", "server_error")
                 await http.send_json(tracked_send, 500, body)
         finally:
-            self.state.metrics.http[status] = self.state.metrics.http.get(status, 0) + 1
+            self.state.metrics.response(status)
             if scope["path"] != "/metrics" and scope["path"] != "/health":
                 self._log_request(scope, status, time.monotonic() - start, info)
 
@@ -217,7 +219,8 @@ class App:
         known = path in self._get or path in self._post or model_id is not None
         if not known:
             raise APIError(404, f"no route {path}", code="not_found")
-        if path != "/health" and self.state.api_key is not None:
+        open_route = path == "/health" or (path == "/metrics" and not self.state.protect_metrics)
+        if not open_route and self.state.api_key is not None:
             self._authorize(scope)
         if method == "HEAD" and path == "/health":  # load balancers' probe: the status, no body
             await http.send_bytes(send, 503 if self.state.draining else 200, b"", "application/json", None)
@@ -285,8 +288,7 @@ class App:
         await http.send_json(send, 200, self._model_card())
 
     async def _metrics(self, send: http.Send) -> None:
-        text = self.state.metrics.render(self.state.engine.stats()).encode()
-        await http.send_bytes(send, 200, text, "text/plain; version=0.0.4; charset=utf-8", None)
+        await http.send_bytes(send, 200, self.state.metrics.render(), METRICS_CONTENT_TYPE, None)
 
     def _log_request(self, scope: dict[str, Any], status: int, elapsed: float, info: dict) -> None:
         parts = [f"{scope['method']} {scope['path']} {status} {elapsed * 1000:.0f}ms"]

@@ -50,7 +50,7 @@ async def chat_completions(state: ServerState, obj: Any, info: dict) -> dict | A
         for run in runs:
             run.stream.cancel()
         raise
-    state.metrics.prompt_tokens += len(prompt.token_ids) * req.n
+    state.metrics.count_prompt(len(prompt.token_ids) * req.n)
     info["prompt_tokens"] = len(prompt.token_ids)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name}
     if req.stream:

@@ -46,7 +46,7 @@ async def completions(state: ServerState, obj: Any, info: dict) -> dict | AsyncI
             c.run.stream.cancel()
         raise
     prompt_tokens = sum(len(ids) for ids, _ in prompts)
-    state.metrics.prompt_tokens += prompt_tokens * req.n
+    state.metrics.count_prompt(prompt_tokens * req.n)
     info["prompt_tokens"] = prompt_tokens
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
     if req.stream:

@@ -78,10 +78,13 @@ class ChoiceRun:
                     if self.first_token_at is None:
                         self.first_token_at = now
                         self.metrics.ttft.observe(now - self.arrival)
+                        if event.queue_time is not None:  # the rest of the wait is prefill
+                            self.metrics.queue.observe(event.queue_time)
+                            self.metrics.prefill.observe(max(0.0, now - self.arrival - event.queue_time))
                     else:
                         self.metrics.itl.observe(now - last)
                     last = now
-                    self.metrics.generation_tokens += 1
+                    self.metrics.count_generated(1)
                     self.token_ids.append(event.token_id)
                     pending.append((event.token_id, event.logprob, event.top_logprobs))
                     if event.finish_reason != "stop":  # EOS and stop-token ids add no text
@@ -108,7 +111,10 @@ class ChoiceRun:
     def _end(self, piece: Piece) -> Piece:
         self.finish_reason = piece.finish_reason
         self.metrics.finished(piece.finish_reason or "error")
-        self.metrics.e2e.observe(time.monotonic() - self.arrival)
+        now = time.monotonic()
+        self.metrics.e2e.observe(now - self.arrival)
+        if self.first_token_at is not None:
+            self.metrics.decode.observe(now - self.first_token_at)
         return piece
 
 

@@ -117,7 +117,9 @@ def test_n_choices(client):
     kwargs = dict(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=5, n=3, seed=11)
     out = client.chat.completions.create(**kwargs, logprobs=True, extra_body=NO_THINKING)
     assert [c.index for c in out.choices] == [0, 1, 2]
-    assert out.usage.completion_tokens == sum(len(c.logprobs.content) for c in out.choices)
+    for c in out.choices:  # the content's tokens (no EOS, no control tokens), joining to the content
+        assert b"".join(bytes(t.bytes) for t in c.logprobs.content).decode() == c.message.content
+    assert out.usage.completion_tokens >= sum(len(c.logprobs.content) for c in out.choices)
     chunks = list(client.chat.completions.create(**kwargs, stream=True, extra_body=NO_THINKING))
     streamed = {i: "" for i in range(3)}
     for c in chunks:
@@ -170,7 +172,8 @@ def test_logprobs(client):
         extra_body=NO_THINKING,
     )
     entries = out.choices[0].logprobs.content
-    assert len(entries) == out.usage.completion_tokens
+    assert 0 < len(entries) <= out.usage.completion_tokens
+    assert b"".join(bytes(e.bytes) for e in entries).decode() == out.choices[0].message.content
     for e in entries:
         assert len(e.top_logprobs) == 3 and e.logprob <= 0
         assert e.logprob == pytest.approx(e.top_logprobs[0].logprob)  # greedy picks the most likely token

@@ -138,3 +138,28 @@ def test_history_ids_are_renumbered_per_turn_for_the_model():
     assert '"tool_call_id": "0", "results": {"0": "1"}' in text
     assert "You must call at least one tool." in text and "be brief" in text
     assert prompt.thinking and prompt.policy.choice == "required"
+
+
+SPACED = "Easy.<|END_THINKING|><|START_RESPONSE|>two  words \n  <|END_RESPONSE|>"
+
+
+@pytest.mark.parametrize("text,content", [(SPACED, "two  words \n  "), ("x<|END_THINKING|>cut here  ", "cut here  ")])
+def test_chat_content_keeps_its_trailing_whitespace(client, text, content):
+    out = client.chat.completions.create(model="scripted", messages=script(text))
+    assert out.choices[0].message.content == content
+    chunks = list(client.chat.completions.create(model="scripted", messages=script(text), stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == content
+
+
+def test_chat_logprobs_are_the_content_tokens_only(client):
+    out = client.chat.completions.create(model="scripted", messages=script(SPACED), logprobs=True, top_logprobs=1)
+    choice = out.choices[0]
+    tokens = [t.token for t in choice.logprobs.content]
+    assert "".join(tokens) == choice.message.content == "two  words \n  "
+    assert not any(t.startswith("<|") for t in tokens)
+    chunks = list(client.chat.completions.create(model="scripted", messages=script(SPACED), logprobs=True, stream=True))
+    streamed = [t.token for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert "".join(streamed) == "two  words \n  "
+    # A tool call's tokens are no content either.
+    out = client.chat.completions.create(model="scripted", messages=script(CALL_TEXT), tools=TOOLS, logprobs=True)
+    assert out.choices[0].logprobs.content == []

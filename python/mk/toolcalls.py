@@ -16,8 +16,12 @@ from typing import Any
 
 from cohere_melody import PyFilter, PyFilterOptions
 
+START_THINKING = "<|START_THINKING|>"
+END_THINKING = "<|END_THINKING|>"
 START_ACTION = "<|START_ACTION|>"
 END_ACTION = "<|END_ACTION|>"
+ANSWER_STARTS = ("<|START_RESPONSE|>", "<|START_TEXT|>")
+ANSWER_ENDS = ("<|END_RESPONSE|>", "<|END_TEXT|>")
 
 
 class ToolCallError(ValueError):
@@ -59,6 +63,7 @@ class Cmd4Stream:
         if not thinking:
             options = options.start_in_answer()
         self._filter = PyFilter(options)
+        self._thinking = thinking
         self._tools = tools
         self.reasoning = ""
         self.content = ""
@@ -74,6 +79,11 @@ class Cmd4Stream:
 
     def finish(self) -> Delta:
         delta = self._take(self._filter.flush_partials())
+        # melody right-trims the answer; the text the model wrote ends as it ends (as completions do).
+        kept = _trailing_whitespace(_answer_text(self._raw, self._thinking))
+        missing = next(kept[j:] for j in range(len(kept), -1, -1) if self.content.endswith(kept[:j]))
+        self.content += missing
+        delta.content += missing
         if START_ACTION in self._raw:
             self.action_problem = _check_action(self._raw.split(START_ACTION, 1)[1].split(END_ACTION, 1)[0])
         for i, call in enumerate(self.calls):
@@ -107,6 +117,54 @@ class Cmd4Stream:
                 self.calls[ours].arguments += piece.arguments
                 delta.tool_calls.append({"index": ours, "function": {"arguments": piece.arguments}})
         return delta
+
+
+def _answer_text(raw: str, thinking: bool) -> str:
+    """The answer section of the model's raw output: after the thinking block, inside the response
+    markers when there are any, before an action block."""
+    if thinking:
+        _, sep, raw = raw.partition(END_THINKING)
+        if not sep:
+            return ""
+    for marker in ANSWER_STARTS:
+        if marker in raw:
+            raw = raw.split(marker, 1)[1]
+            break
+    for marker in (*ANSWER_ENDS, START_ACTION):
+        raw = raw.split(marker, 1)[0]
+    return raw
+
+
+def _trailing_whitespace(text: str) -> str:
+    return text[len(text.rstrip()) :]
+
+
+class ContentTokens:
+    """Which generated tokens are the answer's text, fed in order: the ones chat logprobs list, so
+    that their texts join to `content` (no thinking, no action block, no control tokens)."""
+
+    def __init__(self, tokenizer: Any, thinking: bool) -> None:
+        self._tokenizer = tokenizer
+        self._section = "thinking" if thinking else "answer"
+
+    def take(self, tokens: list) -> list:
+        """The content tokens among `tokens` ((id, ...) tuples)."""
+        out = []
+        for token in tokens:
+            token_id = token[0]
+            if token_id in self._tokenizer.special_ids:
+                marker = self._tokenizer.hf.id_to_token(token_id)
+                if marker == START_THINKING:
+                    self._section = "thinking"
+                elif marker == END_THINKING or marker in ANSWER_STARTS:
+                    self._section = "answer"
+                elif marker == START_ACTION:
+                    self._section = "action"
+                elif marker in ANSWER_ENDS or marker == END_ACTION:
+                    self._section = "after"
+            elif self._section == "answer":
+                out.append(token)
+        return out
 
 
 def _check_action(block: str) -> str | None:

@@ -14,9 +14,7 @@ from typing import Any
 from mk.server.errors import bad_request
 from mk.server.schemas import ChatRequest, Message, NamedToolChoice
 from mk.tokenizer import TemplateError, Tokenizer
-from mk.toolcalls import ToolPolicy
-
-START_THINKING = "<|START_THINKING|>"
+from mk.toolcalls import START_THINKING, ToolPolicy
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from mk.server.generate import ChoiceRun, gather_all, merged, submit
 from mk.server.logprobs import chat_logprobs
 from mk.server.params import max_new_tokens, refuse_unsupported, sampling_params
 from mk.server.schemas import ChatRequest
-from mk.toolcalls import Cmd4Stream, Delta, ToolCallError
+from mk.toolcalls import Cmd4Stream, ContentTokens, Delta, ToolCallError
 
 
 class _StreamError:
@@ -93,7 +93,9 @@ async def _collect(state: ServerState, req: ChatRequest, prompt: ChatPrompt, run
     return {
         "index": run.index,
         "message": message,
-        "logprobs": chat_logprobs(state.tokenizer, tokens) if req.logprobs else None,
+        "logprobs": chat_logprobs(state.tokenizer, ContentTokens(state.tokenizer, prompt.thinking).take(tokens))
+        if req.logprobs
+        else None,
         "finish_reason": "tool_calls" if calls and reason != "length" else reason,
     }
 
@@ -126,9 +128,10 @@ async def _choice_events(
     state: ServerState, req: ChatRequest, prompt: ChatPrompt, run: ChoiceRun, chunk: Any
 ) -> AsyncIterator:
     parser = Cmd4Stream(prompt.thinking, prompt.policy.calls_allowed)
-    tokens: list = []
+    content_tokens = ContentTokens(state.tokenizer, prompt.thinking)
+    tokens: list = []  # the content tokens since the last chunk
     async for piece in run.pieces():
-        tokens += piece.tokens
+        tokens += content_tokens.take(piece.tokens)
         delta = parser.feed(piece.text)
         if piece.finish_reason is not None:
             tail = parser.finish()

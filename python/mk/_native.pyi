@@ -11,6 +11,13 @@ STEP_MAX_K: int  # MK_STEP_MAX_K: the longest GEMV reduction the megakernel take
 STEP_MAX_BATCH: int  # MK_STEP_MAX_BATCH: rows per megakernel launch
 TENSOR_MAP_BYTES: int  # MK_TENSOR_MAP_BYTES: one encoded weight map
 LAYER_WEIGHT_COUNT: int  # MK_LW_COUNT: entries per layer of the weight tables
+PER_STEP_FIELDS: list[str]  # MkStepArgs fields Rust fills in for every launch
+LAYER_WEIGHTS: list[str]  # MkLayerWeight names in table order (NORM, Q, K, V, O, ROUTER, GATE, UP, DOWN)
+TASK_OPS: dict[str, int]  # MkOp values by name (NOP, EMBED, GEMV, ...)
+TASK_MATRICES: dict[str, int]  # MkMatrix values by name (QKV, O_PROJ, ...)
+TASK_WORDS: int  # int32 words of one MkTask
+TASK_ARG_WORD: int  # the word of MkTask.arg[0]
+COUNTERS_PER_LAYER: int  # MK_COUNTERS_PER_LAYER
 
 class GpuError(RuntimeError):
     """The GPU path failed or is unavailable."""

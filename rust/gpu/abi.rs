@@ -135,8 +135,10 @@ pub const STEP_MAX_BATCH: usize = 8;
 pub const STAGE_ROWS: u32 = 16;
 pub const STAGE_COLS: u32 = 256;
 pub const TENSOR_MAP_BYTES: usize = 128;
-/// `MK_LW_COUNT`: entries per layer of the weight tables (`MkStepArgs.layer_weights`, `layer_maps`).
+/// `MK_LW_COUNT`: entries per layer of the weight tables (`MkStepArgs.layer_weights`, `layer_maps`),
+/// and their names in `MkLayerWeight` order (`MK_LW_<name>` is the index).
 pub const LAYER_WEIGHT_COUNT: usize = 9;
+pub const LAYER_WEIGHTS: [&str; LAYER_WEIGHT_COUNT] = ["NORM", "Q", "K", "V", "O", "ROUTER", "GATE", "UP", "DOWN"];
 
 /// `sizeof(MkTraceEntry)`: u64 start_ns, u32 wait_cycles, u32 run_cycles.
 pub const TRACE_ENTRY_BYTES: usize = 16;
@@ -186,6 +188,12 @@ pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
     out.push(("MK_STAGE_COLS", STAGE_COLS as u64));
     out.push(("MK_TENSOR_MAP_BYTES", TENSOR_MAP_BYTES as u64));
     out.push(("MK_LW_COUNT", LAYER_WEIGHT_COUNT as u64));
+    out.extend(LAYER_WEIGHTS.iter().enumerate().map(|(i, name)| (*name, i as u64)));
+    use crate::graph::task::{Matrix, Op, COUNTERS_PER_LAYER, TASK_WORDS};
+    out.push(("MK_COUNTERS_PER_LAYER", COUNTERS_PER_LAYER as u64));
+    out.push(("MK_TASK_WORDS", TASK_WORDS as u64));
+    out.extend(Op::NAMED.into_iter().map(|(name, op)| (name, op as i32 as u64)));
+    out.extend(Matrix::NAMED.into_iter().map(|(name, m)| (name, m as i32 as u64)));
     out
 }
 

@@ -20,12 +20,29 @@ use crate::sched::PageTable;
 /// Rows one launch can take (`MK_STEP_MAX_BATCH`: the GEMV tile's one n-tile of 8).
 pub const MAX_STEP_ROWS: usize = crate::gpu::abi::STEP_MAX_BATCH;
 
+/// The `MkStepArgs` fields `launch` fills in for every step (its buffers, or per-step values); Python
+/// leaves them 0 in the template (`_native.PER_STEP_FIELDS`).
+pub const PER_STEP_FIELDS: [&str; 13] = [
+    "tasks",
+    "counters",
+    "tokens",
+    "positions",
+    "block_tables",
+    "per_sm",
+    "num_counters",
+    "parity",
+    "batch",
+    "max_pages",
+    "max_splits",
+    "slots",
+    "sample_parts",
+];
+
 /// What Python allocated, described once at construction.
 #[derive(Debug, Clone)]
 pub struct StepSetup {
-    /// Addresses of everything Python owns and the model's dimensions. The per-step fields
-    /// (tasks, counters, tokens, positions, block_tables, per_sm, num_counters, parity, batch,
-    /// max_pages, max_splits, slots, sample_parts) are ignored and filled in here.
+    /// Addresses of everything Python owns and the model's dimensions. The `PER_STEP_FIELDS` are
+    /// ignored and filled in here.
     pub args: MkStepArgs,
     pub geometry: Geometry,
     /// Rows the activation buffers hold (at most `MAX_STEP_ROWS`).
@@ -430,6 +447,14 @@ mod tests {
         args.residual_log = 0;
         let options = BuildOptions { num_sms: 132, ..Default::default() };
         StepSetup { args, geometry, rows: 8, max_splits: 132, slots: 32, max_pages: 128, num_blocks: 1000, options }
+    }
+
+    #[test]
+    fn per_step_fields_are_fields_of_the_step_args() {
+        let names: Vec<&str> = MkStepArgs::layout().into_iter().map(|(n, _, _)| n).collect();
+        for f in PER_STEP_FIELDS {
+            assert!(names.contains(&f), "{f}");
+        }
     }
 
     #[test]

@@ -4,6 +4,9 @@
 pub const NO_COUNTER: i32 = -1;
 /// `MK_COUNTERS_PER_LAYER`.
 pub const COUNTERS_PER_LAYER: usize = 9;
+/// `MK_TASK_WORDS`: int32 words of one task, and the word that holds `arg[0]`.
+pub const TASK_WORDS: usize = 16;
+pub const TASK_ARG_WORD: usize = 7;
 
 /// See `MkTask` in cuda/abi.h: 16 int32 words.
 #[repr(C)]
@@ -39,11 +42,21 @@ pub enum Op {
 }
 
 impl Op {
+    /// Every op with its name in cuda/abi.h (`MK_OP_<name>`), the names Python uses too.
+    pub const NAMED: [(&'static str, Op); 9] = [
+        ("NOP", Op::Nop),
+        ("EMBED", Op::Embed),
+        ("GEMV", Op::Gemv),
+        ("ATTN_SPLIT", Op::AttnSplit),
+        ("ATTN_COMBINE", Op::AttnCombine),
+        ("TOPK", Op::TopK),
+        ("RESIDUAL_NORM", Op::ResidualNorm),
+        ("SAMPLE_PART", Op::SamplePart),
+        ("SAMPLE_FINAL", Op::SampleFinal),
+    ];
+
     pub fn from_i32(v: i32) -> Option<Op> {
-        use Op::*;
-        [Nop, Embed, Gemv, AttnSplit, AttnCombine, TopK, ResidualNorm, SamplePart, SampleFinal]
-            .into_iter()
-            .find(|op| *op as i32 == v)
+        Op::NAMED.into_iter().map(|(_, op)| op).find(|op| *op as i32 == v)
     }
 }
 
@@ -61,9 +74,20 @@ pub enum Matrix {
 }
 
 impl Matrix {
+    /// Every matrix with its name (cuda/abi.h `MK_MAT_<name>`; O is O_PROJ in Python).
+    pub const NAMED: [(&'static str, Matrix); 8] = [
+        ("QKV", Matrix::Qkv),
+        ("O_PROJ", Matrix::O),
+        ("ROUTER", Matrix::Router),
+        ("DENSE_GATE_UP", Matrix::DenseGateUp),
+        ("DENSE_DOWN", Matrix::DenseDown),
+        ("EXPERT_GATE_UP", Matrix::ExpertGateUp),
+        ("EXPERT_DOWN", Matrix::ExpertDown),
+        ("LM_HEAD", Matrix::LmHead),
+    ];
+
     pub fn from_i32(v: i32) -> Option<Matrix> {
-        use Matrix::*;
-        [Qkv, O, Router, DenseGateUp, DenseDown, ExpertGateUp, ExpertDown, LmHead].into_iter().find(|m| *m as i32 == v)
+        Matrix::NAMED.into_iter().map(|(_, m)| m).find(|m| *m as i32 == v)
     }
 }
 
@@ -146,8 +170,8 @@ mod tests {
 
     #[test]
     fn task_is_sixteen_words() {
-        assert_eq!(std::mem::size_of::<MkTask>(), 64);
-        assert_eq!(std::mem::offset_of!(MkTask, arg), 28);
+        assert_eq!(std::mem::size_of::<MkTask>(), 4 * TASK_WORDS);
+        assert_eq!(std::mem::offset_of!(MkTask, arg), 4 * TASK_ARG_WORD);
     }
 
     #[test]

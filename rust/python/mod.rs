@@ -111,6 +111,24 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(weight_maps, m)?)?;
     m.add("TENSOR_MAP_BYTES", gpu::abi::TENSOR_MAP_BYTES)?;
     m.add("LAYER_WEIGHT_COUNT", gpu::abi::LAYER_WEIGHT_COUNT)?;
+    m.add("PER_STEP_FIELDS", gpu::step::PER_STEP_FIELDS.to_vec())?;
+    m.add("LAYER_WEIGHTS", gpu::abi::LAYER_WEIGHTS.to_vec())?;
+    {
+        use crate::graph::task::{Matrix, Op, COUNTERS_PER_LAYER, TASK_ARG_WORD, TASK_WORDS};
+        let ops = PyDict::new(m.py());
+        for (name, op) in Op::NAMED {
+            ops.set_item(name, op as i32)?;
+        }
+        let matrices = PyDict::new(m.py());
+        for (name, matrix) in Matrix::NAMED {
+            matrices.set_item(name, matrix as i32)?;
+        }
+        m.add("TASK_OPS", ops)?;
+        m.add("TASK_MATRICES", matrices)?;
+        m.add("TASK_WORDS", TASK_WORDS)?;
+        m.add("TASK_ARG_WORD", TASK_ARG_WORD)?;
+        m.add("COUNTERS_PER_LAYER", COUNTERS_PER_LAYER)?;
+    }
     m.add_function(wrap_pyfunction!(graph::build_step_graph, m)?)?;
     m.add_function(wrap_pyfunction!(graph::step_args_layout, m)?)?;
     m.add_function(wrap_pyfunction!(graph::decode_step, m)?)?;

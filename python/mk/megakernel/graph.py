@@ -10,31 +10,12 @@ import numpy as np
 from mk import _native
 from mk.config import ModelConfig
 
-TASK_WORDS = 16
-ARG = 7  # index of arg[0] in a task's words
+TASK_WORDS = _native.TASK_WORDS
+ARG = _native.TASK_ARG_WORD  # index of arg[0] in a task's words
 
-
-class Op(IntEnum):
-    NOP = 0
-    EMBED = 1
-    GEMV = 2
-    ATTN_SPLIT = 3
-    ATTN_COMBINE = 4
-    TOPK = 5
-    RESIDUAL_NORM = 6
-    SAMPLE_PART = 7
-    SAMPLE_FINAL = 8
-
-
-class Matrix(IntEnum):
-    QKV = 0
-    O_PROJ = 1
-    ROUTER = 2
-    DENSE_GATE_UP = 3
-    DENSE_DOWN = 4
-    EXPERT_GATE_UP = 5
-    EXPERT_DOWN = 6
-    LM_HEAD = 7
+# The ABI's values, from the Rust mirror of cuda/abi.h (which a Rust test checks against nvcc).
+Op = IntEnum("Op", _native.TASK_OPS)
+Matrix = IntEnum("Matrix", _native.TASK_MATRICES)
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,20 @@ from mk.megakernel.state import StepBuffers
 from mk.model.paged import PagedKV
 from mk.model.reference import Model
 
-# MkLayerWeight order (cuda/abi.h).
-_LAYER_WEIGHTS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+# The HF tensor (under model.layers.{i}.) of each MkLayerWeight entry; the table's order is
+# _native.LAYER_WEIGHTS. A layer has either the router (MoE) or the dense FFN's three.
+_LAYER_WEIGHT_TENSORS = {
+    "NORM": "input_layernorm",
+    "Q": "self_attn.q_proj",
+    "K": "self_attn.k_proj",
+    "V": "self_attn.v_proj",
+    "O": "self_attn.o_proj",
+    "ROUTER": "mlp.gate",
+    "GATE": "mlp.gate_proj",
+    "UP": "mlp.up_proj",
+    "DOWN": "mlp.down_proj",
+}
+_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # expert_weights' last axis
 _FORMATS = {"u64": "<Q", "i32": "<i", "f32": "<f"}
 
 
@@ -70,21 +82,17 @@ class ModelTables:
 
         for layer in range(cfg.num_hidden_layers):
             p = f"model.layers.{layer}."
-            named = [(i, f"{p}{name}.weight") for i, name in enumerate(_LAYER_WEIGHTS)]
+            for i, which in enumerate(_native.LAYER_WEIGHTS):
+                t = w.get(f"{p}{_LAYER_WEIGHT_TENSORS[which]}.weight")
+                if t is not None:
+                    layers[layer, i] = t.data_ptr()
+                    layer_specs[layer][i] = spec(t)
             if cfg.is_moe(layer):
-                named.append((5, p + "mlp.gate.weight"))
                 for e in range(cfg.num_experts):
-                    for j, proj in enumerate(("gate_proj", "up_proj", "down_proj")):
+                    for j, proj in enumerate(_EXPERT_PROJECTIONS):
                         t = w[f"{p}mlp.experts.{e}.{proj}.weight"]
                         experts[layer, e, j] = t.data_ptr()
                         expert_specs[layer][e][j] = spec(t)
-            else:
-                named += [
-                    (6 + j, f"{p}mlp.{proj}.weight") for j, proj in enumerate(("gate_proj", "up_proj", "down_proj"))
-                ]
-            for i, name in named:
-                layers[layer, i] = w[name].data_ptr()
-                layer_specs[layer][i] = spec(w[name])
         n = cfg.num_hidden_layers
         window = torch.tensor([cfg.window(i) or 0 for i in range(n)], dtype=torch.int32)
         rope = torch.tensor([int(cfg.needs_rope(i)) for i in range(n)], dtype=torch.int32)
@@ -174,7 +182,7 @@ class MegakernelStep:
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.tables = ModelTables.build(model)
         cfg = self.cfg
-        self.num_counters = (cfg.num_hidden_layers + 1) * 9
+        self.num_counters = (cfg.num_hidden_layers + 1) * _native.COUNTERS_PER_LAYER
         self.counters = torch.zeros(2, self.num_counters, dtype=torch.int32, device=self.device)
         self.parity = 0
 

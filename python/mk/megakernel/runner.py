@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from mk import _native
 from mk.megakernel.launch import ModelTables, fixed_step_args, pack_step_args
 from mk.megakernel.state import StepBuffers
 from mk.megakernel.support import MAX_STEP_ROWS, MegakernelUnavailable, megakernel_unsupported
@@ -22,21 +23,7 @@ from mk.prefill import Prefill
 from mk.runner import ReferenceRunner
 
 # MkStepArgs fields Rust fills in for every launch (its buffers, or per-step values).
-PER_STEP_FIELDS = (
-    "tasks",
-    "counters",
-    "tokens",
-    "positions",
-    "block_tables",
-    "per_sm",
-    "num_counters",
-    "parity",
-    "batch",
-    "max_pages",
-    "max_splits",
-    "slots",
-    "sample_parts",
-)
+PER_STEP_FIELDS = tuple(_native.PER_STEP_FIELDS)
 
 
 def step_template(model: Model, kv, tables: ModelTables, buf: StepBuffers) -> bytes:

@@ -41,6 +41,8 @@ typedef struct MkGemvArgs {
 // adds 1 to its signal counter (release). Counters come in two sets; step s uses set s % 2 and
 // zeroes the other for step s + 1, so no launch is spent resetting them.
 #define MK_TASK_WORDS 16
+// Tokens per KV page (block): the paged cache's layout [blocks][MK_PAGE_SIZE][kv_heads][head_dim].
+#define MK_PAGE_SIZE 64
 #define MK_NO_COUNTER (-1)
 
 typedef struct MkTask {

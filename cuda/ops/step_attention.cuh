@@ -10,7 +10,7 @@ namespace mk {
 
 constexpr int kHeadDim = 128;
 constexpr int kMaxGroup = 8;
-constexpr int kPage = 64;
+constexpr int kPage = MK_PAGE_SIZE;
 
 constexpr int kKvStages = 3;             // pages in shared memory: two in flight while one is used
 constexpr int kKvPitch = kHeadDim + 8;   // bf16 per smem row: 272 bytes, so 8 rows hit 8 distinct bank groups

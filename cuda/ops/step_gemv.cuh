@@ -305,9 +305,9 @@ __device__ void gemv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvPl
             q[0] = ye, q[1] = yo;
         } else {
             const int head = region_row / a.head_dim;
-            const int block = ld_i32(ptr<int32_t>(a.block_tables) + ((size_t)t.layer * a.batch + b) * a.max_pages + pos / 64);
+            const int block = ld_i32(ptr<int32_t>(a.block_tables) + ((size_t)t.layer * a.batch + b) * a.max_pages + pos / MK_PAGE_SIZE);
             bf16* pool = ptr<bf16>(is_v ? a.v_pool : a.k_pool);
-            bf16* dst = pool + (((size_t)block * 64 + pos % 64) * a.kv_heads + head) * a.head_dim + dim;
+            bf16* dst = pool + (((size_t)block * MK_PAGE_SIZE + pos % MK_PAGE_SIZE) * a.kv_heads + head) * a.head_dim + dim;
             dst[0] = __float2bfloat16(ye), dst[1] = __float2bfloat16(yo);
         }
     }

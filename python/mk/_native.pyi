@@ -18,6 +18,7 @@ TASK_MATRICES: dict[str, int]  # MkMatrix values by name (QKV, O_PROJ, ...)
 TASK_WORDS: int  # int32 words of one MkTask
 TASK_ARG_WORD: int  # the word of MkTask.arg[0]
 COUNTERS_PER_LAYER: int  # MK_COUNTERS_PER_LAYER
+PAGE_SIZE: int  # MK_PAGE_SIZE: tokens per KV page
 
 class GpuError(RuntimeError):
     """The GPU path failed or is unavailable."""

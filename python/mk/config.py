@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mk import _native
+
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 
-# Tokens per KV page. The kernel's attention tile and the page table assume it.
-PAGE_SIZE = 64
+# Tokens per KV page (MK_PAGE_SIZE in cuda/abi.h, by way of the Rust control plane).
+PAGE_SIZE = _native.PAGE_SIZE
 
 
 class ConfigError(ValueError):

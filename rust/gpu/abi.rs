@@ -192,6 +192,7 @@ pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
     use crate::graph::task::{Matrix, Op, COUNTERS_PER_LAYER, TASK_WORDS};
     out.push(("MK_COUNTERS_PER_LAYER", COUNTERS_PER_LAYER as u64));
     out.push(("MK_TASK_WORDS", TASK_WORDS as u64));
+    out.push(("MK_PAGE_SIZE", crate::kv::PAGE_SIZE as u64));
     out.extend(Op::NAMED.into_iter().map(|(name, op)| (name, op as i32 as u64)));
     out.extend(Matrix::NAMED.into_iter().map(|(name, m)| (name, m as i32 as u64)));
     out

@@ -8,7 +8,7 @@
 use crate::sched::PageTable;
 
 /// The kernel's page size (`kPage` in cuda/ops/step_attention.cuh).
-pub const PAGE: usize = 64;
+pub const PAGE: usize = crate::kv::PAGE_SIZE;
 
 /// Pages per row a launch needs: enough for its highest write position.
 pub fn step_pages(positions: &[u32]) -> usize {

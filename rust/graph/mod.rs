@@ -14,6 +14,8 @@ pub mod task;
 
 pub use deal::Dealing;
 
+use crate::kv::PAGE_SIZE;
+
 use task::{counter, logits_counter, num_counters, sample_counter, Counter, Matrix, MkTask, Op};
 
 /// The model dimensions the graph depends on (from `ModelConfig`).
@@ -158,8 +160,10 @@ fn validate(g: &Geometry, o: &BuildOptions) -> Result<(), GraphError> {
     if g.expert_ffn % 32 != 0 || g.dense_ffn % 32 != 0 || g.vocab % 16 != 0 {
         return bad("FFN widths must be multiples of 32 and the vocabulary of 16".into());
     }
-    if o.num_sms == 0 || o.attn_chunk % 64 != 0 || ![1, 2, 4].contains(&o.row_groups) {
-        return bad("num_sms > 0, attn_chunk a multiple of 64 (0: automatic), row_groups in {1, 2, 4}".into());
+    if o.num_sms == 0 || o.attn_chunk % PAGE_SIZE != 0 || ![1, 2, 4].contains(&o.row_groups) {
+        return bad(format!(
+            "num_sms > 0, attn_chunk a multiple of {PAGE_SIZE} (0: automatic), row_groups in {{1, 2, 4}}"
+        ));
     }
     Ok(())
 }
@@ -313,7 +317,7 @@ impl KeyRange {
         let start = g.window[l].map_or(0, |w| end.saturating_sub(w));
         let per_row = (opts.num_sms / (batch * g.kv_heads)).max(1);
         let chunk = match opts.attn_chunk {
-            0 => ((end - start).div_ceil(per_row)).div_ceil(64).max(2) * 64,
+            0 => ((end - start).div_ceil(per_row)).div_ceil(PAGE_SIZE).max(2) * PAGE_SIZE,
             c => c,
         };
         KeyRange { start, end, chunk, splits: (end - start).div_ceil(chunk) }

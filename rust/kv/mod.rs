@@ -21,6 +21,9 @@ mod proptests;
 
 use std::collections::HashMap;
 
+/// Tokens per KV page (`MK_PAGE_SIZE` in cuda/abi.h, checked by the ABI probe test).
+pub const PAGE_SIZE: usize = 64;
+
 pub use error::KvError;
 pub use geometry::Geometry;
 pub use pool::{blocks_for_budget, bytes_per_block, BlockId, BlockPool};

@@ -54,7 +54,7 @@ fn config(
 ) -> EngineConfig {
     EngineConfig {
         sched: SchedConfig { max_batch, prefill_chunk, max_context, vocab_size, eos_token_id },
-        kv: KvConfig { sliding, window, page_size: 64, num_blocks, salt },
+        kv: KvConfig { sliding, window, page_size: crate::kv::PAGE_SIZE, num_blocks, salt },
         max_waiting,
         check_invariants,
     }
@@ -113,7 +113,7 @@ impl PyEngine {
             }
         }
         .map_err(errors::engine_to_py)?;
-        Ok(Self { engine, page_size: 64, num_blocks })
+        Ok(Self { engine, page_size: crate::kv::PAGE_SIZE, num_blocks })
     }
 
     /// Queues request `id` (unique among live requests). Never waits for the loop.
@@ -244,7 +244,7 @@ impl Drop for PyEngine {
 #[pyfunction]
 #[pyo3(signature = (sliding, window, len, chunk))]
 fn kv_blocks_needed(sliding: Vec<bool>, window: usize, len: usize, chunk: usize) -> PyResult<(usize, usize)> {
-    let g = crate::kv::Geometry::new(64, window, sliding).map_err(errors::kv_to_py)?;
+    let g = crate::kv::Geometry::new(crate::kv::PAGE_SIZE, window, sliding).map_err(errors::kv_to_py)?;
     Ok((g.blocks_needed(len), g.prefill_blocks_needed(len, chunk)))
 }
 

@@ -113,6 +113,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("LAYER_WEIGHT_COUNT", gpu::abi::LAYER_WEIGHT_COUNT)?;
     m.add("PER_STEP_FIELDS", gpu::step::PER_STEP_FIELDS.to_vec())?;
     m.add("LAYER_WEIGHTS", gpu::abi::LAYER_WEIGHTS.to_vec())?;
+    m.add("PAGE_SIZE", crate::kv::PAGE_SIZE)?;
     {
         use crate::graph::task::{Matrix, Op, COUNTERS_PER_LAYER, TASK_ARG_WORD, TASK_WORDS};
         let ops = PyDict::new(m.py());

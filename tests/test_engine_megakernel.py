@@ -189,3 +189,10 @@ def test_the_rust_glue_checks_its_arguments():
     else:
         with pytest.raises(_native.GpuError, match="no CUDA driver|does not exist"):
             native_engine(FakeRunner(good, cfg))
+
+
+def test_python_constants_equal_the_abis():
+    from mk.config import PAGE_SIZE
+
+    assert PAGE_SIZE == _native.PAGE_SIZE
+    assert support.MAX_STEP_ROWS == _native.STEP_MAX_BATCH

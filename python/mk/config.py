@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mk import _native
-
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 
-# Tokens per KV page (MK_PAGE_SIZE in cuda/abi.h, by way of the Rust control plane).
-PAGE_SIZE = _native.PAGE_SIZE
+# Tokens per KV page: MK_PAGE_SIZE in cuda/abi.h. Stated here too because this module must import
+# without mk's compiled module (the training script runs on the GPU machine from python/); a test
+# compares it with _native.PAGE_SIZE.
+PAGE_SIZE = 64
 
 
 class ConfigError(ValueError):

@@ -79,18 +79,9 @@ class Tokenizer:
         """The prompt text of a conversation (it carries its own BOS: encode it without special tokens)."""
         template = self._pick_template(bool(tools))
         special = {k: _token_text(v) for k, v in self.config.items() if k.endswith("_token") and v is not None}
-        try:
-            return _compile(template).render(
-                **special,
-                **kwargs,
-                messages=messages,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-            )
-        except TemplateError:
-            raise
-        except Exception as e:  # jinja2 errors and whatever a template's filters raise
-            raise TemplateError(f"the chat template failed: {e}") from None
+        return render_template(
+            template, **special, **kwargs, messages=messages, tools=tools, add_generation_prompt=add_generation_prompt
+        )
 
     def _pick_template(self, with_tools: bool) -> str:
         t = self.chat_template
@@ -123,6 +114,18 @@ def _unicode_to_byte() -> dict[str, int]:
 
 
 # ---- HF-compatible jinja2 environment ----------------------------------------------------------
+
+
+def render_template(template: str, **variables: Any) -> str:
+    """Render a chat template the way HF `apply_chat_template` does: sandboxed jinja2 with trim/lstrip
+    blocks and loop controls, `tojson` without HTML escaping, `raise_exception` and `strftime_now`.
+    Any failure is a TemplateError."""
+    try:
+        return _compile(template).render(**variables)
+    except TemplateError:
+        raise
+    except Exception as e:  # jinja2 errors and whatever a template's filters raise
+        raise TemplateError(f"the chat template failed: {e}") from None
 
 
 def _raise(message: str) -> None:

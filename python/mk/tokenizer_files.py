@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 from collections.abc import Iterable
 from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from mk.tokenizer import TemplateError, render_template
+
+__all__ = ["TemplateError", "build_tokenizer", "render_chat", "tokenizer_config", "train_tokenizer"]
 
 PAD = "<PAD>"
 UNK = "<UNK>"
@@ -272,35 +275,13 @@ def render_chat(
     bos_token: str = BOS,
     **kwargs: Any,
 ) -> str:
-    """Render a chat template the way HF `apply_chat_template` does (sandboxed jinja2, trim/lstrip blocks,
-    `tojson` without HTML escaping, `raise_exception`). Extra kwargs (tool_choice, enable_thinking) are
-    template variables."""
-    return _compile(chat_template).render(
+    """Render a chat template (the built-in one by default) through mk.tokenizer's HF-compatible
+    environment; extra kwargs (tool_choice, enable_thinking) are template variables."""
+    return render_template(
+        chat_template,
         messages=messages,
         tools=tools,
         add_generation_prompt=add_generation_prompt,
         bos_token=bos_token,
         **kwargs,
     )
-
-
-class TemplateError(ValueError):
-    """The chat template rejected the conversation (raise_exception in the template)."""
-
-
-def _raise(message: str) -> None:
-    raise TemplateError(message)
-
-
-def _tojson(value: Any, indent: int | None = None) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent)
-
-
-@functools.lru_cache(maxsize=4)
-def _compile(chat_template: str):  # noqa: ANN202
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise
-    return env.from_string(chat_template)

@@ -85,6 +85,9 @@ EventTuple = tuple[
 def kv_blocks_needed(sliding: list[bool], window: int, len: int, chunk: int) -> tuple[int, int]:
     """(blocks a len-token sequence holds decoding, peak blocks prefilling it in chunks), 64-token pages."""
 
+def kv_pool_blocks(budget: int, kv_heads: int, head_dim: int, elem_bytes: int) -> int:
+    """KV blocks (a page of K and V for every KV head) that fit in `budget` bytes."""
+
 class Engine:
     """The decode-loop thread over `runner` (None: a no-op backend that samples `noop_token`).
     `backend`: "reference" (the runner prefills and decodes) or "megakernel" (the runner, a

@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator, Callable
 import torch
 
 from mk import _native
-from mk.config import PAGE_SIZE
 from mk.engine_api import EngineClosed, EngineFull, EngineStats, PromptTooLong
 from mk.megakernel.runner import MegakernelRunner
 from mk.megakernel.support import choose_backend
@@ -309,15 +308,20 @@ def _weights_id(model: Model) -> int:
 
 
 def _pool_blocks(model: Model, blocks: int | None, nbytes: int | None, fraction: float, default: int) -> int:
+    """The KV pool's size: as given, from a byte budget, from a fraction of the GPU's free memory, or
+    (on the CPU) `default`."""
     cfg = model.config
-    block_bytes = 2 * PAGE_SIZE * cfg.num_key_value_heads * cfg.head_dim * model.dtype.itemsize
+
+    def fit(budget: int) -> int:
+        return _native.kv_pool_blocks(budget, cfg.num_key_value_heads, cfg.head_dim, model.dtype.itemsize)
+
     if blocks is not None:
         return blocks
     if nbytes is not None:
-        return nbytes // block_bytes
+        return fit(nbytes)
     if model.device.type == "cuda":
         if not 0 < fraction < 1:
             raise ValueError(f"kv_fraction must be in (0, 1), got {fraction}")
         free, _ = torch.cuda.mem_get_info(model.device)
-        return int(free * fraction) // block_bytes
+        return fit(int(free * fraction))
     return default

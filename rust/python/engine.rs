@@ -248,9 +248,19 @@ fn kv_blocks_needed(sliding: Vec<bool>, window: usize, len: usize, chunk: usize)
     Ok((g.blocks_needed(len), g.prefill_blocks_needed(len, chunk)))
 }
 
+/// KV blocks (one page of K and V for every KV head) that fit in `budget` bytes of
+/// `elem_bytes`-wide values.
+#[pyfunction]
+#[pyo3(signature = (budget, kv_heads, head_dim, elem_bytes))]
+fn kv_pool_blocks(budget: u64, kv_heads: u64, head_dim: u64, elem_bytes: u64) -> usize {
+    let per_block = crate::kv::bytes_per_block(crate::kv::PAGE_SIZE as u64, kv_heads, head_dim, elem_bytes);
+    crate::kv::blocks_for_budget(budget, per_block)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
     m.add_function(wrap_pyfunction!(kv_blocks_needed, m)?)?;
+    m.add_function(wrap_pyfunction!(kv_pool_blocks, m)?)?;
     m.add("QueueFullError", m.py().get_type::<errors::QueueFullError>())?;
     m.add("EngineStoppedError", m.py().get_type::<errors::EngineStoppedError>())?;
     Ok(())

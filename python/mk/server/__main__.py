@@ -51,8 +51,8 @@ def _fraction(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
     return value
 
 
@@ -239,9 +239,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
         max_batch=args.max_batch,
         max_context=max_context,
         max_waiting=args.max_waiting,
-        kv_blocks=_kv_blocks(model, args.kv_fraction)
-        if device.type == "cuda"
-        else _cpu_kv_blocks(model, max_context, args.max_batch),
+        kv_blocks=None if device.type == "cuda" else _cpu_kv_blocks(model, max_context, args.max_batch),
+        kv_fraction=args.kv_fraction,  # on a GPU: of the memory free after the weights
         prefill_chunk=args.prefill_chunk,
         backend=args.backend,
         prefill=args.prefill,
@@ -284,16 +283,6 @@ def _cpu_kv_blocks(model, max_context: int, max_batch: int) -> int:
 
     pages = max(pages_needed(max_context), max_batch * pages_needed(min(max_context, 8192)))
     return model.config.num_hidden_layers * pages
-
-
-def _kv_blocks(model, fraction: float) -> int:
-    """KV blocks that fit in `fraction` of the GPU memory free after the weights."""
-    from mk.config import PAGE_SIZE
-
-    cfg = model.config
-    free, _ = torch.cuda.mem_get_info()
-    block_bytes = 2 * PAGE_SIZE * cfg.num_key_value_heads * cfg.head_dim * model.dtype.itemsize
-    return int(free * fraction) // block_bytes
 
 
 if __name__ == "__main__":

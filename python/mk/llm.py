@@ -19,22 +19,25 @@ import torch
 from mk.engine import Engine
 from mk.outputs import CompletionOutput, RequestOutput, TokenEvent
 from mk.sampling import SamplingParams
+from mk.textstream import Detokenizer, StopMatcher
+from mk.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 
 
 def default_model(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """The model `mk.LLM()` serves when given none: the server's default (mk.default_model)."""
+    """The model `mk.LLM()` serves when given none: the server's default (mk.default_model), with its
+    mk.tokenizer.Tokenizer."""
     from mk.default_model import load_default
 
-    model, tokenizer = load_default(device, dtype)
-    return model, tokenizer.hf
+    return load_default(device, dtype)
 
 
 class _Choice:
-    """One completion being collected: tokens, logprobs, stop-string handling."""
+    """One completion being collected: tokens, logprobs, and stop strings matched on the text as it
+    grows (the server's Detokenizer and StopMatcher: each token is decoded once)."""
 
-    def __init__(self, tokenizer, params: SamplingParams, index: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, index: int) -> None:
         self.tokenizer, self.params, self.index = tokenizer, params, index
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
@@ -43,6 +46,9 @@ class _Choice:
         self.finish: str | None = None
         self.cached = 0
         self.stream = None
+        self._detok = Detokenizer(tokenizer, skip_special_tokens=True) if params.stop else None
+        self._stops = StopMatcher(list(params.stop)) if params.stop else None
+        self._so_far = ""
 
     def add(self, event: TokenEvent) -> bool:
         """Records `event`; True when this completion is over."""
@@ -55,11 +61,14 @@ class _Choice:
             if event.logprob is not None:
                 self.logprobs.append(event.logprob)
                 self.top.append(event.top_logprobs or ())
-        if self.params.stop:
-            text = self.tokenizer.decode(self.token_ids)
-            cut = min((i for s in self.params.stop if (i := text.find(s)) >= 0), default=-1)
-            if cut >= 0:
-                self.text, self.finish = text[:cut], "stop"
+        if self._stops is not None:
+            if event.token_id is not None:
+                self._so_far += self._stops.push(self._detok.push(event.token_id))
+            if event.finish_reason is not None and self._stops.matched is None:
+                self._so_far += self._stops.push(self._detok.flush())
+                self._so_far += self._stops.flush() if self._stops.matched is None else ""
+            if self._stops.matched is not None:
+                self.text, self.finish = self._so_far, "stop"
                 if event.finish_reason is None and self.stream is not None:
                     self.stream.cancel()
                 return True
@@ -69,7 +78,7 @@ class _Choice:
         return False
 
     def output(self) -> CompletionOutput:
-        text = self.text if self.text is not None else self.tokenizer.decode(self.token_ids)
+        text = self.text if self.text is not None else self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
         want = self.params.logprobs is not None
         return CompletionOutput(
             index=self.index,
@@ -98,18 +107,17 @@ class LLM:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         if model is None:
-            self.model, self.tokenizer = default_model(device, dtype)
+            self.model, self._text = default_model(device, dtype)
         else:
-            from tokenizers import Tokenizer
-
             from mk.model import load
 
             self.model = load(model, device=device, dtype=dtype)
-            self.tokenizer = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
+            self._text = Tokenizer.from_dir(model)
+        self.tokenizer = self._text.hf  # the HF `tokenizers.Tokenizer`, as before
         self.engine = Engine(self.model, max_waiting=max_waiting, **engine_options)
 
     def encode(self, prompt: Prompt) -> list[int]:
-        return list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt).ids
+        return list(prompt) if not isinstance(prompt, str) else self._text.encode(prompt)
 
     def generate(
         self,
@@ -132,7 +140,7 @@ class LLM:
         results, pending = [], 0
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             ids = self.encode(prompt)
-            choices = [_Choice(self.tokenizer, _choice_params(p, j), j) for j in range(p.n)]
+            choices = [_Choice(self._text, _choice_params(p, j), j) for j in range(p.n)]
             results.append((prompt, ids, choices))
             for c in choices:
                 c.stream = self.engine.submit_callback(ids, c.params, _collector(c, done, i))
@@ -154,7 +162,7 @@ class LLM:
         last one carries the finish reason. Leaving the loop early cancels the request."""
         params = params or SamplingParams()
         ids = self.encode(prompt)
-        choice = _Choice(self.tokenizer, _choice_params(params, 0), 0)
+        choice = _Choice(self._text, _choice_params(params, 0), 0)
         choice.stream = stream = self.engine.submit(ids, choice.params)
         async for event in stream:
             over = choice.add(event)

@@ -398,3 +398,13 @@ def test_bf16_tracks_float32():
         # The MoE median reaches 0.09 on about one seed in ten (CI saw 0.091); a broken bf16 path is off by O(1).
         bound = 0.08 if cfg is dense else 0.2
         assert 1e-4 < err < bound, f"seed {SEED}: {'dense' if cfg is dense else 'moe'} error {err:.3f}"
+
+
+def test_the_allocators_window_release_is_the_control_planes():
+    from mk import _native
+    from mk.model.paged import window_start_page
+
+    for window in (2, 63, 64, 96, 4096):
+        cfg = dataclasses.replace(ModelConfig.tiny(), sliding_window=window)
+        for pos in [0, 1, 62, 63, 64, 65, 127, 128, window - 1, window, window + 1, 5000, 9000]:
+            assert window_start_page(cfg, pos) == _native.kv_keep_from(window, pos), (window, pos)

@@ -85,6 +85,9 @@ EventTuple = tuple[
 def kv_blocks_needed(sliding: list[bool], window: int, len: int, chunk: int) -> tuple[int, int]:
     """(blocks a len-token sequence holds decoding, peak blocks prefilling it in chunks), 64-token pages."""
 
+def kv_keep_from(window: int, query: int) -> int:
+    """First page a sliding layer still needs when the earliest query to come is at `query`."""
+
 def kv_pool_blocks(budget: int, kv_heads: int, head_dim: int, elem_bytes: int) -> int:
     """KV blocks (a page of K and V for every KV head) that fit in `budget` bytes."""
 

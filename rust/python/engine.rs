@@ -248,6 +248,15 @@ fn kv_blocks_needed(sliding: Vec<bool>, window: usize, len: usize, chunk: usize)
     Ok((g.blocks_needed(len), g.prefill_blocks_needed(len, chunk)))
 }
 
+/// First page a sliding layer of `window` keys still needs when the earliest query still to come is
+/// at `query` (the release rule the Python reference's page allocator must follow too).
+#[pyfunction]
+#[pyo3(signature = (window, query))]
+fn kv_keep_from(window: usize, query: usize) -> PyResult<usize> {
+    let g = crate::kv::Geometry::new(crate::kv::PAGE_SIZE, window, vec![true]).map_err(errors::kv_to_py)?;
+    Ok(g.keep_from(query))
+}
+
 /// KV blocks (one page of K and V for every KV head) that fit in `budget` bytes of
 /// `elem_bytes`-wide values.
 #[pyfunction]
@@ -261,6 +270,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
     m.add_function(wrap_pyfunction!(kv_blocks_needed, m)?)?;
     m.add_function(wrap_pyfunction!(kv_pool_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(kv_keep_from, m)?)?;
     m.add("QueueFullError", m.py().get_type::<errors::QueueFullError>())?;
     m.add("EngineStoppedError", m.py().get_type::<errors::EngineStoppedError>())?;
     Ok(())

@@ -1,4 +1,7 @@
-"""Paged KV cache (REFERENCE §4.1) and a small page allocator for tests and the reference engine.
+"""Paged KV cache (REFERENCE §4.1) and a small page allocator for the reference model's own generation
+loop, `python -m mk` and tests. The engine's KV accounting is the Rust control plane's (rust/kv); the
+allocator here follows the same sliding-window release rule (`window_start_page`, which a test
+compares with the Rust one). This module imports without mk's compiled extension.
 
 Pools: K and V, each [num_blocks, PAGE_SIZE, kv_heads, head_dim], token-major inside a page. A
 block holds one layer's PAGE_SIZE tokens of one sequence. A sequence's block table is int32
@@ -66,7 +69,8 @@ def pages_needed(upto_pos: int) -> int:
 
 
 def window_start_page(cfg: ModelConfig, pos: int) -> int:
-    """First page a sliding layer still needs when the lowest future query is at `pos`."""
+    """First page a sliding layer still needs when the lowest future query is at `pos` (rust/kv
+    `Geometry::keep_from`)."""
     return max(0, pos - cfg.sliding_window + 1) // PAGE_SIZE
 
 

@@ -274,10 +274,10 @@ def test_prompts_are_rendered_and_tokenized_off_the_event_loop():
     import asyncio
     from types import SimpleNamespace
 
-    from mk.server.app import ServerState
     from mk.server.chat_completions import chat_completions
     from mk.server.completions import completions
     from mk.server.errors import APIError, bad_request
+    from mk.server.state import ServerState
     from mk.tokenizer import Tokenizer
 
     threads = []

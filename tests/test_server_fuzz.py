@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 from server_util import ServerProcess
 
 from mk.default_model import NAME
-from mk.server.app import ServerState
 from mk.server.chat import build_prompt
 from mk.server.errors import APIError
 from mk.server.params import max_new_tokens, refuse_unsupported, sampling_params
 from mk.server.schemas import ChatRequest, CompletionRequest
+from mk.server.state import ServerState
 from mk.tokenizer import Tokenizer
 
 json_leaf = st.one_of(
@@ -119,7 +119,7 @@ STATE = ServerState(_FakeEngine(), Tokenizer.builtin(512), NAME)
 
 def prepare(kind: str, body: dict) -> None:
     """Everything a route does before it submits, minus the engine."""
-    from mk.server.app import validate
+    from mk.server.schemas import validate
 
     req = validate(ChatRequest if kind == "chat" else CompletionRequest, body)
     STATE.check_model(req.model)

@@ -19,8 +19,9 @@ from typing import NoReturn
 
 import torch
 
-from mk.server.app import App, ServerState
+from mk.server.app import App
 from mk.server.serve import serve
+from mk.server.state import ServerState
 
 log = logging.getLogger("mk.server")
 

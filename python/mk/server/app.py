@@ -4,123 +4,29 @@ request, a periodic engine-status line, and draining for shutdown."""
 from __future__ import annotations
 
 import asyncio
-import difflib
 import hmac
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
-from mk.engine_api import AsyncEngine
 from mk.server import http
-from mk.server.errors import APIError, bad_request, error_body
+from mk.server.chat_completions import chat_completions
+from mk.server.completions import completions
+from mk.server.errors import APIError, error_body
 from mk.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from mk.server.metrics import Metrics
-from mk.server.schemas import IGNORED_FIELDS, REFUSED_FIELDS
-from mk.tokenizer import Tokenizer
+from mk.server.state import ServerState
+
+__all__ = ["App", "ServerState"]
 
 log = logging.getLogger("mk.server")
 
-
-@dataclass
-class ServerState:
-    """What every route handler may use."""
-
-    engine: AsyncEngine
-    tokenizer: Tokenizer
-    model_name: str
-    api_key: str | None = None
-    protect_metrics: bool = False  # /metrics needs the API key too (by default scrapers need none)
-    max_body_bytes: int = 32 * 2**20
-    stats_interval: float = 5.0
-    metrics: Metrics = field(init=False)
-    draining: bool = False
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def __post_init__(self) -> None:
-        self.metrics = Metrics(self.model_name, lambda: self.engine.stats())
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                400,
-                f"model {model!r} is not served here; this server serves {self.model_name!r}",
-                "model",
-                "model_not_found",
-            )
-
-
-def validate(model: type, obj: Any) -> Any:
-    """A pydantic model of the body, or 400 naming the first offending field (a string that is not valid
-    Unicode, a refused or unknown top-level field, a bad value)."""
-    if not isinstance(obj, dict):
-        raise bad_request("the request body must be a JSON object")
-    where = _lone_surrogate(obj)
-    if where is not None:
-        raise bad_request(f"{where or 'the body'}: a string holds a lone UTF-16 surrogate (not valid Unicode)", where)
-    for name in obj:
-        if name in REFUSED_FIELDS:
-            raise bad_request(REFUSED_FIELDS[name], name)
-    unknown = [n for n in obj if n not in model.model_fields and n not in IGNORED_FIELDS]
-    if unknown:
-        name = unknown[0]
-        close = difflib.get_close_matches(name, list(model.model_fields), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise bad_request(f"unknown field {name!r}{hint}", name, "unknown_field")
-    try:
-        return model.model_validate(obj)
-    except ValidationError as e:
-        err = e.errors(include_url=False)[0]
-        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"] if not _union_tag(p))
-        loc = loc.lstrip(".")
-        msg = err["msg"].removeprefix("Value error, ")
-        raise bad_request(f"{loc}: {msg}" if loc else msg, loc or None) from None
-
-
-def _lone_surrogate(obj: Any, where: str = "") -> str | None:
-    """The location of the first string (value or key) the JSON decoder made from a lone \\uD800-style
-    escape: such text cannot be encoded, so the tokenizer would fail on it."""
-    if isinstance(obj, str):
-        try:
-            obj.encode("utf-8")
-        except UnicodeEncodeError:
-            return where
-        return None
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            at = f"{where}.{k}".lstrip(".") if isinstance(k, str) and k.isprintable() else where
-            found = _lone_surrogate(k, at) if isinstance(k, str) else None
-            if found is None:
-                found = _lone_surrogate(v, at)
-            if found is not None:
-                return found
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            found = _lone_surrogate(v, f"{where}[{i}]")
-            if found is not None:
-                return found
-    return None
-
-
-def _union_tag(part: str | int) -> bool:
-    """pydantic names the union member in an error's location ('str', 'list[TextPart]', 'NamedToolChoice');
-    field names are lowercase identifiers."""
-    return isinstance(part, str) and (not part.isidentifier() or part[0].isupper() or part in _TYPE_NAMES)
-
-
-_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 MODEL_ROUTE = "/v1/models/"  # + a model id
 
 
 class App:
     def __init__(self, state: ServerState) -> None:
-        from mk.server.chat_completions import chat_completions
-        from mk.server.completions import completions
-
         self.state = state
         self.active = 0  # HTTP requests in flight
         self._post = {"/v1/chat/completions": chat_completions, "/v1/completions": completions}

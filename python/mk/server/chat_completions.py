@@ -8,21 +8,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from mk.server.app import ServerState, validate
 from mk.server.chat import ChatPrompt, build_prompt
 from mk.server.errors import APIError, bad_request, error_body
-from mk.server.generate import ChoiceRun, gather_all, merged, submit
+from mk.server.generate import ChoiceRun, collect, gather_all, note, start_runs, stream_choices, usage
 from mk.server.logprobs import chat_logprobs
 from mk.server.params import max_new_tokens, refuse_unsupported, sampling_params
-from mk.server.schemas import ChatRequest
+from mk.server.schemas import ChatRequest, validate
+from mk.server.state import ServerState
 from mk.toolcalls import Cmd4Stream, ContentTokens, Delta, ToolCallError
-
-
-class _StreamError:
-    """An in-band error that ends the whole stream."""
-
-    def __init__(self, message: str, kind: str) -> None:
-        self.body = error_body(message, kind)
 
 
 async def chat_completions(state: ServerState, obj: Any, info: dict) -> dict | AsyncIterator:
@@ -40,38 +33,21 @@ async def chat_completions(state: ServerState, obj: Any, info: dict) -> dict | A
     max_tokens = max_new_tokens(req, len(prompt.token_ids), state.engine.max_context)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     rid = "chatcmpl-" + info["id"]
-    runs: list[ChoiceRun] = []
-    try:
-        for i in range(req.n):
-            params = sampling_params(req, max_tokens, i, logprobs)
-            stream = submit(state.engine, prompt.token_ids, params, f"{rid}-{i}")
-            runs.append(ChoiceRun(i, stream, state.tokenizer, req.stop, state.metrics, arrival, False))
-    except BaseException:
-        for run in runs:
-            run.stream.cancel()
-        raise
+    requests = [(prompt.token_ids, sampling_params(req, max_tokens, i, logprobs)) for i in range(req.n)]
+    runs = start_runs(state, requests, rid, req.stop, arrival, skip_special_tokens=False)
     state.metrics.count_prompt(len(prompt.token_ids) * req.n)
     info["prompt_tokens"] = len(prompt.token_ids)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name}
     if req.stream:
         return _stream(state, req, prompt, runs, head, info)
     choices = await gather_all([_collect(state, req, prompt, run) for run in runs])
-    _note(info, runs)
-    return {
-        **head,
-        "choices": choices,
-        "usage": _usage(prompt, runs),
-    }
+    note(info, runs)
+    return {**head, "choices": choices, "usage": usage(len(prompt.token_ids), runs)}
 
 
 async def _collect(state: ServerState, req: ChatRequest, prompt: ChatPrompt, run: ChoiceRun) -> dict[str, Any]:
-    text, tokens, reason, error = "", [], None, None
-    async for piece in run.pieces():
-        text += piece.text
-        tokens += piece.tokens
-        reason, error = piece.finish_reason, piece.error
-    if reason == "error":
-        raise APIError(500, f"generation failed: {error}", type="generation_error")
+    got = await collect(run)
+    text, tokens, reason = got.text, got.tokens, got.finish_reason
     parsed = Cmd4Stream(prompt.thinking, prompt.policy.calls_allowed)
     parsed.feed(text)
     parsed.finish()
@@ -111,17 +87,10 @@ async def _stream(
 
     for run in runs:
         yield chunk(run.index, {"role": "assistant", "content": ""})
-    try:
-        async for item in merged([_choice_events(state, req, prompt, run, chunk) for run in runs]):
-            if isinstance(item, _StreamError):
-                yield item.body
-                break
-            yield item
-    finally:
-        _note(info, runs)
-    if req.stream_options is not None and req.stream_options.include_usage:
-        yield {**head, "choices": [], "usage": _usage(prompt, runs)}
-    yield "[DONE]"
+    events = [_choice_events(state, req, prompt, run, chunk) for run in runs]
+    include_usage = req.stream_options is not None and req.stream_options.include_usage
+    async for item in stream_choices(events, runs, head, include_usage, len(prompt.token_ids), info):
+        yield item
 
 
 async def _choice_events(
@@ -143,7 +112,7 @@ async def _choice_events(
                 if "id" in call:
                     prompt.policy.check_name(call["function"]["name"])
         except ToolCallError as e:
-            yield _StreamError(str(e), "tool_call_generation_error")
+            yield error_body(str(e), "tool_call_generation_error")
             return
         fields: dict[str, Any] = {}
         if delta.reasoning and req.include_reasoning:
@@ -159,32 +128,15 @@ async def _choice_events(
         if reason is None:
             continue
         if reason == "error":
-            yield _StreamError(f"generation failed: {piece.error}", "generation_error")
+            yield error_body(f"generation failed: {piece.error}", "generation_error")
             return
         if reason != "length":
             try:
                 prompt.policy.check_final(parser)
             except ToolCallError as e:
-                yield _StreamError(str(e), "tool_call_generation_error")
+                yield error_body(str(e), "tool_call_generation_error")
                 return
         yield chunk(run.index, {}, "tool_calls" if parser.calls and reason != "length" else reason)
-
-
-def _usage(prompt: ChatPrompt, runs: list[ChoiceRun]) -> dict[str, int]:
-    completion = sum(len(r.token_ids) for r in runs)
-    return {
-        "prompt_tokens": len(prompt.token_ids),
-        "completion_tokens": completion,
-        "total_tokens": len(prompt.token_ids) + completion,
-    }
-
-
-def _note(info: dict, runs: list[ChoiceRun]) -> None:
-    info["completion_tokens"] = sum(len(r.token_ids) for r in runs)
-    info["finish"] = ",".join(str(r.finish_reason) for r in runs)
-    first = [r.first_token_at for r in runs if r.first_token_at is not None]
-    if first:
-        info["ttft_ms"] = f"{(min(first) - runs[0].arrival) * 1000:.0f}"
 
 
 def _is_object(arguments: str) -> bool:

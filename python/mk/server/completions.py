@@ -8,18 +8,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from mk.server.app import ServerState, validate
-from mk.server.errors import APIError, bad_request, error_body
-from mk.server.generate import ChoiceRun, gather_all, merged, submit
+from mk.server.errors import bad_request, error_body
+from mk.server.generate import ChoiceRun, collect, gather_all, note, start_runs, stream_choices, usage
 from mk.server.logprobs import completion_logprobs
 from mk.server.params import max_new_tokens, refuse_unsupported, sampling_params
-from mk.server.schemas import CompletionRequest
+from mk.server.schemas import CompletionRequest, validate
+from mk.server.state import ServerState
 
 
 @dataclass(slots=True)
 class _Choice:
     run: ChoiceRun
-    prompt_ids: list[int]
     echo: str  # prompt text to put before the completion ("" without echo)
 
 
@@ -33,18 +32,14 @@ async def completions(state: ServerState, obj: Any, info: dict) -> dict | AsyncI
     prompts = await asyncio.to_thread(_prompt_ids, req, state)  # tokenizing is slow: off the event loop
     budgets = [max_new_tokens(req, len(ids), state.engine.max_context) for ids, _ in prompts]
     rid = "cmpl-" + info["id"]
-    choices: list[_Choice] = []
-    try:
-        for p, ((ids, text), budget) in enumerate(zip(prompts, budgets, strict=True)):
-            for i in range(req.n):
-                index = p * req.n + i
-                stream = submit(state.engine, ids, sampling_params(req, budget, i, req.logprobs), f"{rid}-{index}")
-                run = ChoiceRun(index, stream, state.tokenizer, req.stop, state.metrics, arrival, True)
-                choices.append(_Choice(run, ids, text if req.echo else ""))
-    except BaseException:
-        for c in choices:
-            c.run.stream.cancel()
-        raise
+    requests = [
+        (ids, sampling_params(req, budget, i, req.logprobs))
+        for (ids, _), budget in zip(prompts, budgets, strict=True)
+        for i in range(req.n)
+    ]
+    runs = start_runs(state, requests, rid, req.stop, arrival, skip_special_tokens=True)
+    echoes = [text if req.echo else "" for _, text in prompts for _ in range(req.n)]
+    choices = [_Choice(run, echo) for run, echo in zip(runs, echoes, strict=True)]
     prompt_tokens = sum(len(ids) for ids, _ in prompts)
     state.metrics.count_prompt(prompt_tokens * req.n)
     info["prompt_tokens"] = prompt_tokens
@@ -52,8 +47,8 @@ async def completions(state: ServerState, obj: Any, info: dict) -> dict | AsyncI
     if req.stream:
         return _stream(state, req, choices, head, prompt_tokens, info)
     results = await gather_all([_collect(state, req, c) for c in choices])
-    _note(info, choices)
-    return {**head, "choices": results, "usage": _usage(prompt_tokens, choices)}
+    note(info, runs)
+    return {**head, "choices": results, "usage": usage(prompt_tokens, runs)}
 
 
 def _prompt_ids(req: CompletionRequest, state: ServerState) -> list[tuple[list[int], str]]:
@@ -79,15 +74,9 @@ def _prompt_ids(req: CompletionRequest, state: ServerState) -> list[tuple[list[i
 
 
 async def _collect(state: ServerState, req: CompletionRequest, c: _Choice) -> dict[str, Any]:
-    text, tokens, reason, error = "", [], None, None
-    async for piece in c.run.pieces():
-        text += piece.text
-        tokens += piece.tokens
-        reason, error = piece.finish_reason, piece.error
-    if reason == "error":
-        raise APIError(500, f"generation failed: {error}", type="generation_error")
-    logprobs = completion_logprobs(state.tokenizer, tokens, len(c.echo)) if req.logprobs is not None else None
-    return {"index": c.run.index, "text": c.echo + text, "logprobs": logprobs, "finish_reason": reason}
+    got = await collect(c.run)
+    logprobs = completion_logprobs(state.tokenizer, got.tokens, len(c.echo)) if req.logprobs is not None else None
+    return {"index": c.run.index, "text": c.echo + got.text, "logprobs": logprobs, "finish_reason": got.finish_reason}
 
 
 async def _stream(
@@ -113,26 +102,7 @@ async def _stream(
             if piece.finish_reason is not None:
                 yield chunk(c.run.index, "", piece.finish_reason)
 
-    try:
-        async for item in merged([events(c) for c in choices]):
-            yield item
-            if "error" in item:
-                break
-    finally:
-        _note(info, choices)
-    if req.stream_options is not None and req.stream_options.include_usage:
-        yield {**head, "choices": [], "usage": _usage(prompt_tokens, choices)}
-    yield "[DONE]"
-
-
-def _usage(prompt_tokens: int, choices: list[_Choice]) -> dict[str, int]:
-    completion = sum(len(c.run.token_ids) for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
-
-
-def _note(info: dict, choices: list[_Choice]) -> None:
-    info["completion_tokens"] = sum(len(c.run.token_ids) for c in choices)
-    info["finish"] = ",".join(str(c.run.finish_reason) for c in choices)
-    first = [c.run.first_token_at for c in choices if c.run.first_token_at is not None]
-    if first:
-        info["ttft_ms"] = f"{(min(first) - choices[0].run.arrival) * 1000:.0f}"
+    include_usage = req.stream_options is not None and req.stream_options.include_usage
+    runs = [c.run for c in choices]
+    async for item in stream_choices([events(c) for c in choices], runs, head, include_usage, prompt_tokens, info):
+        yield item

@@ -1,5 +1,6 @@
-"""Engine requests as text: submit (engine refusals become HTTP errors) and turn each request's token
-events into text pieces with stop strings applied, timing every token for the metrics."""
+"""Engine requests as text, shared by the two generation routes: submit (engine refusals become HTTP
+errors), turn each request's token events into text pieces with stop strings applied (timing every
+token for the metrics), collect a choice, and the usage, log note and stream tail of a response."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from mk.engine_api import AsyncEngine, EngineClosed, EngineFull, PromptTooLong, RequestStream
 from mk.sampling import SamplingError, SamplingParams
 from mk.server.errors import APIError, bad_request
 from mk.server.metrics import Metrics
+from mk.server.state import ServerState
 from mk.textstream import Detokenizer, StopMatcher
 from mk.tokenizer import Tokenizer
 
@@ -162,3 +165,75 @@ async def gather_all(coros: list) -> list:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def start_runs(
+    state: ServerState,
+    requests: list[tuple[list[int], SamplingParams]],
+    rid: str,
+    stops: list[str],
+    arrival: float,
+    skip_special_tokens: bool,
+) -> list[ChoiceRun]:
+    """One engine request and ChoiceRun per (prompt ids, params), choice i as `{rid}-{i}`; if one is
+    refused, those already submitted are cancelled."""
+    runs: list[ChoiceRun] = []
+    try:
+        for i, (ids, params) in enumerate(requests):
+            stream = submit(state.engine, ids, params, f"{rid}-{i}")
+            runs.append(ChoiceRun(i, stream, state.tokenizer, stops, state.metrics, arrival, skip_special_tokens))
+    except BaseException:
+        for run in runs:
+            run.stream.cancel()
+        raise
+    return runs
+
+
+@dataclass(slots=True)
+class Collected:
+    text: str
+    tokens: list[tuple[int, float | None, tuple | None]]
+    finish_reason: str | None
+
+
+async def collect(run: ChoiceRun) -> Collected:
+    """A whole choice (not streamed); a failed generation is a 500."""
+    text, tokens, reason, error = "", [], None, None
+    async for piece in run.pieces():
+        text += piece.text
+        tokens += piece.tokens
+        reason, error = piece.finish_reason, piece.error
+    if reason == "error":
+        raise APIError(500, f"generation failed: {error}", type="generation_error")
+    return Collected(text, tokens, reason)
+
+
+def usage(prompt_tokens: int, runs: list[ChoiceRun]) -> dict[str, int]:
+    completion = sum(len(r.token_ids) for r in runs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+def note(info: dict, runs: list[ChoiceRun]) -> None:
+    """The request log line's fields: completion tokens, finish reasons, time to first token."""
+    info["completion_tokens"] = sum(len(r.token_ids) for r in runs)
+    info["finish"] = ",".join(str(r.finish_reason) for r in runs)
+    first = [r.first_token_at for r in runs if r.first_token_at is not None]
+    if first:
+        info["ttft_ms"] = f"{(min(first) - runs[0].arrival) * 1000:.0f}"
+
+
+async def stream_choices(
+    events: list[AsyncIterator], runs: list[ChoiceRun], head: dict, include_usage: bool, prompt_tokens: int, info: dict
+) -> AsyncIterator[Any]:
+    """Every choice's chunks as they come, until one yields an error body (which ends the stream);
+    then the usage chunk when asked for, and [DONE]."""
+    try:
+        async for item in merged(events):
+            yield item
+            if "error" in item:
+                break
+    finally:
+        note(info, runs)
+    if include_usage:
+        yield {**head, "choices": [], "usage": usage(prompt_tokens, runs)}
+    yield "[DONE]"

@@ -8,9 +8,12 @@ the default), and fields mk cannot honour are refused in `params.py` rather than
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from mk.server.errors import bad_request
 
 MAX_N = 32
 MAX_STOPS = 16
@@ -171,3 +174,64 @@ class ChatRequest(_Sampling):
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def validate(model: type, obj: Any) -> Any:
+    """A pydantic model of the body, or 400 naming the first offending field (a string that is not valid
+    Unicode, a refused or unknown top-level field, a bad value)."""
+    if not isinstance(obj, dict):
+        raise bad_request("the request body must be a JSON object")
+    where = _lone_surrogate(obj)
+    if where is not None:
+        raise bad_request(f"{where or 'the body'}: a string holds a lone UTF-16 surrogate (not valid Unicode)", where)
+    for name in obj:
+        if name in REFUSED_FIELDS:
+            raise bad_request(REFUSED_FIELDS[name], name)
+    unknown = [n for n in obj if n not in model.model_fields and n not in IGNORED_FIELDS]
+    if unknown:
+        name = unknown[0]
+        close = difflib.get_close_matches(name, list(model.model_fields), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise bad_request(f"unknown field {name!r}{hint}", name, "unknown_field")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"] if not _union_tag(p))
+        loc = loc.lstrip(".")
+        msg = err["msg"].removeprefix("Value error, ")
+        raise bad_request(f"{loc}: {msg}" if loc else msg, loc or None) from None
+
+
+def _lone_surrogate(obj: Any, where: str = "") -> str | None:
+    """The location of the first string (value or key) the JSON decoder made from a lone \\uD800-style
+    escape: such text cannot be encoded, so the tokenizer would fail on it."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+        return None
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            at = f"{where}.{k}".lstrip(".") if isinstance(k, str) and k.isprintable() else where
+            found = _lone_surrogate(k, at) if isinstance(k, str) else None
+            if found is None:
+                found = _lone_surrogate(v, at)
+            if found is not None:
+                return found
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            found = _lone_surrogate(v, f"{where}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _union_tag(part: str | int) -> bool:
+    """pydantic names the union member in an error's location ('str', 'list[TextPart]', 'NamedToolChoice');
+    field names are lowercase identifiers."""
+    return isinstance(part, str) and (not part.isidentifier() or part[0].isupper() or part in _TYPE_NAMES)
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}

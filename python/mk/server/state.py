@@ -1,0 +1,39 @@
+"""What every route handler may use: the engine, the tokenizer, the model's name, limits, metrics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from mk.engine_api import AsyncEngine
+from mk.server.errors import APIError
+from mk.server.metrics import Metrics
+from mk.tokenizer import Tokenizer
+
+
+@dataclass
+class ServerState:
+    """What every route handler may use."""
+
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    model_name: str
+    api_key: str | None = None
+    protect_metrics: bool = False  # /metrics needs the API key too (by default scrapers need none)
+    max_body_bytes: int = 32 * 2**20
+    stats_interval: float = 5.0
+    metrics: Metrics = field(init=False)
+    draining: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(self.model_name, lambda: self.engine.stats())
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                400,
+                f"model {model!r} is not served here; this server serves {self.model_name!r}",
+                "model",
+                "model_not_found",
+            )

@@ -22,12 +22,14 @@ test: develop
 	cargo test --quiet
 	$(BIN)/python -m pytest -q
 
-lint: $(VENV)/.installed
+# stubtest compares python/mk/_native.pyi with the built extension, so lint builds it first.
+lint: develop
 	cargo fmt --check
 	cargo clippy --quiet --all-targets -- -D warnings
 	cargo clippy --quiet --all-targets --features python -- -D warnings
 	$(BIN)/ruff check $(PY_SOURCES)
 	$(BIN)/ruff format --check $(PY_SOURCES)
+	cd python && $(BIN)/python -m mypy.stubtest mk._native --allowlist mk/_native.stubtest-allowlist
 
 fmt: $(VENV)/.installed
 	cargo fmt

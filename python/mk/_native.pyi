@@ -1,6 +1,6 @@
 """Typed stubs of mk's Rust extension (`rust/python/`). Keep in step with the #[pyfunction]s."""
 
-from typing import Any, Protocol
+from typing import Any, Protocol, final
 
 from mk.config import ModelConfig
 
@@ -63,8 +63,9 @@ class Runner(Protocol):
     """What the Reference backend calls (mk.runner.ReferenceRunner). `dirty` lists the batch rows
     whose page-table entries changed: (row, bytes of int32 [layer][page])."""
 
-    def prefill(self, row: int, tokens: list[int], start: int, dirty: list[tuple[int, bytes]], last: bool) -> Any:
-        """float32 buffer of vocab logits when `last`, else anything."""
+    def prefill(self, pieces: list[tuple[int, list[int], int, bool]], dirty: list[tuple[int, bytes]]) -> Any:
+        """Chunks (row, tokens, start, last) of distinct sequences in one call; a float32 buffer
+        [pieces with `last`, vocab] of their logits, in order."""
 
     def decode(self, rows: list[int], tokens: list[int], positions: list[int], dirty: list[tuple[int, bytes]]) -> Any:
         """float32 buffer [len(rows), vocab]."""
@@ -91,13 +92,14 @@ def kv_keep_from(window: int, query: int) -> int:
 def kv_pool_blocks(budget: int, kv_heads: int, head_dim: int, elem_bytes: int) -> int:
     """KV blocks (a page of K and V for every KV head) that fit in `budget` bytes."""
 
+@final
 class Engine:
     """The decode-loop thread over `runner` (None: a no-op backend that samples `noop_token`).
     `backend`: "reference" (the runner prefills and decodes) or "megakernel" (the runner, a
     MegakernelRunner, prefills; the megakernel decodes)."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         runner: Runner | None,
         *,
         sliding: list[bool],
@@ -109,11 +111,11 @@ class Engine:
         max_context: int = 4096,
         prefill_chunk: int = 512,
         max_waiting: int = 1024,
-        salt: bytes = b"",
+        salt: bytes = ...,
         check_invariants: bool = False,
         noop_token: int = 1,
         backend: str = "reference",
-    ) -> None: ...
+    ) -> Engine: ...
     def submit(
         self,
         id: int,

@@ -66,15 +66,16 @@ pub type PrefillResult = Result<Option<Sampled>, BackendError>;
 
 pub trait DecodeBackend: Send {
     /// Computes K/V for every chunk; `out` receives one result per chunk, in order: the sampled
-    /// next token for a last chunk, else None (or the error that ended that chunk).
-    fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>);
+    /// next token for a last chunk, else None (or the error that ended that chunk). `Err`: the call
+    /// as a whole failed and `out` is untouched (the engine then retries the chunks one by one).
+    fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) -> Result<(), BackendError>;
 
     /// Runs one decode step; `out` receives one `Sampled` per row, in row order.
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError>;
 }
 
 impl<B: DecodeBackend + ?Sized> DecodeBackend for Box<B> {
-    fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) {
+    fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) -> Result<(), BackendError> {
         (**self).prefill(input, out)
     }
 

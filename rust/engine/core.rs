@@ -83,7 +83,21 @@ impl<B: DecodeBackend> Core<B> {
             let mut results = std::mem::take(&mut self.prefilled);
             results.clear();
             let t = Instant::now();
-            self.backend.prefill(&input, &mut results);
+            if let Err(e) = self.backend.prefill(&input, &mut results) {
+                // A failed packed call is retried chunk by chunk, so an error ends only the
+                // requests it concerns (a retried chunk rewrites the same K/V).
+                results.clear();
+                if inputs.len() == 1 {
+                    results.push(Err(e));
+                } else {
+                    for chunk in &inputs {
+                        let alone = PrefillInput { chunks: std::slice::from_ref(chunk), ..input };
+                        if let Err(e) = self.backend.prefill(&alone, &mut results) {
+                            results.push(Err(e));
+                        }
+                    }
+                }
+            }
             backend_ns += t.elapsed().as_nanos() as u64;
             drop(inputs);
             self.sched.clear_dirty();

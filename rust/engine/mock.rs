@@ -95,6 +95,8 @@ pub struct MockBackend {
     sampler: Sampler,
     /// Fail every prefill of this request.
     pub fail_request: Option<u64>,
+    /// Fail, as a whole, every prefill call that packs this request with others.
+    pub fail_packed_request: Option<u64>,
     /// Fail the decode call with this index (0-based).
     pub fail_decode_call: Option<usize>,
     pub prefill_calls: usize,
@@ -113,6 +115,7 @@ impl MockBackend {
             store,
             sampler: Sampler::new(),
             fail_request: None,
+            fail_packed_request: None,
             fail_decode_call: None,
             prefill_calls: 0,
             prefill_batches: Vec::new(),
@@ -167,11 +170,16 @@ impl MockBackend {
 }
 
 impl DecodeBackend for MockBackend {
-    fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) {
+    fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) -> Result<(), BackendError> {
         let rows: std::collections::HashSet<usize> = input.chunks.iter().map(|c| c.row).collect();
         assert_eq!(rows.len(), input.chunks.len(), "one chunk per sequence and call");
         self.prefill_batches.push(input.chunks.len());
+        let poisoned = input.chunks.iter().any(|c| self.fail_packed_request == Some(c.request));
+        if poisoned && input.chunks.len() > 1 {
+            return Err(BackendError("injected failure of the packed call".into()));
+        }
         out.extend(input.chunks.iter().map(|c| self.prefill_chunk(input.table, c)));
+        Ok(())
     }
 
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {

@@ -36,9 +36,10 @@ impl NoopBackend {
 }
 
 impl DecodeBackend for NoopBackend {
-    fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) {
+    fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) -> Result<(), BackendError> {
         self.upload(input.table, input.dirty_rows);
         out.extend(input.chunks.iter().map(|c| Ok(c.last.then(|| Sampled::token(self.token)))));
+        Ok(())
     }
 
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {

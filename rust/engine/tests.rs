@@ -268,6 +268,26 @@ fn cancellation_frees_blocks_in_the_same_iteration() {
 }
 
 #[test]
+fn a_failed_packed_prefill_is_retried_chunk_by_chunk() {
+    let model = MockModel::small();
+    let mut c = core(&model, 200, 4, 64, 64);
+    c.backend.fail_packed_request = Some(2);
+    let arrivals: Vec<_> = (1..=3).map(|i| (0, req(i, 8, SamplingParams::greedy(6).with_ignore_eos()))).collect();
+    let out = run(&mut c, &arrivals, &[]);
+    // The packed call of the three failed; alone, every chunk went through.
+    assert!(c.backend.prefill_batches.starts_with(&[3, 1, 1, 1]), "{:?}", c.backend.prefill_batches);
+    assert!(out.errors.is_empty(), "{:?}", out.errors);
+    assert_solo(&model, &arrivals, &out, 64);
+    // A request that also fails alone ends with an error; its neighbours do not.
+    c.backend.fail_request = Some(5);
+    c.backend.fail_packed_request = Some(5);
+    let arrivals: Vec<_> = (4..=6).map(|i| (0, req(i, 8, SamplingParams::greedy(6).with_ignore_eos()))).collect();
+    let out = run(&mut c, &arrivals, &[]);
+    assert_eq!(out.finish[&5], FinishReason::Error);
+    assert_solo(&model, &[arrivals[0].clone(), arrivals[2].clone()], &out, 64);
+}
+
+#[test]
 fn backend_failures_end_only_the_requests_they_touch() {
     let model = MockModel::small();
     let mut c = core(&model, 200, 4, 64, 64);

@@ -89,20 +89,17 @@ impl MegakernelBackend {
 }
 
 impl DecodeBackend for MegakernelBackend {
-    fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) {
+    fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) -> Result<(), BackendError> {
         self.unsent.resize(input.table.rows(), false);
         for &r in input.dirty_rows {
             self.unsent[r] = true;
         }
         self.merged.clear();
         self.merged.extend(self.unsent.iter().enumerate().filter(|(_, &u)| u).map(|(r, _)| r));
-        let at = out.len();
-        self.python.prefill(&PrefillInput { dirty_rows: &self.merged, ..*input }, out);
-        // The runner has the rows once one of its calls went through (an Ok result, or a sampling
-        // error after the call, which is rare enough to resend them for).
-        if out[at..].iter().any(Result::is_ok) {
-            self.unsent.fill(false);
-        }
+        // The runner has the rows once one of its calls went through.
+        self.python.prefill(&PrefillInput { dirty_rows: &self.merged, ..*input }, out)?;
+        self.unsent.fill(false);
+        Ok(())
     }
 
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {

@@ -95,20 +95,9 @@ impl ReferenceBackend {
 }
 
 impl DecodeBackend for ReferenceBackend {
-    /// One runner call for every chunk. If it fails and held several, each chunk is tried alone, so
-    /// an error ends only the requests it concerns (a retried chunk rewrites the same K/V).
-    fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) {
-        let Err(e) = self.prefill_packed(input, out) else { return };
-        if input.chunks.len() == 1 {
-            out.push(Err(e));
-            return;
-        }
-        for chunk in input.chunks {
-            let alone = PrefillInput { chunks: std::slice::from_ref(chunk), ..*input };
-            if let Err(e) = self.prefill_packed(&alone, out) {
-                out.push(Err(e));
-            }
-        }
+    /// One runner call for every chunk (the engine retries a failed packed call chunk by chunk).
+    fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) -> Result<(), BackendError> {
+        self.prefill_packed(input, out)
     }
 
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {

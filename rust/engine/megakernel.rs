@@ -9,10 +9,10 @@
 //! samples with Gumbel noise itself.
 
 use super::backend::{BackendError, DecodeInput};
-use crate::gpu::step::{StepRows, StepRunner};
+use crate::gpu::step::{GpuLauncher, StepRows};
 use crate::sampling::{SampleSpec, Sampled, Sampler};
 
-/// Runs one launch (the GPU's `StepRunner`; a mock in tests).
+/// Runs one launch (the GPU's `GpuLauncher`; a mock in tests).
 pub trait StepLauncher {
     fn max_rows(&self) -> usize;
     fn vocab(&self) -> usize;
@@ -25,13 +25,13 @@ pub trait StepLauncher {
     ) -> Result<(), BackendError>;
 }
 
-impl StepLauncher for StepRunner {
+impl StepLauncher for GpuLauncher {
     fn max_rows(&self) -> usize {
-        StepRunner::max_rows(self)
+        GpuLauncher::max_rows(self)
     }
 
     fn vocab(&self) -> usize {
-        StepRunner::vocab(self)
+        GpuLauncher::vocab(self)
     }
 
     fn launch(

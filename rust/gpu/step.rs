@@ -83,7 +83,10 @@ struct LaunchTasks {
     uploaded: Option<u64>,
 }
 
-pub struct StepRunner {
+/// Launches decode steps of the megakernel on one stream: the task lists (cached per launch), the
+/// counters and the per-step uploads. ("Runner" names only the Python objects the engine's
+/// backends call; what launches is a launcher.)
+pub struct GpuLauncher {
     gpu: Arc<Gpu>,
     stream: Arc<CudaStream>,
     setup: StepSetup,
@@ -111,14 +114,14 @@ fn driver(action: &'static str) -> impl FnOnce(DriverError) -> GpuError {
     move |source| GpuError::Driver { action, source }
 }
 
-impl StepRunner {
+impl GpuLauncher {
     /// Allocates this side's buffers on `stream` (the engine's stream, kept alive by its owner
-    /// for as long as this runner lives).
+    /// for as long as this launcher lives).
     ///
     /// # Safety
     /// Every address in `setup.args` must be live device memory of `gpu`'s device, laid out as
     /// python/mk/megakernel/state.py describes for `setup.rows` rows, `setup.max_splits` splits,
-    /// `setup.slots` slots and `setup.options.sample_parts` parts, for as long as this runner lives.
+    /// `setup.slots` slots and `setup.options.sample_parts` parts, for as long as this launcher lives.
     pub unsafe fn new(gpu: Arc<Gpu>, stream: sys::CUstream, mut setup: StepSetup) -> Result<Self, GpuError> {
         setup.options.num_sms = gpu.num_sms() as usize;
         validate(&setup)?;
@@ -174,7 +177,7 @@ impl StepRunner {
         let table = step.table;
         if table.layers() != g.layers() || table.max_pages() > self.setup.max_pages {
             return Err(invalid(format!(
-                "the page table ({} layers, {} pages) does not fit this runner ({} layers, {} pages)",
+                "the page table ({} layers, {} pages) does not fit this launcher ({} layers, {} pages)",
                 table.layers(),
                 table.max_pages(),
                 g.layers(),
@@ -227,7 +230,7 @@ impl StepRunner {
         args.max_splits = self.setup.max_splits as i32;
         args.slots = slots as i32;
         args.sample_parts = self.setup.options.sample_parts as i32;
-        // SAFETY: the addresses are Python's live buffers (see `new`) and this runner's, sized
+        // SAFETY: the addresses are Python's live buffers (see `new`) and this launcher's, sized
         // for at least `b` rows, `pages` pages, these splits and slots (checked above); the task
         // lists come from `build_step`, whose graphs the static checker's tests cover.
         unsafe { self.gpu.decode_step(&args, num_sms as u32, self.stream.cu_stream())? };

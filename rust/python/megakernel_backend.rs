@@ -17,7 +17,7 @@ use super::graph::geometry_from;
 use super::reference_backend::ReferenceBackend;
 use crate::engine::megakernel::MegakernelDecoder;
 use crate::engine::{BackendError, DecodeBackend, DecodeInput, PrefillInput, PrefillResult};
-use crate::gpu::step::{StepRunner, StepSetup};
+use crate::gpu::step::{GpuLauncher, StepSetup};
 use crate::gpu::{Gpu, MkStepArgs};
 use crate::graph::BuildOptions;
 use crate::sampling::Sampled;
@@ -25,7 +25,7 @@ use crate::sampling::Sampled;
 pub struct MegakernelBackend {
     // Declared first so it drops first: its device buffers are freed on the runner's stream,
     // which the runner (below) keeps alive.
-    decoder: MegakernelDecoder<StepRunner>,
+    decoder: MegakernelDecoder<GpuLauncher>,
     python: ReferenceBackend,
     /// Rows whose table changed in decode calls, which never reach Python: the runner's mirror
     /// gets them with the next prefill.
@@ -61,7 +61,7 @@ impl MegakernelBackend {
             max_pages: get(d, "max_pages")?,
             num_blocks: get(d, "num_blocks")?,
             options: BuildOptions {
-                num_sms: 0, // the device's, filled in by StepRunner
+                num_sms: 0, // the device's, filled in by GpuLauncher
                 attn_chunk: get(d, "attn_chunk")?,
                 row_groups: get(d, "row_groups")?,
                 sample_parts: get(d, "sample_parts")?,
@@ -76,7 +76,7 @@ impl MegakernelBackend {
                 // SAFETY: the runner keeps the stream and every tensor in `step_args` alive and
                 // sized as `setup` says (MegakernelRunner allocates them from the same numbers);
                 // this backend holds the runner for as long as it lives.
-                unsafe { StepRunner::new(gpu, stream as usize as _, step) }
+                unsafe { GpuLauncher::new(gpu, stream as usize as _, step) }
             })
             .map_err(errors::to_py)?;
         Ok(Self {

@@ -136,7 +136,7 @@ typedef enum MkLayerWeight {
 #define MK_STEP_MAX_BATCH 8
 
 // Everything one launch of the decode megakernel needs. Pointers are device addresses; the
-// buffers are described in python/mk/megakernel/state.py (StepBuffers).
+// buffers are described in python/mk/megakernel/buffers.py (StepBuffers).
 typedef struct MkStepArgs {
     uint64_t tasks;         // MkTask [gridDim.x][per_sm]
     uint64_t counters;      // uint32 [2][num_counters]

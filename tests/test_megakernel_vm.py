@@ -10,7 +10,7 @@ import torch
 
 from mk.config import ModelConfig
 from mk.megakernel import graph as mkgraph
-from mk.megakernel.state import StepBuffers
+from mk.megakernel.buffers import StepBuffers
 from mk.megakernel.vm import RoutingMismatch, run_step
 from mk.model import PageAllocator, synthetic_weights
 from mk.model.reference import Model

@@ -353,7 +353,7 @@ def test_the_megakernel_runs_the_embedded_preset():
     """The Rust graph builder accepts the geometry and its task list, interpreted on the CPU (the
     megakernel's VM), equals the reference decode step for rows inside and past the sliding window."""
     graph = pytest.importorskip("mk.megakernel.graph")
-    from mk.megakernel.state import StepBuffers
+    from mk.megakernel.buffers import StepBuffers
     from mk.megakernel.support import geometry_unsupported
     from mk.megakernel.vm import run_step
     from mk.model import PageAllocator

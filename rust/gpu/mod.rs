@@ -203,7 +203,7 @@ impl Gpu {
     ///
     /// # Safety
     /// Every pointer in `args` must be device memory of this device laid out as cuda/abi.h and
-    /// python/mk/megakernel/state.py describe, and the task lists must pass `graph::check`
+    /// python/mk/megakernel/buffers.py describe, and the task lists must pass `graph::check`
     /// (a list waiting on work that never comes hangs the GPU). `grid` must not exceed the number
     /// of multiprocessors, so every block is resident at once.
     pub unsafe fn decode_step(&self, args: &MkStepArgs, grid: u32, stream: sys::CUstream) -> Result<(), GpuError> {

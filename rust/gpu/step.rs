@@ -120,7 +120,7 @@ impl GpuLauncher {
     ///
     /// # Safety
     /// Every address in `setup.args` must be live device memory of `gpu`'s device, laid out as
-    /// python/mk/megakernel/state.py describes for `setup.rows` rows, `setup.max_splits` splits,
+    /// python/mk/megakernel/buffers.py describes for `setup.rows` rows, `setup.max_splits` splits,
     /// `setup.slots` slots and `setup.options.sample_parts` parts, for as long as this launcher lives.
     pub unsafe fn new(gpu: Arc<Gpu>, stream: sys::CUstream, mut setup: StepSetup) -> Result<Self, GpuError> {
         setup.options.num_sms = gpu.num_sms() as usize;

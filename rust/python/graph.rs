@@ -103,7 +103,7 @@ pub fn decode_step(py: Python<'_>, device: usize, stream: u64, args: &[u8], grid
     py.detach(|| {
         let gpu = crate::gpu::Gpu::shared(device)?;
         // SAFETY: mk.megakernel.launch builds the graph with the static checker on and passes
-        // live device buffers sized from the same config (state.py).
+        // live device buffers sized from the same config (megakernel/buffers.py).
         unsafe { gpu.decode_step(&args, grid, stream as usize as _) }
     })
     .map_err(super::errors::to_py)

@@ -14,7 +14,7 @@ import torch
 from mk import _native
 from mk.config import PAGE_SIZE
 from mk.megakernel import graph as mkgraph
-from mk.megakernel.state import StepBuffers
+from mk.megakernel.buffers import StepBuffers
 from mk.model.paged import PagedKV
 from mk.model.reference import Model
 

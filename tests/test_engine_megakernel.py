@@ -15,9 +15,9 @@ from mk import _native
 from mk.config import ModelConfig
 from mk.engine import Engine
 from mk.megakernel import support
+from mk.megakernel.buffers import StepBuffers
 from mk.megakernel.launch import ModelTables
 from mk.megakernel.runner import PER_STEP_FIELDS, MegakernelRunner, step_template
-from mk.megakernel.buffers import StepBuffers
 from mk.megakernel.support import MegakernelUnavailable, choose_backend, geometry_unsupported
 from mk.model import synthetic_weights
 from mk.model.reference import Model

@@ -15,8 +15,8 @@ import os
 import torch
 
 from mk import _native
-from mk.megakernel.launch import ModelTables, fixed_step_args, pack_step_args
 from mk.megakernel.buffers import StepBuffers
+from mk.megakernel.launch import ModelTables, fixed_step_args, pack_step_args
 from mk.megakernel.support import MAX_STEP_ROWS, MegakernelUnavailable, megakernel_unsupported
 from mk.model.reference import Model
 from mk.prefill import Prefill

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from mk.config import PAGE_SIZE
-from mk.megakernel.graph import ARG, Matrix, Op, StepGraph
 from mk.megakernel.buffers import StepBuffers
+from mk.megakernel.graph import ARG, Matrix, Op, StepGraph
 from mk.model.moe import select_experts
 from mk.model.paged import PagedKV
 from mk.model.reference import Model, rms_norm

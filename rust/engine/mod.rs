@@ -6,6 +6,7 @@ pub mod core;
 pub mod events;
 pub mod megakernel;
 pub mod noop;
+pub mod sampling_backend;
 mod worker;
 
 #[cfg(test)]
@@ -26,6 +27,7 @@ pub use self::core::{Core, LoopMetrics};
 pub use backend::{BackendError, DecodeBackend, DecodeInput, PrefillChunkInput, PrefillInput, PrefillResult};
 pub use events::EventQueue;
 pub use noop::NoopBackend;
+pub use sampling_backend::{LogitsModel, SamplingBackend};
 
 use crate::kv::{KvConfig, KvStats};
 use crate::sched::{Event, Request, RequestId, SchedConfig, SchedError, SchedStats, Scheduler, SubmitError};

@@ -9,7 +9,7 @@ use pyo3::types::PyDict;
 
 use super::errors;
 use super::megakernel_backend::MegakernelBackend;
-use super::reference_backend::ReferenceBackend;
+use super::reference_backend::reference_backend;
 use crate::engine::{Engine, EngineConfig, NoopBackend};
 use crate::kv::KvConfig;
 use crate::sched::{Event, Request, SamplingParams, SchedConfig};
@@ -103,7 +103,7 @@ impl PyEngine {
             check_invariants,
         );
         let engine = match (runner, backend) {
-            (Some(r), "reference") => Engine::start(cfg, ReferenceBackend::new(r, vocab_size)),
+            (Some(r), "reference") => Engine::start(cfg, reference_backend(r, vocab_size)),
             (Some(r), "megakernel") => Engine::start(cfg, MegakernelBackend::new(py, r, vocab_size)?),
             (None, _) => Engine::start(cfg, NoopBackend::new(noop_token)),
             (Some(_), other) => {

@@ -14,7 +14,7 @@ use pyo3::types::PyDict;
 
 use super::errors;
 use super::graph::geometry_from;
-use super::reference_backend::ReferenceBackend;
+use super::reference_backend::{reference_backend, ReferenceBackend};
 use crate::engine::megakernel::MegakernelDecoder;
 use crate::engine::{BackendError, DecodeBackend, DecodeInput, PrefillInput, PrefillResult};
 use crate::gpu::step::{GpuLauncher, StepSetup};
@@ -81,7 +81,7 @@ impl MegakernelBackend {
             .map_err(errors::to_py)?;
         Ok(Self {
             decoder: MegakernelDecoder::new(launcher),
-            python: ReferenceBackend::new(runner, vocab),
+            python: reference_backend(runner, vocab),
             unsent: Vec::new(),
             merged: Vec::new(),
         })

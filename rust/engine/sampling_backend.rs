@@ -101,24 +101,27 @@ mod tests {
         }
     }
 
-    fn greedy() -> SampleSpec {
-        SampleSpec { temperature: 0.0, top_p: 1.0, top_k: 0, seed: 0, index: 0, logprobs: None }
-    }
-
     #[test]
     fn logits_are_sampled_per_last_chunk_and_per_row() {
         let table = PageTable::new(4, 2, 8);
         let mut b = SamplingBackend::new(Peaked { vocab: 16, fail: false });
         let chunks = [
-            PrefillChunkInput { row: 0, request: 1, tokens: &[1, 2], start: 0, last: false, spec: greedy() },
-            PrefillChunkInput { row: 1, request: 2, tokens: &[3], start: 5, last: true, spec: greedy() },
+            PrefillChunkInput {
+                row: 0,
+                request: 1,
+                tokens: &[1, 2],
+                start: 0,
+                last: false,
+                spec: SampleSpec::greedy(0),
+            },
+            PrefillChunkInput { row: 1, request: 2, tokens: &[3], start: 5, last: true, spec: SampleSpec::greedy(0) },
         ];
         let mut out = Vec::new();
         b.prefill(&PrefillInput { chunks: &chunks, table: &table, dirty_rows: &[] }, &mut out).unwrap();
         assert_eq!(out.len(), 2);
         assert_eq!(out[0], Ok(None));
         assert_eq!(out[1].as_ref().unwrap().as_ref().unwrap().token, 5);
-        let specs = [greedy(), greedy()];
+        let specs = [SampleSpec::greedy(0), SampleSpec::greedy(0)];
         let input = DecodeInput {
             rows: &[0, 2],
             tokens: &[1, 1],

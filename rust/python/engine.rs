@@ -38,28 +38,6 @@ pub struct PyEngine {
     num_blocks: usize,
 }
 
-#[allow(clippy::too_many_arguments)]
-fn config(
-    sliding: Vec<bool>,
-    window: usize,
-    num_blocks: usize,
-    vocab_size: usize,
-    eos_token_id: Option<u32>,
-    max_batch: usize,
-    max_context: usize,
-    prefill_chunk: usize,
-    max_waiting: usize,
-    salt: Vec<u8>,
-    check_invariants: bool,
-) -> EngineConfig {
-    EngineConfig {
-        sched: SchedConfig { max_batch, prefill_chunk, max_context, vocab_size, eos_token_id },
-        kv: KvConfig { sliding, window, page_size: crate::kv::PAGE_SIZE, num_blocks, salt },
-        max_waiting,
-        check_invariants,
-    }
-}
-
 #[pymethods]
 impl PyEngine {
     /// Starts the loop thread over `runner` (None: the no-op backend, which "samples"
@@ -89,19 +67,12 @@ impl PyEngine {
         noop_token: u32,
         backend: &str,
     ) -> PyResult<Self> {
-        let cfg = config(
-            sliding,
-            window,
-            num_blocks,
-            vocab_size,
-            eos_token_id,
-            max_batch,
-            max_context,
-            prefill_chunk,
+        let cfg = EngineConfig {
+            sched: SchedConfig { max_batch, prefill_chunk, max_context, vocab_size, eos_token_id },
+            kv: KvConfig { sliding, window, page_size: crate::kv::PAGE_SIZE, num_blocks, salt },
             max_waiting,
-            salt,
             check_invariants,
-        );
+        };
         let engine = match (runner, backend) {
             (Some(r), "reference") => Engine::start(cfg, reference_backend(r, vocab_size)),
             (Some(r), "megakernel") => Engine::start(cfg, MegakernelBackend::new(py, r, vocab_size)?),

@@ -33,8 +33,8 @@ if [ "${YARDSTICK:-1}" = 1 ] && [ -f .whl/yardstick.py ]; then
         >"$OUT/yardstick.log" 2>&1 || status=1
 fi
 
-echo "== nvcc =="
-grep -E "registers|stack frame" "$OUT/nvcc.log" | grep -A0 -B0 "" | tail -n 2
+echo "== nvcc (mk_decode_step) =="
+grep -A2 "Function properties for mk_decode_step" "$OUT/nvcc.log" | grep -E "stack frame|registers"
 echo "== tests =="
 [ -f "$OUT/tests.log" ] && { grep -E "passed|failed|error" "$OUT/tests.log" | tail -n 3; grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/tests.log" | head -n 15; }
 echo "== decode =="

@@ -9,7 +9,8 @@ namespace mk {
 
 constexpr int kMaxBatch = MK_STEP_MAX_BATCH;
 constexpr int kMaxK = MK_STEP_MAX_K;
-// Bytes per activation row in shared memory: 64 mod 128, as for the stage rows.
+// Bytes per activation row in shared memory: 64 mod 128, so the 8 threads of a quarter-warp
+// reading rows g and g + 1 at one column hit 32 distinct banks.
 __device__ __forceinline__ int act_pitch(int k) { return (2 * k + 127) / 128 * 128 + 64; }
 constexpr int kActBytes = kMaxBatch * ((2 * kMaxK + 127) / 128 * 128 + 64);
 
@@ -26,7 +27,7 @@ struct GemvPlan {
     const bf16* rows[4];  // first row of each group
     const void* map[4];   // the group's matrix as a bulk-copy descriptor (CUtensorMap)
     int first[4];         // the group's first row within that matrix
-    int valid[4];         // rows of the group that exist (the rest read row 0 and are dropped)
+    int valid[4];         // rows of the group that exist (the copy zero-fills the rest; they are dropped)
     int groups;
     int k;
     const bf16* act;      // [batch, k]
@@ -218,7 +219,6 @@ __device__ void gemv_compute(const GemvPlan& p, GemvSmem& s, const Ring& r, uint
                 mbar_wait(r.full_of(n), r.parity(n));
                 const unsigned char* st = r.stage(n) + gi * 2 * box + 16 * ti;
                 const int chunks = min(kc, p.k - c) / 32;  // the last stage may run past k
-#ifndef MK_SKIP_COMPUTE
                 for (int ch = warp; ch < chunks; ch += kWarps) {
                     const unsigned char* w = st + (ch / box_chunks) * box_bytes + 64 * (ch % box_chunks);
                     const uint4 wa = *reinterpret_cast<const uint4*>(w);
@@ -227,7 +227,6 @@ __device__ void gemv_compute(const GemvPlan& p, GemvSmem& s, const Ring& r, uint
                     mma_16816(acc, wa.x, wb.x, wa.y, wb.y, x.x, x.y);
                     mma_16816(acc, wa.z, wb.z, wa.w, wb.w, x.z, x.w);
                 }
-#endif
                 __syncwarp();
                 if (lane == 0) mbar_arrive(r.empty_of(n));
             }

@@ -1,12 +1,13 @@
 // Weight streaming for the decode megakernel's GEMV tasks: a producer warp walks the block's task
-// list ahead of the compute warps and bulk-copies (cp.async.bulk, the copy engine) every GEMV
-// task's weight tiles into a ring of shared-memory stages, each guarded by a "full" mbarrier
-// (bytes landed) and an "empty" one (every compute warp is done with it). Weights never change,
-// so a task's tiles are in flight while earlier tasks still wait on their inputs; only expert
-// tiles wait, for the layer's top-k task that says which expert a slot holds.
+// list ahead of the compute warps and copies every GEMV task's weight tiles with the bulk tensor
+// copy engine (cp.async.bulk.tensor) into a ring of shared-memory stages, each guarded by a "full"
+// mbarrier (bytes landed) and an "empty" one (every compute warp is done with it). Weights never
+// change, so a task's tiles are in flight while earlier tasks still wait on their inputs; only
+// expert tiles wait, for the layer's top-k task that says which expert a slot holds.
 //
 // Producer and consumers walk the same stage sequence: for each GEMV task with weights, for each
-// 16-row group with rows, for each chunk of kc columns, one stage (stream_stages below).
+// 16-row group with rows, for each chunk of kc columns, one stage (stream_weights and
+// gemv_compute in step_gemv.cuh).
 #pragma once
 #include "step_common.cuh"
 
@@ -17,7 +18,9 @@ constexpr int kBoxCols = MK_STAGE_COLS;  // weight columns per bulk tensor copy 
 #ifndef MK_STAGE_BOXES
 #define MK_STAGE_BOXES 1
 #endif
-constexpr int kStageBoxes = MK_STAGE_BOXES;  // copies per stage, side by side along k
+// Copies per stage, side by side along k: a tuning knob (-DMK_STAGE_BOXES=2 in the device
+// script's NVCC_FLAGS); more boxes make fewer, larger stages.
+constexpr int kStageBoxes = MK_STAGE_BOXES;
 // A stage is kStageBoxes dense [kStageRows][box] tiles: rows g and g + 1 read at one column by a
 // quarter-warp share banks (2-way), a small cost beside the copy it saves.
 constexpr int kStageBytes = kStageBoxes * kStageRows * kBoxCols * 2;

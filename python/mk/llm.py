@@ -64,9 +64,9 @@ class _Choice:
         if self._stops is not None:
             if event.token_id is not None:
                 self._so_far += self._stops.push(self._detok.push(event.token_id))
-            if event.finish_reason is not None and self._stops.matched is None:
+            if event.finish_reason is not None:  # after a match both give ""
                 self._so_far += self._stops.push(self._detok.flush())
-                self._so_far += self._stops.flush() if self._stops.matched is None else ""
+                self._so_far += self._stops.flush()
             if self._stops.matched is not None:
                 self.text, self.finish = self._so_far, "stop"
                 if event.finish_reason is None and self.stream is not None:

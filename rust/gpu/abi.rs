@@ -121,6 +121,15 @@ abi_struct! {
     }
 }
 
+impl MkStepArgs {
+    /// The longest reduction of any GEMV task of the step (hidden, the query width, either FFN
+    /// width), which `STEP_MAX_K` bounds.
+    pub fn longest_reduction(&self) -> usize {
+        let widths = [self.hidden, self.heads * self.head_dim, self.dense_ffn, self.expert_ffn];
+        widths.into_iter().max().unwrap_or(0).max(0) as usize
+    }
+}
+
 // SAFETY: plain-old-data with the C layout of MkStepArgs, passed by value to mk_decode_step.
 unsafe impl cudarc::driver::DeviceRepr for MkStepArgs {}
 
@@ -202,6 +211,22 @@ pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
 mod tests {
     use super::*;
     use object::{Object, ObjectSection, ObjectSymbol};
+
+    #[test]
+    fn the_longest_reduction_is_the_widest_gemv_input() {
+        let real = MkStepArgs {
+            hidden: 2048,
+            heads: 32,
+            head_dim: 128,
+            dense_ffn: 3072,
+            expert_ffn: 768,
+            ..Default::default()
+        };
+        assert_eq!(real.longest_reduction(), 4096); // O's input: 32 heads x 128
+        let wide_ffn = MkStepArgs { dense_ffn: 8192, ..real };
+        assert_eq!(wide_ffn.longest_reduction(), 8192);
+        assert!(wide_ffn.longest_reduction() > STEP_MAX_K);
+    }
 
     /// Reads the `u64` array `symbol` out of a cubin (an ELF file) without a GPU.
     fn read_u64_symbol(cubin: &[u8], symbol: &str) -> Vec<u64> {

@@ -222,9 +222,10 @@ impl Gpu {
                 args.batch
             )));
         }
-        if args.head_dim != 128 || args.heads / args.kv_heads.max(1) > 8 || args.hidden as usize > abi::STEP_MAX_K {
+        if args.head_dim != 128 || args.heads / args.kv_heads.max(1) > 8 || args.longest_reduction() > abi::STEP_MAX_K {
             return Err(GpuError::InvalidArgument(format!(
-                "decode_step supports head_dim 128, query groups of at most 8 and hidden <= {}",
+                "decode_step supports head_dim 128, query groups of at most 8 and GEMV reductions (hidden, query \
+                 width, FFN widths) of at most {}",
                 abi::STEP_MAX_K
             )));
         }

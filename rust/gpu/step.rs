@@ -394,7 +394,7 @@ fn validate(s: &StepSetup) -> Result<(), GpuError> {
     if s.rows == 0 || s.rows > MAX_STEP_ROWS {
         return Err(invalid(format!("a launch holds 1 to {MAX_STEP_ROWS} rows, got buffers for {}", s.rows)));
     }
-    let longest_k = [g.hidden, g.q_width(), g.dense_ffn, g.expert_ffn].into_iter().max().unwrap_or(0);
+    let longest_k = a.longest_reduction(); // the dimensions equal the geometry's (checked above)
     if longest_k > crate::gpu::abi::STEP_MAX_K {
         return Err(invalid(format!(
             "a GEMV reduces over at most {} values (MK_STEP_MAX_K); this geometry needs {longest_k}",

@@ -66,6 +66,7 @@ class ChoiceRun:
         self.stops = StopMatcher(stops)
         self.metrics = metrics
         self.arrival = arrival
+        self.submitted = time.monotonic()  # constructed right after the engine took the request
         self.token_ids: list[int] = []
         self.first_token_at: float | None = None
         self.finish_reason: str | None = None
@@ -81,9 +82,9 @@ class ChoiceRun:
                     if self.first_token_at is None:
                         self.first_token_at = now
                         self.metrics.ttft.observe(now - self.arrival)
-                        if event.queue_time is not None:  # the rest of the wait is prefill
+                        if event.queue_time is not None:  # the engine's wait, then its prefill
                             self.metrics.queue.observe(event.queue_time)
-                            self.metrics.prefill.observe(max(0.0, now - self.arrival - event.queue_time))
+                            self.metrics.prefill.observe(max(0.0, now - self.submitted - event.queue_time))
                     else:
                         self.metrics.itl.observe(now - last)
                     last = now

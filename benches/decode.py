@@ -7,10 +7,9 @@ selected by at least one row (the kernel's routing of the last layer, times the 
 LM head, the KV each row reads (full layers: the whole context; sliding: the window) and the
 embedding rows. Prints a table, writes JSON (and a PNG plot when matplotlib is there).
 
-Every point is also timed, in the same run, with the kernel's L2 weight prefetch on
-(MkStepArgs.flags): `mk_prefetch_ms`, and with the tasks dealt onto the SMs by the cost model
-instead of round-robin (rust/graph/deal.rs): `mk_balanced_ms` (its modelled step time beside the
-round-robin one: `model_balanced_us`, `model_rr_us`). With --trace, one step of each variant records
+Unless --plain, every point is also timed, in the same run, with the tasks dealt onto the SMs by
+the cost model instead of round-robin (rust/graph/deal.rs): `mk_balanced_ms` (its modelled step
+time beside the round-robin one: `model_balanced_us`, `model_rr_us`). With --trace, one step of each variant records
 when every task waited and ran, summarized per task family (mk.megakernel.trace) into the JSON.
 Usage: python benches/decode.py [--json out.json] [--quick | --points 1x8192,8x8192] [--trace] [--plain]
 """
@@ -25,7 +24,7 @@ import torch
 
 from common import HBM_BYTES_PER_S, print_table, pyplot, write_json
 from mk.config import PAGE_SIZE, ModelConfig
-from mk.megakernel.launch import STEP_PREFETCH_L2, MegakernelStep, trace_buffer
+from mk.megakernel.launch import MegakernelStep, trace_buffer
 from mk.megakernel.trace import print_summary, summarize
 from mk.model.names import expected_shapes
 from mk.model.paged import PagedKV
@@ -112,7 +111,7 @@ def measure(cfg, model, stacked, batch: int, ctx: int, iters: int, trace: bool =
     t_mk = time_events(lambda: step.run(g, buf, tasks), iters)
     ok = bool((buf.sampled >= 0).all() and (buf.sampled < cfg.vocab_size).all() and not buf.logits.isnan().any())
     plain_logits = buf.logits.clone()
-    variants = {} if plain else {"prefetch": (MegakernelStep(model, kv, pages, flags=STEP_PREFETCH_L2), g, tasks)}
+    variants = {}
     balanced = MegakernelStep(model, kv, pages, dealing="balanced")
     g_bal = balanced.graph(positions)
     if not plain:
@@ -189,7 +188,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="batch 1 and 8 at 8K only")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--trace", action="store_true", help="trace one step per point and variant")
-    parser.add_argument("--plain", action="store_true", help="time only the default variant (no prefetch/balanced)")
+    parser.add_argument("--plain", action="store_true", help="time only the default variant (not the balanced dealing)")
     parser.add_argument("--points", help="BATCHxCONTEXT,... instead of the grid (e.g. 1x8192,8x8192)")
     args = parser.parse_args()
     cfg = ModelConfig.real()
@@ -206,7 +205,7 @@ def main() -> None:
         torch.cuda.empty_cache()  # the last size's KV pools
         print({k: v for k, v in rows[-1].items() if k != "trace"}, flush=True)
     cols = ["batch", "ctx", "mk_ms", "mk_tok_s", "sol_ms", "sol_fraction", "torch_graph_ms", "speedup_vs_torch"]
-    cols += ["mk_prefetch_ms", "prefetch_gain", "mk_balanced_ms", "balanced_gain", "model_rr_us", "model_balanced_us"]
+    cols += ["mk_balanced_ms", "balanced_gain", "model_rr_us", "model_balanced_us"]
     print_table("decode step, real geometry, synthetic weights (SOL 4.8 TB/s)", rows, cols)
     write_json(args.json, "decode", rows)
     plot(rows, Path(args.json).with_suffix(".png"))

@@ -7,7 +7,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MK_ABI_VERSION 3
+#define MK_ABI_VERSION 4
 
 // Fused residual add + RMSNorm over `rows` rows of `dim` bf16 values:
 //   v = x + delta (fp32);  x <- bf16(v);  out <- bf16(v * rsqrt(mean(v^2) + eps) * gamma)
@@ -56,11 +56,13 @@ typedef struct MkTask {
 
 typedef enum MkOp {
     MK_OP_NOP = 0,
-    // arg0 = row b. x[b] = embed[token[b]]; h[b] = bf16(rmsnorm(x[b]) * gamma_0).
+    // arg0 = row b. x[b] = embed[token[b]]; h[b] = bf16(rmsnorm(x[b]) * gamma_0); row b of the
+    // step's RoPE table (MkStepArgs.rope).
     MK_OP_EMBED = 1,
-    // arg0 = MkMatrix, arg1 = first output row, arg2 = row groups of 16 (1, 2 or 4; gate/up
-    // matrices: 1 or 2 groups of 16 features, each streaming its gate and its up rows),
-    // arg3 = MoE slot (expert matrices only). y = act · Wᵀ with the matrix's epilogue.
+    // arg0 = MkMatrix, arg1 = first output row, arg2 = row groups of 16 (1 to MK_GEMV_MAX_GROUPS;
+    // gate/up matrices: groups of 16 features, at most half as many, each streaming its gate and
+    // its up rows; QKV tasks stay inside one of Q, K and V), arg3 = MoE slot (expert matrices
+    // only). y = act · Wᵀ with the matrix's epilogue.
     MK_OP_GEMV = 2,
     // arg0 = b, arg1 = kv head, arg2 = split, arg3 = first key position, arg4 = end position,
     // arg5 = the row's split size (the host's scheduling only; the kernel does not read it).
@@ -134,6 +136,8 @@ typedef enum MkLayerWeight {
 // buffer in shared memory holds [MK_STEP_MAX_BATCH][MK_STEP_MAX_K].
 #define MK_STEP_MAX_K 4096
 #define MK_STEP_MAX_BATCH 8
+// The most 16-row weight groups one GEMV task multiplies (128 output rows).
+#define MK_GEMV_MAX_GROUPS 8
 
 // Everything one launch of the decode megakernel needs. Pointers are device addresses; the
 // buffers are described in python/mk/megakernel/buffers.py (StepBuffers).
@@ -156,7 +160,7 @@ typedef struct MkStepArgs {
     int32_t layers, hidden, heads, kv_heads;
     int32_t head_dim, experts, top_k, expert_ffn;
     int32_t dense_ffn, vocab, max_pages, max_splits;
-    int32_t slots, sample_parts, flags, reserved1;  // flags: MK_STEP_* bits
+    int32_t slots, sample_parts, flags, reserved1;  // flags: none defined, must be 0
     float eps, logit_scale, rope_theta, reserved2;
     uint64_t routing_log;   // int32 [layers][batch][top_k]: every layer's chosen experts (tests, debugging)
     uint64_t residual_log;  // fp32 [layers][batch][hidden]: x after every layer, or 0 (off)
@@ -166,6 +170,7 @@ typedef struct MkStepArgs {
     uint64_t layer_maps;    // [layers][MK_LW_COUNT] (entries without a matrix are zero)
     uint64_t expert_maps;   // [layers][experts][3]: gate, up, down
     uint64_t embed_map;     // the LM head (embed)
+    uint64_t rope;          // fp32 [batch][head_dim / 2][2]: (cos, sin) at each row's position (EMBED writes it)
 } MkStepArgs;
 
 // One stage of the weight ring: a tile of MK_STAGE_ROWS weight rows by MK_STAGE_COLS columns
@@ -173,10 +178,6 @@ typedef struct MkStepArgs {
 #define MK_STAGE_ROWS 16
 #define MK_STAGE_COLS 256
 #define MK_TENSOR_MAP_BYTES 128
-
-// MkStepArgs.flags. PREFETCH_L2: before waiting on a task, prefetch the next task's weight rows
-// into L2 (non-expert GEMV tiles: their addresses do not depend on the step's data).
-#define MK_STEP_PREFETCH_L2 1
 
 // One executed task, written by thread 0 of its block when MkStepArgs.trace is set.
 typedef struct MkTraceEntry {

@@ -64,16 +64,12 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
 
     uint32_t stage = 0;     // the ring stage the next GEMV task starts at (the producer's order)
     uint64_t act_key = 0;   // what the GEMV activation buffer holds (stage_activations)
-    const bool prefetch = (a.flags & MK_STEP_PREFETCH_L2) != 0;
     MkTraceEntry* trace = a.trace ? ptr<MkTraceEntry>(a.trace) + (size_t)blockIdx.x * a.per_sm : nullptr;
-    if (prefetch && threadIdx.x == 0 && a.per_sm > 0) prefetch_gemv_weights(a, list[0]);
     MkTask upcoming = list[0];  // per_sm > 0 (checked by the host)
     for (int i = 0; i < a.per_sm; ++i) {
         const MkTask t = upcoming;
         if (t.op == MK_OP_NOP) break;  // lists are NOP-padded at the end only
         if (i + 1 < a.per_sm) upcoming = list[i + 1];  // in flight while this task waits and runs
-        // The next task's weights stream into L2 while this one waits and runs.
-        if (prefetch && threadIdx.x == 0 && i + 1 < a.per_sm) prefetch_gemv_weights(a, list[i + 1]);
         uint64_t start_ns = 0;
         long long c0 = 0, c1 = 0;
         if (trace && threadIdx.x == 0) start_ns = global_ns(), c0 = clock64();

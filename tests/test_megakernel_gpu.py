@@ -14,7 +14,7 @@ import torch
 
 from mk import _native
 from mk.config import PAGE_SIZE, ModelConfig
-from mk.megakernel.launch import STEP_PREFETCH_L2, MegakernelStep, pack_step_args, trace_buffer
+from mk.megakernel.launch import MegakernelStep, pack_step_args, trace_buffer
 from mk.megakernel.random_cache import random_step_inputs
 from mk.megakernel.trace import cycles as trace_cycles
 from mk.megakernel.vm import run_step
@@ -164,18 +164,19 @@ def test_consecutive_steps_reuse_the_counters():
 
 
 @pytest.mark.gpu
-def test_prefetch_and_trace_change_no_output():
-    """The L2 prefetch flag and the task trace are observers: logits, tokens, residuals and the K/V
-    written are bit for bit those of a plain step. The trace holds every task once, NOPs none."""
+def test_dealing_and_trace_change_no_output():
+    """Where tasks run (round-robin or the cost model's dealing) and the task trace change nothing:
+    logits, tokens, residuals and the K/V written are bit for bit those of a plain step. The trace
+    holds every task once, NOPs none."""
     cfg = ModelConfig.gpu_test()
     w = synthetic_weights(cfg, seed=SEED + 2, device="cuda", dtype=torch.bfloat16, std=0.02)
     model = Model(cfg, w)
     positions = [100, 5000, 64, 4159]
     outs = []
-    for flags, traced in ((0, False), (STEP_PREFETCH_L2, False), (STEP_PREFETCH_L2, True), (0, True)):
+    for dealing, traced in (("round_robin", False), ("balanced", False), ("balanced", True), ("round_robin", True)):
         gen = torch.Generator(device="cuda").manual_seed(SEED)
         kv, tables, tokens = setup_step(model, positions, 80, gen)
-        step = MegakernelStep(model, kv, 80, flags=flags)
+        step = MegakernelStep(model, kv, 80, dealing=dealing)
         g = step.graph(positions)
         buf = step.buffers(g)
         buf.tokens.copy_(tokens.to(torch.int32))

@@ -14,123 +14,93 @@ constexpr int kMaxK = MK_STEP_MAX_K;
 __device__ __forceinline__ int act_pitch(int k) { return (2 * k + 127) / 128 * 128 + 64; }
 constexpr int kActBytes = kMaxBatch * ((2 * kMaxK + 127) / 128 * 128 + 64);
 
+constexpr int kMaxGroups = MK_GEMV_MAX_GROUPS;
+
 // Shared memory of a GEMV task (outside the weight ring).
 struct GemvSmem {
     alignas(16) unsigned char act[kActBytes];  // the task's activations, [kMaxBatch][act_pitch(k)]
-    float partial[4][kWarps][4][32];           // [group][warp][fragment][lane]
-    float out[4][16][8];                       // [group][row][batch]
+    float partial[kMaxGroups][kWarps][4][32];  // [group][warp][fragment][lane]
+    float out[kMaxGroups][16][8];              // [group][row][batch]
     int has_row[8];                            // expert tiles: which batch rows routed to the slot's expert
 };
 
-// What a task multiplies: up to 4 row groups, each 16 rows of some matrix with k columns.
-struct GemvPlan {
-    const bf16* rows[4];  // first row of each group
-    const void* map[4];   // the group's matrix as a bulk-copy descriptor (CUtensorMap)
-    int first[4];         // the group's first row within that matrix
-    int valid[4];         // rows of the group that exist (the copy zero-fills the rest; they are dropped)
+// What a task multiplies, from its words and the step's dimensions alone (no loads): `groups`
+// weight groups of 16 rows of one matrix with `rows` rows of k columns. Gate/up tasks are
+// `paired`: group 2j holds the gate rows of features first + 16j.., group 2j + 1 the same up rows.
+struct GemvShape {
     int groups;
     int k;
-    const bf16* act;      // [batch, k]
+    int first;  // the first row of group 0 within its matrix (QKV: within Q, K or V)
+    int rows;
+    bool paired;
+    const bf16* act;  // [batch, k]
+
+    __device__ int group_first(int g) const { return first + 16 * (paired ? g / 2 : g); }
+    // Rows of group g that exist (the copy zero-fills the rest; they are dropped).
+    __device__ int group_valid(int g) const { return max(0, min(16, rows - group_first(g))); }
 };
 
-// Fills has_row[b] for an expert tile's slot (visible after the next barrier).
-__device__ __forceinline__ void load_slot_rows(const MkStepArgs& a, int slot, int* has_row) {
-    if (threadIdx.x < a.batch) {
-        const int32_t* ts = ptr<int32_t>(a.topk_slot) + threadIdx.x * a.top_k;
-        bool has = false;
-        for (int i = 0; i < a.top_k; ++i) has |= ld_i32(ts + i) == slot;
-        has_row[threadIdx.x] = has;
+__device__ GemvShape gemv_shape(const MkStepArgs& a, const MkTask& t) {
+    const int matrix = t.arg[0], r0 = t.arg[1], slot = t.arg[3];
+    const int qw = a.heads * a.head_dim, kvw = a.kv_heads * a.head_dim;
+    GemvShape s{t.arg[2], a.hidden, r0, 0, false, ptr<const bf16>(a.h)};
+    switch (matrix) {
+        case MK_MAT_QKV:
+            if (r0 < qw) s.rows = qw;
+            else if (r0 < qw + kvw) s.first = r0 - qw, s.rows = kvw;
+            else s.first = r0 - qw - kvw, s.rows = kvw;
+            break;
+        case MK_MAT_O: s.k = qw, s.rows = a.hidden, s.act = ptr<const bf16>(a.attn_out); break;
+        case MK_MAT_ROUTER: s.rows = a.experts; break;
+        case MK_MAT_DENSE_GATE_UP:
+        case MK_MAT_EXPERT_GATE_UP:
+            s.groups = 2 * t.arg[2], s.paired = true;
+            s.rows = matrix == MK_MAT_DENSE_GATE_UP ? a.dense_ffn : a.expert_ffn;
+            break;
+        case MK_MAT_DENSE_DOWN: s.k = a.dense_ffn, s.rows = a.hidden, s.act = ptr<const bf16>(a.dense_act); break;
+        case MK_MAT_EXPERT_DOWN:
+            s.k = a.expert_ffn, s.rows = a.hidden;
+            s.act = ptr<const bf16>(a.expert_act) + (size_t)slot * a.batch * a.expert_ffn;
+            break;
+        case MK_MAT_LM_HEAD: s.rows = a.vocab; break;
     }
+    return s;
 }
 
-__device__ GemvPlan gemv_plan(const MkStepArgs& a, const MkTask& t) {
-    const uint64_t* lw = ptr<uint64_t>(a.layer_weights) + (size_t)t.layer * MK_LW_COUNT;
-    const unsigned char* lmaps = ptr<unsigned char>(a.layer_maps) + (size_t)t.layer * MK_LW_COUNT * MK_TENSOR_MAP_BYTES;
-    const int matrix = t.arg[0], r0 = t.arg[1], slot = t.arg[3];
-    GemvPlan p{};
-    p.groups = t.arg[2];
+// The bulk-copy descriptors (CUtensorMap) of the matrix a task streams: maps[0] its matrix (a
+// gate/up task's gate), maps[1] a gate/up task's up. Expert matrices need the expert in the
+// task's slot: read once the layer's top-k has run (the producer waits for it).
+struct GemvMaps {
+    const void* map[2];
+    __device__ const void* of(const GemvShape& s, int g) const { return map[s.paired ? g % 2 : 0]; }
+};
+
+__device__ GemvMaps gemv_maps(const MkStepArgs& a, const MkTask& t) {
+    const int matrix = t.arg[0], r0 = t.arg[1];
     const int qw = a.heads * a.head_dim, kvw = a.kv_heads * a.head_dim;
+    const unsigned char* lmaps = ptr<unsigned char>(a.layer_maps) + (size_t)t.layer * MK_LW_COUNT * MK_TENSOR_MAP_BYTES;
     auto layer_map = [&](int which) -> const void* { return lmaps + (size_t)which * MK_TENSOR_MAP_BYTES; };
-    auto expert_map = [&](int e, int which) -> const void* {
+    auto expert_map = [&](int which) -> const void* {
+        const int e = ld_i32(ptr<int32_t>(a.slot_expert) + t.arg[3]);
         return ptr<unsigned char>(a.expert_maps) + (((size_t)t.layer * a.experts + e) * 3 + which) * MK_TENSOR_MAP_BYTES;
     };
-    auto rows_of = [&](uint64_t w, const void* map, int k, int first, int n) {
-        for (int g = 0; g < p.groups; ++g) {
-            p.rows[g] = ptr<const bf16>(w) + (size_t)(first + 16 * g) * k;
-            p.map[g] = map;
-            p.first[g] = first + 16 * g;
-            p.valid[g] = max(0, min(16, n - (first + 16 * g)));
-        }
-        p.k = k;
-    };
     switch (matrix) {
-        case MK_MAT_QKV: {
-            p.act = ptr<const bf16>(a.h);
-            if (r0 < qw) rows_of(lw[MK_LW_Q], layer_map(MK_LW_Q), a.hidden, r0, qw);
-            else if (r0 < qw + kvw) rows_of(lw[MK_LW_K], layer_map(MK_LW_K), a.hidden, r0 - qw, kvw);
-            else rows_of(lw[MK_LW_V], layer_map(MK_LW_V), a.hidden, r0 - qw - kvw, kvw);
-            break;
-        }
-        case MK_MAT_O:
-            p.act = ptr<const bf16>(a.attn_out);
-            rows_of(lw[MK_LW_O], layer_map(MK_LW_O), qw, r0, a.hidden);
-            break;
-        case MK_MAT_ROUTER:
-            p.act = ptr<const bf16>(a.h);
-            rows_of(lw[MK_LW_ROUTER], layer_map(MK_LW_ROUTER), a.hidden, r0, a.experts);
-            break;
-        case MK_MAT_DENSE_GATE_UP:
+        case MK_MAT_QKV: return {{layer_map(r0 < qw ? MK_LW_Q : (r0 < qw + kvw ? MK_LW_K : MK_LW_V)), nullptr}};
+        case MK_MAT_O: return {{layer_map(MK_LW_O), nullptr}};
+        case MK_MAT_ROUTER: return {{layer_map(MK_LW_ROUTER), nullptr}};
+        case MK_MAT_DENSE_GATE_UP: return {{layer_map(MK_LW_GATE), layer_map(MK_LW_UP)}};
+        case MK_MAT_DENSE_DOWN: return {{layer_map(MK_LW_DOWN), nullptr}};
         case MK_MAT_EXPERT_GATE_UP: {
-            uint64_t gate = lw[MK_LW_GATE], up = lw[MK_LW_UP];
-            const void *gate_map = layer_map(MK_LW_GATE), *up_map = layer_map(MK_LW_UP);
-            int ffn = a.dense_ffn;
-            if (matrix == MK_MAT_EXPERT_GATE_UP) {
-                const int e = ld_i32(ptr<int32_t>(a.slot_expert) + slot);
-                const uint64_t* ew = ptr<uint64_t>(a.expert_weights) + ((size_t)t.layer * a.experts + e) * 3;
-                gate = ew[0], up = ew[1], ffn = a.expert_ffn;
-                gate_map = expert_map(e, 0), up_map = expert_map(e, 1);
-            }
-            // arg2 features groups (1 or 2): weight group 2j holds 16 gate rows, 2j + 1 the
-            // matching up rows.
-            p.act = ptr<const bf16>(a.h);
-            p.groups = 2 * t.arg[2];
-            for (int j = 0; j < t.arg[2]; ++j) {
-                const int first = r0 + 16 * j;
-                p.rows[2 * j] = ptr<const bf16>(gate) + (size_t)first * a.hidden;
-                p.rows[2 * j + 1] = ptr<const bf16>(up) + (size_t)first * a.hidden;
-                p.map[2 * j] = gate_map, p.map[2 * j + 1] = up_map;
-                p.first[2 * j] = p.first[2 * j + 1] = first;
-                p.valid[2 * j] = p.valid[2 * j + 1] = max(0, min(16, ffn - first));
-            }
-            p.k = a.hidden;
-            break;
+            const void* gate = expert_map(0);
+            return {{gate, static_cast<const unsigned char*>(gate) + MK_TENSOR_MAP_BYTES}};
         }
-        case MK_MAT_DENSE_DOWN:
-            p.act = ptr<const bf16>(a.dense_act);
-            rows_of(lw[MK_LW_DOWN], layer_map(MK_LW_DOWN), a.dense_ffn, r0, a.hidden);
-            break;
-        case MK_MAT_EXPERT_DOWN: {
-            const int e = ld_i32(ptr<int32_t>(a.slot_expert) + slot);
-            const uint64_t* ew = ptr<uint64_t>(a.expert_weights) + ((size_t)t.layer * a.experts + e) * 3;
-            p.act = ptr<const bf16>(a.expert_act) + (size_t)slot * a.batch * a.expert_ffn;
-            rows_of(ew[2], expert_map(e, 2), a.expert_ffn, r0, a.hidden);
-            break;
-        }
-        case MK_MAT_LM_HEAD:
-            p.act = ptr<const bf16>(a.h);
-            rows_of(a.embed, ptr<const void>(a.embed_map), a.hidden, r0, a.vocab);
-            break;
+        case MK_MAT_EXPERT_DOWN: return {{expert_map(2), nullptr}};
+        default: return {{ptr<const void>(a.embed_map), nullptr}};  // MK_MAT_LM_HEAD
     }
-    return p;
 }
 
 __device__ __forceinline__ bool is_expert(const MkTask& t) {
     return t.arg[0] == MK_MAT_EXPERT_GATE_UP || t.arg[0] == MK_MAT_EXPERT_DOWN;
-}
-
-// Expert tiles of a slot the batch did not fill have nothing to do (read after the layer's top-k).
-__device__ __forceinline__ bool slot_in_use(const MkStepArgs& a, const MkTask& t) {
-    return t.arg[3] < ld_i32(ptr<int32_t>(a.slot_count));
 }
 
 // The producer warp's loop: every stage of every GEMV task of the block's list, in list order, as
@@ -164,19 +134,21 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, const ui
                     }
                     if (t.arg[3] >= slots) continue;
                 }
-                const GemvPlan p = gemv_plan(a, t);
-                const int box = box_cols(p.k), kc = box * kStageBoxes;
-                for (int g = 0; g < p.groups; ++g) {
-                    if (p.valid[g] <= 0) continue;
-                    for (int c = 0; c < p.k; c += kc, ++n) {
+                const GemvShape s = gemv_shape(a, t);
+                const GemvMaps maps = gemv_maps(a, t);
+                const int box = box_cols(s.k), kc = box * kStageBoxes;
+                for (int g = 0; g < s.groups; ++g) {
+                    if (s.group_valid(g) <= 0) continue;
+                    const void* map = maps.of(s, g);
+                    const int row = s.group_first(g);
+                    for (int c = 0; c < s.k; c += kc, ++n) {
                         if (n >= (uint32_t)r.count) mbar_wait(r.empty_of(n), r.parity(n) ^ 1u);
                         uint64_t* full = r.full_of(n);
-                        const int boxes = min(kStageBoxes, (p.k - c + box - 1) / box);
+                        const int boxes = min(kStageBoxes, (s.k - c + box - 1) / box);
                         // Whole boxes count, rows past the matrix's end too (the copy zero-fills them).
                         mbar_arrive_expect_tx(full, (uint32_t)(boxes * kStageRows * box * 2));
                         for (int b = 0; b < boxes; ++b)
-                            tensor_copy_2d(r.stage(n) + b * kStageRows * box * 2, p.map[g], c + b * box, p.first[g],
-                                           full, policy);
+                            tensor_copy_2d(r.stage(n) + b * kStageRows * box * 2, map, c + b * box, row, full, policy);
                     }
                 }
             }
@@ -186,11 +158,26 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, const ui
     }
 }
 
+// Fills has_row[b] for an expert tile's slot (visible after the next barrier).
+__device__ __forceinline__ void load_slot_rows(const MkStepArgs& a, int slot, int* has_row) {
+    if (threadIdx.x < a.batch) {
+        const int32_t* ts = ptr<int32_t>(a.topk_slot) + threadIdx.x * a.top_k;
+        bool has = false;
+        for (int i = 0; i < a.top_k; ++i) has |= ld_i32(ts + i) == slot;
+        has_row[threadIdx.x] = has;
+    }
+}
+
+// Expert tiles of a slot the batch did not fill have nothing to do (read after the layer's top-k).
+__device__ __forceinline__ bool slot_in_use(const MkStepArgs& a, const MkTask& t) {
+    return t.arg[3] < ld_i32(ptr<int32_t>(a.slot_count));
+}
+
 // Stages the task's activations [batch][k] in shared memory (rows batch..7 zero), unless the
 // previous GEMV task of this block already did: `key` names what the buffer holds (the source
 // address and layer; activation buffers are rewritten only after every reader of the layer has
 // finished), 0 when another op has reused the memory.
-__device__ void stage_activations(const GemvPlan& p, int batch, int layer, GemvSmem& s, uint64_t& key) {
+__device__ void stage_activations(const GemvShape& p, int batch, int layer, GemvSmem& s, uint64_t& key) {
     const uint64_t want = reinterpret_cast<uint64_t>(p.act) ^ ((uint64_t)layer << 56);
     if (key == want) return;
     const int vecs = p.k / 8, pitch = act_pitch(p.k);
@@ -207,14 +194,14 @@ __device__ void stage_activations(const GemvPlan& p, int batch, int layer, GemvS
 // ring's stages. Warp w takes 32-column chunks w, w + 8, ... of each stage: thread (g = lane / 4,
 // t = lane % 4) reads 16 bytes of weight rows g and g + 8 and of activation row g at column
 // 8t of the chunk (the same k permutation for A and B, see gemv.cuh).
-__device__ void gemv_compute(const GemvPlan& p, GemvSmem& s, const Ring& r, uint32_t& n) {
+__device__ void gemv_compute(const GemvShape& p, GemvSmem& s, const Ring& r, uint32_t& n) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
     const int box = box_cols(p.k), kc = box * kStageBoxes, pitch = act_pitch(p.k);
     const int box_chunks = box / 32, box_bytes = kStageRows * box * 2;
     const unsigned char* act_row = s.act + gi * pitch + 16 * ti;
     for (int g = 0; g < p.groups; ++g) {
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        if (p.valid[g] > 0) {
+        if (p.group_valid(g) > 0) {
             for (int c = 0; c < p.k; c += kc, ++n) {
                 mbar_wait(r.full_of(n), r.parity(n));
                 const unsigned char* st = r.stage(n) + gi * 2 * box + 16 * ti;
@@ -246,14 +233,45 @@ __device__ void gemv_compute(const GemvPlan& p, GemvSmem& s, const Ring& r, uint
     compute_sync();
 }
 
-__device__ void gemv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvPlan& p, GemvSmem& s) {
+// QKV: the group's rows come in (even, odd) RoPE pairs; one thread per (pair, batch row). RoPE
+// reads the step's (cos, sin) table, which the embedding tasks fill.
+__device__ void qkv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvShape& p, const GemvSmem& s) {
+    const int qw = a.heads * a.head_dim, kvw = a.kv_heads * a.head_dim, r0 = t.arg[1];
+    const bool is_q = r0 < qw, is_v = r0 >= qw + kvw;
+    const bool rope = !is_v && ptr<int32_t>(a.layer_rope)[t.layer] != 0;
+    for (int idx = threadIdx.x; idx < p.groups * 8 * a.batch; idx += kThreads) {
+        const int pair = idx / a.batch, b = idx % a.batch, grp = pair / 8;
+        const int row = p.first + 2 * pair;  // within Q, K or V
+        if (row >= p.rows) continue;
+        float ye = round_bf16(s.out[grp][2 * (pair % 8)][b]), yo = round_bf16(s.out[grp][2 * (pair % 8) + 1][b]);
+        const int dim = row % a.head_dim;
+        const int pos = ld_i32(ptr<int32_t>(a.positions) + b);
+        if (rope) {
+            const float2 cs = __ldcg(ptr<const float2>(a.rope) + (size_t)b * (a.head_dim / 2) + dim / 2);
+            const float e2 = ye * cs.x - yo * cs.y, o2 = yo * cs.x + ye * cs.y;
+            ye = e2, yo = o2;
+        }
+        if (is_q) {
+            float* q = ptr<float>(a.q) + (size_t)b * qw + row;
+            q[0] = ye, q[1] = yo;
+        } else {
+            const int head = row / a.head_dim;
+            const int block = ld_i32(ptr<int32_t>(a.block_tables) + ((size_t)t.layer * a.batch + b) * a.max_pages + pos / MK_PAGE_SIZE);
+            bf16* pool = ptr<bf16>(is_v ? a.v_pool : a.k_pool);
+            bf16* dst = pool + (((size_t)block * MK_PAGE_SIZE + pos % MK_PAGE_SIZE) * a.kv_heads + head) * a.head_dim + dim;
+            dst[0] = __float2bfloat16(ye), dst[1] = __float2bfloat16(yo);
+        }
+    }
+}
+
+__device__ void gemv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvShape& p, GemvSmem& s) {
     const int matrix = t.arg[0], r0 = t.arg[1], slot = t.arg[3];
-    const int qw = a.heads * a.head_dim, kvw = a.kv_heads * a.head_dim;
+    if (matrix == MK_MAT_QKV) return qkv_epilogue(a, t, p, s);
     const int n = p.groups * 16;
     for (int idx = threadIdx.x; idx < n * a.batch; idx += kThreads) {
         const int row = idx / a.batch, b = idx % a.batch;
         const int grp = row / 16, r = row % 16;
-        if (r >= p.valid[grp]) continue;
+        if (r >= p.group_valid(grp)) continue;
         const float v = round_bf16(s.out[grp][r][b]);
         const int out_row = r0 + row;
         switch (matrix) {
@@ -270,7 +288,7 @@ __device__ void gemv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvPl
                 if (grp % 2 != 0) break;  // one thread per (feature, row) does both halves
                 const float gate = v, up = round_bf16(s.out[grp + 1][r][b]);
                 const bf16 act = __float2bfloat16(gate / (1.f + __expf(-gate)) * up);
-                const int feature = r0 + 16 * (grp / 2) + r;
+                const int feature = p.group_first(grp) + r;
                 if (matrix == MK_MAT_DENSE_GATE_UP) {
                     ptr<bf16>(a.dense_act)[b * a.dense_ffn + feature] = act;
                 } else if (s.has_row[b]) {
@@ -278,58 +296,14 @@ __device__ void gemv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvPl
                 }
                 break;
             }
-            case MK_MAT_QKV: break;  // below: RoPE pairs rows
         }
     }
-    if (matrix != MK_MAT_QKV) return;
-    // QKV: rows come in (even, odd) RoPE pairs; one thread per (pair, batch row).
-    const bool rope = ptr<int32_t>(a.layer_rope)[t.layer] != 0;
-    for (int idx = threadIdx.x; idx < 8 * a.batch; idx += kThreads) {
-        const int pair = idx / a.batch, b = idx % a.batch;
-        float ye = round_bf16(s.out[0][2 * pair][b]), yo = round_bf16(s.out[0][2 * pair + 1][b]);
-        const int pos = ld_i32(ptr<int32_t>(a.positions) + b);
-        const int region_row = r0 < qw ? r0 : (r0 < qw + kvw ? r0 - qw : r0 - qw - kvw);
-        const int dim = region_row % a.head_dim + 2 * pair;
-        const bool is_v = r0 >= qw + kvw;
-        if (rope && !is_v) {
-            // Angles in double, tables rounded to bf16: the reference model's RoPE.
-            const double inv_freq = pow((double)a.rope_theta, -(double)dim / (double)a.head_dim);
-            const double angle = (double)pos * inv_freq;
-            const float c = round_bf16((float)cos(angle)), sn = round_bf16((float)sin(angle));
-            const float e2 = ye * c - yo * sn, o2 = yo * c + ye * sn;
-            ye = e2, yo = o2;
-        }
-        if (r0 < qw) {
-            float* q = ptr<float>(a.q) + (size_t)b * qw + r0 + 2 * pair;
-            q[0] = ye, q[1] = yo;
-        } else {
-            const int head = region_row / a.head_dim;
-            const int block = ld_i32(ptr<int32_t>(a.block_tables) + ((size_t)t.layer * a.batch + b) * a.max_pages + pos / MK_PAGE_SIZE);
-            bf16* pool = ptr<bf16>(is_v ? a.v_pool : a.k_pool);
-            bf16* dst = pool + (((size_t)block * MK_PAGE_SIZE + pos % MK_PAGE_SIZE) * a.kv_heads + head) * a.head_dim + dim;
-            dst[0] = __float2bfloat16(ye), dst[1] = __float2bfloat16(yo);
-        }
-    }
-}
-
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-
-// Asks L2 for the weight rows of GEMV task `t` (one thread calls it). Expert tiles are skipped:
-// which expert a slot holds is only known once the layer's top-k task has run. Rows are
-// contiguous per group and 16-byte multiples (k is a multiple of 32).
-__device__ void prefetch_gemv_weights(const MkStepArgs& a, const MkTask& t) {
-    if (t.op != MK_OP_GEMV || t.arg[0] == MK_MAT_EXPERT_GATE_UP || t.arg[0] == MK_MAT_EXPERT_DOWN) return;
-    const GemvPlan p = gemv_plan(a, t);
-    for (int g = 0; g < p.groups; ++g)
-        if (p.valid[g] > 0) prefetch_l2(p.rows[g], (uint32_t)(p.valid[g] * p.k * sizeof(bf16)));
 }
 
 __device__ void run_gemv(const MkStepArgs& a, const MkTask& t, GemvSmem& s, const Ring& r, uint32_t& n,
                          uint64_t& act_key) {
     if (is_expert(t) && !slot_in_use(a, t)) return;  // the producer skipped it too
-    const GemvPlan p = gemv_plan(a, t);
+    const GemvShape p = gemv_shape(a, t);
     if (is_expert(t)) load_slot_rows(a, t.arg[3], s.has_row);
     stage_activations(p, a.batch, t.layer, s, act_key);
     gemv_compute(p, s, r, n);  // its barriers publish has_row

@@ -1,4 +1,5 @@
-// The small tasks of a decode step: embedding, routing, residual + norm, greedy sampling.
+// The small tasks of a decode step: embedding (and the step's RoPE table), routing, residual +
+// norm, greedy sampling.
 #pragma once
 #include "step_common.cuh"
 
@@ -60,8 +61,22 @@ __device__ const bf16* norm_weight(const MkStepArgs& a, int layer) {
     return ptr<const bf16>(ptr<uint64_t>(a.layer_weights)[(size_t)layer * MK_LW_COUNT + MK_LW_NORM]);
 }
 
+// Row b's RoPE table for the step: (cos, sin) of position * theta^(-2i / head_dim) for pair i,
+// the angle in double and both rounded to bf16 (the reference model's tables). The QKV tasks
+// of every layer read it.
+__device__ void fill_rope_row(const MkStepArgs& a, int b) {
+    const int pos = ld_i32(ptr<int32_t>(a.positions) + b);
+    for (int i = threadIdx.x; i < a.head_dim / 2; i += kThreads) {
+        const double inv_freq = pow((double)a.rope_theta, -(double)(2 * i) / (double)a.head_dim);
+        const double angle = (double)pos * inv_freq;
+        ptr<float2>(a.rope)[(size_t)b * (a.head_dim / 2) + i] =
+            make_float2(round_bf16((float)cos(angle)), round_bf16((float)sin(angle)));
+    }
+}
+
 __device__ void run_embed(const MkStepArgs& a, const MkTask& t, float* v, float* scratch) {
     const int b = t.arg[0];
+    fill_rope_row(a, b);
     const int token = ld_i32(ptr<int32_t>(a.tokens) + b);
     const bf16* row = ptr<const bf16>(a.embed) + (size_t)token * a.hidden;
     for (int i0 = kVec * threadIdx.x; i0 < a.hidden; i0 += kVec * kThreads) {

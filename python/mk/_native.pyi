@@ -6,8 +6,9 @@ from mk.config import ModelConfig
 
 # ---- GPU kernels (rust/python/mod.rs) ----------------------------------------------------------
 
-STEP_PREFETCH_L2: int  # MkStepArgs.flags bit (cuda/abi.h)
 STEP_MAX_K: int  # MK_STEP_MAX_K: the longest GEMV reduction the megakernel takes
+GEMV_MAX_GROUPS: int  # MK_GEMV_MAX_GROUPS: 16-row weight groups per GEMV task at most
+ROW_GROUPS: int  # the task builder's default row groups of expert down and LM-head tasks
 STEP_MAX_BATCH: int  # MK_STEP_MAX_BATCH: rows per megakernel launch
 TENSOR_MAP_BYTES: int  # MK_TENSOR_MAP_BYTES: one encoded weight map
 LAYER_WEIGHT_COUNT: int  # MK_LW_COUNT: entries per layer of the weight tables
@@ -40,7 +41,7 @@ def build_step_graph(
     positions: list[int],
     num_sms: int = 132,
     attn_chunk: int = 0,
-    row_groups: int = 4,
+    row_groups: int | None = None,
     sample_parts: int = 16,
     check: bool = False,
     dealing: str = "round_robin",

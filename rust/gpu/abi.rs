@@ -118,6 +118,7 @@ abi_struct! {
         layer_maps: u64,
         expert_maps: u64,
         embed_map: u64,
+        rope: u64,
     }
 }
 
@@ -139,6 +140,8 @@ pub const STEP_THREADS: u32 = 288;
 /// `MK_STEP_MAX_K` and `MK_STEP_MAX_BATCH`: the longest GEMV reduction and the most rows per launch.
 pub const STEP_MAX_K: usize = 4096;
 pub const STEP_MAX_BATCH: usize = 8;
+/// `MK_GEMV_MAX_GROUPS`: the most 16-row weight groups of one GEMV task.
+pub const GEMV_MAX_GROUPS: usize = 8;
 /// `MK_STAGE_ROWS` x `MK_STAGE_COLS`: the box of the weight tensor maps (one ring stage), and
 /// `MK_TENSOR_MAP_BYTES`, the size of one encoded map.
 pub const STAGE_ROWS: u32 = 16;
@@ -152,11 +155,8 @@ pub const LAYER_WEIGHTS: [&str; LAYER_WEIGHT_COUNT] = ["NORM", "Q", "K", "V", "O
 /// `sizeof(MkTraceEntry)`: u64 start_ns, u32 wait_cycles, u32 run_cycles.
 pub const TRACE_ENTRY_BYTES: usize = 16;
 
-/// `MK_STEP_PREFETCH_L2`, a bit of `MkStepArgs.flags`.
-pub const STEP_PREFETCH_L2: i32 = 1;
-
 /// Must equal `MK_ABI_VERSION` in cuda/abi.h.
-pub const ABI_VERSION: u64 = 3;
+pub const ABI_VERSION: u64 = 4;
 
 /// The values `mk_abi_layout` in cuda/abi_probe.cu holds, in its order, computed on the Rust side.
 pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
@@ -190,9 +190,9 @@ pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
     ];
     out.extend(MkStepArgs::layout().into_iter().map(|(name, off, _)| (name, off as u64)));
     out.push(("sizeof(MkTraceEntry)", TRACE_ENTRY_BYTES as u64));
-    out.push(("MK_STEP_PREFETCH_L2", STEP_PREFETCH_L2 as u64));
     out.push(("MK_STEP_MAX_K", STEP_MAX_K as u64));
     out.push(("MK_STEP_MAX_BATCH", STEP_MAX_BATCH as u64));
+    out.push(("MK_GEMV_MAX_GROUPS", GEMV_MAX_GROUPS as u64));
     out.push(("MK_STAGE_ROWS", STAGE_ROWS as u64));
     out.push(("MK_STAGE_COLS", STAGE_COLS as u64));
     out.push(("MK_TENSOR_MAP_BYTES", TENSOR_MAP_BYTES as u64));

@@ -387,6 +387,7 @@ fn validate(s: &StepSetup) -> Result<(), GpuError> {
         ("sample_id", a.sample_id),
         ("sampled", a.sampled),
         ("routing_log", a.routing_log),
+        ("rope", a.rope),
     ];
     if let Some((name, _)) = pointers.iter().find(|(_, p)| *p == 0) {
         return Err(invalid(format!("MkStepArgs.{name} is a null pointer")));

@@ -11,6 +11,8 @@ use super::{Geometry, StepGraph};
 pub enum Buf {
     /// Input token of row b (host-written).
     Token,
+    /// RoPE (cos, sin) table of row b's position [b][head_dim / 2] (the embedding task's).
+    Rope,
     /// fp32 residual [b][hidden].
     X,
     /// bf16 normed input of the current layer [b][hidden].
@@ -90,7 +92,7 @@ pub fn effects(t: &MkTask, geom: &Geometry, graph: &StepGraph) -> Effects {
         Op::Nop => {}
         Op::Embed => {
             e.reads.push(r(Buf::Token, a(0), 0, 1));
-            e.writes.extend([r(Buf::X, a(0), 0, d), r(Buf::H, a(0), 0, d)]);
+            e.writes.extend([r(Buf::X, a(0), 0, d), r(Buf::H, a(0), 0, d), r(Buf::Rope, a(0), 0, hd / 2)]);
         }
         Op::Gemv => gemv_effects(t, geom, &graph.positions, &mut e),
         Op::AttnSplit => {
@@ -149,12 +151,14 @@ fn gemv_effects(t: &MkTask, geom: &Geometry, positions: &[usize], e: &mut Effect
     match m {
         Matrix::Qkv => {
             e.reads.extend(all(Buf::H, 0, d));
-            let r1 = r0 + n_rows;
-            if r1 <= qw {
-                e.writes.extend(all(Buf::Q, r0, r1));
+            e.reads.extend(all(Buf::Rope, 0, geom.head_dim / 2));
+            // A task stays within Q, K or V; its last rows may run past the end of that one.
+            if r0 < qw {
+                e.writes.extend(all(Buf::Q, r0, (r0 + n_rows).min(qw)));
             } else {
                 let (cache, base) =
                     if r0 < qw + kvw { (Buf::KCache(l as u16), qw) } else { (Buf::VCache(l as u16), qw + kvw) };
+                let r1 = (r0 + n_rows).min(base + kvw);
                 // Each row writes the current token's K or V at its own position.
                 e.writes.extend(
                     positions.iter().enumerate().map(|(b, &p)| r(cache, b, p * kvw + r0 - base, p * kvw + r1 - base)),

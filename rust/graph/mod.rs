@@ -14,6 +14,7 @@ pub mod task;
 
 pub use deal::Dealing;
 
+use crate::gpu::abi::GEMV_MAX_GROUPS;
 use crate::kv::PAGE_SIZE;
 
 use task::{counter, logits_counter, num_counters, sample_counter, Counter, Matrix, MkTask, Op};
@@ -59,8 +60,14 @@ impl Geometry {
 }
 
 /// Features (groups of 16) per gate/up task: each streams the gate and the up rows of its
-/// features, 2 * GATE_UP_GROUPS weight groups (the kernel's tile holds at most 4).
-pub const GATE_UP_GROUPS: usize = 2;
+/// features, 2 * GATE_UP_GROUPS weight groups (at most `GEMV_MAX_GROUPS`).
+pub const GATE_UP_GROUPS: usize = 4;
+/// Row groups of 16 per QKV task (within each of Q, K and V): 48 rows, so that one layer's
+/// 5,120 QKV rows make about one task per SM.
+pub const QKV_GROUPS: usize = 3;
+/// The default `BuildOptions::row_groups`: 128-row expert down and LM-head tiles.
+pub const ROW_GROUPS: usize = 8;
+const _: () = assert!(2 * GATE_UP_GROUPS <= GEMV_MAX_GROUPS && QKV_GROUPS <= GEMV_MAX_GROUPS);
 
 /// Knobs of the task decomposition.
 #[derive(Debug, Clone)]
@@ -69,8 +76,8 @@ pub struct BuildOptions {
     /// Keys per attention split (a multiple of 64, the page size), or 0: sized per row so that
     /// one layer's splits about fill the SMs (at least 2 pages each).
     pub attn_chunk: usize,
-    /// Row groups of 16 per GEMV task for expert down projections and the LM head (1, 2 or 4).
-    /// O and the dense down projection, with their long rows, always take 1.
+    /// Row groups of 16 per GEMV task for expert down projections and the LM head (1 to
+    /// `GEMV_MAX_GROUPS`). O and the dense down projection, with their long rows, always take 1.
     pub row_groups: usize,
     /// Vocabulary slices per row for sampling.
     pub sample_parts: usize,
@@ -80,7 +87,13 @@ pub struct BuildOptions {
 
 impl Default for BuildOptions {
     fn default() -> Self {
-        BuildOptions { num_sms: 132, attn_chunk: 0, row_groups: 4, sample_parts: 16, dealing: Dealing::RoundRobin }
+        BuildOptions {
+            num_sms: 132,
+            attn_chunk: 0,
+            row_groups: ROW_GROUPS,
+            sample_parts: 16,
+            dealing: Dealing::RoundRobin,
+        }
     }
 }
 
@@ -160,9 +173,9 @@ fn validate(g: &Geometry, o: &BuildOptions) -> Result<(), GraphError> {
     if g.expert_ffn % 32 != 0 || g.dense_ffn % 32 != 0 || g.vocab % 16 != 0 {
         return bad("FFN widths must be multiples of 32 and the vocabulary of 16".into());
     }
-    if o.num_sms == 0 || o.attn_chunk % PAGE_SIZE != 0 || ![1, 2, 4].contains(&o.row_groups) {
+    if o.num_sms == 0 || o.attn_chunk % PAGE_SIZE != 0 || !(1..=GEMV_MAX_GROUPS).contains(&o.row_groups) {
         return bad(format!(
-            "num_sms > 0, attn_chunk a multiple of {PAGE_SIZE} (0: automatic), row_groups in {{1, 2, 4}}"
+            "num_sms > 0, attn_chunk a multiple of {PAGE_SIZE} (0: automatic), row_groups in 1..={GEMV_MAX_GROUPS}"
         ));
     }
     Ok(())
@@ -182,8 +195,20 @@ impl Builder<'_> {
     }
 
     /// GEMV tasks covering the `rows` output rows of matrix `m`, 16 * `groups` rows each.
-    fn gemv(&mut self, layer: usize, (m, rows, groups, slot): (Matrix, usize, usize, i32), wait: &[i32], signal: i32) {
-        for r0 in (0..rows).step_by(16 * groups) {
+    fn gemv(&mut self, layer: usize, tile: (Matrix, usize, usize, i32), wait: &[i32], signal: i32) {
+        self.gemv_from(layer, 0, tile, wait, signal);
+    }
+
+    /// The same for rows numbered from `base` (QKV: K and V rows follow Q's).
+    fn gemv_from(
+        &mut self,
+        layer: usize,
+        base: usize,
+        (m, rows, groups, slot): (Matrix, usize, usize, i32),
+        wait: &[i32],
+        signal: i32,
+    ) {
+        for r0 in (base..base + rows).step_by(16 * groups) {
             let mut t = MkTask::new(Op::Gemv, layer, &[m as i32, r0 as i32, groups as i32, slot]).signals(signal);
             for &c in wait {
                 t = t.waits(c);
@@ -202,8 +227,11 @@ impl Builder<'_> {
         let g = self.geom;
         let rg = self.opts.row_groups;
         let h_ready = counter(l, Counter::HReady);
-        // QKV first: attention is the longest chain of the layer.
-        self.gemv(l, (Matrix::Qkv, g.qkv_rows(), 1, -1), &[h_ready], counter(l, Counter::Qkv));
+        // QKV first: attention is the longest chain of the layer. Tasks stay within Q, K or V.
+        for (base, rows) in [(0, g.q_width()), (g.q_width(), g.kv_width()), (g.q_width() + g.kv_width(), g.kv_width())]
+        {
+            self.gemv_from(l, base, (Matrix::Qkv, rows, QKV_GROUPS, -1), &[h_ready], counter(l, Counter::Qkv));
+        }
         // The FFN's first half reads the same h (parallel block), so its weights stream while
         // attention waits on QKV.
         if g.moe[l] {
@@ -389,7 +417,8 @@ pub(crate) mod tests {
     #[test]
     fn targets_count_producers_and_lists_follow_the_order() {
         let g = build_step(&tiny(), &[5, 130, 300], &BuildOptions { num_sms: 7, ..Default::default() }).unwrap();
-        let qkv_tiles = tiny().qkv_rows() / 16;
+        let g3 = 16 * QKV_GROUPS;
+        let qkv_tiles = tiny().q_width().div_ceil(g3) + 2 * tiny().kv_width().div_ceil(g3);
         let first_attn = g.order.iter().find(|t| t.op() == Op::AttnSplit).unwrap();
         assert_eq!(first_attn.target0, qkv_tiles as i32);
         for list in &g.per_sm {
@@ -443,7 +472,9 @@ pub(crate) mod tests {
     #[test]
     fn bad_options_are_refused() {
         let opts = BuildOptions { attn_chunk: 100, ..Default::default() };
-        assert!(build_step(&tiny(), &[1], &BuildOptions { row_groups: 3, ..Default::default() }).is_err());
+        assert!(build_step(&tiny(), &[1], &BuildOptions { row_groups: 9, ..Default::default() }).is_err());
+        assert!(build_step(&tiny(), &[1], &BuildOptions { row_groups: 0, ..Default::default() }).is_err());
+        assert!(build_step(&tiny(), &[1], &BuildOptions { row_groups: 3, ..Default::default() }).is_ok());
         assert!(matches!(build_step(&tiny(), &[1], &opts), Err(GraphError::Geometry(_))));
         assert_eq!(build_step(&tiny(), &[], &BuildOptions::default()).unwrap_err(), GraphError::EmptyBatch);
     }

@@ -38,7 +38,7 @@ pub(crate) fn geometry_from(cfg: &Bound<'_, PyAny>) -> PyResult<Geometry> {
 /// With `check=True` the static checker runs first and any violation raises. `dealing`:
 /// "round_robin" or "balanced".
 #[pyfunction]
-#[pyo3(signature = (config, positions, num_sms=132, attn_chunk=0, row_groups=4, sample_parts=16, check=false, dealing="round_robin"))]
+#[pyo3(signature = (config, positions, num_sms=132, attn_chunk=0, row_groups=None, sample_parts=16, check=false, dealing="round_robin"))]
 #[allow(clippy::too_many_arguments)]
 pub fn build_step_graph<'py>(
     py: Python<'py>,
@@ -46,13 +46,14 @@ pub fn build_step_graph<'py>(
     positions: Vec<usize>,
     num_sms: usize,
     attn_chunk: usize,
-    row_groups: usize,
+    row_groups: Option<usize>,
     sample_parts: usize,
     check: bool,
     dealing: &str,
 ) -> PyResult<Bound<'py, PyDict>> {
     let geom = geometry_from(config)?;
     let dealing = parse_dealing(dealing)?;
+    let row_groups = row_groups.unwrap_or(crate::graph::ROW_GROUPS);
     let opts = BuildOptions { num_sms, attn_chunk, row_groups, sample_parts, dealing };
     let graph = build_step(&geom, &positions, &opts).map_err(|e| PyValueError::new_err(e.to_string()))?;
     if check {

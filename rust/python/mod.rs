@@ -101,8 +101,9 @@ fn weight_maps<'py>(py: Python<'py>, matrices: Vec<(u64, u64, u64)>) -> PyResult
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("GpuError", m.py().get_type::<errors::GpuError>())?;
-    m.add("STEP_PREFETCH_L2", gpu::abi::STEP_PREFETCH_L2)?;
     m.add("STEP_MAX_K", gpu::abi::STEP_MAX_K)?;
+    m.add("GEMV_MAX_GROUPS", gpu::abi::GEMV_MAX_GROUPS)?;
+    m.add("ROW_GROUPS", crate::graph::ROW_GROUPS)?;
     m.add("STEP_MAX_BATCH", gpu::abi::STEP_MAX_BATCH)?;
     m.add_function(wrap_pyfunction!(gpu_available, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;

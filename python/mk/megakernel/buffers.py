@@ -40,6 +40,7 @@ class StepBuffers:
     sampled: torch.Tensor  # int32 [B]
     routing_log: torch.Tensor  # int32 [layers, B, top_k] every MoE layer's chosen experts
     residual_log: torch.Tensor  # fp32 [layers, B, hidden] x after every layer (debugging, tests)
+    rope: torch.Tensor  # fp32 [B, head_dim / 2, 2] (cos, sin) at each row's position
 
     @classmethod
     def allocate(
@@ -83,6 +84,7 @@ class StepBuffers:
             "sampled": ((B,), i32),
             "routing_log": ((cfg.num_hidden_layers, B, cfg.num_experts_per_tok), i32),
             "residual_log": ((cfg.num_hidden_layers if log_residuals else 0, B, D), f32),
+            "rope": ((B, hd // 2, 2), f32),
         }
         return cls(**{name: _poisoned(shape, dt, device) for name, (shape, dt) in shapes.items()})
 

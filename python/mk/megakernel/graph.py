@@ -38,7 +38,7 @@ def build(
     positions: list[int],
     num_sms: int = 132,
     attn_chunk: int = 0,
-    row_groups: int = 4,
+    row_groups: int = _native.ROW_GROUPS,
     sample_parts: int = 16,
     check: bool = False,
     dealing: str = "round_robin",

@@ -113,13 +113,11 @@ class ModelTables:
         return cls(*(t.to(model.device) for t in tensors))
 
 
-def fixed_step_args(
-    model: Model, kv: PagedKV, tables: ModelTables, buf: StepBuffers, flags: int = 0
-) -> dict[str, int | float]:
-    """The MkStepArgs fields that stay the same from step to step: the model's dimensions, the
-    addresses of its weights, tables, KV pools and `buf` (empty tensors: 0), and the kernel's
-    `flags` (MK_STEP_* bits; tracing off). The caller adds the step's own: tasks, counters, per_sm,
-    num_counters, parity, batch, max_pages, max_splits, slots, sample_parts."""
+def fixed_step_args(model: Model, kv: PagedKV, tables: ModelTables, buf: StepBuffers) -> dict[str, int | float]:
+    """The MkStepArgs fields that stay the same from step to step: the model's dimensions and the
+    addresses of its weights, tables, KV pools and `buf` (empty tensors: 0; tracing off). The
+    caller adds the step's own: tasks, counters, per_sm, num_counters, parity, batch, max_pages,
+    max_splits, slots, sample_parts."""
     cfg = model.config
     values: dict[str, int | float] = {name: t.data_ptr() if t.numel() else 0 for name, t in buf.tensors().items()}
     values.update(
@@ -147,7 +145,7 @@ def fixed_step_args(
         eps=cfg.rms_norm_eps,
         logit_scale=cfg.logit_scale,
         rope_theta=cfg.rope_theta,
-        flags=flags,
+        flags=0,
         trace=0,
     )
     return values
@@ -162,9 +160,8 @@ class MegakernelStep:
         kv: PagedKV,
         max_pages: int,
         attn_chunk: int = 0,
-        row_groups: int = 4,
+        row_groups: int = _native.ROW_GROUPS,
         sample_parts=16,
-        flags: int = 0,
         dealing: str = "round_robin",
     ) -> None:
         if model.device.type != "cuda" or model.dtype != torch.bfloat16:
@@ -177,7 +174,6 @@ class MegakernelStep:
             sample_parts,
         )
         self.device = model.device
-        self.flags = flags  # MkStepArgs.flags: STEP_PREFETCH_L2
         self.dealing = dealing  # how graph() deals tasks onto the SMs
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.tables = ModelTables.build(model)
@@ -227,7 +223,7 @@ class MegakernelStep:
             raise ValueError("graph or buffers do not match this MegakernelStep")
         if int(buf.positions.max()) >= self.max_pages * PAGE_SIZE:
             raise ValueError("a position lies past the block tables")
-        values = fixed_step_args(self.model, self.kv, self.tables, buf, self.flags)
+        values = fixed_step_args(self.model, self.kv, self.tables, buf)
         if trace is not None:
             want = (*g.tasks.shape[:2], 2)
             if trace.dtype != torch.int64 or tuple(trace.shape) != want or trace.device != self.device:
@@ -248,10 +244,6 @@ class MegakernelStep:
         stream = torch.cuda.current_stream(self.device).cuda_stream
         _native.decode_step(self.device.index or 0, stream, pack_step_args(values), g.tasks.shape[0])
         self.parity ^= 1
-
-
-# MkStepArgs.flags bits (cuda/abi.h, mirrored in rust/gpu/abi.rs).
-STEP_PREFETCH_L2 = _native.STEP_PREFETCH_L2
 
 
 def trace_buffer(g: mkgraph.StepGraph, device: torch.device) -> torch.Tensor:

@@ -42,7 +42,7 @@ class MegakernelRunner(ReferenceRunner):
         max_batch: int,
         max_context: int,
         *,
-        row_groups: int = 4,
+        row_groups: int = _native.ROW_GROUPS,
         sample_parts: int = 16,
         fast_prefill: Prefill | None = None,
     ) -> None:

@@ -103,7 +103,10 @@ class _Interpreter:
         r1 = r0 + 16 * groups
         b, cfg = self.b, self.cfg
         if matrix == Matrix.QKV:
-            self.qkv_tile(layer, r0, r0 + 16)
+            qw, kvw = cfg.q_width, cfg.kv_width
+            end = qw if r0 < qw else (qw + kvw if r0 < qw + kvw else qw + 2 * kvw)  # tasks stay in Q, K or V
+            for lo in range(r0, min(r1, end), 16):
+                self.qkv_tile(layer, lo, lo + 16)
         elif matrix == Matrix.O_PROJ:
             b.y_attn[:, r0:r1] = self.matmul(b.attn_out, self.lw(layer, "self_attn.o_proj")[r0:r1])
         elif matrix == Matrix.ROUTER:

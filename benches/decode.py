@@ -9,7 +9,9 @@ embedding rows. Prints a table, writes JSON (and a PNG plot when matplotlib is t
 
 Unless --plain, every point is also timed, in the same run, with the tasks dealt onto the SMs by
 the cost model instead of round-robin (rust/graph/deal.rs): `mk_balanced_ms` (its modelled step
-time beside the round-robin one: `model_balanced_us`, `model_rr_us`). With --trace, one step of each variant records
+time beside the round-robin one: `model_balanced_us`, `model_rr_us`). `--sizes` adds variants of
+the GEMV task sizes (BuildOptions), e.g. `gate_up_groups=3,qkv_groups=2`: one variant per entry,
+`mk_<entry>_ms`; all variants must give the default's logits bit for bit. With --trace, one step of each variant records
 when every task waited and ran, summarized per task family (mk.megakernel.trace) into the JSON.
 Usage: python benches/decode.py [--json out.json] [--quick | --points 1x8192,8x8192] [--trace] [--plain]
 """
@@ -95,7 +97,9 @@ def time_events(fn, iters: int) -> float:
     return start.elapsed_time(end) / 1e3 / iters
 
 
-def measure(cfg, model, stacked, batch: int, ctx: int, iters: int, trace: bool = False, plain: bool = False) -> dict:
+def measure(
+    cfg, model, stacked, batch: int, ctx: int, iters: int, trace: bool = False, plain: bool = False, sizes=()
+) -> dict:
     kv, tables, pages = kv_for(cfg, batch, ctx)
     positions = [ctx - 1] * batch
     step = MegakernelStep(model, kv, pages)
@@ -112,6 +116,11 @@ def measure(cfg, model, stacked, batch: int, ctx: int, iters: int, trace: bool =
     ok = bool((buf.sampled >= 0).all() and (buf.sampled < cfg.vocab_size).all() and not buf.logits.isnan().any())
     plain_logits = buf.logits.clone()
     variants = {}
+    for entry in sizes:
+        name, value = entry.split("=")
+        sized = MegakernelStep(model, kv, pages, **{name: int(value)})
+        g_sized = sized.graph(positions)
+        variants[entry] = (sized, g_sized, torch.from_numpy(g_sized.tasks.copy()).cuda())
     balanced = MegakernelStep(model, kv, pages, dealing="balanced")
     g_bal = balanced.graph(positions)
     if not plain:
@@ -190,6 +199,7 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true", help="trace one step per point and variant")
     parser.add_argument("--plain", action="store_true", help="time only the default variant (not the balanced dealing)")
     parser.add_argument("--points", help="BATCHxCONTEXT,... instead of the grid (e.g. 1x8192,8x8192)")
+    parser.add_argument("--sizes", default="", help="GEMV task-size variants, e.g. gate_up_groups=3,row_groups=4")
     args = parser.parse_args()
     cfg = ModelConfig.real()
     weights, stacked = synthetic_stacked(cfg, seed=0)
@@ -201,11 +211,13 @@ def main() -> None:
         grid = [tuple(int(v) for v in p.split("x")) for p in args.points.split(",")]
     rows = []
     for b, c in grid:
-        rows.append(measure(cfg, model, stacked, b, c, args.iters, args.trace, args.plain))
+        sizes = [s for s in args.sizes.split(",") if s]
+        rows.append(measure(cfg, model, stacked, b, c, args.iters, args.trace, args.plain, sizes))
         torch.cuda.empty_cache()  # the last size's KV pools
         print({k: v for k, v in rows[-1].items() if k != "trace"}, flush=True)
     cols = ["batch", "ctx", "mk_ms", "mk_tok_s", "sol_ms", "sol_fraction", "torch_graph_ms", "speedup_vs_torch"]
     cols += ["mk_balanced_ms", "balanced_gain", "model_rr_us", "model_balanced_us"]
+    cols += [f"mk_{s}_ms" for s in args.sizes.split(",") if s]
     print_table("decode step, real geometry, synthetic weights (SOL 4.8 TB/s)", rows, cols)
     write_json(args.json, "decode", rows)
     plot(rows, Path(args.json).with_suffix(".png"))

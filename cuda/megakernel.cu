@@ -16,13 +16,12 @@ union StepSmem {
     struct {
         float row[8192];  // one fp32 residual row (hidden <= 8192)
         float scratch[kWarps];
-        int slots[8];
-        float scores[8];
+        int slots[16];  // a row's top-k choices, then (from 8) sorted by slot
+        float scores[16];
     } norm;
     struct {
-        float logits[8 * 512];
         int chosen[64];
-        int slot_of[512];
+        int slot_of[32 * kTopkPerLane];
     } topk;
     struct {
         float score[kThreads];
@@ -80,7 +79,7 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
             case MK_OP_GEMV: run_gemv(a, t, sm.gemv, ring, stage, act_key); break;
             case MK_OP_ATTN_SPLIT: run_attn_split(a, t, sm.attn); break;
             case MK_OP_ATTN_COMBINE: run_attn_combine(a, t); break;
-            case MK_OP_TOPK: run_topk(a, t, sm.topk.logits, sm.topk.chosen, sm.topk.slot_of); break;
+            case MK_OP_TOPK: run_topk(a, t, sm.topk.chosen, sm.topk.slot_of); break;
             case MK_OP_RESIDUAL_NORM:
                 run_residual_norm(a, t, sm.norm.row, sm.norm.scratch, sm.norm.slots, sm.norm.scores);
                 break;

@@ -7,7 +7,9 @@
 #   device run:  bash scripts/device-kernel.sh      (carry: [".whl"])
 # Environment: TESTS (pytest files/args, default the megakernel tests; "none" skips them),
 # POINTS (decode points, default 1x8192,8x8192), TRACE=0 (no trace), YARDSTICK=0 (skip it),
-# NVCC_FLAGS (extra nvcc flags, e.g. -D switches of a variant).
+# NVCC_FLAGS (extra nvcc flags, e.g. -D switches of a variant), KERNEL_SRC (the folder holding
+# megakernel.cu, default cuda: e.g. an earlier version's copy with the same abi.h), BENCH_ARGS (more decode.py arguments,
+# e.g. "--sizes gate_up_groups=3").
 # Writes $OUT/{nvcc.log,tests.log,decode.json,bench.log,yardstick.json}; prints a summary last.
 set -uo pipefail
 source "$(dirname "$0")/device-env.sh"
@@ -15,8 +17,9 @@ nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 export MK_MEGAKERNEL_CUBIN=/tmp/mk-megakernel.cubin
 # The flags of build.rs.
 # shellcheck disable=SC2086
-"$nvcc" -cubin -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Icuda -Xptxas=-v,-warn-spills ${NVCC_FLAGS:-} \
-    -o "$MK_MEGAKERNEL_CUBIN" cuda/megakernel.cu >"$OUT/nvcc.log" 2>&1 || { cat "$OUT/nvcc.log"; exit 1; }
+src=${KERNEL_SRC:-cuda}
+"$nvcc" -cubin -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -I"$src" -Xptxas=-v,-warn-spills ${NVCC_FLAGS:-} \
+    -o "$MK_MEGAKERNEL_CUBIN" "$src/megakernel.cu" >"$OUT/nvcc.log" 2>&1 || { cat "$OUT/nvcc.log"; exit 1; }
 
 status=0
 tests=${TESTS:-tests/test_megakernel_gpu.py}
@@ -26,8 +29,9 @@ if [ "$tests" != none ]; then
 fi
 trace=(--trace)
 [ "${TRACE:-1}" = 0 ] && trace=()
+# shellcheck disable=SC2086
 timeout "${BENCH_S:-240}" python3 benches/decode.py --plain "${trace[@]}" --points "${POINTS:-1x8192,8x8192}" \
-    --json "$OUT/decode.json" >"$OUT/bench.log" 2>&1 || status=1
+    ${BENCH_ARGS:-} --json "$OUT/decode.json" >"$OUT/bench.log" 2>&1 || status=1
 if [ "${YARDSTICK:-1}" = 1 ] && [ -f .whl/yardstick.py ]; then
     timeout 200 python3 .whl/yardstick.py --points "${POINTS:-1x8192,8x8192}" --json "$OUT/yardstick.json" \
         >"$OUT/yardstick.log" 2>&1 || status=1

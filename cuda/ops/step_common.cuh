@@ -94,13 +94,13 @@ __device__ __forceinline__ void wait_for(const MkTask& t, const uint32_t* counte
     compute_sync();
 }
 
-// After the barrier every thread's writes of the task are done; thread 0 publishes them.
+// After the barrier every thread's writes of the task are done; thread 0 publishes them with a
+// release add (cumulative: it orders the block's writes the barrier ordered before it), which
+// pairs with the waiters' ld.acquire.
 __device__ __forceinline__ void signal_done(const MkTask& t, uint32_t* counters) {
     compute_sync();
-    if (threadIdx.x == 0 && t.signal >= 0) {
-        __threadfence();
-        atomicAdd(counters + t.signal, 1u);
-    }
+    if (threadIdx.x == 0 && t.signal >= 0)
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counters + t.signal) : "memory");
 }
 
 }  // namespace mk

@@ -99,17 +99,17 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, float* v
         scores[threadIdx.x] = ld_f32(ptr<float>(a.topk_score) + b * a.top_k + threadIdx.x);
     }
     compute_sync();
-    if (moe && threadIdx.x == 0) {
-        // The row's choices sorted by slot (= ascending expert): the reference's summation order.
-        for (int k = 1; k < a.top_k; ++k) {
-            const int slot = slots[k];
-            const float score = scores[k];
-            int j = k;
-            for (; j > 0 && slots[j - 1] > slot; --j) slots[j] = slots[j - 1], scores[j] = scores[j - 1];
-            slots[j] = slot, scores[j] = score;
-        }
+    if (moe && threadIdx.x < a.top_k) {
+        // The row's choices sorted by slot (= ascending expert; slots are distinct): the
+        // reference's summation order. Each choice's rank is the number of smaller slots.
+        const int slot = slots[threadIdx.x];
+        const float score = scores[threadIdx.x];
+        int rank = 0;
+        for (int k = 0; k < a.top_k; ++k) rank += slots[k] < slot;
+        slots[8 + rank] = slot, scores[8 + rank] = score;
     }
     compute_sync();
+    slots += 8, scores += 8;
     for (int i0 = kVec * threadIdx.x; i0 < a.hidden; i0 += kVec * kThreads) {
         const size_t at = (size_t)b * a.hidden + i0;
         float x[kVec], y[kVec], ffn[kVec] = {};
@@ -135,36 +135,51 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, float* v
     store_normed(a, b, v, norm_weight(a, layer + 1), scratch, layer);
 }
 
+// A router logit (a bf16 value held in fp32: its low 16 bits are zero) and its expert as one
+// integer that orders like (logit, -expert): the larger logit wins, ties go to the lower expert.
+__device__ __forceinline__ uint32_t topk_key(float logit, int expert) {
+    const uint32_t u = __float_as_uint(logit);
+    const uint32_t ordered = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // monotonic in the float
+    return (ordered & 0xffff0000u) | (uint32_t)(0xffff - expert);
+}
+
+__device__ __forceinline__ float topk_logit(uint32_t key) {
+    const uint32_t ordered = key & 0xffff0000u;
+    return __uint_as_float((ordered & 0x80000000u) ? (ordered & 0x7fffffffu) : ~ordered & 0xffff0000u);
+}
+
 // Top-k of every row's router logits (ties -> lower expert), sigmoid scores, and the slots:
-// the distinct chosen experts in ascending order. The logits are staged in shared memory first
-// (this task is on every MoE layer's critical path); one warp per row selects.
-__device__ void run_topk(const MkStepArgs& a, const MkTask& t, float* logits /* [8 * 128] */,
-                         int* chosen /* [8 * 8] */, int* slot_of /* [experts] */) {
-    for (int i = threadIdx.x; i < a.batch * a.experts; i += kThreads) logits[i] = ld_f32(ptr<float>(a.router) + i);
+// the distinct chosen experts in ascending order. This task is on every MoE layer's critical
+// path: one warp per row, each lane keeping its experts' keys in registers, one redux.sync max
+// per choice.
+constexpr int kTopkPerLane = 16;  // experts per lane: at most 512 experts
+__device__ void run_topk(const MkStepArgs& a, const MkTask& t, int* chosen /* [8 * 8] */,
+                         int* slot_of /* [experts] */) {
     for (int e = threadIdx.x; e < a.experts; e += kThreads) slot_of[e] = -1;
     compute_sync();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int b = warp; b < a.batch; b += kWarps) {
-        float* row = logits + b * a.experts;
+        uint32_t keys[kTopkPerLane];
+#pragma unroll
+        for (int j = 0; j < kTopkPerLane; ++j) {
+            const int e = lane + 32 * j;
+            keys[j] = e < a.experts ? topk_key(ld_f32(ptr<float>(a.router) + b * a.experts + e), e) : 0u;
+        }
         for (int k = 0; k < a.top_k; ++k) {
-            // Warp argmax: the larger logit wins, ties go to the lower expert.
-            float best = -INFINITY;
-            int id = a.experts;
-            for (int e = lane; e < a.experts; e += 32)
-                if (row[e] > best) best = row[e], id = e;
-            for (int o = 16; o > 0; o >>= 1) {
-                const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-                const int oi = __shfl_xor_sync(0xffffffffu, id, o);
-                if (ob > best || (ob == best && oi < id)) best = ob, id = oi;
-            }
+            uint32_t mine = 0;
+#pragma unroll
+            for (int j = 0; j < kTopkPerLane; ++j) mine = max(mine, keys[j]);
+            const uint32_t best = __reduce_max_sync(0xffffffffu, mine);
+            const int id = 0xffff - (int)(best & 0xffffu);
+#pragma unroll
+            for (int j = 0; j < kTopkPerLane; ++j)
+                if (keys[j] == best) keys[j] = 0;  // taken (keys are distinct: one expert each)
             if (lane == 0) {
                 chosen[b * 8 + k] = id;
-                ptr<float>(a.topk_score)[b * a.top_k + k] = 1.f / (1.f + expf(-best));
+                ptr<float>(a.topk_score)[b * a.top_k + k] = 1.f / (1.f + expf(-topk_logit(best)));
                 ptr<int32_t>(a.routing_log)[((size_t)t.layer * a.batch + b) * a.top_k + k] = id;
                 slot_of[id] = 0;
-                row[id] = -INFINITY;  // taken
             }
-            __syncwarp();
         }
     }
     compute_sync();

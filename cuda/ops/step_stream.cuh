@@ -16,11 +16,12 @@ namespace mk {
 constexpr int kStageRows = MK_STAGE_ROWS;
 constexpr int kBoxCols = MK_STAGE_COLS;  // weight columns per bulk tensor copy (bf16)
 #ifndef MK_STAGE_BOXES
-#define MK_STAGE_BOXES 2
+#define MK_STAGE_BOXES 3
 #endif
-// Copies per stage, side by side along k: more boxes make fewer, larger stages. 2 measured 9-10%
-// faster than 1 at batch 1 and 8 (docs/PERF.md); a tuning knob (-DMK_STAGE_BOXES=N in the device
-// script's NVCC_FLAGS).
+// Copies per stage, side by side along k: more boxes make fewer, larger stages (longer runs of
+// each weight row per stage). On the H200, 2 were 9-10% faster than 1 and 3 another 5-8% faster
+// than 2 at batch 1 and 8 (docs/PERF.md); 4 leave fewer than 4 stages. A tuning knob
+// (-DMK_STAGE_BOXES=N in the device script's NVCC_FLAGS).
 constexpr int kStageBoxes = MK_STAGE_BOXES;
 // A stage is kStageBoxes dense [kStageRows][box] tiles: rows g and g + 1 read at one column by a
 // quarter-warp share banks (2-way), a small cost beside the copy it saves.

@@ -45,6 +45,8 @@ def build_step_graph(
     sample_parts: int = 16,
     check: bool = False,
     dealing: str = "round_robin",
+    qkv_groups: int | None = None,
+    gate_up_groups: int | None = None,
 ) -> dict[str, Any]:
     """tasks, order (bytes of int32 [.., 16]), num_sms, per_sm, num_counters, slots, max_splits,
     modelled_ns."""

@@ -59,15 +59,11 @@ impl Geometry {
     }
 }
 
-/// Features (groups of 16) per gate/up task: each streams the gate and the up rows of its
-/// features, 2 * GATE_UP_GROUPS weight groups (at most `GEMV_MAX_GROUPS`).
-pub const GATE_UP_GROUPS: usize = 4;
-/// Row groups of 16 per QKV task (within each of Q, K and V): 48 rows, so that one layer's
-/// 5,120 QKV rows make about one task per SM.
+/// The default `BuildOptions::qkv_groups`: 48 rows, so that one layer's 5,120 QKV rows make about
+/// one task per SM.
 pub const QKV_GROUPS: usize = 3;
 /// The default `BuildOptions::row_groups`: 128-row expert down and LM-head tiles.
 pub const ROW_GROUPS: usize = 8;
-const _: () = assert!(2 * GATE_UP_GROUPS <= GEMV_MAX_GROUPS && QKV_GROUPS <= GEMV_MAX_GROUPS);
 
 /// Knobs of the task decomposition.
 #[derive(Debug, Clone)]
@@ -79,6 +75,11 @@ pub struct BuildOptions {
     /// Row groups of 16 per GEMV task for expert down projections and the LM head (1 to
     /// `GEMV_MAX_GROUPS`). O and the dense down projection, with their long rows, always take 1.
     pub row_groups: usize,
+    /// Row groups of 16 per QKV task, inside each of Q, K and V (1 to `GEMV_MAX_GROUPS`).
+    pub qkv_groups: usize,
+    /// Features (groups of 16) per gate/up task, each streaming its gate and its up rows (1 to
+    /// `GEMV_MAX_GROUPS / 2`), or 0: sized per step (`gate_up_groups`).
+    pub gate_up_groups: usize,
     /// Vocabulary slices per row for sampling.
     pub sample_parts: usize,
     /// How the global order is dealt onto the SMs.
@@ -91,6 +92,8 @@ impl Default for BuildOptions {
             num_sms: 132,
             attn_chunk: 0,
             row_groups: ROW_GROUPS,
+            qkv_groups: QKV_GROUPS,
+            gate_up_groups: 0,
             sample_parts: 16,
             dealing: Dealing::RoundRobin,
         }
@@ -173,10 +176,17 @@ fn validate(g: &Geometry, o: &BuildOptions) -> Result<(), GraphError> {
     if g.expert_ffn % 32 != 0 || g.dense_ffn % 32 != 0 || g.vocab % 16 != 0 {
         return bad("FFN widths must be multiples of 32 and the vocabulary of 16".into());
     }
-    if o.num_sms == 0 || o.attn_chunk % PAGE_SIZE != 0 || !(1..=GEMV_MAX_GROUPS).contains(&o.row_groups) {
-        return bad(format!(
-            "num_sms > 0, attn_chunk a multiple of {PAGE_SIZE} (0: automatic), row_groups in 1..={GEMV_MAX_GROUPS}"
-        ));
+    if o.num_sms == 0 || o.attn_chunk % PAGE_SIZE != 0 {
+        return bad(format!("num_sms > 0 and attn_chunk a multiple of {PAGE_SIZE} (0: automatic)"));
+    }
+    let groups = [("row_groups", o.row_groups, GEMV_MAX_GROUPS), ("qkv_groups", o.qkv_groups, GEMV_MAX_GROUPS)];
+    for (name, v, max) in groups {
+        if !(1..=max).contains(&v) {
+            return bad(format!("{name} must be in 1..={max}, got {v}"));
+        }
+    }
+    if o.gate_up_groups > GEMV_MAX_GROUPS / 2 {
+        return bad(format!("gate_up_groups must be in 0..={} (0: automatic)", GEMV_MAX_GROUPS / 2));
     }
     Ok(())
 }
@@ -230,7 +240,8 @@ impl Builder<'_> {
         // QKV first: attention is the longest chain of the layer. Tasks stay within Q, K or V.
         for (base, rows) in [(0, g.q_width()), (g.q_width(), g.kv_width()), (g.q_width() + g.kv_width(), g.kv_width())]
         {
-            self.gemv_from(l, base, (Matrix::Qkv, rows, QKV_GROUPS, -1), &[h_ready], counter(l, Counter::Qkv));
+            let tile = (Matrix::Qkv, rows, self.opts.qkv_groups, -1);
+            self.gemv_from(l, base, tile, &[h_ready], counter(l, Counter::Qkv));
         }
         // The FFN's first half reads the same h (parallel block), so its weights stream while
         // attention waits on QKV.
@@ -242,7 +253,12 @@ impl Builder<'_> {
             for s in 0..g.slots(self.batch) {
                 self.gemv(
                     l,
-                    (Matrix::ExpertGateUp, g.expert_ffn, GATE_UP_GROUPS, s as i32),
+                    (
+                        Matrix::ExpertGateUp,
+                        g.expert_ffn,
+                        gate_up_groups(self.opts, g.expert_ffn, g.slots(self.batch)),
+                        s as i32,
+                    ),
                     &[counter(l, Counter::TopK)],
                     counter(l, Counter::FfnUp),
                 );
@@ -250,7 +266,7 @@ impl Builder<'_> {
         } else {
             self.gemv(
                 l,
-                (Matrix::DenseGateUp, g.dense_ffn, GATE_UP_GROUPS, -1),
+                (Matrix::DenseGateUp, g.dense_ffn, gate_up_groups(self.opts, g.dense_ffn, 1), -1),
                 &[h_ready],
                 counter(l, Counter::FfnUp),
             );
@@ -326,6 +342,18 @@ impl Builder<'_> {
             self.push(MkTask::new(Op::SampleFinal, l, &[b as i32, parts as i32]).waits(sample_counter(l)));
         }
     }
+}
+
+/// Features (groups of 16) per gate/up task over `slots` matrices of `ffn` features: the option,
+/// or where it is 0 the size whose worst case (every slot in use, tasks dealt evenly) leaves each
+/// SM the fewest feature rows, ties to the larger size (fewer tasks, fewer fixed costs). Batch 1
+/// on the real model gets 48-feature tasks (128 for 132 SMs), batch 4 and more 64-feature ones.
+pub fn gate_up_groups(opts: &BuildOptions, ffn: usize, slots: usize) -> usize {
+    if opts.gate_up_groups > 0 {
+        return opts.gate_up_groups;
+    }
+    let per_sm = |g: usize| (slots * ffn.div_ceil(16 * g)).div_ceil(opts.num_sms) * g;
+    (1..=GEMV_MAX_GROUPS / 2).rev().min_by_key(|&g| per_sm(g)).expect("a non-empty range")
 }
 
 /// The keys one row attends to in one layer, cut into splits (the attention tasks' ranges).
@@ -463,10 +491,24 @@ pub(crate) mod tests {
         let g = build_step(&geom, &[100, 200], &BuildOptions::default()).unwrap();
         let gate_up: Vec<&MkTask> =
             g.order.iter().filter(|t| t.op() == Op::Gemv && t.arg[0] == Matrix::ExpertGateUp as i32).collect();
-        let per_layer = geom.slots(2) * geom.expert_ffn / (16 * GATE_UP_GROUPS);
+        let groups = gate_up_groups(&BuildOptions::default(), geom.expert_ffn, geom.slots(2));
+        assert_eq!(groups, 3); // 16 slots x 16 tasks of 48 features: 2 per SM, 96 rows each
+        let per_layer = geom.slots(2) * geom.expert_ffn / (16 * groups);
         assert_eq!(gate_up.len(), per_layer * (geom.layers() - 1));
-        assert!(gate_up.iter().all(|t| t.arg[2] == GATE_UP_GROUPS as i32 && t.arg[1] % 32 == 0));
+        assert!(gate_up.iter().all(|t| t.arg[2] == groups as i32 && t.arg[1] % 48 == 0));
         assert!(check::check(&geom, &g, 10).is_empty());
+    }
+
+    #[test]
+    fn automatic_gate_up_tasks_fit_the_batch() {
+        let opts = BuildOptions::default();
+        let real_ffn = 768;
+        // Batch 1: 8 slots; 48-feature tasks make 128 tasks, one per SM.
+        assert_eq!(gate_up_groups(&opts, real_ffn, 8), 3);
+        // Batch 4 and 8: 32 and 64 slots; every size gives the same rows per SM, the largest wins.
+        assert_eq!(gate_up_groups(&opts, real_ffn, 32), 4);
+        assert_eq!(gate_up_groups(&opts, real_ffn, 64), 4);
+        assert_eq!(gate_up_groups(&BuildOptions { gate_up_groups: 1, ..opts }, real_ffn, 8), 1);
     }
 
     #[test]
@@ -475,6 +517,8 @@ pub(crate) mod tests {
         assert!(build_step(&tiny(), &[1], &BuildOptions { row_groups: 9, ..Default::default() }).is_err());
         assert!(build_step(&tiny(), &[1], &BuildOptions { row_groups: 0, ..Default::default() }).is_err());
         assert!(build_step(&tiny(), &[1], &BuildOptions { row_groups: 3, ..Default::default() }).is_ok());
+        assert!(build_step(&tiny(), &[1], &BuildOptions { gate_up_groups: 5, ..Default::default() }).is_err());
+        assert!(build_step(&tiny(), &[1], &BuildOptions { qkv_groups: 9, ..Default::default() }).is_err());
         assert!(matches!(build_step(&tiny(), &[1], &opts), Err(GraphError::Geometry(_))));
         assert_eq!(build_step(&tiny(), &[], &BuildOptions::default()).unwrap_err(), GraphError::EmptyBatch);
     }

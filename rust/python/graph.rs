@@ -38,7 +38,7 @@ pub(crate) fn geometry_from(cfg: &Bound<'_, PyAny>) -> PyResult<Geometry> {
 /// With `check=True` the static checker runs first and any violation raises. `dealing`:
 /// "round_robin" or "balanced".
 #[pyfunction]
-#[pyo3(signature = (config, positions, num_sms=132, attn_chunk=0, row_groups=None, sample_parts=16, check=false, dealing="round_robin"))]
+#[pyo3(signature = (config, positions, num_sms=132, attn_chunk=0, row_groups=None, sample_parts=16, check=false, dealing="round_robin", qkv_groups=None, gate_up_groups=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn build_step_graph<'py>(
     py: Python<'py>,
@@ -50,11 +50,21 @@ pub fn build_step_graph<'py>(
     sample_parts: usize,
     check: bool,
     dealing: &str,
+    qkv_groups: Option<usize>,
+    gate_up_groups: Option<usize>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let geom = geometry_from(config)?;
     let dealing = parse_dealing(dealing)?;
-    let row_groups = row_groups.unwrap_or(crate::graph::ROW_GROUPS);
-    let opts = BuildOptions { num_sms, attn_chunk, row_groups, sample_parts, dealing };
+    let d = BuildOptions::default();
+    let opts = BuildOptions {
+        num_sms,
+        attn_chunk,
+        row_groups: row_groups.unwrap_or(d.row_groups),
+        qkv_groups: qkv_groups.unwrap_or(d.qkv_groups),
+        gate_up_groups: gate_up_groups.unwrap_or(d.gate_up_groups),
+        sample_parts,
+        dealing,
+    };
     let graph = build_step(&geom, &positions, &opts).map_err(|e| PyValueError::new_err(e.to_string()))?;
     if check {
         let violations = check::check(&geom, &graph, 5);

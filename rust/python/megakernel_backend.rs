@@ -66,6 +66,7 @@ impl MegakernelBackend {
                 row_groups: get(d, "row_groups")?,
                 sample_parts: get(d, "sample_parts")?,
                 dealing: crate::python::graph::parse_dealing(&get::<String>(d, "dealing")?)?,
+                ..BuildOptions::default()
             },
         };
         let device: usize = get(d, "device")?;

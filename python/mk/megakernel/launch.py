@@ -163,6 +163,8 @@ class MegakernelStep:
         row_groups: int = _native.ROW_GROUPS,
         sample_parts=16,
         dealing: str = "round_robin",
+        qkv_groups: int | None = None,
+        gate_up_groups: int | None = None,
     ) -> None:
         if model.device.type != "cuda" or model.dtype != torch.bfloat16:
             raise ValueError("the megakernel runs bf16 models on a CUDA device")
@@ -175,6 +177,7 @@ class MegakernelStep:
         )
         self.device = model.device
         self.dealing = dealing  # how graph() deals tasks onto the SMs
+        self.qkv_groups, self.gate_up_groups = qkv_groups, gate_up_groups  # GEMV task sizes (None: default)
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.tables = ModelTables.build(model)
         cfg = self.cfg
@@ -192,6 +195,8 @@ class MegakernelStep:
             sample_parts=self.sample_parts,
             check=check,
             dealing=self.dealing,
+            qkv_groups=self.qkv_groups,
+            gate_up_groups=self.gate_up_groups,
         )
 
     def buffers(self, g: mkgraph.StepGraph, log_residuals: bool = True) -> StepBuffers:

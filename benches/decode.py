@@ -98,7 +98,7 @@ def time_events(fn, iters: int) -> float:
 
 
 def measure(
-    cfg, model, stacked, batch: int, ctx: int, iters: int, trace: bool = False, plain: bool = False, sizes=()
+    cfg, model, stacked, batch: int, ctx: int, iters: int, trace=False, plain=False, sizes=(), torch_graph=True
 ) -> dict:
     kv, tables, pages = kv_for(cfg, batch, ctx)
     positions = [ctx - 1] * batch
@@ -153,6 +153,9 @@ def measure(
     row["sol_fraction"] = row["sol_ms"] / row["mk_ms"]
     row["experts_last_layer"] = experts
     row["tasks"] = int(g.order.shape[0])
+    if not torch_graph:
+        row["torch_graph_ms"] = None
+        return row
     try:
         ys = TorchDecode(cfg, model.weights, stacked, kv.k, kv.v, tables, buf.positions)
         tok = buf.tokens.long()
@@ -200,6 +203,7 @@ def main() -> None:
     parser.add_argument("--plain", action="store_true", help="time only the default variant (not the balanced dealing)")
     parser.add_argument("--points", help="BATCHxCONTEXT,... instead of the grid (e.g. 1x8192,8x8192)")
     parser.add_argument("--sizes", default="", help="GEMV task-size variants, e.g. gate_up_groups=3,row_groups=4")
+    parser.add_argument("--no-torch", action="store_true", help="skip benches/yardstick.py's CUDA-graph column")
     args = parser.parse_args()
     cfg = ModelConfig.real()
     weights, stacked = synthetic_stacked(cfg, seed=0)
@@ -212,7 +216,7 @@ def main() -> None:
     rows = []
     for b, c in grid:
         sizes = [s for s in args.sizes.split(",") if s]
-        rows.append(measure(cfg, model, stacked, b, c, args.iters, args.trace, args.plain, sizes))
+        rows.append(measure(cfg, model, stacked, b, c, args.iters, args.trace, args.plain, sizes, not args.no_torch))
         torch.cuda.empty_cache()  # the last size's KV pools
         print({k: v for k, v in rows[-1].items() if k != "trace"}, flush=True)
     cols = ["batch", "ctx", "mk_ms", "mk_tok_s", "sol_ms", "sol_fraction", "torch_graph_ms", "speedup_vs_torch"]

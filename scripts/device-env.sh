@@ -8,4 +8,12 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
+# The server's packages, where a folder of wheels for this Python was carried (.whl/server-py312:
+# pip download --only-binary=:all: --python-version 3.12 ... ; the GPU tests of the server skip
+# without them).
+server_wheels=.whl/server-py$(python3 -c 'import sys; print("%d%d" % sys.version_info[:2])')
+if [ -d "$server_wheels" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "$server_wheels"/*.whl || echo "server wheels failed to install: the server's GPU tests will skip"
+fi
 export PYTHONPATH=/tmp/site

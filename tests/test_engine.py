@@ -79,6 +79,11 @@ def reference_greedy(model: Model, tokens: list[int], max_tokens: int, stop=(), 
         logits = model.decode(torch.tensor(out[-1:]), torch.tensor([pos]), kv, [table])[0]
 
 
+def common(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix."""
+    return next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def run(engine: Engine, requests: list[tuple[float, list[int], SamplingParams]]):
     """Submits request i after a delay of requests[i][0] s; returns (tokens, finish, events) each."""
 

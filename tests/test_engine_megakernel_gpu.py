@@ -23,7 +23,7 @@ import httpx
 import pytest
 import torch
 from server_util import ServerProcess
-from test_engine import prompt, run
+from test_engine import common, prompt, run
 
 from mk.config import ModelConfig
 from mk.engine import Engine
@@ -183,11 +183,6 @@ def test_seeded_sampling_reproduces(model):
         f"seeded: alone and in a batch agree for {common(runs[0], in_batch)} of 32 tokens, "
         f"megakernel and reference for {common(runs[0], ref)}"
     )
-
-
-def common(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix."""
-    return next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def test_the_server_streams_a_chat_completion_on_the_megakernel():

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Runs ON the GPU machine: the decode grid of record (~8 min). benches/decode.py over batch
+# {1, 2, 4, 8} x context {1K, 8K, 32K, 128K} and batch 1 at 256K, and the yardstick of record
+# (.whl/yardstick.py, a copy of shared/tools/yardstick.py) at the same points in the same call,
+# in chunks with their own time limits so that one slow or failing point costs only its chunk.
+#   device run:  bash scripts/device-grid.sh      (carry: [".whl"])
+# Writes $OUT/decode-<chunk>.json, $OUT/yardstick-<chunk>.json and prints one table: mk's step
+# time, tokens/s and SOL fraction beside the yardstick's step time and the ratio.
+set -uo pipefail
+source "$(dirname "$0")/device-env.sh"
+chunks=(
+    "1x1024,1x8192,1x32768,1x131072,1x262144"
+    "2x1024,2x8192,2x32768,2x131072"
+    "4x1024,4x8192,4x32768,4x131072"
+    "8x1024,8x8192,8x32768,8x131072"
+)
+status=0
+for i in "${!chunks[@]}"; do
+    timeout "${CHUNK_S:-80}" python3 benches/decode.py --plain --no-torch --iters 10 --points "${chunks[$i]}" \
+        --json "$OUT/decode-$i.json" >>"$OUT/grid.log" 2>&1 || { status=1; echo "decode chunk $i failed" >>"$OUT/grid.log"; }
+    timeout "${CHUNK_S:-80}" python3 .whl/yardstick.py --points "${chunks[$i]}" --json "$OUT/yardstick-$i.json" \
+        >>"$OUT/grid.log" 2>&1 || { status=1; echo "yardstick chunk $i failed" >>"$OUT/grid.log"; }
+done
+rm -f "$OUT"/decode-*.png
+python3 - "$OUT" <<'PY'
+import glob, json, sys
+out = sys.argv[1]
+mk, ys = {}, {}
+for f in sorted(glob.glob(f"{out}/decode-*.json")):
+    for r in json.load(open(f))["rows"]:
+        mk[(r["batch"], r["ctx"])] = r
+for f in sorted(glob.glob(f"{out}/yardstick-*.json")):
+    for r in json.load(open(f)):
+        if "B" in r and r.get("graph_ms"):
+            ys[(r["B"], r["ctx"])] = r["graph_ms"]
+print(f"{'batch':>5} {'ctx':>7} {'mk_ms':>7} {'tok_s':>6} {'sol':>5} {'ys_ms':>7} {'mk/ys':>6}")
+for key in sorted(mk):
+    r, y = mk[key], ys.get(key)
+    ratio = f"{y / r['mk_ms']:.2f}x" if y else "-"
+    print(f"{key[0]:>5} {key[1]:>7} {r['mk_ms']:7.2f} {r['mk_tok_s']:6.0f} {r['sol_fraction']:5.2f} "
+          f"{(f'{y:.2f}' if y else '-'):>7} {ratio:>6}")
+PY
+grep -E "failed|Error" "$OUT/grid.log" | head -n 10
+exit $status

@@ -5,6 +5,7 @@
 
 pub mod engine;
 pub mod gpu;
+pub mod grammar;
 pub mod graph;
 pub mod kv;
 pub mod sampling;

@@ -4,13 +4,17 @@
 //! - otherwise filter (top-k, then top-p over softmax(logits / T)), then Gumbel-max over what is
 //!   left: argmax of logit / T + g, with g drawn by [`philox`] from (seed, index, token id), so a
 //!   request's tokens depend on its seed and nothing else in the batch;
-//! - log-probabilities come from log_softmax of the raw logits (before temperature and filters).
+//! - log-probabilities come from log_softmax of the raw logits (before temperature and filters);
+//! - a grammar's mask (`crate::grammar::TokenMask`), where a request has one, removes every token it
+//!   does not allow before any of the above (the log-probabilities stay the model's own).
 //!
 //! NaN logits never win; a row without any finite logit is an error, not a silent token 0.
 
 pub mod philox;
 
 use std::cmp::Ordering;
+
+use crate::grammar::TokenMask;
 
 /// How to pick the token at generation step `index` (tokens generated before it) of one request.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -76,6 +80,7 @@ fn better(logits: &[f32], a: u32, b: u32) -> Ordering {
 #[derive(Debug, Default)]
 pub struct Sampler {
     ids: Vec<u32>,
+    masked: Vec<f32>,
 }
 
 impl Sampler {
@@ -84,8 +89,29 @@ impl Sampler {
     }
 
     pub fn sample(&mut self, logits: &[f32], spec: &SampleSpec) -> Result<Sampled, SampleError> {
-        let token = if spec.is_greedy() { argmax(logits)? } else { self.draw(logits, spec)? };
-        let mut out = Sampled::token(token);
+        self.sample_allowed(logits, spec, None)
+    }
+
+    /// `sample` among the tokens `allowed` allows (all where None).
+    pub fn sample_allowed(
+        &mut self,
+        logits: &[f32],
+        spec: &SampleSpec,
+        allowed: Option<&TokenMask>,
+    ) -> Result<Sampled, SampleError> {
+        let mut masked = std::mem::take(&mut self.masked);
+        let choose_from = match allowed {
+            None => logits,
+            Some(mask) => {
+                masked.clear();
+                let kept = |(i, &x): (usize, &f32)| if mask.allows(i as u32) { x } else { f32::NEG_INFINITY };
+                masked.extend(logits.iter().enumerate().map(kept));
+                &masked[..]
+            }
+        };
+        let token = if spec.is_greedy() { argmax(choose_from) } else { self.draw(choose_from, spec) };
+        self.masked = masked;
+        let mut out = Sampled::token(token?);
         if let Some(n) = spec.logprobs {
             self.logprobs(logits, n as usize, &mut out);
         }
@@ -177,6 +203,25 @@ mod tests {
 
     fn spec(temperature: f32, top_p: f32, top_k: u32, seed: u64, index: u32) -> SampleSpec {
         SampleSpec { temperature, top_p, top_k, seed, index, logprobs: None }
+    }
+
+    #[test]
+    fn a_mask_limits_the_choice_but_not_the_logprobs() {
+        let mut s = Sampler::new();
+        let logits = [5.0, 1.0, 3.0, 4.0];
+        let mask = TokenMask { words: vec![0b0110] }; // tokens 1 and 2
+        let greedy = SampleSpec { logprobs: Some(1), ..SampleSpec::greedy(0) };
+        let got = s.sample_allowed(&logits, &greedy, Some(&mask)).unwrap();
+        assert_eq!(got.token, 2);
+        let unmasked = s.sample(&logits, &greedy).unwrap();
+        assert_eq!(unmasked.token, 0);
+        assert_eq!(got.top, unmasked.top); // the model's own distribution
+        for seed in 0..50 {
+            let t = s.sample_allowed(&logits, &spec(2.0, 0.9, 0, seed, 3), Some(&mask)).unwrap().token;
+            assert!(t == 1 || t == 2, "seed {seed} drew {t}");
+        }
+        let none = TokenMask { words: vec![0] };
+        assert_eq!(s.sample_allowed(&logits, &greedy, Some(&none)), Err(SampleError::NoFiniteLogit));
     }
 
     #[test]

@@ -1,0 +1,205 @@
+"""The engine as its users see it, on the GPU: real geometry, synthetic bf16 weights, the
+megakernel backend through `mk.engine.Engine`'s Python API, every token timed as it arrives (on
+the engine's event thread, `submit_callback`).
+
+Rows:
+- decode: B streams of ctx-token random prompts, greedy, `ignore_eos`, all submitted at once;
+  once every stream has its first token, the next 64 steps of all B together are timed (then the
+  streams are cancelled): per-stream and aggregate decode tok/s, and the kernel's own step time
+  for the same batch and context (`MegakernelStep` on a scratch cache, same process):
+  `host_ms_per_step` is the gap between the two.
+- ttft: one prompt alone (512, 2K, 8K, 32K tokens), one new token: submission to first token,
+  and the prompt tokens per second that implies.
+- admit: one stream decoding at 8K while a 32K prompt arrives: the stream's longest and median gap
+  between tokens while the long prompt is admitted, and the long prompt's time to first token.
+The engine runs with the server's defaults (`python -m mk.server`: prefill chunk 1024, max batch 8)
+except its KV share of memory (0.6, leaving room for the kernel-only measurement).
+Usage: python benches/engine.py [--json out.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+
+import torch
+
+from common import print_table, write_json
+from decode import kv_for, time_events
+from mk.config import ModelConfig
+from mk.engine import Engine
+from mk.megakernel.launch import MegakernelStep
+from mk.model import synthetic_weights
+from mk.model.reference import Model
+from mk.sampling import SamplingParams
+
+NEW_TOKENS = 64
+SERVER_PREFILL_CHUNK = 1024  # python -m mk.server's --prefill-chunk default
+
+
+class Timed:
+    """One request's token arrival times (perf_counter seconds), filled on the event thread."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.finish: str | None = None
+        self.done = threading.Event()
+        self.stream = None  # the engine's handle (cancel)
+
+    def __call__(self, event) -> None:
+        if event.token_id is not None:
+            self.times.append(time.perf_counter())
+        if event.finish_reason is not None:
+            self.finish = event.finish_reason
+            self.done.set()
+
+
+def submit(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[Timed, float]:
+    t = Timed()
+    start = time.perf_counter()
+    t.stream = engine.submit_callback(
+        prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), t
+    )
+    return t, start
+
+
+def wait(streams: list[Timed], timeout: float = 600.0) -> None:
+    for s in streams:
+        if not s.done.wait(timeout):
+            raise TimeoutError("a request did not finish")
+        if s.finish != "length":
+            raise RuntimeError(f"a request ended with {s.finish!r}")
+
+
+def random_prompt(cfg: ModelConfig, n: int, gen: torch.Generator) -> list[int]:
+    return torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
+
+
+def kernel_step_ms(model: Model, batch: int, ctx: int) -> float:
+    """The megakernel's own step for `batch` rows at `ctx` (random cache, as benches/decode.py)."""
+    kv, tables, pages = kv_for(model.config, batch, ctx)
+    step = MegakernelStep(model, kv, pages)
+    g = step.graph([ctx - 1] * batch)
+    buf = step.buffers(g, log_residuals=False)
+    buf.tokens.copy_(torch.randint(0, model.config.vocab_size, (batch,), dtype=torch.int32))
+    buf.positions.fill_(ctx - 1)
+    buf.block_tables.copy_(tables)
+    tasks = torch.from_numpy(g.tasks.copy()).cuda()
+    for _ in range(3):
+        step.run(g, buf, tasks)
+    return time_events(lambda: step.run(g, buf, tasks), 20) * 1e3
+
+
+def decode_row(engine: Engine, model: Model, batch: int, ctx: int, gen: torch.Generator) -> dict:
+    cfg = model.config
+    budget = 512 - 8  # new tokens a stream may make (max_context leaves 512 past the prompt)
+    runs = [submit(engine, random_prompt(cfg, ctx, gen), budget)[0] for _ in range(batch)]
+    deadline = time.perf_counter() + 600
+    while not all(r.times for r in runs):  # every stream admitted and decoding
+        if time.perf_counter() > deadline or any(r.done.is_set() for r in runs):
+            raise RuntimeError("the streams did not all start decoding")
+        time.sleep(0.002)
+    marks = [len(r.times) for r in runs]
+    while min(len(r.times) - m for r, m in zip(runs, marks, strict=True)) < NEW_TOKENS:
+        if any(r.done.is_set() for r in runs):
+            raise RuntimeError("a stream ended before the timed window did")
+        time.sleep(0.002)
+    for r in runs:
+        r.stream.cancel()
+    for r in runs:
+        r.done.wait(60)
+    # The window: from the last stream's token at its mark to the first stream's NEW_TOKENS-th after it.
+    lo = max(r.times[m - 1] for r, m in zip(runs, marks, strict=True))
+    hi = min(r.times[m - 1 + NEW_TOKENS] for r, m in zip(runs, marks, strict=True))
+    inside = sum(sum(1 for t in r.times if lo < t <= hi) for r in runs)
+    aggregate = inside / (hi - lo)
+    per_stream = [NEW_TOKENS / (r.times[m - 1 + NEW_TOKENS] - r.times[m - 1]) for r, m in zip(runs, marks, strict=True)]
+    step_ms = kernel_step_ms(model, batch, ctx)
+    torch.cuda.empty_cache()  # its scratch cache
+    stream_ms = 1e3 / statistics.median(per_stream)
+    return {
+        "row": "decode",
+        "batch": batch,
+        "ctx": ctx,
+        "stream_tok_s": statistics.median(per_stream),
+        "aggregate_tok_s": aggregate,
+        "engine_ms_per_step": stream_ms,
+        "kernel_ms_per_step": step_ms,
+        "host_ms_per_step": stream_ms - step_ms,
+        "kernel_tok_s": batch / step_ms * 1e3,
+    }
+
+
+def ttft_row(engine: Engine, cfg: ModelConfig, n: int, gen: torch.Generator) -> dict:
+    t, start = submit(engine, random_prompt(cfg, n, gen), 1)
+    wait([t])
+    seconds = t.times[0] - start
+    return {"row": "ttft", "prompt": n, "ttft_ms": seconds * 1e3, "prompt_tok_s": n / seconds}
+
+
+def admit_row(engine: Engine, cfg: ModelConfig, gen: torch.Generator) -> dict:
+    """A stream decoding at 8K while a 32K prompt is admitted."""
+    stream, _ = submit(engine, random_prompt(cfg, 8192, gen), 2000)
+    while len(stream.times) < 20:
+        time.sleep(0.005)
+    long, start = submit(engine, random_prompt(cfg, 32768, gen), 1)
+    wait([long])
+    wait([stream])
+    during = [b - a for a, b in zip(stream.times, stream.times[1:], strict=False) if start <= b <= long.times[0] + 0.05]
+    gaps = [b - a for a, b in zip(stream.times, stream.times[1:], strict=False)]
+    return {
+        "row": "admit",
+        "prompt": 32768,
+        "ttft_ms": (long.times[0] - start) * 1e3,
+        "longest_gap_ms": max(during) * 1e3 if during else None,
+        "median_gap_ms": statistics.median(gaps) * 1e3,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", default="bench-out/engine.json")
+    parser.add_argument("--quick", action="store_true", help="batch 1 and 8 at 8K, 512- and 8K-token prompts")
+    args = parser.parse_args()
+    cfg = ModelConfig.real()
+    model = Model(cfg, synthetic_weights(cfg, seed=0, device="cuda", dtype=torch.bfloat16, std=0.01))
+    gen = torch.Generator().manual_seed(0)
+    points = [(1, 8192), (8, 8192)] if args.quick else [(b, c) for c in (8192, 32768) for b in (1, 4, 8)]
+    prompts = [512, 8192] if args.quick else [512, 2048, 8192, 32768]
+    engine = Engine(
+        model,
+        backend="megakernel",
+        max_batch=8,
+        max_context=32768 + 512,
+        prefill_chunk=SERVER_PREFILL_CHUNK,
+        kv_fraction=0.6,
+    )
+    rows = []
+    try:
+        submit_warm, _ = submit(engine, random_prompt(cfg, 600, gen), 8)  # first-call costs out of the way
+        wait([submit_warm])
+        for n in prompts:
+            rows.append(ttft_row(engine, cfg, n, gen))
+            print(rows[-1], flush=True)
+        for b, c in points:
+            rows.append(decode_row(engine, model, b, c, gen))
+            print(rows[-1], flush=True)
+        if not args.quick:
+            rows.append(admit_row(engine, cfg, gen))
+            print(rows[-1], flush=True)
+    finally:
+        engine.close()
+    decode = [r for r in rows if r["row"] == "decode"]
+    cols = ["batch", "ctx", "stream_tok_s", "aggregate_tok_s", "engine_ms_per_step", "kernel_ms_per_step"]
+    title = "engine decode (megakernel backend, real geometry, synthetic weights)"
+    print_table(title, decode, cols + ["host_ms_per_step"])
+    other = [r for r in rows if r["row"] != "decode"]
+    cols = ["row", "prompt", "ttft_ms", "prompt_tok_s", "longest_gap_ms", "median_gap_ms"]
+    print_table("time to first token", other, cols)
+    write_json(args.json, "engine", rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+//! Grammar-constrained decoding: which tokens a request may produce next, from a JSON schema, a
+//! regular expression or a Lark grammar, with llguidance (the grammar engine vLLM, SGLang and
+//! llama.cpp use) against the model's own vocabulary.
+//!
+//! `Grammars` is built once per engine from the tokenizer (its `tokenizer.json`); `compile` turns
+//! a request's `ConstraintSpec` into a `Constraint`, its parser state. Per step a constrained
+//! row's `Constraint::allowed` fills a `TokenMask` (bit t of word t / 32: 32 KB at 262,144
+//! tokens) that sampling applies; the sampled token then goes to `commit`. A grammar that has
+//! ended allows only EOS, so the request stops there.
+
+use std::sync::Arc;
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
+use llguidance::{Matcher, ParserFactory};
+
+/// What a request's output must match.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConstraintSpec {
+    /// Any JSON object (OpenAI `response_format` `json_object`).
+    JsonObject,
+    /// A JSON schema, as JSON text (`response_format` `json_schema`).
+    JsonSchema(String),
+    /// A regular expression (Rust `regex` syntax) the whole output matches.
+    Regex(String),
+    /// A grammar in llguidance's Lark dialect.
+    Lark(String),
+}
+
+/// A constraint that cannot be compiled or followed; the message names the problem.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct GrammarError(pub String);
+
+fn err(e: impl std::fmt::Display) -> GrammarError {
+    GrammarError(e.to_string())
+}
+
+/// Allowed tokens of one row: bit t of word t / 32.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TokenMask {
+    pub words: Vec<u32>,
+}
+
+impl TokenMask {
+    pub fn allows(&self, token: u32) -> bool {
+        self.words.get(token as usize / 32).is_some_and(|w| w >> (token % 32) & 1 == 1)
+    }
+
+    pub fn count(&self) -> usize {
+        self.words.iter().map(|w| w.count_ones() as usize).sum()
+    }
+}
+
+/// The vocabulary as llguidance sees it and the compiler of constraints against it.
+#[derive(Clone)]
+pub struct Grammars {
+    factory: Arc<ParserFactory>,
+    vocab_size: usize,
+}
+
+impl std::fmt::Debug for Grammars {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grammars").field("vocab_size", &self.vocab_size).finish()
+    }
+}
+
+impl Grammars {
+    /// From a Hugging Face `tokenizer.json` (byte-level or byte-fallback BPE); `vocab_size` is the
+    /// model's (ids the tokenizer lacks are never allowed), `eos` the token that ends a request.
+    pub fn from_tokenizer_json(json: &str, vocab_size: usize, eos: u32) -> Result<Self, GrammarError> {
+        let value: serde_json::Value = serde_json::from_str(json).map_err(err)?;
+        let words = llguidance::token_bytes_from_tokenizer_json(&value).map_err(err)?;
+        Self::from_token_bytes(words, vocab_size, eos)
+    }
+
+    /// From each token's bytes (special tokens start with `TokTrie::SPECIAL_TOKEN_MARKER`).
+    pub fn from_token_bytes(mut words: Vec<Vec<u8>>, vocab_size: usize, eos: u32) -> Result<Self, GrammarError> {
+        if words.len() > vocab_size || eos as usize >= vocab_size {
+            return Err(GrammarError(format!(
+                "the tokenizer has {} tokens and EOS {eos}, the model a vocabulary of {vocab_size}",
+                words.len()
+            )));
+        }
+        // Ids past the tokenizer's own, and holes in its numbering, become special tokens no
+        // grammar names: never allowed.
+        let unused = |i: usize| [&[TokTrie::SPECIAL_TOKEN_MARKER][..], format!("<[unused {i}]>").as_bytes()].concat();
+        for (i, w) in words.iter_mut().enumerate().filter(|(_, w)| w.is_empty()) {
+            *w = unused(i);
+        }
+        let missing = words.len()..vocab_size;
+        words.extend(missing.map(unused));
+        let info = TokRxInfo::new(vocab_size as u32, eos);
+        let env: TokEnv = Arc::new(ApproximateTokEnv::new(TokTrie::from(&info, &words)));
+        let mut factory = ParserFactory::new_simple(&env).map_err(err)?;
+        factory.quiet();
+        Ok(Self { factory: Arc::new(factory), vocab_size })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// The parser state of a new request under `spec`, or the reason it cannot be followed.
+    pub fn compile(&self, spec: &ConstraintSpec) -> Result<Constraint, GrammarError> {
+        let grammar = match spec {
+            ConstraintSpec::JsonObject => TopLevelGrammar::from_tagged_str("json_object", ""),
+            ConstraintSpec::JsonSchema(s) => TopLevelGrammar::from_tagged_str("json_schema", s),
+            ConstraintSpec::Regex(s) => Ok(TopLevelGrammar::from_regex(s)),
+            ConstraintSpec::Lark(s) => Ok(TopLevelGrammar::from_lark(s.clone())),
+        }
+        .map_err(err)?;
+        let parser = self.factory.create_parser(grammar).map_err(err)?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            return Err(GrammarError(e));
+        }
+        Ok(Constraint { matcher, words: self.vocab_size.div_ceil(32) })
+    }
+}
+
+/// One request's position in its grammar.
+pub struct Constraint {
+    matcher: Matcher,
+    words: usize,
+}
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Constraint").field("stopped", &self.matcher.is_stopped()).finish()
+    }
+}
+
+impl Clone for Constraint {
+    fn clone(&self) -> Self {
+        Self { matcher: self.matcher.deep_clone(), words: self.words }
+    }
+}
+
+impl Constraint {
+    /// The tokens allowed next into `mask` (only EOS once the grammar has ended).
+    pub fn allowed(&mut self, mask: &mut TokenMask) -> Result<(), GrammarError> {
+        let vob = self.matcher.compute_mask_or_eos().map_err(err)?;
+        let bits = vob.as_slice();
+        mask.words.clear();
+        mask.words.extend_from_slice(&bits[..bits.len().min(self.words)]);
+        mask.words.resize(self.words, 0);
+        Ok(())
+    }
+
+    /// Advances past the sampled `token` (which `allowed` allowed).
+    pub fn commit(&mut self, token: u32) -> Result<(), GrammarError> {
+        self.matcher.consume_token(token).map_err(err)
+    }
+
+    /// The grammar has ended: nothing but EOS may follow.
+    pub fn is_stopped(&self) -> bool {
+        self.matcher.is_stopped()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One token per byte (ids 0..=255), a few multi-byte ones, then EOS.
+    fn bytes_vocab() -> (Grammars, u32) {
+        let mut words: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+        for w in ["{\"", "\":", "true", "false", "ab"] {
+            words.push(w.as_bytes().to_vec());
+        }
+        let eos = words.len() as u32;
+        words.push(b"\xff<eos>".to_vec());
+        (Grammars::from_token_bytes(words, 300, eos).unwrap(), eos)
+    }
+
+    /// Greedy "decoding" that always takes the allowed token with the highest preference.
+    fn follow(c: &mut Constraint, prefer: impl Fn(u32) -> i64, eos: u32, limit: usize) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut mask = TokenMask::default();
+        for _ in 0..limit {
+            c.allowed(&mut mask).unwrap();
+            let tok = (0..300u32).filter(|&t| mask.allows(t)).max_by_key(|&t| prefer(t)).expect("some token allowed");
+            if tok == eos {
+                return out;
+            }
+            c.commit(tok).unwrap();
+            if tok < 256 {
+                out.push(tok as u8);
+            }
+        }
+        panic!("no EOS within {limit} tokens: {:?}", String::from_utf8_lossy(&out));
+    }
+
+    #[test]
+    fn a_regex_is_followed_to_its_end_and_then_only_eos_is_allowed() {
+        let (g, eos) = bytes_vocab();
+        let mut c = g.compile(&ConstraintSpec::Regex("[0-9]{3}-x".into())).unwrap();
+        let out = follow(&mut c, |t| t as i64, eos, 20);
+        assert_eq!(out, b"999-x");
+        let mut mask = TokenMask::default();
+        c.allowed(&mut mask).unwrap();
+        assert_eq!(mask.count(), 1);
+        assert!(mask.allows(eos));
+        assert_eq!(mask.words.len(), 300usize.div_ceil(32));
+    }
+
+    #[test]
+    fn a_json_schema_allows_only_conforming_output() {
+        let (g, eos) = bytes_vocab();
+        let schema =
+            r#"{"type":"object","properties":{"n":{"type":"integer"}},"required":["n"],"additionalProperties":false}"#;
+        let mut c = g.compile(&ConstraintSpec::JsonSchema(schema.into())).unwrap();
+        // Prefer closing the object, then digits, then anything but whitespace (which JSON allows
+        // anywhere) by id: the output must still be the schema's object.
+        let prefer = |t: u32| match t {
+            125 => 2000,
+            48..=57 => 1000,
+            9 | 10 | 13 | 32 => -10_000,
+            _ => -(t as i64),
+        };
+        let out = follow(&mut c, prefer, eos, 60);
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert!(v["n"].is_i64(), "{v}");
+        assert_eq!(v.as_object().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn json_object_rejects_a_non_object_start() {
+        let (g, eos) = bytes_vocab();
+        let mut c = g.compile(&ConstraintSpec::JsonObject).unwrap();
+        let mut mask = TokenMask::default();
+        c.allowed(&mut mask).unwrap();
+        assert!(mask.allows(u32::from(b'{')) && !mask.allows(u32::from(b'[')) && !mask.allows(u32::from(b'1')));
+        assert!(!mask.allows(eos));
+        assert!(!mask.allows(299)); // past the tokenizer: never
+        assert!(c.commit(u32::from(b'[')).is_err());
+    }
+
+    #[test]
+    fn bad_constraints_are_errors_that_say_why() {
+        let (g, _) = bytes_vocab();
+        let e = g.compile(&ConstraintSpec::JsonSchema("{not json".into())).unwrap_err();
+        assert!(!e.0.is_empty());
+        assert!(g.compile(&ConstraintSpec::Regex("(unclosed".into())).is_err());
+        assert!(g.compile(&ConstraintSpec::Lark("start: undefined_rule".into())).is_err());
+        assert!(g.compile(&ConstraintSpec::JsonSchema(r#"{"type":"nonsense"}"#.into())).is_err());
+    }
+
+    #[test]
+    fn a_tokenizer_larger_than_the_model_is_refused() {
+        let words: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+        assert!(Grammars::from_token_bytes(words.clone(), 100, 0).is_err());
+        assert!(Grammars::from_token_bytes(words, 256, 256).is_err());
+    }
+}

@@ -248,6 +248,26 @@ mod tests {
     }
 
     #[test]
+    fn the_built_in_models_tokenizer_loads_and_constrains() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/python/mk/embedded/tokenizer.json");
+        let json = std::fs::read_to_string(path).unwrap();
+        let config: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/python/mk/embedded/config.json")).unwrap(),
+        )
+        .unwrap();
+        let vocab = config["vocab_size"].as_u64().unwrap() as usize;
+        let eos = config["eos_token_id"].as_u64().unwrap() as u32;
+        let g = Grammars::from_tokenizer_json(&json, vocab, eos).unwrap();
+        let mut c = g.compile(&ConstraintSpec::Regex("(yes|no)".into())).unwrap();
+        let mut mask = TokenMask::default();
+        c.allowed(&mut mask).unwrap();
+        // Some tokens start "yes" or "no"; most of a code vocabulary does not, and EOS cannot yet.
+        assert!(mask.count() >= 2 && mask.count() < vocab / 10, "{} allowed", mask.count());
+        assert!(!mask.allows(eos));
+        assert!(Grammars::from_tokenizer_json("{}", vocab, eos).is_err());
+    }
+
+    #[test]
     fn a_tokenizer_larger_than_the_model_is_refused() {
         let words: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
         assert!(Grammars::from_token_bytes(words.clone(), 100, 0).is_err());

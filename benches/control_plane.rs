@@ -42,7 +42,7 @@ fn request(id: u64, prompt_len: usize, shared: usize, max_tokens: usize) -> Requ
             }
         })
         .collect();
-    Request { id, prompt, params: SamplingParams { ignore_eos: true, ..SamplingParams::greedy(max_tokens) } }
+    Request::new(id, prompt, SamplingParams { ignore_eos: true, ..SamplingParams::greedy(max_tokens) })
 }
 
 struct Row {

@@ -89,7 +89,7 @@ def test_invalid_json_and_non_object_bodies(server):
         ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
         ({"messages": USER, "frequency_penalty": -1.0}, "frequency_penalty"),
         ({"messages": USER, "logit_bias": {"5": 10}}, "logit_bias"),
-        ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": USER, "response_format": {"type": "yaml"}}, "response_format"),
         ({"messages": USER, "max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
         ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
         ({"messages": USER, "tool_choice": "required"}, "tool_choice"),

@@ -9,6 +9,7 @@ from mk.config import ModelConfig
 STEP_MAX_K: int  # MK_STEP_MAX_K: the longest GEMV reduction the megakernel takes
 GEMV_MAX_GROUPS: int  # MK_GEMV_MAX_GROUPS: 16-row weight groups per GEMV task at most
 ROW_GROUPS: int  # the task builder's default row groups of expert down and LM-head tasks
+JSON_LAYOUT: str  # llguidance's x-guidance options constrained JSON gets unless its schema has its own
 STEP_MAX_BATCH: int  # MK_STEP_MAX_BATCH: rows per megakernel launch
 TENSOR_MAP_BYTES: int  # MK_TENSOR_MAP_BYTES: one encoded weight map
 LAYER_WEIGHT_COUNT: int  # MK_LW_COUNT: entries per layer of the weight tables
@@ -55,6 +56,9 @@ def step_args_layout() -> tuple[list[tuple[str, int, str]], int]: ...
 def decode_step(device: int, stream: int, args: bytes, grid: int) -> None: ...
 
 # ---- the engine (rust/python/engine.rs) --------------------------------------------------------
+
+class ConstraintError(ValueError):
+    """A request's constraint cannot be compiled or followed."""
 
 class QueueFullError(RuntimeError):
     """The engine's waiting queue is full."""
@@ -118,6 +122,7 @@ class Engine:
         check_invariants: bool = False,
         noop_token: int = 1,
         backend: str = "reference",
+        tokenizer_json: str | None = None,
     ) -> Engine: ...
     def submit(
         self,
@@ -132,8 +137,10 @@ class Engine:
         stop_token_ids: list[int] = ...,
         ignore_eos: bool = False,
         logprobs: int | None = None,
+        constraint: tuple[str, str] | None = None,
     ) -> None:
-        """Raises ValueError (bad request), QueueFullError, EngineStoppedError."""
+        """Raises ValueError (bad request; ConstraintError for a constraint), QueueFullError,
+        EngineStoppedError."""
 
     def cancel(self, id: int) -> None: ...
     def cancel_all(self) -> None: ...

@@ -28,7 +28,7 @@ from mk.model.reference import Model
 from mk.outputs import TokenEvent
 from mk.prefill import Prefill, stack_experts
 from mk.runner import ReferenceRunner
-from mk.sampling import SamplingParams
+from mk.sampling import SamplingError, SamplingParams
 
 _U64 = 1 << 64
 
@@ -102,6 +102,7 @@ class Engine:
         check_invariants: bool = False,
         backend: str = "auto",
         prefill: str = "auto",
+        tokenizer_json: str | None = None,
     ) -> None:
         cfg = model.config
         self.backend = choose_backend(model, backend)
@@ -132,6 +133,7 @@ class Engine:
             salt=salt if salt is not None else repr((cfg, model.dtype, _weights_id(model))).encode(),
             check_invariants=check_invariants,
             backend=self.backend,
+            tokenizer_json=tokenizer_json,
         )
         self._streams: dict[int, _Stream] = {}
         self._ids = itertools.count(1)
@@ -184,6 +186,7 @@ class Engine:
                 stop_token_ids=list(params.stop_token_ids),
                 ignore_eos=params.ignore_eos,
                 logprobs=params.logprobs,
+                constraint=None if params.constraint is None else (params.constraint.kind, params.constraint.value),
             )
         except BaseException as e:
             del self._streams[nid]
@@ -191,6 +194,8 @@ class Engine:
                 raise EngineFull(str(e)) from None
             if isinstance(e, _native.EngineStoppedError):
                 raise EngineClosed(str(e)) from None
+            if isinstance(e, _native.ConstraintError) and params.constraint is not None:
+                raise SamplingError(params.constraint.origin, str(e)) from None
             raise
         return stream
 

@@ -114,6 +114,7 @@ class LLM:
             self.model = load(model, device=device, dtype=dtype)
             self._text = Tokenizer.from_dir(model)
         self.tokenizer = self._text.hf  # the HF `tokenizers.Tokenizer`, as before
+        engine_options.setdefault("tokenizer_json", self._text.hf.to_str())  # for constrained requests
         self.engine = Engine(self.model, max_waiting=max_waiting, **engine_options)
 
     def encode(self, prompt: Prompt) -> list[int]:

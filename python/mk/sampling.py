@@ -14,6 +14,22 @@ class SamplingError(ValueError):
         self.field = field
 
 
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "lark")
+
+
+@dataclass(frozen=True, slots=True)
+class ConstraintSpec:
+    """A grammar the output must follow, enforced token by token (llguidance in the engine,
+    rust/grammar): `json_object` (any JSON object), `json_schema` (`value`: the schema as JSON
+    text), `regex` (`value`: a regular expression the whole output matches) or `lark` (`value`: a
+    grammar in llguidance's Lark dialect). `origin` names the request field it came from, for
+    error messages."""
+
+    kind: str
+    value: str = ""
+    origin: str = "constraint"
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How one request is decoded (the vLLM shape).
@@ -33,6 +49,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     stop: list[str] = field(default_factory=list)
+    constraint: ConstraintSpec | None = None
 
     MAX_LOGPROBS = 20
 
@@ -69,6 +86,12 @@ class SamplingParams:
             f"must be between 0 and {self.MAX_LOGPROBS}, got {self.logprobs!r}",
         )
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        c = self.constraint
+        need(
+            c is None or (isinstance(c, ConstraintSpec) and c.kind in CONSTRAINT_KINDS and isinstance(c.value, str)),
+            "constraint",
+            f"must be a ConstraintSpec of kind {', '.join(CONSTRAINT_KINDS)}",
+        )
 
 
 def _is_int(v: object) -> bool:

@@ -7,6 +7,7 @@
 //! backend re-uploads only those rows. Sampling is the backend's: one that ends in logits uses
 //! `crate::sampling::Sampler`, the megakernel samples on the GPU by the same rules.
 
+use crate::grammar::TokenMask;
 use crate::sampling::{SampleSpec, Sampled};
 use crate::sched::{PageTable, RequestId};
 
@@ -19,9 +20,11 @@ pub struct PrefillChunkInput<'a> {
     /// Tokens at positions `start..start + tokens.len()`; positions below `start` are in the cache.
     pub tokens: &'a [u32],
     pub start: usize,
-    /// Last chunk of this prefill: return the next token, sampled with `spec`.
+    /// Last chunk of this prefill: return the next token, sampled with `spec` among the tokens
+    /// `allowed` allows (a grammar's mask; None: any).
     pub last: bool,
     pub spec: SampleSpec,
+    pub allowed: Option<&'a TokenMask>,
 }
 
 /// One iteration's prefill: chunks of distinct sequences, to compute in one call (a backend that
@@ -34,25 +37,32 @@ pub struct PrefillInput<'a> {
 }
 
 /// One decode step: row `rows[i]` feeds `tokens[i]` at position `positions[i]` (writing its K/V
-/// there) and samples the next token with `specs[i]`. Rows are ascending; rows not listed are
-/// idle (their page-table entries may be stale until they appear in `dirty_rows`).
+/// there) and samples the next token with `specs[i]` among the tokens `allowed[i]` allows (a
+/// grammar's mask; empty `allowed`, or None: any). Rows are ascending; rows not listed are idle
+/// (their page-table entries may be stale until they appear in `dirty_rows`).
 #[derive(Debug, Clone, Copy)]
 pub struct DecodeInput<'a> {
     pub rows: &'a [usize],
     pub tokens: &'a [u32],
     pub positions: &'a [u32],
     pub specs: &'a [SampleSpec],
+    pub allowed: &'a [Option<&'a TokenMask>],
     pub table: &'a PageTable,
     pub dirty_rows: &'a [usize],
 }
 
-impl DecodeInput<'_> {
+impl<'a> DecodeInput<'a> {
     pub fn len(&self) -> usize {
         self.rows.len()
     }
 
     pub fn is_empty(&self) -> bool {
         self.rows.is_empty()
+    }
+
+    /// The mask of the i-th row, if it has one.
+    pub fn allowed(&self, i: usize) -> Option<&'a TokenMask> {
+        self.allowed.get(i).copied().flatten()
     }
 }
 

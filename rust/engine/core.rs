@@ -5,6 +5,7 @@
 use std::time::Instant;
 
 use super::backend::{BackendError, DecodeBackend, DecodeInput, PrefillChunkInput, PrefillInput, PrefillResult};
+use crate::grammar::TokenMask;
 use crate::sampling::Sampled;
 use crate::sched::{DecodeBatch, Event, PrefillChunk, Scheduler};
 
@@ -31,6 +32,10 @@ pub struct Core<B> {
     sampled: Vec<Sampled>,
     chunks: Vec<PrefillChunk>,
     prefilled: Vec<PrefillResult>,
+    /// Grammar masks of this iteration's constrained rows: one buffer per prefill chunk or decode
+    /// row (reused), and whether that row has one.
+    masks: Vec<TokenMask>,
+    masked: Vec<bool>,
     pub metrics: LoopMetrics,
     /// Run `Scheduler::check` after every iteration (tests; O(arena) per step).
     pub check_invariants: bool,
@@ -45,8 +50,23 @@ impl<B: DecodeBackend> Core<B> {
             sampled: Vec::new(),
             chunks: Vec::new(),
             prefilled: Vec::new(),
+            masks: Vec::new(),
+            masked: Vec::new(),
             metrics: LoopMetrics::default(),
             check_invariants: false,
+        }
+    }
+
+    /// The grammar mask of each entry's row into `masks[i]` / `masked[i]` (None: the entry
+    /// samples nothing, as a prefill chunk that is not its prompt's last).
+    fn fill_masks(&mut self, rows: impl Iterator<Item = Option<usize>>) {
+        self.masked.clear();
+        for (i, row) in rows.enumerate() {
+            if self.masks.len() <= i {
+                self.masks.push(TokenMask::default());
+            }
+            let has = row.is_some_and(|r| self.sched.allowed(r, &mut self.masks[i]));
+            self.masked.push(has);
         }
     }
 
@@ -67,16 +87,19 @@ impl<B: DecodeBackend> Core<B> {
         let mut chunks = std::mem::take(&mut self.chunks);
         self.sched.plan_prefill(self.sched.config().prefill_chunk, &mut chunks, out);
         if !chunks.is_empty() {
-            let sched = &self.sched;
+            self.fill_masks(chunks.iter().map(|c| c.last.then_some(c.row)));
+            let (sched, masks, masked) = (&self.sched, &self.masks, &self.masked);
             let inputs: Vec<PrefillChunkInput<'_>> = chunks
                 .iter()
-                .map(|c| PrefillChunkInput {
+                .enumerate()
+                .map(|(i, c)| PrefillChunkInput {
                     row: c.row,
                     request: c.id,
                     tokens: &sched.seq(c.row).expect("planned row is live").tokens[c.start..c.end],
                     start: c.start,
                     last: c.last,
                     spec: c.spec,
+                    allowed: masked[i].then(|| &masks[i]),
                 })
                 .collect();
             let input = PrefillInput { chunks: &inputs, table: sched.page_table(), dirty_rows: sched.dirty_rows() };
@@ -121,11 +144,19 @@ impl<B: DecodeBackend> Core<B> {
         }
         self.sched.plan_decode(&mut self.batch, out);
         if !self.batch.is_empty() {
+            let rows = std::mem::take(&mut self.batch.rows);
+            self.fill_masks(rows.iter().map(|&r| Some(r)));
+            self.batch.rows = rows;
+            let allowed: Vec<Option<&TokenMask>> = match self.masked.contains(&true) {
+                true => self.masked.iter().zip(&self.masks).map(|(&has, m)| has.then_some(m)).collect(),
+                false => Vec::new(), // no allocation on the common path
+            };
             let input = DecodeInput {
                 rows: &self.batch.rows,
                 tokens: &self.batch.tokens,
                 positions: &self.batch.positions,
                 specs: &self.batch.specs,
+                allowed: &allowed,
                 table: self.sched.page_table(),
                 dirty_rows: self.sched.dirty_rows(),
             };

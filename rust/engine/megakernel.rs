@@ -5,8 +5,8 @@
 //! Sampling: the kernel samples greedily (argmax, ties to the lowest id), which is what
 //! `Sampler` does for a greedy spec. Rows that ask for temperature, top-k / top-p or logprobs get
 //! their fp32 logits copied back and go through the shared `Sampler` (the same Philox rule, so a
-//! seed gives the same tokens on every backend). That copy is the fallback until the kernel
-//! samples with Gumbel noise itself.
+//! seed gives the same tokens on every backend). So do rows under a grammar (their mask applies on
+//! the host). That copy is the fallback until the kernel samples with Gumbel noise and masks itself.
 
 use super::backend::{BackendError, DecodeInput};
 use crate::gpu::step::{GpuLauncher, StepRows};
@@ -70,7 +70,8 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
             let r = start..(start + per_launch).min(input.len());
             let specs = &input.specs[r.clone()];
             self.want.clear();
-            self.want.extend(specs.iter().map(needs_logits));
+            self.want
+                .extend(specs.iter().enumerate().map(|(i, s)| needs_logits(s) || input.allowed(start + i).is_some()));
             self.sampled.clear();
             self.logits.clear();
             let step = StepRows {
@@ -92,7 +93,8 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
                 let row = input.rows[start + i];
                 if self.want[i] {
                     let l = logits.next().expect("counted above");
-                    out.push(self.sampler.sample(l, spec).map_err(|e| BackendError(format!("row {row}: {e}")))?);
+                    let sampled = self.sampler.sample_allowed(l, spec, input.allowed(start + i));
+                    out.push(sampled.map_err(|e| BackendError(format!("row {row}: {e}")))?);
                 } else if (self.sampled[i] as usize) < vocab {
                     out.push(Sampled::token(self.sampled[i]));
                 } else {
@@ -173,6 +175,7 @@ mod tests {
             tokens: &tokens,
             positions: &positions,
             specs: &specs,
+            allowed: &[],
             table: &table,
             dirty_rows: &[],
         };
@@ -196,6 +199,7 @@ mod tests {
             tokens: &[1, 999],
             positions: &[0, 0],
             specs: &specs,
+            allowed: &[],
             table: &table,
             dirty_rows: &[],
         };

@@ -5,6 +5,7 @@
 //! any correct schedule reproduces `MockModel::solo`, the request run alone.
 
 use super::backend::{BackendError, DecodeBackend, DecodeInput, PrefillChunkInput, PrefillInput, PrefillResult};
+use crate::grammar::TokenMask;
 use crate::kv::KvConfig;
 use crate::sampling::{SampleSpec, Sampled, Sampler};
 use crate::sched::{FinishReason, PageTable, Request, SamplingParams, Seq};
@@ -75,13 +76,21 @@ impl MockModel {
         seed: u64,
         max_context: usize,
     ) -> (Vec<u32>, FinishReason) {
-        let req = Request { id: 0, prompt: prompt.to_vec(), params: params.clone() };
-        let mut seq = Seq::new(req, params.seed.unwrap_or(seed), 0);
+        self.solo_request(Request::new(0, prompt.to_vec(), params.clone()), seed, max_context)
+    }
+
+    /// The same for a whole request (its grammar's masks applied, as the engine does).
+    pub fn solo_request(&self, req: Request, seed: u64, max_context: usize) -> (Vec<u32>, FinishReason) {
+        let prompt_len = req.prompt.len();
+        let seed = req.params.seed.unwrap_or(seed);
+        let mut seq = Seq::new(req, seed, 0);
         let mut sampler = Sampler::new();
+        let mut mask = TokenMask::default();
         loop {
-            let s = sampler.sample(&self.logits(&seq.tokens), &seq.spec()).unwrap();
+            let allowed = seq.constraint.as_mut().map(|c| c.allowed(&mut mask).map(|()| &mask).unwrap());
+            let s = sampler.sample_allowed(&self.logits(&seq.tokens), &seq.spec(), allowed).unwrap();
             if let Some(reason) = seq.accept(&s, self.eos, max_context).finish {
-                return (seq.tokens[prompt.len()..].to_vec(), reason);
+                return (seq.tokens[prompt_len..].to_vec(), reason);
             }
         }
     }
@@ -140,7 +149,14 @@ impl MockBackend {
         Ok(())
     }
 
-    fn next(&mut self, table: &PageTable, row: usize, p: usize, spec: &SampleSpec) -> Result<Sampled, String> {
+    fn next(
+        &mut self,
+        table: &PageTable,
+        row: usize,
+        p: usize,
+        spec: &SampleSpec,
+        allowed: Option<&TokenMask>,
+    ) -> Result<Sampled, String> {
         let logits = self.model.logits_with(p, |layer, pos| {
             let (token, at) = self.store[self.slot(table, row, layer, pos)?];
             if at as usize != pos {
@@ -148,7 +164,7 @@ impl MockBackend {
             }
             Ok(token)
         })?;
-        self.sampler.sample(&logits, spec).map_err(|e| e.to_string())
+        self.sampler.sample_allowed(&logits, spec, allowed).map_err(|e| e.to_string())
     }
 }
 
@@ -165,7 +181,7 @@ impl MockBackend {
             return Ok(None);
         }
         let last = c.start + c.tokens.len() - 1;
-        self.next(table, c.row, last, &c.spec).map(Some).map_err(BackendError)
+        self.next(table, c.row, last, &c.spec, c.allowed).map(Some).map_err(BackendError)
     }
 }
 
@@ -194,7 +210,7 @@ impl DecodeBackend for MockBackend {
         }
         for i in 0..input.len() {
             let (row, pos) = (input.rows[i], input.positions[i] as usize);
-            out.push(self.next(input.table, row, pos, &input.specs[i]).map_err(BackendError)?);
+            out.push(self.next(input.table, row, pos, &input.specs[i], input.allowed(i)).map_err(BackendError)?);
         }
         Ok(())
     }

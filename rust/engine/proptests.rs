@@ -50,7 +50,7 @@ fn request(id: u64, s: &Spec) -> Request {
         ignore_eos: s.ignore_eos,
         ..Default::default()
     };
-    Request { id, prompt, params }
+    Request::new(id, prompt, params)
 }
 
 proptest! {

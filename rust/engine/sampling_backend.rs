@@ -48,7 +48,8 @@ impl<M: LogitsModel> DecodeBackend for SamplingBackend<M> {
                 false => Ok(None),
                 true => {
                     let logits = rows.next().expect("counted above");
-                    self.sampler.sample(logits, &chunk.spec).map(Some).map_err(|e| BackendError(e.to_string()))
+                    let sampled = self.sampler.sample_allowed(logits, &chunk.spec, chunk.allowed);
+                    sampled.map(Some).map_err(|e| BackendError(e.to_string()))
                 }
             });
         }
@@ -58,8 +59,9 @@ impl<M: LogitsModel> DecodeBackend for SamplingBackend<M> {
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
         self.model.decode(input, &mut self.logits)?;
         let rows = rows(&self.logits, self.model.vocab(), input.len())?;
-        for ((logits, spec), row) in rows.zip(input.specs).zip(input.rows) {
-            out.push(self.sampler.sample(logits, spec).map_err(|e| BackendError(format!("row {row}: {e}")))?);
+        for (i, ((logits, spec), row)) in rows.zip(input.specs).zip(input.rows).enumerate() {
+            let sampled = self.sampler.sample_allowed(logits, spec, input.allowed(i));
+            out.push(sampled.map_err(|e| BackendError(format!("row {row}: {e}")))?);
         }
         Ok(())
     }
@@ -113,8 +115,17 @@ mod tests {
                 start: 0,
                 last: false,
                 spec: SampleSpec::greedy(0),
+                allowed: None,
             },
-            PrefillChunkInput { row: 1, request: 2, tokens: &[3], start: 5, last: true, spec: SampleSpec::greedy(0) },
+            PrefillChunkInput {
+                row: 1,
+                request: 2,
+                tokens: &[3],
+                start: 5,
+                last: true,
+                spec: SampleSpec::greedy(0),
+                allowed: None,
+            },
         ];
         let mut out = Vec::new();
         b.prefill(&PrefillInput { chunks: &chunks, table: &table, dirty_rows: &[] }, &mut out).unwrap();
@@ -127,6 +138,7 @@ mod tests {
             tokens: &[1, 1],
             positions: &[3, 4],
             specs: &specs,
+            allowed: &[],
             table: &table,
             dirty_rows: &[],
         };

@@ -94,7 +94,7 @@ pub(crate) fn run(core: &mut Core<MockBackend>, arrivals: &[(usize, Request)], c
 
 fn req(id: u64, prompt_len: usize, params: SamplingParams) -> Request {
     let prompt = (0..prompt_len as u32).map(|i| 1 + (i * 7 + id as u32 * 3) % 31).collect();
-    Request { id, prompt, params }
+    Request::new(id, prompt, params)
 }
 
 fn assert_solo(model: &MockModel, arrivals: &[(usize, Request)], out: &Outcome, max_context: usize) {
@@ -455,4 +455,53 @@ fn queue_limit_counts_only_unadmitted_requests() {
     }
     // One running plus two waiting at most at any instant, and never fewer than two accepted.
     assert!((2..50).contains(&accepted), "{accepted}");
+}
+
+/// The mock's tokens as text for grammars: 1..=10 are the digits, 11..=31 the letters a..u; EOS 0.
+fn mock_grammars(model: &MockModel) -> crate::grammar::Grammars {
+    let mut words = vec![b"\xff<eos>".to_vec()];
+    words.extend((b'0'..=b'9').chain(b'a'..=b'u').map(|b| vec![b]));
+    crate::grammar::Grammars::from_token_bytes(words, model.vocab as usize, 0).unwrap()
+}
+
+fn text(tokens: &[u32]) -> String {
+    tokens
+        .iter()
+        .filter(|&&t| t != 0)
+        .map(|&t| if t <= 10 { (b'0' + t as u8 - 1) as char } else { (b'a' + t as u8 - 11) as char })
+        .collect()
+}
+
+#[test]
+fn constrained_requests_follow_their_grammar_beside_free_ones() {
+    use crate::grammar::ConstraintSpec;
+    let model = MockModel::small();
+    let grammars = mock_grammars(&model);
+    let constrained = |id: u64, rx: &str, params: SamplingParams| Request {
+        constraint: Some(grammars.compile(&ConstraintSpec::Regex(rx.into())).unwrap()),
+        ..req(id, 5 + id as usize, params)
+    };
+    let seeded = SamplingParams { seed: Some(5), temperature: 0.9, ..SamplingParams::greedy(20) };
+    let arrivals = vec![
+        (0, constrained(1, "[0-9]{2}[a-c]", SamplingParams::greedy(20))),
+        (0, req(2, 9, SamplingParams::greedy(12))),
+        (1, constrained(3, "(ab|cd)+e", seeded.clone())),
+        (2, constrained(4, "[a-u]*", SamplingParams { ignore_eos: true, ..SamplingParams::greedy(6) })),
+    ];
+    for max_batch in [1, 4] {
+        let mut c = core(&model, 64, max_batch, 4, 64);
+        let out = run(&mut c, &arrivals, &[]);
+        for (_, r) in &arrivals {
+            let (want, finish) = model.solo_request(r.clone(), 1234, 64);
+            assert_eq!(out.tokens[&r.id], want, "request {} at batch {max_batch}", r.id);
+            assert_eq!(out.finish[&r.id], finish, "request {}", r.id);
+        }
+        let t1 = text(&out.tokens[&1]);
+        assert!(t1.len() == 3 && t1[..2].chars().all(|c| c.is_ascii_digit()) && "abc".contains(&t1[2..]), "{t1}");
+        assert_eq!(out.finish[&1], FinishReason::Stop); // the grammar's end stops it
+        let t3 = text(&out.tokens[&3]);
+        assert!(t3.ends_with('e') && t3[..t3.len() - 1].len() % 2 == 0, "{t3}");
+        let t4 = text(&out.tokens[&4]);
+        assert!(t4.chars().all(|c| c.is_ascii_lowercase()) && out.tokens[&4].len() <= 6, "{t4}");
+    }
 }

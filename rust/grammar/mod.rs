@@ -32,6 +32,22 @@ pub enum ConstraintSpec {
 #[error("{0}")]
 pub struct GrammarError(pub String);
 
+/// How constrained JSON is laid out unless a schema says otherwise (its own `x-guidance`):
+/// `json.dumps`'s separators and no other whitespace, so a model cannot wander into endless
+/// blanks between tokens.
+pub const JSON_LAYOUT: &str = r#"{"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}"#;
+
+/// `schema` with `JSON_LAYOUT` where it names no layout of its own.
+fn with_layout(schema: &str) -> Result<serde_json::Value, GrammarError> {
+    let mut v: serde_json::Value = serde_json::from_str(schema).map_err(err)?;
+    if let Some(obj) = v.as_object_mut() {
+        if !obj.contains_key("x-guidance") {
+            obj.insert("x-guidance".into(), serde_json::from_str(JSON_LAYOUT).expect("valid JSON"));
+        }
+    }
+    Ok(v)
+}
+
 fn err(e: impl std::fmt::Display) -> GrammarError {
     GrammarError(e.to_string())
 }
@@ -104,12 +120,11 @@ impl Grammars {
     /// The parser state of a new request under `spec`, or the reason it cannot be followed.
     pub fn compile(&self, spec: &ConstraintSpec) -> Result<Constraint, GrammarError> {
         let grammar = match spec {
-            ConstraintSpec::JsonObject => TopLevelGrammar::from_tagged_str("json_object", ""),
-            ConstraintSpec::JsonSchema(s) => TopLevelGrammar::from_tagged_str("json_schema", s),
-            ConstraintSpec::Regex(s) => Ok(TopLevelGrammar::from_regex(s)),
-            ConstraintSpec::Lark(s) => Ok(TopLevelGrammar::from_lark(s.clone())),
-        }
-        .map_err(err)?;
+            ConstraintSpec::JsonObject => TopLevelGrammar::from_json_schema(with_layout(r#"{"type": "object"}"#)?),
+            ConstraintSpec::JsonSchema(s) => TopLevelGrammar::from_json_schema(with_layout(s)?),
+            ConstraintSpec::Regex(s) => TopLevelGrammar::from_regex(s),
+            ConstraintSpec::Lark(s) => TopLevelGrammar::from_lark(s.clone()),
+        };
         let parser = self.factory.create_parser(grammar).map_err(err)?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
@@ -223,6 +238,27 @@ mod tests {
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
         assert!(v["n"].is_i64(), "{v}");
         assert_eq!(v.as_object().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn json_is_laid_out_like_json_dumps_unless_the_schema_says_otherwise() {
+        let (g, eos) = bytes_vocab();
+        let schema = r#"{"type":"object","properties":{"a":{"type":"boolean"},"b":{"type":"boolean"}},"required":["a","b"],"additionalProperties":false}"#;
+        let mut c = g.compile(&ConstraintSpec::JsonSchema(schema.into())).unwrap();
+        // Prefer whitespace where allowed: none is, but after ':' and ','.
+        let prefer = |t: u32| match t {
+            32 | 9 | 10 => 1000,
+            125 => 900,
+            _ => -(t as i64),
+        };
+        assert_eq!(String::from_utf8(follow(&mut c, prefer, eos, 40)).unwrap(), r#"{"a": false, "b": false}"#);
+        let flexible = r#"{"type":"object","x-guidance":{"whitespace_flexible":true}}"#;
+        let mut c = g.compile(&ConstraintSpec::JsonSchema(flexible.into())).unwrap();
+        let mut mask = TokenMask::default();
+        c.allowed(&mut mask).unwrap();
+        c.commit(u32::from(b'{')).unwrap();
+        c.allowed(&mut mask).unwrap();
+        assert!(mask.allows(32), "the schema's own layout allows blanks inside the object");
     }
 
     #[test]

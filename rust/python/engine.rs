@@ -11,6 +11,7 @@ use super::errors;
 use super::megakernel_backend::MegakernelBackend;
 use super::reference_backend::reference_backend;
 use crate::engine::{Engine, EngineConfig, NoopBackend};
+use crate::grammar::{ConstraintSpec, Grammars};
 use crate::kv::KvConfig;
 use crate::sched::{Event, Request, SamplingParams, SchedConfig};
 
@@ -36,6 +37,23 @@ pub struct PyEngine {
     engine: Engine,
     page_size: usize,
     num_blocks: usize,
+    /// The vocabulary constraints compile against (from `tokenizer_json`), if given.
+    grammars: Option<Grammars>,
+}
+
+/// A constraint from its kind ("json_object", "json_schema", "regex", "lark") and text.
+fn constraint_spec(kind: &str, value: String) -> PyResult<ConstraintSpec> {
+    Ok(match kind {
+        "json_object" => ConstraintSpec::JsonObject,
+        "json_schema" => ConstraintSpec::JsonSchema(value),
+        "regex" => ConstraintSpec::Regex(value),
+        "lark" => ConstraintSpec::Lark(value),
+        other => {
+            return Err(errors::ConstraintError::new_err(format!(
+                "constraint kind must be json_object, json_schema, regex or lark, got {other:?}"
+            )))
+        }
+    })
 }
 
 #[pymethods]
@@ -43,11 +61,13 @@ impl PyEngine {
     /// Starts the loop thread over `runner` (None: the no-op backend, which "samples"
     /// `noop_token` every step; for control-plane benchmarks). `backend`: "reference" (the
     /// runner prefills and decodes) or "megakernel" (the runner prefills, the megakernel decodes).
+    /// `tokenizer_json`: the text of the tokenizer's `tokenizer.json`, which constrained requests
+    /// need (their grammars compile against its vocabulary).
     #[new]
     #[pyo3(signature = (
         runner, *, sliding, window, num_blocks, vocab_size, eos_token_id=None, max_batch=8,
         max_context=4096, prefill_chunk=512, max_waiting=1024, salt=Vec::new(), check_invariants=false,
-        noop_token=1, backend="reference"
+        noop_token=1, backend="reference", tokenizer_json=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -66,7 +86,16 @@ impl PyEngine {
         check_invariants: bool,
         noop_token: u32,
         backend: &str,
+        tokenizer_json: Option<String>,
     ) -> PyResult<Self> {
+        let grammars = match (&tokenizer_json, eos_token_id) {
+            (None, _) => None,
+            (Some(json), Some(eos)) => Some(
+                py.detach(|| Grammars::from_tokenizer_json(json, vocab_size, eos))
+                    .map_err(|e| PyValueError::new_err(format!("tokenizer_json: {e}")))?,
+            ),
+            (Some(_), None) => return Err(PyValueError::new_err("constraints need an eos_token_id")),
+        };
         let cfg = EngineConfig {
             sched: SchedConfig { max_batch, prefill_chunk, max_context, vocab_size, eos_token_id },
             kv: KvConfig { sliding, window, page_size: crate::kv::PAGE_SIZE, num_blocks, salt },
@@ -84,17 +113,19 @@ impl PyEngine {
             }
         }
         .map_err(errors::engine_to_py)?;
-        Ok(Self { engine, page_size: crate::kv::PAGE_SIZE, num_blocks })
+        Ok(Self { engine, page_size: crate::kv::PAGE_SIZE, num_blocks, grammars })
     }
 
-    /// Queues request `id` (unique among live requests). Never waits for the loop.
+    /// Queues request `id` (unique among live requests). Never waits for the loop. `constraint`:
+    /// (kind, text) of a grammar the output must follow; a ValueError says why one cannot be.
     #[pyo3(signature = (
         id, prompt, *, max_tokens, temperature=1.0, top_p=1.0, top_k=0, seed=None,
-        stop_token_ids=Vec::new(), ignore_eos=false, logprobs=None
+        stop_token_ids=Vec::new(), ignore_eos=false, logprobs=None, constraint=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
+        py: Python<'_>,
         id: u64,
         prompt: Vec<u32>,
         max_tokens: usize,
@@ -105,10 +136,24 @@ impl PyEngine {
         stop_token_ids: Vec<u32>,
         ignore_eos: bool,
         logprobs: Option<u32>,
+        constraint: Option<(String, String)>,
     ) -> PyResult<()> {
         let params =
             SamplingParams { max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, logprobs };
-        self.engine.submit(Request { id, prompt, params }).map_err(errors::engine_to_py)
+        let constraint = match constraint {
+            None => None,
+            Some((kind, value)) => {
+                let spec = constraint_spec(&kind, value)?;
+                let Some(grammars) = &self.grammars else {
+                    return Err(errors::ConstraintError::new_err(
+                        "this engine has no tokenizer to compile constraints against",
+                    ));
+                };
+                let compiled = py.detach(|| grammars.compile(&spec));
+                Some(compiled.map_err(|e| errors::ConstraintError::new_err(format!("invalid {kind}: {e}")))?)
+            }
+        };
+        self.engine.submit(Request { constraint, ..Request::new(id, prompt, params) }).map_err(errors::engine_to_py)
     }
 
     /// Ends request `id` within one loop iteration (a `cancelled` event follows).
@@ -244,5 +289,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kv_keep_from, m)?)?;
     m.add("QueueFullError", m.py().get_type::<errors::QueueFullError>())?;
     m.add("EngineStoppedError", m.py().get_type::<errors::EngineStoppedError>())?;
+    m.add("ConstraintError", m.py().get_type::<errors::ConstraintError>())?;
     Ok(())
 }

@@ -11,6 +11,7 @@ use crate::kv::KvError;
 create_exception!(_native, GpuError, PyRuntimeError, "The GPU path failed or is unavailable.");
 create_exception!(_native, QueueFullError, PyRuntimeError, "The engine's waiting queue is full.");
 create_exception!(_native, EngineStoppedError, PyRuntimeError, "The engine is shut down.");
+create_exception!(_native, ConstraintError, PyValueError, "A request's constraint cannot be compiled or followed.");
 
 pub fn to_py(err: gpu::GpuError) -> PyErr {
     match err {

@@ -104,6 +104,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("STEP_MAX_K", gpu::abi::STEP_MAX_K)?;
     m.add("GEMV_MAX_GROUPS", gpu::abi::GEMV_MAX_GROUPS)?;
     m.add("ROW_GROUPS", crate::graph::ROW_GROUPS)?;
+    m.add("JSON_LAYOUT", crate::grammar::JSON_LAYOUT)?;
     m.add("STEP_MAX_BATCH", gpu::abi::STEP_MAX_BATCH)?;
     m.add_function(wrap_pyfunction!(gpu_available, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;

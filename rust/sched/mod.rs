@@ -26,6 +26,7 @@ mod tests;
 
 use std::collections::{HashSet, VecDeque};
 
+use crate::grammar::TokenMask;
 use crate::kv::{KvConfig, KvError, KvManager, KvStats};
 pub use pagetable::PageTable;
 pub use plan::{DecodeBatch, PrefillChunk};
@@ -174,6 +175,25 @@ impl Scheduler {
     /// The live sequence in batch row `row`.
     pub fn seq(&self, row: usize) -> Option<&Seq> {
         self.rows.get(row).and_then(Option::as_ref)
+    }
+
+    /// Fills `mask` with the tokens the grammar of row `row`'s request allows next; false when the
+    /// request has none. A grammar that fails (its parser gave up) allows only EOS and ends the
+    /// request with that error at its next token.
+    pub fn allowed(&mut self, row: usize, mask: &mut TokenMask) -> bool {
+        let words = self.cfg.vocab_size.div_ceil(32);
+        let eos = self.cfg.eos_token_id;
+        let Some(seq) = self.rows.get_mut(row).and_then(Option::as_mut) else { return false };
+        let Some(c) = seq.constraint.as_mut() else { return false };
+        if let Err(e) = c.allowed(mask) {
+            seq.constraint_error = Some(format!("the grammar failed: {e}"));
+            mask.words.clear();
+            mask.words.resize(words, 0);
+            if let Some(eos) = eos.filter(|&t| (t as usize) < words * 32) {
+                mask.words[eos as usize / 32] |= 1 << (eos % 32);
+            }
+        }
+        true
     }
 
     pub fn live(&self) -> usize {

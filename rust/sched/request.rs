@@ -1,6 +1,7 @@
 //! What a client asks for (`Request`, `SamplingParams`), what it gets back (`Event`), and the
 //! scheduler's record of one request over its life (`Seq`).
 
+use crate::grammar::Constraint;
 use crate::sampling::{SampleSpec, Sampled};
 
 /// The client's name for a request (the Python face hands out unique ones).
@@ -64,11 +65,19 @@ impl SamplingParams {
     }
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct Request {
     pub id: RequestId,
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
+    /// The grammar the output must follow (compiled by the caller, `crate::grammar`), if any.
+    pub constraint: Option<Constraint>,
+}
+
+impl Request {
+    pub fn new(id: RequestId, prompt: Vec<u32>, params: SamplingParams) -> Self {
+        Self { id, prompt, params, constraint: None }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -152,6 +161,9 @@ pub struct Seq {
     pub preemptions: u32,
     /// Scratch of `plan_decode`: grown for this step.
     pub planned: bool,
+    /// Where the output is in its grammar; `constraint_error` ends the request at its next token.
+    pub constraint: Option<Constraint>,
+    pub constraint_error: Option<String>,
 }
 
 impl Seq {
@@ -171,6 +183,8 @@ impl Seq {
             queued: None,
             preemptions: 0,
             planned: false,
+            constraint: req.constraint,
+            constraint_error: None,
         }
     }
 
@@ -191,11 +205,27 @@ impl Seq {
         }
     }
 
-    /// Appends a sampled token and says whether the request ends with it.
+    /// Appends a sampled token and says whether the request ends with it. Under a grammar, EOS
+    /// (which the grammar allowed) and the grammar's end stop it; a token the grammar refuses
+    /// (a backend that ignored the mask) ends it with an error.
     pub fn accept(&mut self, s: &Sampled, eos: Option<u32>, max_context: usize) -> Event {
         self.tokens.push(s.token);
+        let mut error = self.constraint_error.take();
+        let mut grammar_done = false;
+        if let (Some(c), None) = (self.constraint.as_mut(), &error) {
+            if eos == Some(s.token) {
+                grammar_done = true;
+            } else {
+                match c.commit(s.token) {
+                    Ok(()) => grammar_done = c.is_stopped(),
+                    Err(e) => error = Some(format!("the output left its grammar: {e}")),
+                }
+            }
+        }
         let p = &self.params;
-        let finish = if (!p.ignore_eos && eos == Some(s.token)) || p.stop_token_ids.contains(&s.token) {
+        let finish = if error.is_some() {
+            Some(FinishReason::Error)
+        } else if grammar_done || (!p.ignore_eos && eos == Some(s.token)) || p.stop_token_ids.contains(&s.token) {
             Some(FinishReason::Stop)
         } else if self.generated() >= p.max_tokens || self.tokens.len() >= max_context {
             Some(FinishReason::Length)
@@ -208,7 +238,7 @@ impl Seq {
             logprob: s.logprob,
             top: (p.logprobs.unwrap_or(0) > 0).then(|| s.top.clone()),
             finish,
-            error: None,
+            error,
             cached_tokens: self.cached.take(),
             queue_seconds: self.queued.take(),
         }
@@ -220,7 +250,7 @@ mod tests {
     use super::*;
 
     fn seq(params: SamplingParams) -> Seq {
-        Seq::new(Request { id: 7, prompt: vec![5, 6, 7], params }, 99, 0)
+        Seq::new(Request::new(7, vec![5, 6, 7], params), 99, 0)
     }
 
     #[test]

@@ -14,7 +14,7 @@ fn sched(max_batch: usize, chunk: usize, max_context: usize, blocks: usize) -> S
 
 fn submit(s: &mut Scheduler, id: u64, len: usize, max_tokens: usize) {
     let prompt = (0..len as u32).map(|i| 1 + (i + id as u32) % 40).collect();
-    s.submit(Request { id, prompt, params: SamplingParams::greedy(max_tokens) }, 0).unwrap();
+    s.submit(Request::new(id, prompt, SamplingParams::greedy(max_tokens)), 0).unwrap();
 }
 
 /// One iteration with every sampled token = 7; returns the events.
@@ -146,7 +146,7 @@ fn a_preemption_holds_admission_until_someone_leaves() {
 #[test]
 fn submission_errors() {
     let mut s = sched(2, 64, 20, 100);
-    let r = |id, prompt: Vec<u32>, max_tokens| Request { id, prompt, params: SamplingParams::greedy(max_tokens) };
+    let r = |id, prompt: Vec<u32>, max_tokens| Request::new(id, prompt, SamplingParams::greedy(max_tokens));
     assert_eq!(s.submit(r(1, vec![], 1), 0), Err(SubmitError::EmptyPrompt));
     assert_eq!(s.submit(r(1, vec![50], 1), 0), Err(SubmitError::BadToken { token: 50, vocab: 50 }));
     assert_eq!(
@@ -164,8 +164,8 @@ fn submission_errors() {
 fn unseeded_requests_take_the_engine_seed_and_seeded_keep_theirs() {
     let mut s = sched(2, 64, 20, 100);
     let p = SamplingParams { seed: Some(5), ..SamplingParams::default() };
-    s.submit(Request { id: 1, prompt: vec![1], params: p }, 99).unwrap();
-    s.submit(Request { id: 2, prompt: vec![1], params: SamplingParams::default() }, 99).unwrap();
+    s.submit(Request::new(1, vec![1], p), 99).unwrap();
+    s.submit(Request::new(2, vec![1], SamplingParams::default()), 99).unwrap();
     let seeds: Vec<u64> = s.waiting.iter().map(|q| q.seed).collect();
     assert_eq!(seeds, vec![5, 99]);
 }

@@ -245,6 +245,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         prefill_chunk=args.prefill_chunk,
         backend=args.backend,
         prefill=args.prefill,
+        tokenizer_json=tokenizer.hf.to_str(),  # constrained requests compile against its vocabulary
     )
     log.info(
         "engine ready: %s, %s decode, %s prefill, max batch %d, context %d tokens",

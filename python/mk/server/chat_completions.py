@@ -12,7 +12,7 @@ from mk.server.chat import ChatPrompt, build_prompt
 from mk.server.errors import APIError, bad_request, error_body
 from mk.server.generate import ChoiceRun, collect, gather_all, note, start_runs, stream_choices, usage
 from mk.server.logprobs import chat_logprobs
-from mk.server.params import max_new_tokens, refuse_unsupported, sampling_params
+from mk.server.params import constraint, max_new_tokens, refuse_unsupported, sampling_params
 from mk.server.schemas import ChatRequest, validate
 from mk.server.state import ServerState
 from mk.toolcalls import Cmd4Stream, ContentTokens, Delta, ToolCallError
@@ -33,7 +33,8 @@ async def chat_completions(state: ServerState, obj: Any, info: dict) -> dict | A
     max_tokens = max_new_tokens(req, len(prompt.token_ids), state.engine.max_context)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     rid = "chatcmpl-" + info["id"]
-    requests = [(prompt.token_ids, sampling_params(req, max_tokens, i, logprobs)) for i in range(req.n)]
+    grammar = constraint(req, prompt.thinking)
+    requests = [(prompt.token_ids, sampling_params(req, max_tokens, i, logprobs, grammar)) for i in range(req.n)]
     runs = start_runs(state, requests, rid, req.stop, arrival, skip_special_tokens=False)
     state.metrics.count_prompt(len(prompt.token_ids) * req.n)
     info["prompt_tokens"] = len(prompt.token_ids)

@@ -11,7 +11,7 @@ from typing import Any
 from mk.server.errors import bad_request, error_body
 from mk.server.generate import ChoiceRun, collect, gather_all, note, start_runs, stream_choices, usage
 from mk.server.logprobs import completion_logprobs
-from mk.server.params import max_new_tokens, refuse_unsupported, sampling_params
+from mk.server.params import constraint, max_new_tokens, refuse_unsupported, sampling_params
 from mk.server.schemas import CompletionRequest, validate
 from mk.server.state import ServerState
 
@@ -32,8 +32,9 @@ async def completions(state: ServerState, obj: Any, info: dict) -> dict | AsyncI
     prompts = await asyncio.to_thread(_prompt_ids, req, state)  # tokenizing is slow: off the event loop
     budgets = [max_new_tokens(req, len(ids), state.engine.max_context) for ids, _ in prompts]
     rid = "cmpl-" + info["id"]
+    grammar = constraint(req)
     requests = [
-        (ids, sampling_params(req, budget, i, req.logprobs))
+        (ids, sampling_params(req, budget, i, req.logprobs, grammar))
         for (ids, _), budget in zip(prompts, budgets, strict=True)
         for i in range(req.n)
     ]

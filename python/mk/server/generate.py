@@ -59,9 +59,13 @@ class ChoiceRun:
         metrics: Metrics,
         arrival: float,
         skip_special_tokens: bool,
+        stop_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.index = index
         self.stream = stream
+        # Tokens that end a request without adding text (EOS, the request's stop ids); a grammar's
+        # end stops on a token that is part of the answer.
+        self.silent_stops = stop_token_ids | {tokenizer.eos_token_id}
         self.detok = Detokenizer(tokenizer, skip_special_tokens)
         self.stops = StopMatcher(stops)
         self.metrics = metrics
@@ -91,7 +95,7 @@ class ChoiceRun:
                     self.metrics.count_generated(1)
                     self.token_ids.append(event.token_id)
                     pending.append((event.token_id, event.logprob, event.top_logprobs))
-                    if event.finish_reason != "stop":  # EOS and stop-token ids add no text
+                    if event.finish_reason != "stop" or event.token_id not in self.silent_stops:
                         text = self.stops.push(self.detok.push(event.token_id))
                     if self.stops.matched is not None:
                         self.stream.cancel()
@@ -182,7 +186,10 @@ def start_runs(
     try:
         for i, (ids, params) in enumerate(requests):
             stream = submit(state.engine, ids, params, f"{rid}-{i}")
-            runs.append(ChoiceRun(i, stream, state.tokenizer, stops, state.metrics, arrival, skip_special_tokens))
+            stop_ids = frozenset(params.stop_token_ids)
+            runs.append(
+                ChoiceRun(i, stream, state.tokenizer, stops, state.metrics, arrival, skip_special_tokens, stop_ids)
+            )
     except BaseException:
         for run in runs:
             run.stream.cancel()

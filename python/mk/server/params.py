@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from mk.sampling import SamplingError, SamplingParams
+import json
+from typing import Any
+
+from mk import _native
+from mk.sampling import ConstraintSpec, SamplingError, SamplingParams
 from mk.server.errors import APIError, bad_request
 from mk.server.schemas import ChatRequest, CompletionRequest, _Sampling
 
@@ -29,10 +33,6 @@ def refuse_unsupported(req: _Sampling) -> None:
             raise bad_request("suffix (fill-in-the-middle) is not supported by this model", "suffix")
         if req.echo and req.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
-    if isinstance(req, ChatRequest):
-        kind = (req.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise bad_request(f"response_format {kind!r} is not supported (only 'text')", "response_format")
 
 
 def max_new_tokens(req: _Sampling, prompt_len: int, max_context: int) -> int:
@@ -61,7 +61,68 @@ def max_new_tokens(req: _Sampling, prompt_len: int, max_context: int) -> int:
     return asked if asked is not None else room
 
 
-def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int | None) -> SamplingParams:
+def constraint(req: _Sampling, thinking: bool | None = None) -> ConstraintSpec | None:
+    """The grammar the output must follow: chat's `response_format` (`json_object`, `json_schema`) or
+    one of vLLM's `guided_json`, `guided_regex`, `guided_grammar` (completions only). In a chat the
+    grammar covers the answer the template expects: the reasoning the prompt opened (`thinking`:
+    free text up to its end marker), then `<|START_RESPONSE|>`, the constrained body and
+    `<|END_RESPONSE|>`."""
+    found: list[tuple[str, str, str]] = []  # (field, kind, value)
+    if isinstance(req, ChatRequest) and req.response_format is not None:
+        found += _response_format(req.response_format)
+    if req.guided_json is not None:
+        schema = req.guided_json if isinstance(req.guided_json, str) else json.dumps(req.guided_json)
+        found.append(("guided_json", "json_schema", schema))
+    if req.guided_regex is not None:
+        found.append(("guided_regex", "regex", req.guided_regex))
+    if req.guided_grammar is not None:
+        if isinstance(req, ChatRequest):
+            raise bad_request("guided_grammar is supported on /v1/completions only", "guided_grammar")
+        found.append(("guided_grammar", "lark", req.guided_grammar))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise bad_request(f"send one of {' and '.join(f[0] for f in found)}", found[1][0])
+    origin, kind, value = found[0]
+    if thinking is None:
+        return ConstraintSpec(kind, value, origin)
+    return ConstraintSpec("lark", _chat_grammar(kind, value, thinking), origin)
+
+
+def _response_format(rf: dict[str, Any]) -> list[tuple[str, str, str]]:
+    kind = rf.get("type")
+    if kind == "text":
+        return []
+    if kind == "json_object":
+        return [("response_format", "json_object", "")]
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | bool):
+            raise bad_request("response_format.json_schema must be an object with a 'schema'", "response_format")
+        return [("response_format", "json_schema", json.dumps(spec.get("schema", {})))]
+    raise bad_request(
+        f"response_format type {kind!r} is not supported (text, json_object or json_schema)", "response_format"
+    )
+
+
+def _chat_grammar(kind: str, value: str, thinking: bool) -> str:
+    if kind in ("json_object", "json_schema"):
+        schema = json.loads(value) if kind == "json_schema" else {"type": "object"}
+        if isinstance(schema, dict):
+            schema.setdefault("x-guidance", json.loads(_native.JSON_LAYOUT))  # as the engine lays out JSON
+        body = f"%json {json.dumps(schema)}"
+    else:  # regex
+        body = "/" + value.replace("/", "\\/") + "/"
+    head = "reasoning <|END_THINKING|> " if thinking else ""
+    rules = [f"start: {head}<|START_RESPONSE|> body <|END_RESPONSE|>", f"body: {body}"]
+    if thinking:
+        rules.append("reasoning: /(?s:.*)/")
+    return "\n".join(rules)
+
+
+def sampling_params(
+    req: _Sampling, max_tokens: int, choice: int, logprobs: int | None, grammar: ConstraintSpec | None = None
+) -> SamplingParams:
     """Engine settings for choice `choice` of the request (choice i of a seeded request uses seed + i)."""
     try:
         return SamplingParams(
@@ -73,6 +134,7 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int 
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            constraint=grammar,
         )
     except SamplingError as e:
         raise bad_request(str(e), e.field) from None

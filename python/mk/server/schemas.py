@@ -55,6 +55,10 @@ class _Sampling(_Body):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's structured-output extensions (at most one, and not with response_format).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None  # llguidance's Lark dialect; /v1/completions only
     presence_penalty: float | None = Field(None, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, allow_inf_nan=False)
     repetition_penalty: float | None = Field(None, allow_inf_nan=False)

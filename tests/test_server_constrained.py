@@ -1,0 +1,131 @@
+"""Grammar-constrained output end to end: a server process on the built-in model (CPU) and the
+official client. Whatever the model would say, `json_object` answers are JSON objects,
+`json_schema` answers validate against their schema, regex completions match their regex, and
+streamed answers equal the whole ones; a constraint that cannot be compiled is a 400 naming its
+field. Answers cut off by max_tokens are only a prefix, so the checks apply to finished ones
+(and most must finish)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from server_util import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("--device", "cpu", "--max-batch", "8", "--max-context", "1024").wait_ready()
+    yield s
+    assert s.stop() == 0, s.output()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def chat(client, content: str, **kw):
+    return client.chat.completions.create(
+        model="mk-embedded", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=160, **kw
+    )
+
+
+# Small schemas whose every value is short: objects of required booleans, enums and bounded integers.
+VALUES = st.sampled_from(
+    [
+        {"type": "boolean"},
+        {"enum": ["red", "green", "blue"]},
+        {"type": "integer", "minimum": 0, "maximum": 99},
+        {"type": "string", "enum": ["yes", "no"]},
+        {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+    ]
+)
+SCHEMAS = st.dictionaries(st.from_regex(r"[a-z]{1,6}", fullmatch=True), VALUES, min_size=1, max_size=3).map(
+    lambda props: {"type": "object", "properties": props, "required": sorted(props), "additionalProperties": False}
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schema=SCHEMAS)
+def test_json_schema_answers_validate(client, schema):
+    rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    out = chat(client, "Describe the item as JSON.", response_format=rf)
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop", choice
+    jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+def test_json_object_answers_parse_and_streaming_agrees(client):
+    finished = 0
+    for prompt in ("Give me a JSON object.", "Return the config as JSON", "Reply in JSON: who are you?"):
+        whole = chat(client, prompt, response_format={"type": "json_object"}).choices[0]
+        chunks = list(chat(client, prompt, response_format={"type": "json_object"}, stream=True))
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == whole.message.content
+        if whole.finish_reason == "stop":
+            finished += 1
+            assert isinstance(json.loads(whole.message.content), dict)
+    assert finished >= 2
+
+
+def test_regex_completions_match(client):
+    rx = r"(def [a-z_]{1,12}\(\):|class [A-Z][a-z]{1,10}:)"
+    for prompt in ("import os\n", "# helpers\n", "x = 1\n"):
+        out = client.completions.create(
+            model="mk-embedded", prompt=prompt, max_tokens=40, temperature=0, extra_body={"guided_regex": rx}
+        )
+        c = out.choices[0]
+        assert c.finish_reason == "stop" and re.fullmatch(rx, c.text), c
+
+
+def test_a_lark_grammar_on_completions(client):
+    grammar = 'start: "x = " NUMBER\nNUMBER: /[0-9]{1,3}/'
+    out = client.completions.create(
+        model="mk-embedded",
+        prompt="# a constant\n",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"guided_grammar": grammar},
+    )
+    assert re.fullmatch(r"x = [0-9]{1,3}", out.choices[0].text), out
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nonsense"}}}},
+            "response_format",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"guided_regex": "a+", "response_format": {"type": "json_object"}}, "guided_regex"),
+        ({"guided_grammar": "start: x"}, "guided_grammar"),  # chat: completions only
+    ],
+)
+def test_bad_constraints_are_400s_naming_the_field(server, body, field):
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"model": "mk-embedded", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body},
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and err["type"] == "invalid_request_error", err
+
+
+def test_a_bad_grammar_on_completions_is_a_400(server):
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": "mk-embedded", "prompt": "x", "max_tokens": 4, "guided_grammar": "start: undefined_rule"},
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_grammar", r.text

@@ -65,7 +65,7 @@ pub struct EngineStats {
 }
 
 enum Command {
-    Submit(Request, u64),
+    Submit(Box<Request>, u64),
     Cancel(RequestId),
     CancelAll,
 }
@@ -132,7 +132,7 @@ impl Engine {
             return Err(EngineError::QueueFull(pending));
         }
         self.shared.pending.fetch_add(1, Ordering::AcqRel);
-        inbox.commands.push(Command::Submit(req, seed));
+        inbox.commands.push(Command::Submit(Box::new(req), seed));
         drop(inbox);
         self.shared.wake.notify_one();
         Ok(())

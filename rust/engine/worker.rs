@@ -49,7 +49,7 @@ fn serve<B: DecodeBackend>(shared: &Shared, core: &mut Core<B>, out: &mut Vec<Ev
             match cmd {
                 Command::Submit(req, seed) => {
                     let id = req.id;
-                    if let Err(e) = core.sched.submit(req, seed) {
+                    if let Err(e) = core.sched.submit(*req, seed) {
                         rejected += 1;
                         out.push(Event::ended(id, FinishReason::Error, Some(e.to_string())));
                     }

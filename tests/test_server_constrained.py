@@ -129,3 +129,55 @@ def test_a_bad_grammar_on_completions_is_a_400(server):
         timeout=60,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_grammar", r.text
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "additionalProperties": False}}},
+]
+SCHEMAS_BY_NAME = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def checked_calls(choice) -> list:
+    """The choice's tool calls, each named after a request tool with arguments its schema accepts."""
+    for call in choice.message.tool_calls or []:
+        assert call.function.name in SCHEMAS_BY_NAME, call
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS_BY_NAME[call.function.name])
+    return choice.message.tool_calls or []
+
+
+@pytest.mark.parametrize("question", ["What is the weather in Paris?", "time?", "Plan my week."])
+def test_a_named_tool_choice_yields_that_call(client, question):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    choice = chat(client, question, tools=TOOLS, tool_choice=named).choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = checked_calls(choice)
+    assert call.function.name == "get_weather"
+
+
+@pytest.mark.parametrize("question", ["What is the weather in Paris?", "What time is it?"])
+def test_required_and_auto_only_call_the_requests_tools(client, question):
+    required = chat(client, question, tools=TOOLS, tool_choice="required").choices[0]
+    assert checked_calls(required) or required.finish_reason == "length", required
+    auto = chat(client, question, tools=TOOLS, tool_choice="auto").choices[0]
+    checked_calls(auto)
+    assert auto.finish_reason in ("stop", "tool_calls", "length"), auto
+
+
+def test_a_tool_whose_schema_does_not_compile_is_a_400(server):
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"model": "mk-embedded", "messages": [{"role": "user", "content": "hi"}], "tools": bad, "max_tokens": 4},
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text

@@ -8,7 +8,7 @@ from typing import Any
 from mk import _native
 from mk.sampling import ConstraintSpec, SamplingError, SamplingParams
 from mk.server.errors import APIError, bad_request
-from mk.server.schemas import ChatRequest, CompletionRequest, _Sampling
+from mk.server.schemas import ChatRequest, CompletionRequest, NamedToolChoice, _Sampling
 
 # Field -> the value(s) that mean "off"; anything else is refused rather than silently ignored.
 _OFF = {
@@ -63,10 +63,14 @@ def max_new_tokens(req: _Sampling, prompt_len: int, max_context: int) -> int:
 
 def constraint(req: _Sampling, thinking: bool | None = None) -> ConstraintSpec | None:
     """The grammar the output must follow: chat's `response_format` (`json_object`, `json_schema`) or
-    one of vLLM's `guided_json`, `guided_regex`, `guided_grammar` (completions only). In a chat the
-    grammar covers the answer the template expects: the reasoning the prompt opened (`thinking`:
-    free text up to its end marker), then `<|START_RESPONSE|>`, the constrained body and
-    `<|END_RESPONSE|>`."""
+    one of vLLM's `guided_json`, `guided_regex`, `guided_grammar` (completions only), and in a chat
+    with tools the action block. A chat's grammar covers the answer the template expects: the
+    reasoning the prompt opened (`thinking`: free text up to its end marker), then either
+    `<|START_RESPONSE|>` body `<|END_RESPONSE|>` (body: the constrained one, else any text) or,
+    where tools may be called, `<|START_ACTION|>` and a JSON list of calls whose names are the
+    request's tools (tool_choice's one, once, for a named function) and whose parameters follow
+    each tool's schema. tool_choice "required" or a named function allows only the action."""
+    tools = _tool_calls(req) if isinstance(req, ChatRequest) else None
     found: list[tuple[str, str, str]] = []  # (field, kind, value)
     if isinstance(req, ChatRequest) and req.response_format is not None:
         found += _response_format(req.response_format)
@@ -79,14 +83,40 @@ def constraint(req: _Sampling, thinking: bool | None = None) -> ConstraintSpec |
         if isinstance(req, ChatRequest):
             raise bad_request("guided_grammar is supported on /v1/completions only", "guided_grammar")
         found.append(("guided_grammar", "lark", req.guided_grammar))
-    if not found:
-        return None
     if len(found) > 1:
         raise bad_request(f"send one of {' and '.join(f[0] for f in found)}", found[1][0])
-    origin, kind, value = found[0]
+    if not found and tools is None:
+        return None
+    origin, kind, value = found[0] if found else ("tools", "text", "")
     if thinking is None:
         return ConstraintSpec(kind, value, origin)
-    return ConstraintSpec("lark", _chat_grammar(kind, value, thinking), origin)
+    return ConstraintSpec("lark", _chat_grammar(kind, value, thinking, tools), origin)
+
+
+def _tool_calls(req: ChatRequest) -> tuple[dict[str, Any], bool] | None:
+    """The JSON schema of the action block's list of calls, and whether the answer must be one; None
+    where no tool may be called."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "tool_call_id": {"type": "string", "maxLength": 16},
+                "tool_name": {"const": t.function.name},
+                "parameters": t.function.parameters or {"type": "object"},
+            },
+            "required": ["tool_call_id", "tool_name", "parameters"],
+            "additionalProperties": False,
+        }
+        for t in req.tools
+        if named in (None, t.function.name)
+    ]
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    if named is not None:
+        schema["maxItems"] = 1
+    return schema, named is not None or req.tool_choice == "required"
 
 
 def _response_format(rf: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -105,16 +135,30 @@ def _response_format(rf: dict[str, Any]) -> list[tuple[str, str, str]]:
     )
 
 
-def _chat_grammar(kind: str, value: str, thinking: bool) -> str:
-    if kind in ("json_object", "json_schema"):
-        schema = json.loads(value) if kind == "json_schema" else {"type": "object"}
-        if isinstance(schema, dict):
-            schema.setdefault("x-guidance", json.loads(_native.JSON_LAYOUT))  # as the engine lays out JSON
-        body = f"%json {json.dumps(schema)}"
-    else:  # regex
+def _json_rule(schema: Any) -> str:
+    if isinstance(schema, dict):
+        schema = {**schema, "x-guidance": schema.get("x-guidance", json.loads(_native.JSON_LAYOUT))}
+    return f"%json {json.dumps(schema)}"  # laid out as the engine lays out JSON
+
+
+def _chat_grammar(kind: str, value: str, thinking: bool, tools: tuple[dict[str, Any], bool] | None) -> str:
+    if kind == "json_object":
+        body = _json_rule({"type": "object"})
+    elif kind == "json_schema":
+        body = _json_rule(json.loads(value))
+    elif kind == "regex":
         body = "/" + value.replace("/", "\\/") + "/"
+    else:  # any text
+        body = "/(?s:.*)/"
+    answers = ["response"]
+    rules = ["response: <|START_RESPONSE|> body <|END_RESPONSE|>", f"body: {body}"]
+    if tools is not None:
+        schema, only = tools
+        answers = ["action"] if only else ["action", "response"]
+        rules += ["action: <|START_ACTION|> calls <|END_ACTION|>", f"calls: {_json_rule(schema)}"]
     head = "reasoning <|END_THINKING|> " if thinking else ""
-    rules = [f"start: {head}<|START_RESPONSE|> body <|END_RESPONSE|>", f"body: {body}"]
+    rules.insert(0, f"start: {head}answer")
+    rules.insert(1, "answer: " + " | ".join(answers))
     if thinking:
         rules.append("reasoning: /(?s:.*)/")
     return "\n".join(rules)

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import statistics
+from pathlib import Path
 
 import httpx
 import pytest
@@ -29,7 +31,8 @@ from mk.config import ModelConfig
 from mk.engine import Engine
 from mk.model import synthetic_weights
 from mk.model.reference import Model
-from mk.sampling import SamplingParams
+from mk.sampling import ConstraintSpec, SamplingParams
+from mk.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.gpu
 
@@ -48,7 +51,7 @@ def model() -> Model:
 
 
 @contextlib.contextmanager
-def engine(model, backend: str, max_batch: int = 8, prefill_chunk: int = 512):
+def engine(model, backend: str, max_batch: int = 8, prefill_chunk: int = 512, tokenizer_json: str | None = None):
     """A fresh engine (no prefix cache shared between the runs compared), checked for leaks."""
     e = Engine(
         model,
@@ -58,6 +61,7 @@ def engine(model, backend: str, max_batch: int = 8, prefill_chunk: int = 512):
         prefill_chunk=prefill_chunk,
         kv_blocks=4096,
         check_invariants=True,
+        tokenizer_json=tokenizer_json,
     )
     assert e.backend == backend and e.prefill == "fast"  # mk.prefill on the GPU, by default
     try:
@@ -233,3 +237,34 @@ def test_host_side_variants_give_the_same_tokens(model, monkeypatch, variable, v
         variant = run(e, [(0, p, params)])[0]
     assert tokens_of(variant) == tokens_of(default)
     assert [ev.logprob for ev in variant[2]] == [ev.logprob for ev in default[2]]
+
+
+def test_constrained_requests_on_the_megakernel_follow_their_grammar(model):
+    """Rows under a grammar sample on the host from their copied-back logits with the mask applied,
+    beside free rows that the kernel samples (the embedded model's tokenizer: ids past its 4,096
+    are never allowed)."""
+    import mk
+
+    tok = Tokenizer.from_dir(Path(mk.__file__).parent / "embedded")
+    word, answer = r"[a-z]{3,8}", r"(yes|no)"
+    reqs = [
+        (0, prompt(40, 1), SamplingParams(max_tokens=24, temperature=0.0, constraint=ConstraintSpec("regex", word))),
+        (0, prompt(50, 2), SamplingParams(max_tokens=12, temperature=0.0)),
+        (
+            0,
+            prompt(60, 3),
+            SamplingParams(max_tokens=60, temperature=0.7, seed=4, constraint=ConstraintSpec("json_object")),
+        ),
+        (0, prompt(70, 4), SamplingParams(max_tokens=8, temperature=0.0, constraint=ConstraintSpec("regex", answer))),
+    ]
+    with engine(model, "megakernel", tokenizer_json=tok.hf.to_str()) as e:
+        results = run(e, reqs)
+    texts = [b"".join(tok.token_bytes(t) for t in r[0] if t != model.config.eos_token_id).decode() for r in results]
+    print("constrained outputs:", [(t, r[1]) for t, r in zip(texts, results, strict=True)])
+    assert results[0][1] == "stop" and re.fullmatch(word, texts[0]), texts[0]
+    assert len(results[1][0]) == 12  # the free row
+    if results[2][1] == "stop":
+        assert isinstance(json.loads(texts[2]), dict), texts[2]
+    else:
+        assert texts[2].startswith("{"), texts[2]
+    assert results[3][1] == "stop" and re.fullmatch(answer, texts[3]), texts[3]

@@ -1,9 +1,9 @@
 """mk: a megakernel serving engine for North Mini Code."""
 
 from mk.config import ModelConfig
-from mk.sampling import SamplingParams
+from mk.sampling import ConstraintSpec, SamplingParams
 
-__all__ = ["LLM", "ModelConfig", "SamplingParams"]
+__all__ = ["LLM", "ConstraintSpec", "ModelConfig", "SamplingParams"]
 
 
 def __getattr__(name: str):

@@ -7,7 +7,7 @@
 //! backend re-uploads only those rows. Sampling is the backend's: one that ends in logits uses
 //! `crate::sampling::Sampler`, the megakernel samples on the GPU by the same rules.
 
-use crate::grammar::TokenMask;
+use crate::grammar::{MaskSet, TokenMask};
 use crate::sampling::{SampleSpec, Sampled};
 use crate::sched::{PageTable, RequestId};
 
@@ -37,16 +37,17 @@ pub struct PrefillInput<'a> {
 }
 
 /// One decode step: row `rows[i]` feeds `tokens[i]` at position `positions[i]` (writing its K/V
-/// there) and samples the next token with `specs[i]` among the tokens `allowed[i]` allows (a
-/// grammar's mask; empty `allowed`, or None: any). Rows are ascending; rows not listed are idle
-/// (their page-table entries may be stale until they appear in `dirty_rows`).
+/// there) and samples the next token with `specs[i]` among the tokens `masks` allows row i (a
+/// grammar's; the loop may still be computing them while the step runs: `allowed` waits). Rows
+/// are ascending; rows not listed are idle (their page-table entries may be stale until they
+/// appear in `dirty_rows`).
 #[derive(Debug, Clone, Copy)]
 pub struct DecodeInput<'a> {
     pub rows: &'a [usize],
     pub tokens: &'a [u32],
     pub positions: &'a [u32],
     pub specs: &'a [SampleSpec],
-    pub allowed: &'a [Option<&'a TokenMask>],
+    pub masks: &'a MaskSet,
     pub table: &'a PageTable,
     pub dirty_rows: &'a [usize],
 }
@@ -60,9 +61,14 @@ impl<'a> DecodeInput<'a> {
         self.rows.is_empty()
     }
 
-    /// The mask of the i-th row, if it has one.
+    /// The mask of the i-th row, if it has one (waiting until it is computed).
     pub fn allowed(&self, i: usize) -> Option<&'a TokenMask> {
-        self.allowed.get(i).copied().flatten()
+        self.masks.get(i)
+    }
+
+    /// Whether the i-th row samples under a mask (known before the masks are).
+    pub fn is_constrained(&self, i: usize) -> bool {
+        self.masks.is_constrained(i)
     }
 }
 

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use super::backend::{BackendError, DecodeBackend, DecodeInput, PrefillChunkInput, PrefillInput, PrefillResult};
-use crate::grammar::TokenMask;
+use crate::grammar::{Constraint, MaskSet, TokenMask, NO_MASKS};
 use crate::sampling::Sampled;
 use crate::sched::{DecodeBatch, Event, PrefillChunk, Scheduler};
 
@@ -57,8 +57,8 @@ impl<B: DecodeBackend> Core<B> {
         }
     }
 
-    /// The grammar mask of each entry's row into `masks[i]` / `masked[i]` (None: the entry
-    /// samples nothing, as a prefill chunk that is not its prompt's last).
+    /// The grammar mask of each prefill chunk's row into `masks[i]` / `masked[i]` (None: the
+    /// chunk samples nothing, not being its prompt's last).
     fn fill_masks(&mut self, rows: impl Iterator<Item = Option<usize>>) {
         self.masked.clear();
         for (i, row) in rows.enumerate() {
@@ -144,25 +144,42 @@ impl<B: DecodeBackend> Core<B> {
         }
         self.sched.plan_decode(&mut self.batch, out);
         if !self.batch.is_empty() {
-            let rows = std::mem::take(&mut self.batch.rows);
-            self.fill_masks(rows.iter().map(|&r| Some(r)));
-            self.batch.rows = rows;
-            let allowed: Vec<Option<&TokenMask>> = match self.masked.contains(&true) {
-                true => self.masked.iter().zip(&self.masks).map(|(&has, m)| has.then_some(m)).collect(),
-                false => Vec::new(), // no allocation on the common path
-            };
-            let input = DecodeInput {
-                rows: &self.batch.rows,
-                tokens: &self.batch.tokens,
-                positions: &self.batch.positions,
-                specs: &self.batch.specs,
-                allowed: &allowed,
-                table: self.sched.page_table(),
-                dirty_rows: self.sched.dirty_rows(),
-            };
+            // Constrained rows lend their grammar states to a helper thread that computes their
+            // masks while the backend runs the step; the backend waits for them only where it
+            // samples those rows.
+            let lent: Vec<(usize, Constraint)> = (0..self.batch.len())
+                .filter_map(|i| self.sched.take_constraint(self.batch.rows[i]).map(|c| (i, c)))
+                .collect();
+            let mut eos_only = TokenMask::default();
+            let pending = (!lent.is_empty()).then(|| {
+                self.sched.eos_only(&mut eos_only);
+                let mut constrained = vec![false; self.batch.len()];
+                lent.iter().for_each(|&(i, _)| constrained[i] = true);
+                MaskSet::pending(constrained)
+            });
+            let (mut lent, n) = (lent, self.batch.len());
+            let mut errors: Vec<Option<String>> = Vec::with_capacity(lent.len());
             self.sampled.clear();
             let t = Instant::now();
-            let result = self.backend.decode(&input, &mut self.sampled);
+            let result = std::thread::scope(|s| {
+                if let Some(set) = &pending {
+                    let (lent, errors, eos_only) = (&mut lent, &mut errors, &eos_only);
+                    s.spawn(move || set.fill(compute_masks(lent, n, eos_only, errors)));
+                }
+                let input = DecodeInput {
+                    rows: &self.batch.rows,
+                    tokens: &self.batch.tokens,
+                    positions: &self.batch.positions,
+                    specs: &self.batch.specs,
+                    masks: pending.as_ref().unwrap_or(&NO_MASKS),
+                    table: self.sched.page_table(),
+                    dirty_rows: self.sched.dirty_rows(),
+                };
+                self.backend.decode(&input, &mut self.sampled)
+            });
+            for ((i, c), error) in lent.into_iter().zip(errors) {
+                self.sched.return_constraint(self.batch.rows[i], c, error);
+            }
             backend_ns += t.elapsed().as_nanos() as u64;
             self.sched.clear_dirty();
             let result = result.and_then(|()| match self.sampled.len() == self.batch.len() {
@@ -193,4 +210,28 @@ impl<B: DecodeBackend> Core<B> {
             }
         }
     }
+}
+
+/// The masks of a step's lent grammar states, `n` rows long (`lent` holds (row index, state)); a
+/// grammar that fails or panics allows only EOS and its error goes to `errors`, in `lent`'s order.
+fn compute_masks(
+    lent: &mut [(usize, Constraint)],
+    n: usize,
+    eos_only: &TokenMask,
+    errors: &mut Vec<Option<String>>,
+) -> Vec<TokenMask> {
+    let mut masks = vec![TokenMask::default(); n];
+    for (i, c) in lent.iter_mut() {
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.allowed(&mut masks[*i])));
+        let error = match result {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(format!("the grammar failed: {e}")),
+            Err(_) => Some("the grammar engine failed".to_string()),
+        };
+        if error.is_some() {
+            masks[*i] = eos_only.clone();
+        }
+        errors.push(error);
+    }
+    masks
 }

@@ -70,8 +70,7 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
             let r = start..(start + per_launch).min(input.len());
             let specs = &input.specs[r.clone()];
             self.want.clear();
-            self.want
-                .extend(specs.iter().enumerate().map(|(i, s)| needs_logits(s) || input.allowed(start + i).is_some()));
+            self.want.extend(specs.iter().enumerate().map(|(i, s)| needs_logits(s) || input.is_constrained(start + i)));
             self.sampled.clear();
             self.logits.clear();
             let step = StepRows {
@@ -175,7 +174,7 @@ mod tests {
             tokens: &tokens,
             positions: &positions,
             specs: &specs,
-            allowed: &[],
+            masks: &crate::grammar::NO_MASKS,
             table: &table,
             dirty_rows: &[],
         };
@@ -199,7 +198,7 @@ mod tests {
             tokens: &[1, 999],
             positions: &[0, 0],
             specs: &specs,
-            allowed: &[],
+            masks: &crate::grammar::NO_MASKS,
             table: &table,
             dirty_rows: &[],
         };

@@ -138,7 +138,7 @@ mod tests {
             tokens: &[1, 1],
             positions: &[3, 4],
             specs: &specs,
-            allowed: &[],
+            masks: &crate::grammar::NO_MASKS,
             table: &table,
             dirty_rows: &[],
         };

@@ -8,7 +8,7 @@
 //! tokens) that sampling applies; the sampled token then goes to `commit`. A grammar that has
 //! ended allows only EOS, so the request stops there.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
@@ -65,6 +65,39 @@ impl TokenMask {
 
     pub fn count(&self) -> usize {
         self.words.iter().map(|w| w.count_ones() as usize).sum()
+    }
+}
+
+/// The masks of one decode step's rows, which may still be being computed while the step runs:
+/// which rows have one is known up front (a backend copies those rows' logits back), the masks
+/// themselves arrive with `fill`, and `get` waits for them.
+#[derive(Debug)]
+pub struct MaskSet {
+    constrained: Vec<bool>,
+    masks: OnceLock<Vec<TokenMask>>,
+}
+
+/// A step without constrained rows.
+pub static NO_MASKS: MaskSet = MaskSet { constrained: Vec::new(), masks: OnceLock::new() };
+
+impl MaskSet {
+    /// Masks to come for the rows marked in `constrained`.
+    pub fn pending(constrained: Vec<bool>) -> Self {
+        Self { constrained, masks: OnceLock::new() }
+    }
+
+    /// The masks, one per row (those of unconstrained rows are not read).
+    pub fn fill(&self, masks: Vec<TokenMask>) {
+        let _ = self.masks.set(masks);
+    }
+
+    pub fn is_constrained(&self, row: usize) -> bool {
+        self.constrained.get(row).copied().unwrap_or(false)
+    }
+
+    /// Row `row`'s mask, waiting until the masks are filled; None for an unconstrained row.
+    pub fn get(&self, row: usize) -> Option<&TokenMask> {
+        self.is_constrained(row).then(|| &self.masks.wait()[row])
     }
 }
 

@@ -26,7 +26,7 @@ mod tests;
 
 use std::collections::{HashSet, VecDeque};
 
-use crate::grammar::TokenMask;
+use crate::grammar::{Constraint, TokenMask};
 use crate::kv::{KvConfig, KvError, KvManager, KvStats};
 pub use pagetable::PageTable;
 pub use plan::{DecodeBatch, PrefillChunk};
@@ -177,22 +177,42 @@ impl Scheduler {
         self.rows.get(row).and_then(Option::as_ref)
     }
 
+    /// Lends row `row`'s grammar state out (to compute its mask on another thread); give it back
+    /// with `return_constraint` before the row's next token is accepted.
+    pub fn take_constraint(&mut self, row: usize) -> Option<Constraint> {
+        self.rows.get_mut(row).and_then(Option::as_mut).and_then(|s| s.constraint.take())
+    }
+
+    /// Gives a lent grammar state back; `error` (its mask failed) ends the request at its next token.
+    pub fn return_constraint(&mut self, row: usize, c: Constraint, error: Option<String>) {
+        if let Some(seq) = self.rows.get_mut(row).and_then(Option::as_mut) {
+            seq.constraint = Some(c);
+            if error.is_some() {
+                seq.constraint_error = error;
+            }
+        }
+    }
+
+    /// Only EOS (the mask of a grammar that failed), `words` words long.
+    pub fn eos_only(&self, mask: &mut TokenMask) {
+        let words = self.cfg.vocab_size.div_ceil(32);
+        mask.words.clear();
+        mask.words.resize(words, 0);
+        if let Some(eos) = self.cfg.eos_token_id.filter(|&t| (t as usize) < words * 32) {
+            mask.words[eos as usize / 32] |= 1 << (eos % 32);
+        }
+    }
+
     /// Fills `mask` with the tokens the grammar of row `row`'s request allows next; false when the
     /// request has none. A grammar that fails (its parser gave up) allows only EOS and ends the
     /// request with that error at its next token.
     pub fn allowed(&mut self, row: usize, mask: &mut TokenMask) -> bool {
-        let words = self.cfg.vocab_size.div_ceil(32);
-        let eos = self.cfg.eos_token_id;
-        let Some(seq) = self.rows.get_mut(row).and_then(Option::as_mut) else { return false };
-        let Some(c) = seq.constraint.as_mut() else { return false };
-        if let Err(e) = c.allowed(mask) {
-            seq.constraint_error = Some(format!("the grammar failed: {e}"));
-            mask.words.clear();
-            mask.words.resize(words, 0);
-            if let Some(eos) = eos.filter(|&t| (t as usize) < words * 32) {
-                mask.words[eos as usize / 32] |= 1 << (eos % 32);
-            }
+        let Some(mut c) = self.take_constraint(row) else { return false };
+        let error = c.allowed(mask).err().map(|e| format!("the grammar failed: {e}"));
+        if error.is_some() {
+            self.eos_only(mask);
         }
+        self.return_constraint(row, c, error);
         true
     }
 

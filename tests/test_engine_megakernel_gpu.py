@@ -222,12 +222,13 @@ def test_the_server_streams_a_chat_completion_on_the_megakernel():
     assert code == 0, server.output()
 
 
-@pytest.mark.parametrize("variable,value", [("MK_TASK_UPLOAD", "bands"), ("MK_DEALING", "balanced")])
+@pytest.mark.parametrize("variable,value", [("MK_TASK_UPLOAD", "full"), ("MK_DEALING", "balanced")])
 def test_host_side_variants_give_the_same_tokens(model, monkeypatch, variable, value):
-    """MK_TASK_UPLOAD=bands uploads only the attention bands of a patched step's task lists;
-    MK_DEALING=balanced deals the tasks by the cost model. Neither may change a result: a lone greedy
-    request (one batch shape throughout, so the same kernel arithmetic) decodes the same tokens with
-    the same log-probabilities as by default, across pages and split changes."""
+    """MK_TASK_UPLOAD=full uploads the whole task array every step (by default only the attention
+    bands a patched step changed); MK_DEALING=balanced deals the tasks by the cost model. Neither
+    may change a result: a lone greedy request (one batch shape throughout, so the same kernel
+    arithmetic) decodes the same tokens with the same log-probabilities as by default, across
+    pages and split changes."""
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, logprobs=0)
     p = prompt(100, 11)
     with engine(model, "megakernel") as e:

@@ -92,7 +92,8 @@ pub struct GpuLauncher {
     setup: StepSetup,
     /// Per launch index: the last step's task lists, patched while the batch keeps its shape.
     launches: Vec<LaunchTasks>,
-    /// Upload only the attention bands a patch changed (`MK_TASK_UPLOAD=bands`; else everything).
+    /// Upload only the attention bands a patch changed (the default; `MK_TASK_UPLOAD=full`: the
+    /// whole array every step).
     band_uploads: bool,
     tokens: CudaSlice<i32>,
     positions: CudaSlice<i32>,
@@ -138,7 +139,7 @@ impl GpuLauncher {
             stream,
             setup,
             launches: Vec::new(),
-            band_uploads: std::env::var("MK_TASK_UPLOAD").is_ok_and(|v| v == "bands"),
+            band_uploads: !std::env::var("MK_TASK_UPLOAD").is_ok_and(|v| v == "full"),
             tokens,
             positions,
             tables,

@@ -181,3 +181,13 @@ def test_a_tool_whose_schema_does_not_compile_is_a_400(server):
         timeout=60,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
+def test_guided_choice_answers_one_of_the_choices(client):
+    choices = ["yes", "no", "it depends"]
+    out = client.completions.create(
+        model="mk-embedded", prompt="Is it?", max_tokens=10, temperature=0, extra_body={"guided_choice": choices}
+    )
+    assert out.choices[0].text in choices and out.choices[0].finish_reason == "stop", out
+    answer = chat(client, "Is Python fun?", extra_body={"guided_choice": choices}).choices[0]
+    assert answer.message.content in choices and answer.finish_reason == "stop", answer

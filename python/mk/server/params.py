@@ -63,7 +63,7 @@ def max_new_tokens(req: _Sampling, prompt_len: int, max_context: int) -> int:
 
 def constraint(req: _Sampling, thinking: bool | None = None) -> ConstraintSpec | None:
     """The grammar the output must follow: chat's `response_format` (`json_object`, `json_schema`) or
-    one of vLLM's `guided_json`, `guided_regex`, `guided_grammar` (completions only), and in a chat
+    one of vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (completions only), and in a chat
     with tools the action block. A chat's grammar covers the answer the template expects: the
     reasoning the prompt opened (`thinking`: free text up to its end marker), then either
     `<|START_RESPONSE|>` body `<|END_RESPONSE|>` (body: the constrained one, else any text) or,
@@ -79,6 +79,10 @@ def constraint(req: _Sampling, thinking: bool | None = None) -> ConstraintSpec |
         found.append(("guided_json", "json_schema", schema))
     if req.guided_regex is not None:
         found.append(("guided_regex", "regex", req.guided_regex))
+    if req.guided_choice is not None:
+        if not all(req.guided_choice):
+            raise bad_request("guided_choice entries must be non-empty strings", "guided_choice")
+        found.append(("guided_choice", "lark", "start: " + _alternatives(req.guided_choice)))
     if req.guided_grammar is not None:
         if isinstance(req, ChatRequest):
             raise bad_request("guided_grammar is supported on /v1/completions only", "guided_grammar")
@@ -135,6 +139,11 @@ def _response_format(rf: dict[str, Any]) -> list[tuple[str, str, str]]:
     )
 
 
+def _alternatives(choices: list[str]) -> str:
+    """A Lark rule body matching exactly one of `choices` (JSON string syntax is Lark's)."""
+    return " | ".join(json.dumps(c) for c in choices)
+
+
 def _json_rule(schema: Any) -> str:
     if isinstance(schema, dict):
         schema = {**schema, "x-guidance": schema.get("x-guidance", json.loads(_native.JSON_LAYOUT))}
@@ -148,6 +157,8 @@ def _chat_grammar(kind: str, value: str, thinking: bool, tools: tuple[dict[str, 
         body = _json_rule(json.loads(value))
     elif kind == "regex":
         body = "/" + value.replace("/", "\\/") + "/"
+    elif kind == "lark":  # guided_choice's alternatives (a chat takes no other grammar)
+        body = value.removeprefix("start: ")
     else:  # any text
         body = "/(?s:.*)/"
     answers = ["response"]

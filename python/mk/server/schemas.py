@@ -59,6 +59,7 @@ class _Sampling(_Body):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_grammar: str | None = None  # llguidance's Lark dialect; /v1/completions only
+    guided_choice: list[str] | None = Field(None, min_length=1)
     presence_penalty: float | None = Field(None, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, allow_inf_nan=False)
     repetition_penalty: float | None = Field(None, allow_inf_nan=False)

@@ -1,7 +1,9 @@
-"""The Python half of the `Reference` decode backend: the PyTorch reference model over a paged KV
-pool, called by the Rust decode loop (`rust/python/reference_backend.rs`) with the GIL held.
+"""The Python halves of the decode backends, called by the Rust decode loop with the GIL held:
+`PrefillRunner` (the KV pool and PyTorch prefill every backend shares) and `ReferenceRunner`, which
+also decodes with the PyTorch reference model (`rust/python/reference_backend.rs`); the megakernel's
+is `mk.megakernel.runner.MegakernelRunner`.
 
-Rust owns the block ids; this object owns the K/V tensors and a mirror of the dense page table,
+Rust owns the block ids; a runner owns the K/V tensors and a mirror of the dense page table,
 patched with the rows Rust reports as changed. It returns logits as float32 numpy arrays and Rust
 samples them. Prefill chunks run through `mk.prefill.Prefill` when one is given (the engine's
 choice on a GPU), else through the reference model's own forward.
@@ -22,7 +24,9 @@ from mk.prefill import Prefill, PrefillRequest
 log = logging.getLogger("mk")
 
 
-class ReferenceRunner:
+class PrefillRunner:
+    """The model over a paged KV pool: prefill (and its warm-up); decode is each backend's own."""
+
     def __init__(
         self, model: Model, num_blocks: int, max_batch: int, max_context: int, fast_prefill: Prefill | None = None
     ) -> None:
@@ -75,6 +79,10 @@ class ReferenceRunner:
                     rows.append(out[-1])
             logits = torch.stack(rows) if rows else torch.empty(0, self.model.config.vocab_size)
         return _host(logits)
+
+
+class ReferenceRunner(PrefillRunner):
+    """Decodes with the PyTorch reference model too."""
 
     def decode(self, rows: list[int], tokens: list[int], positions: list[int], dirty: list[tuple[int, bytes]]):
         self._sync(dirty)

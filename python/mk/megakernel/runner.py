@@ -20,7 +20,7 @@ from mk.megakernel.launch import ModelTables, fixed_step_args, pack_step_args
 from mk.megakernel.support import MAX_STEP_ROWS, MegakernelUnavailable, megakernel_unsupported
 from mk.model.reference import Model
 from mk.prefill import Prefill
-from mk.runner import ReferenceRunner
+from mk.runner import PrefillRunner
 
 # MkStepArgs fields Rust fills in for every launch (its buffers, or per-step values).
 PER_STEP_FIELDS = tuple(_native.PER_STEP_FIELDS)
@@ -34,7 +34,9 @@ def step_template(model: Model, kv, tables: ModelTables, buf: StepBuffers) -> by
     return pack_step_args(values)
 
 
-class MegakernelRunner(ReferenceRunner):
+class MegakernelRunner(PrefillRunner):
+    """Prefills on its own CUDA stream and hands the kernel's buffers to Rust, which decodes."""
+
     def __init__(
         self,
         model: Model,
@@ -74,9 +76,6 @@ class MegakernelRunner(ReferenceRunner):
         with torch.cuda.stream(self.stream):
             super().warm_up()
         self.stream.synchronize()
-
-    def decode(self, rows, tokens, positions, dirty):
-        raise RuntimeError("the megakernel backend decodes in Rust; this runner only prefills")
 
     def megakernel_setup(self) -> dict[str, int | bytes]:
         """Read once by the Rust backend (see rust/python/megakernel_backend.rs)."""

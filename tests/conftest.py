@@ -18,3 +18,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def server():
+    """`python -m mk.server` on the built-in model on the CPU, one per test module
+    that asks for it (modules with a server of their own define their own `server`)."""
+    from server_util import ServerProcess
+
+    s = ServerProcess("--device", "cpu", "--max-batch", "8", "--max-context", "1024").wait_ready()
+    yield s
+    assert s.stop() == 0, s.output()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official client on that server."""
+    import openai  # imported here: the GPU machine, which runs these tests too, lacks it
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)

@@ -7,24 +7,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_util import ServerProcess
 
 from mk.default_model import NAME, load_default
 
 TOK = load_default()[1]  # the embedded model's tokenizer, or the built-in one of the fallback
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = ServerProcess("--device", "cpu", "--max-batch", "8", "--max-context", "1024").wait_ready()
-    yield s
-    assert s.stop() == 0, s.output()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def greedy_reference(prompt_ids: list[int], n: int) -> list[int]:

@@ -12,23 +12,9 @@ import re
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_util import ServerProcess
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = ServerProcess("--device", "cpu", "--max-batch", "8", "--max-context", "1024").wait_ready()
-    yield s
-    assert s.stop() == 0, s.output()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
 
 
 def chat(client, content: str, **kw):

@@ -138,6 +138,12 @@ typedef enum MkLayerWeight {
 #define MK_STEP_MAX_BATCH 8
 // The most 16-row weight groups one GEMV task multiplies (128 output rows).
 #define MK_GEMV_MAX_GROUPS 8
+// The geometry the kernel's tasks are built for: the attention's head size and query heads per KV
+// head, the router's top-k and experts (mk.megakernel.support refuses models outside them).
+#define MK_STEP_HEAD_DIM 128
+#define MK_STEP_MAX_GROUP 8
+#define MK_STEP_MAX_TOP_K 8
+#define MK_STEP_MAX_EXPERTS 512
 
 // Everything one launch of the decode megakernel needs. Pointers are device addresses; the
 // buffers are described in python/mk/megakernel/buffers.py (StepBuffers).

@@ -16,11 +16,11 @@ union StepSmem {
     struct {
         float row[8192];  // one fp32 residual row (hidden <= 8192)
         float scratch[kWarps];
-        int slots[16];  // a row's top-k choices, then (from 8) sorted by slot
-        float scores[16];
+        int slots[2 * MK_STEP_MAX_TOP_K];  // a row's top-k choices, then (from MK_STEP_MAX_TOP_K) sorted by slot
+        float scores[2 * MK_STEP_MAX_TOP_K];
     } norm;
     struct {
-        int chosen[64];
+        int chosen[MK_STEP_MAX_BATCH * MK_STEP_MAX_TOP_K];
         int slot_of[32 * kTopkPerLane];
     } topk;
     struct {

@@ -8,8 +8,8 @@
 
 namespace mk {
 
-constexpr int kHeadDim = 128;
-constexpr int kMaxGroup = 8;
+constexpr int kHeadDim = MK_STEP_HEAD_DIM;
+constexpr int kMaxGroup = MK_STEP_MAX_GROUP;
 constexpr int kPage = MK_PAGE_SIZE;
 
 constexpr int kKvStages = 3;             // pages in shared memory: two in flight while one is used

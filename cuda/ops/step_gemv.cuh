@@ -21,7 +21,7 @@ struct GemvSmem {
     alignas(16) unsigned char act[kActBytes];  // the task's activations, [kMaxBatch][act_pitch(k)]
     float partial[kMaxGroups][kWarps][4][32];  // [group][warp][fragment][lane]
     float out[kMaxGroups][16][8];              // [group][row][batch]
-    int has_row[8];                            // expert tiles: which batch rows routed to the slot's expert
+    int has_row[kMaxBatch];                    // expert tiles: which batch rows routed to the slot's expert
 };
 
 // What a task multiplies, from its words and the step's dimensions alone (no loads): `groups`

@@ -9,6 +9,7 @@ namespace mk {
 // row and issues all its loads before the first use (one memory latency per task, not one per
 // value). hidden is a multiple of 32.
 constexpr int kVec = 8;
+constexpr int kMaxTopK = MK_STEP_MAX_TOP_K;
 
 __device__ __forceinline__ void load8_f32(const float* p, float (&v)[kVec]) {
     const float4 lo = __ldcg(reinterpret_cast<const float4*>(p)), hi = __ldcg(reinterpret_cast<const float4*>(p) + 1);
@@ -106,7 +107,7 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, float* v
         const float score = scores[threadIdx.x];
         int rank = 0;
         for (int k = 0; k < a.top_k; ++k) rank += slots[k] < slot;
-        slots[8 + rank] = slot, scores[8 + rank] = score;
+        slots[kMaxTopK + rank] = slot, scores[kMaxTopK + rank] = score;
     }
     compute_sync();
     slots += 8, scores += 8;
@@ -116,9 +117,9 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, float* v
         load8_f32(ptr<float>(a.x) + at, x);
         load8_f32(ptr<float>(a.y_attn) + at, y);
         if (moe) {
-            // top_k <= 8, unrolled: no store separates the loads, so they are all in flight at once.
+            // top_k <= kMaxTopK, unrolled: no store separates the loads, so they are all in flight at once.
 #pragma unroll
-            for (int k = 0; k < 8; ++k) {
+            for (int k = 0; k < kMaxTopK; ++k) {
                 if (k >= a.top_k) break;
                 float part[kVec];
                 load8_f32(ptr<float>(a.expert_out) + ((size_t)slots[k] * a.batch + b) * a.hidden + i0, part);
@@ -152,8 +153,8 @@ __device__ __forceinline__ float topk_logit(uint32_t key) {
 // the distinct chosen experts in ascending order. This task is on every MoE layer's critical
 // path: one warp per row, each lane keeping its experts' keys in registers, one redux.sync max
 // per choice.
-constexpr int kTopkPerLane = 16;  // experts per lane: at most 512 experts
-__device__ void run_topk(const MkStepArgs& a, const MkTask& t, int* chosen /* [8 * 8] */,
+constexpr int kTopkPerLane = MK_STEP_MAX_EXPERTS / 32;  // experts per lane of the selecting warp
+__device__ void run_topk(const MkStepArgs& a, const MkTask& t, int* chosen /* [batch * kMaxTopK] */,
                          int* slot_of /* [experts] */) {
     for (int e = threadIdx.x; e < a.experts; e += kThreads) slot_of[e] = -1;
     compute_sync();
@@ -175,7 +176,7 @@ __device__ void run_topk(const MkStepArgs& a, const MkTask& t, int* chosen /* [8
             for (int j = 0; j < kTopkPerLane; ++j)
                 if (keys[j] == best) keys[j] = 0;  // taken (keys are distinct: one expert each)
             if (lane == 0) {
-                chosen[b * 8 + k] = id;
+                chosen[b * kMaxTopK + k] = id;
                 ptr<float>(a.topk_score)[b * a.top_k + k] = 1.f / (1.f + expf(-topk_logit(best)));
                 ptr<int32_t>(a.routing_log)[((size_t)t.layer * a.batch + b) * a.top_k + k] = id;
                 slot_of[id] = 0;
@@ -201,7 +202,7 @@ __device__ void run_topk(const MkStepArgs& a, const MkTask& t, int* chosen /* [8
     }
     compute_sync();
     for (int i = threadIdx.x; i < a.batch * a.top_k; i += kThreads)
-        ptr<int32_t>(a.topk_slot)[i] = slot_of[chosen[(i / a.top_k) * 8 + i % a.top_k]];
+        ptr<int32_t>(a.topk_slot)[i] = slot_of[chosen[(i / a.top_k) * kMaxTopK + i % a.top_k]];
 }
 
 // Greedy: the best (logit, lowest id) of a vocabulary slice, then over the slices.

@@ -8,6 +8,10 @@ from mk.config import ModelConfig
 
 STEP_MAX_K: int  # MK_STEP_MAX_K: the longest GEMV reduction the megakernel takes
 GEMV_MAX_GROUPS: int  # MK_GEMV_MAX_GROUPS: 16-row weight groups per GEMV task at most
+STEP_HEAD_DIM: int  # MK_STEP_HEAD_DIM: the attention's head size
+STEP_MAX_GROUP: int  # MK_STEP_MAX_GROUP: query heads per KV head at most
+STEP_MAX_TOP_K: int  # MK_STEP_MAX_TOP_K: experts per token at most
+STEP_MAX_EXPERTS: int  # MK_STEP_MAX_EXPERTS: experts per layer at most
 ROW_GROUPS: int  # the task builder's default row groups of expert down and LM-head tasks
 JSON_LAYOUT: str  # llguidance's x-guidance options constrained JSON gets unless its schema has its own
 STEP_MAX_BATCH: int  # MK_STEP_MAX_BATCH: rows per megakernel launch

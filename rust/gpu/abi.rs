@@ -142,6 +142,12 @@ pub const STEP_MAX_K: usize = 4096;
 pub const STEP_MAX_BATCH: usize = 8;
 /// `MK_GEMV_MAX_GROUPS`: the most 16-row weight groups of one GEMV task.
 pub const GEMV_MAX_GROUPS: usize = 8;
+/// `MK_STEP_HEAD_DIM`, `MK_STEP_MAX_GROUP`, `MK_STEP_MAX_TOP_K`, `MK_STEP_MAX_EXPERTS`: the
+/// geometry the kernel's tasks are built for.
+pub const STEP_HEAD_DIM: usize = 128;
+pub const STEP_MAX_GROUP: usize = 8;
+pub const STEP_MAX_TOP_K: usize = 8;
+pub const STEP_MAX_EXPERTS: usize = 512;
 /// `MK_STAGE_ROWS` x `MK_STAGE_COLS`: the box of the weight tensor maps (one ring stage), and
 /// `MK_TENSOR_MAP_BYTES`, the size of one encoded map.
 pub const STAGE_ROWS: u32 = 16;
@@ -193,6 +199,10 @@ pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
     out.push(("MK_STEP_MAX_K", STEP_MAX_K as u64));
     out.push(("MK_STEP_MAX_BATCH", STEP_MAX_BATCH as u64));
     out.push(("MK_GEMV_MAX_GROUPS", GEMV_MAX_GROUPS as u64));
+    out.push(("MK_STEP_HEAD_DIM", STEP_HEAD_DIM as u64));
+    out.push(("MK_STEP_MAX_GROUP", STEP_MAX_GROUP as u64));
+    out.push(("MK_STEP_MAX_TOP_K", STEP_MAX_TOP_K as u64));
+    out.push(("MK_STEP_MAX_EXPERTS", STEP_MAX_EXPERTS as u64));
     out.push(("MK_STAGE_ROWS", STAGE_ROWS as u64));
     out.push(("MK_STAGE_COLS", STAGE_COLS as u64));
     out.push(("MK_TENSOR_MAP_BYTES", TENSOR_MAP_BYTES as u64));

@@ -103,6 +103,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("GpuError", m.py().get_type::<errors::GpuError>())?;
     m.add("STEP_MAX_K", gpu::abi::STEP_MAX_K)?;
     m.add("GEMV_MAX_GROUPS", gpu::abi::GEMV_MAX_GROUPS)?;
+    m.add("STEP_HEAD_DIM", gpu::abi::STEP_HEAD_DIM)?;
+    m.add("STEP_MAX_GROUP", gpu::abi::STEP_MAX_GROUP)?;
+    m.add("STEP_MAX_TOP_K", gpu::abi::STEP_MAX_TOP_K)?;
+    m.add("STEP_MAX_EXPERTS", gpu::abi::STEP_MAX_EXPERTS)?;
     m.add("ROW_GROUPS", crate::graph::ROW_GROUPS)?;
     m.add("JSON_LAYOUT", crate::grammar::JSON_LAYOUT)?;
     m.add("STEP_MAX_BATCH", gpu::abi::STEP_MAX_BATCH)?;

@@ -27,11 +27,16 @@ def geometry_unsupported(cfg: ModelConfig) -> str | None:
     """Why the kernel cannot run this geometry (cuda/ops limits), or None."""
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     longest_k = max(cfg.hidden_size, cfg.q_width, cfg.intermediate_size, cfg.prefix_dense_intermediate_size)
+    n = _native  # the kernel's limits, from cuda/abi.h
     checks = [
-        (cfg.head_dim == 128, f"head_dim is {cfg.head_dim} (the kernel's attention is built for 128)"),
         (
-            cfg.num_attention_heads % cfg.num_key_value_heads == 0 and group <= 8,
-            f"{cfg.num_attention_heads} query heads over {cfg.num_key_value_heads} KV heads (groups of at most 8)",
+            cfg.head_dim == n.STEP_HEAD_DIM,
+            f"head_dim is {cfg.head_dim} (the kernel's attention is built for {n.STEP_HEAD_DIM})",
+        ),
+        (
+            cfg.num_attention_heads % cfg.num_key_value_heads == 0 and group <= n.STEP_MAX_GROUP,
+            f"{cfg.num_attention_heads} query heads over {cfg.num_key_value_heads} KV heads "
+            f"(groups of at most {n.STEP_MAX_GROUP})",
         ),
         (cfg.hidden_size % 32 == 0, f"hidden_size {cfg.hidden_size} is not a multiple of 32"),
         (
@@ -43,8 +48,11 @@ def geometry_unsupported(cfg: ModelConfig) -> str | None:
             "FFN widths must be multiples of 32",
         ),
         (cfg.vocab_size % 16 == 0, f"vocab_size {cfg.vocab_size} is not a multiple of 16"),
-        (cfg.num_experts_per_tok <= 8, f"top-{cfg.num_experts_per_tok} routing (at most 8)"),
-        (cfg.num_experts <= 512, f"{cfg.num_experts} experts (at most 512)"),
+        (
+            cfg.num_experts_per_tok <= n.STEP_MAX_TOP_K,
+            f"top-{cfg.num_experts_per_tok} routing (at most {n.STEP_MAX_TOP_K})",
+        ),
+        (cfg.num_experts <= n.STEP_MAX_EXPERTS, f"{cfg.num_experts} experts (at most {n.STEP_MAX_EXPERTS})"),
     ]
     for ok, why in checks:
         if not ok:

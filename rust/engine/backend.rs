@@ -80,7 +80,7 @@ pub struct BackendError(pub String);
 /// What one prefill chunk gave: the next token after a last chunk, else None.
 pub type PrefillResult = Result<Option<Sampled>, BackendError>;
 
-pub trait DecodeBackend: Send {
+pub trait Backend: Send {
     /// Computes K/V for every chunk; `out` receives one result per chunk, in order: the sampled
     /// next token for a last chunk, else None (or the error that ended that chunk). `Err`: the call
     /// as a whole failed and `out` is untouched (the engine then retries the chunks one by one).
@@ -90,7 +90,7 @@ pub trait DecodeBackend: Send {
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError>;
 }
 
-impl<B: DecodeBackend + ?Sized> DecodeBackend for Box<B> {
+impl<B: Backend + ?Sized> Backend for Box<B> {
     fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) -> Result<(), BackendError> {
         (**self).prefill(input, out)
     }

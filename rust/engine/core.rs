@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use super::backend::{BackendError, DecodeBackend, DecodeInput, PrefillChunkInput, PrefillInput, PrefillResult};
+use super::backend::{Backend, BackendError, DecodeInput, PrefillChunkInput, PrefillInput, PrefillResult};
 use crate::grammar::{Constraint, MaskSet, TokenMask, NO_MASKS};
 use crate::sampling::Sampled;
 use crate::sched::{DecodeBatch, Event, PrefillChunk, Scheduler};
@@ -41,7 +41,7 @@ pub struct Core<B> {
     pub check_invariants: bool,
 }
 
-impl<B: DecodeBackend> Core<B> {
+impl<B: Backend> Core<B> {
     pub fn new(sched: Scheduler, backend: B) -> Self {
         Self {
             sched,

@@ -4,7 +4,7 @@
 //! id, a stale page or a bad prefix attach therefore changes the output or fails the call, while
 //! any correct schedule reproduces `MockModel::solo`, the request run alone.
 
-use super::backend::{BackendError, DecodeBackend, DecodeInput, PrefillChunkInput, PrefillInput, PrefillResult};
+use super::backend::{Backend, BackendError, DecodeInput, PrefillChunkInput, PrefillInput, PrefillResult};
 use crate::grammar::TokenMask;
 use crate::kv::KvConfig;
 use crate::sampling::{SampleSpec, Sampled, Sampler};
@@ -185,7 +185,7 @@ impl MockBackend {
     }
 }
 
-impl DecodeBackend for MockBackend {
+impl Backend for MockBackend {
     fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) -> Result<(), BackendError> {
         let rows: std::collections::HashSet<usize> = input.chunks.iter().map(|c| c.row).collect();
         assert_eq!(rows.len(), input.chunks.len(), "one chunk per sequence and call");

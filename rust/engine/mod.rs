@@ -1,4 +1,4 @@
-//! The engine: a Rust thread that owns the scheduler, the KV accounting and a `DecodeBackend`,
+//! The engine: a Rust thread that owns the scheduler, the KV accounting and a `Backend`,
 //! and runs the decode loop; clients talk to it only through `Engine` (commands in, events out).
 
 pub mod backend;
@@ -24,7 +24,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 pub use self::core::{Core, LoopMetrics};
-pub use backend::{BackendError, DecodeBackend, DecodeInput, PrefillChunkInput, PrefillInput, PrefillResult};
+pub use backend::{Backend, BackendError, DecodeInput, PrefillChunkInput, PrefillInput, PrefillResult};
 pub use events::EventQueue;
 pub use noop::NoopBackend;
 pub use sampling_backend::{LogitsModel, SamplingBackend};
@@ -92,7 +92,7 @@ pub struct Engine {
 
 impl Engine {
     /// Validates the configuration and starts the loop thread over `backend`.
-    pub fn start<B: DecodeBackend + 'static>(config: EngineConfig, backend: B) -> Result<Self, EngineError> {
+    pub fn start<B: Backend + 'static>(config: EngineConfig, backend: B) -> Result<Self, EngineError> {
         let sched = Scheduler::new(config.sched.clone(), config.kv)?;
         let mut core = Core::new(sched, backend);
         core.check_invariants = config.check_invariants;

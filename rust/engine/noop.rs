@@ -2,7 +2,7 @@
 //! host work every real backend must: copying the page-table rows that changed into its own
 //! mirror (what a GPU backend uploads).
 
-use super::backend::{BackendError, DecodeBackend, DecodeInput, PrefillInput, PrefillResult};
+use super::backend::{Backend, BackendError, DecodeInput, PrefillInput, PrefillResult};
 use crate::sampling::Sampled;
 use crate::sched::PageTable;
 
@@ -35,7 +35,7 @@ impl NoopBackend {
     }
 }
 
-impl DecodeBackend for NoopBackend {
+impl Backend for NoopBackend {
     fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) -> Result<(), BackendError> {
         self.upload(input.table, input.dirty_rows);
         out.extend(input.chunks.iter().map(|c| Ok(c.last.then(|| Sampled::token(self.token)))));

@@ -2,7 +2,7 @@
 //! computes logits for the engine's calls, and this module samples them with the shared sampler,
 //! the same rules the megakernel follows on the GPU.
 
-use super::backend::{BackendError, DecodeBackend, DecodeInput, PrefillInput, PrefillResult};
+use super::backend::{Backend, BackendError, DecodeInput, PrefillInput, PrefillResult};
 use crate::sampling::{Sampled, Sampler};
 
 /// What computes logits: the model part of a [`SamplingBackend`].
@@ -18,7 +18,7 @@ pub trait LogitsModel: Send {
     fn decode(&mut self, input: &DecodeInput<'_>, logits: &mut Vec<f32>) -> Result<(), BackendError>;
 }
 
-/// A [`LogitsModel`] plus sampling: a [`DecodeBackend`].
+/// A [`LogitsModel`] plus sampling: a [`Backend`].
 pub struct SamplingBackend<M> {
     model: M,
     sampler: Sampler,
@@ -39,7 +39,7 @@ fn rows(logits: &[f32], vocab: usize, expected: usize) -> Result<std::slice::Chu
     Ok(logits.chunks_exact(vocab))
 }
 
-impl<M: LogitsModel> DecodeBackend for SamplingBackend<M> {
+impl<M: LogitsModel> Backend for SamplingBackend<M> {
     fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) -> Result<(), BackendError> {
         self.model.prefill(input, &mut self.logits)?;
         let mut rows = rows(&self.logits, self.model.vocab(), input.chunks.iter().filter(|c| c.last).count())?;

@@ -8,12 +8,12 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::backend::DecodeBackend;
+use super::backend::Backend;
 use super::core::Core;
 use super::{Command, EngineStats, Shared};
 use crate::sched::{Event, FinishReason};
 
-pub(super) fn run<B: DecodeBackend>(shared: Arc<Shared>, mut core: Core<B>) {
+pub(super) fn run<B: Backend>(shared: Arc<Shared>, mut core: Core<B>) {
     let mut out = Vec::new();
     let result = catch_unwind(AssertUnwindSafe(|| serve(&shared, &mut core, &mut out)));
     if let Err(panic) = result {
@@ -33,7 +33,7 @@ pub(super) fn run<B: DecodeBackend>(shared: Arc<Shared>, mut core: Core<B>) {
     shared.events.close();
 }
 
-fn serve<B: DecodeBackend>(shared: &Shared, core: &mut Core<B>, out: &mut Vec<Event>) {
+fn serve<B: Backend>(shared: &Shared, core: &mut Core<B>, out: &mut Vec<Event>) {
     let mut commands = Vec::new();
     loop {
         let closing = {

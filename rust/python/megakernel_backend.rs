@@ -16,7 +16,7 @@ use super::errors;
 use super::graph::geometry_from;
 use super::reference_backend::{reference_backend, ReferenceBackend};
 use crate::engine::megakernel::MegakernelDecoder;
-use crate::engine::{BackendError, DecodeBackend, DecodeInput, PrefillInput, PrefillResult};
+use crate::engine::{Backend, BackendError, DecodeInput, PrefillInput, PrefillResult};
 use crate::gpu::step::{GpuLauncher, StepSetup};
 use crate::gpu::{Gpu, MkStepArgs};
 use crate::graph::BuildOptions;
@@ -89,7 +89,7 @@ impl MegakernelBackend {
     }
 }
 
-impl DecodeBackend for MegakernelBackend {
+impl Backend for MegakernelBackend {
     fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) -> Result<(), BackendError> {
         self.unsent.resize(input.table.rows(), false);
         for &r in input.dirty_rows {

@@ -32,10 +32,6 @@ pub struct Core<B> {
     sampled: Vec<Sampled>,
     chunks: Vec<PrefillChunk>,
     prefilled: Vec<PrefillResult>,
-    /// Grammar masks of this iteration's constrained rows: one buffer per prefill chunk or decode
-    /// row (reused), and whether that row has one.
-    masks: Vec<TokenMask>,
-    masked: Vec<bool>,
     pub metrics: LoopMetrics,
     /// Run `Scheduler::check` after every iteration (tests; O(arena) per step).
     pub check_invariants: bool,
@@ -50,23 +46,8 @@ impl<B: Backend> Core<B> {
             sampled: Vec::new(),
             chunks: Vec::new(),
             prefilled: Vec::new(),
-            masks: Vec::new(),
-            masked: Vec::new(),
             metrics: LoopMetrics::default(),
             check_invariants: false,
-        }
-    }
-
-    /// The grammar mask of each prefill chunk's row into `masks[i]` / `masked[i]` (None: the
-    /// chunk samples nothing, not being its prompt's last).
-    fn fill_masks(&mut self, rows: impl Iterator<Item = Option<usize>>) {
-        self.masked.clear();
-        for (i, row) in rows.enumerate() {
-            if self.masks.len() <= i {
-                self.masks.push(TokenMask::default());
-            }
-            let has = row.is_some_and(|r| self.sched.allowed(r, &mut self.masks[i]));
-            self.masked.push(has);
         }
     }
 
@@ -87,8 +68,13 @@ impl<B: Backend> Core<B> {
         let mut chunks = std::mem::take(&mut self.chunks);
         self.sched.plan_prefill(self.sched.config().prefill_chunk, &mut chunks, out);
         if !chunks.is_empty() {
-            self.fill_masks(chunks.iter().map(|c| c.last.then_some(c.row)));
-            let (sched, masks, masked) = (&self.sched, &self.masks, &self.masked);
+            // A prompt's last chunk samples its first token: under a grammar, with its mask.
+            let mut lent = Lent::take(&mut self.sched, chunks.iter().map(|c| c.last.then_some(c.row)));
+            if let Some((l, masks)) = &mut lent {
+                l.fill(masks);
+            }
+            let masks = lent.as_ref().map_or(&NO_MASKS, |(_, m)| m);
+            let sched = &self.sched;
             let inputs: Vec<PrefillChunkInput<'_>> = chunks
                 .iter()
                 .enumerate()
@@ -99,7 +85,7 @@ impl<B: Backend> Core<B> {
                     start: c.start,
                     last: c.last,
                     spec: c.spec,
-                    allowed: masked[i].then(|| &masks[i]),
+                    allowed: masks.get(i),
                 })
                 .collect();
             let input = PrefillInput { chunks: &inputs, table: sched.page_table(), dirty_rows: sched.dirty_rows() };
@@ -123,6 +109,9 @@ impl<B: Backend> Core<B> {
             }
             backend_ns += t.elapsed().as_nanos() as u64;
             drop(inputs);
+            if let Some((l, _)) = lent {
+                l.give_back(&mut self.sched);
+            }
             self.sched.clear_dirty();
             self.metrics.prefill_chunks += chunks.len() as u64;
             if results.len() != chunks.len() {
@@ -147,38 +136,26 @@ impl<B: Backend> Core<B> {
             // Constrained rows lend their grammar states to a helper thread that computes their
             // masks while the backend runs the step; the backend waits for them only where it
             // samples those rows.
-            let lent: Vec<(usize, Constraint)> = (0..self.batch.len())
-                .filter_map(|i| self.sched.take_constraint(self.batch.rows[i]).map(|c| (i, c)))
-                .collect();
-            let mut eos_only = TokenMask::default();
-            let pending = (!lent.is_empty()).then(|| {
-                self.sched.eos_only(&mut eos_only);
-                let mut constrained = vec![false; self.batch.len()];
-                lent.iter().for_each(|&(i, _)| constrained[i] = true);
-                MaskSet::pending(constrained)
-            });
-            let (mut lent, n) = (lent, self.batch.len());
-            let mut errors: Vec<Option<String>> = Vec::with_capacity(lent.len());
+            let (mut lent, masks) = Lent::take(&mut self.sched, self.batch.rows.iter().map(|&r| Some(r))).unzip();
             self.sampled.clear();
             let t = Instant::now();
             let result = std::thread::scope(|s| {
-                if let Some(set) = &pending {
-                    let (lent, errors, eos_only) = (&mut lent, &mut errors, &eos_only);
-                    s.spawn(move || set.fill(compute_masks(lent, n, eos_only, errors)));
+                if let (Some(l), Some(masks)) = (&mut lent, &masks) {
+                    s.spawn(move || l.fill(masks));
                 }
                 let input = DecodeInput {
                     rows: &self.batch.rows,
                     tokens: &self.batch.tokens,
                     positions: &self.batch.positions,
                     specs: &self.batch.specs,
-                    masks: pending.as_ref().unwrap_or(&NO_MASKS),
+                    masks: masks.as_ref().unwrap_or(&NO_MASKS),
                     table: self.sched.page_table(),
                     dirty_rows: self.sched.dirty_rows(),
                 };
                 self.backend.decode(&input, &mut self.sampled)
             });
-            for ((i, c), error) in lent.into_iter().zip(errors) {
-                self.sched.return_constraint(self.batch.rows[i], c, error);
+            if let Some(l) = lent {
+                l.give_back(&mut self.sched);
             }
             backend_ns += t.elapsed().as_nanos() as u64;
             self.sched.clear_dirty();
@@ -212,26 +189,58 @@ impl<B: Backend> Core<B> {
     }
 }
 
-/// The masks of a step's lent grammar states, `n` rows long (`lent` holds (row index, state)); a
-/// grammar that fails or panics allows only EOS and its error goes to `errors`, in `lent`'s order.
-fn compute_masks(
-    lent: &mut [(usize, Constraint)],
-    n: usize,
-    eos_only: &TokenMask,
-    errors: &mut Vec<Option<String>>,
-) -> Vec<TokenMask> {
-    let mut masks = vec![TokenMask::default(); n];
-    for (i, c) in lent.iter_mut() {
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.allowed(&mut masks[*i])));
-        let error = match result {
-            Ok(Ok(())) => None,
-            Ok(Err(e)) => Some(format!("the grammar failed: {e}")),
-            Err(_) => Some("the grammar engine failed".to_string()),
-        };
-        if error.is_some() {
-            masks[*i] = eos_only.clone();
+/// The grammar states of one backend call's constrained entries, lent out of their sequences
+/// while their masks are computed and the backend samples.
+struct Lent {
+    /// (entry of the call, its batch row, the state)
+    states: Vec<(usize, usize, Constraint)>,
+    /// Per state: why its grammar failed (it then allows only EOS and the request ends).
+    errors: Vec<Option<String>>,
+    eos_only: TokenMask,
+}
+
+impl Lent {
+    /// The states of `rows` (one per entry of the call; None: the entry samples nothing) and the
+    /// masks to come, or None when no entry is constrained.
+    fn take(sched: &mut Scheduler, rows: impl Iterator<Item = Option<usize>>) -> Option<(Lent, MaskSet)> {
+        let (mut states, mut constrained) = (Vec::new(), Vec::new());
+        for (i, row) in rows.enumerate() {
+            let c = row.and_then(|r| sched.take_constraint(r).map(|c| (r, c)));
+            constrained.push(c.is_some());
+            states.extend(c.map(|(r, c)| (i, r, c)));
         }
-        errors.push(error);
+        if states.is_empty() {
+            return None;
+        }
+        let mut eos_only = TokenMask::default();
+        sched.eos_only(&mut eos_only);
+        Some((Lent { states, errors: Vec::new(), eos_only }, MaskSet::pending(constrained)))
     }
-    masks
+
+    /// Fills `masks` from the states; a grammar that fails or panics allows only EOS and its error
+    /// goes to `errors`, in `states`' order.
+    fn fill(&mut self, masks: &MaskSet) {
+        let entries = self.states.last().map_or(0, |&(i, _, _)| i + 1);
+        let mut out = vec![TokenMask::default(); entries];
+        for (i, _, c) in self.states.iter_mut() {
+            let mask = &mut out[*i];
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.allowed(mask)));
+            let error = match result {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) => Some(format!("the grammar failed: {e}")),
+                Err(_) => Some("the grammar engine failed".to_string()),
+            };
+            if error.is_some() {
+                *mask = self.eos_only.clone();
+            }
+            self.errors.push(error);
+        }
+        masks.fill(out);
+    }
+
+    fn give_back(self, sched: &mut Scheduler) {
+        for ((_, row, c), error) in self.states.into_iter().zip(self.errors) {
+            sched.return_constraint(row, c, error);
+        }
+    }
 }

@@ -203,19 +203,6 @@ impl Scheduler {
         }
     }
 
-    /// Fills `mask` with the tokens the grammar of row `row`'s request allows next; false when the
-    /// request has none. A grammar that fails (its parser gave up) allows only EOS and ends the
-    /// request with that error at its next token.
-    pub fn allowed(&mut self, row: usize, mask: &mut TokenMask) -> bool {
-        let Some(mut c) = self.take_constraint(row) else { return false };
-        let error = c.allowed(mask).err().map(|e| format!("the grammar failed: {e}"));
-        if error.is_some() {
-            self.eos_only(mask);
-        }
-        self.return_constraint(row, c, error);
-        true
-    }
-
     pub fn live(&self) -> usize {
         self.order.len()
     }

@@ -71,7 +71,7 @@ def constraint(req: _Sampling, thinking: bool | None = None) -> ConstraintSpec |
     request's tools (tool_choice's one, once, for a named function) and whose parameters follow
     each tool's schema. tool_choice "required" or a named function allows only the action."""
     tools = _tool_calls(req) if isinstance(req, ChatRequest) else None
-    found: list[tuple[str, str, str]] = []  # (field, kind, value)
+    found: list[tuple[str, str, str]] = []  # (field, kind, value); kind "choice": a Lark rule body of alternatives
     if isinstance(req, ChatRequest) and req.response_format is not None:
         found += _response_format(req.response_format)
     if req.guided_json is not None:
@@ -82,7 +82,7 @@ def constraint(req: _Sampling, thinking: bool | None = None) -> ConstraintSpec |
     if req.guided_choice is not None:
         if not all(req.guided_choice):
             raise bad_request("guided_choice entries must be non-empty strings", "guided_choice")
-        found.append(("guided_choice", "lark", "start: " + _alternatives(req.guided_choice)))
+        found.append(("guided_choice", "choice", _alternatives(req.guided_choice)))
     if req.guided_grammar is not None:
         if isinstance(req, ChatRequest):
             raise bad_request("guided_grammar is supported on /v1/completions only", "guided_grammar")
@@ -93,7 +93,11 @@ def constraint(req: _Sampling, thinking: bool | None = None) -> ConstraintSpec |
         return None
     origin, kind, value = found[0] if found else ("tools", "text", "")
     if thinking is None:
-        return ConstraintSpec(kind, value, origin)
+        return (
+            ConstraintSpec("lark", f"start: {value}", origin)
+            if kind == "choice"
+            else ConstraintSpec(kind, value, origin)
+        )
     return ConstraintSpec("lark", _chat_grammar(kind, value, thinking, tools), origin)
 
 
@@ -157,8 +161,8 @@ def _chat_grammar(kind: str, value: str, thinking: bool, tools: tuple[dict[str, 
         body = _json_rule(json.loads(value))
     elif kind == "regex":
         body = "/" + value.replace("/", "\\/") + "/"
-    elif kind == "lark":  # guided_choice's alternatives (a chat takes no other grammar)
-        body = value.removeprefix("start: ")
+    elif kind == "choice":  # guided_choice's alternatives, a Lark rule body
+        body = value
     else:  # any text
         body = "/(?s:.*)/"
     answers = ["response"]

@@ -16,8 +16,8 @@ union StepSmem {
     struct {
         float row[8192];  // one fp32 residual row (hidden <= 8192)
         float scratch[kWarps];
-        int slots[2 * MK_STEP_MAX_TOP_K];  // a row's top-k choices, then (from MK_STEP_MAX_TOP_K) sorted by slot
-        float scores[2 * MK_STEP_MAX_TOP_K];
+        int slots[MK_STEP_MAX_TOP_K];  // a row's top-k choices sorted by slot
+        float scores[MK_STEP_MAX_TOP_K];
     } norm;
     struct {
         int chosen[MK_STEP_MAX_BATCH * MK_STEP_MAX_TOP_K];
@@ -72,12 +72,14 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
         uint64_t start_ns = 0;
         long long c0 = 0, c1 = 0;
         if (trace && threadIdx.x == 0) start_ns = global_ns(), c0 = clock64();
+        // A split's cached pages do not depend on the step: they load while it waits.
+        const int kv_issued = t.op == MK_OP_ATTN_SPLIT ? attn_prefetch(a, t, sm.attn) : 0;
         wait_for(t, counters);
         if (trace && threadIdx.x == 0) c1 = clock64();
         switch (t.op) {
             case MK_OP_EMBED: run_embed(a, t, sm.norm.row, sm.norm.scratch); break;
             case MK_OP_GEMV: run_gemv(a, t, sm.gemv, ring, stage, act_key); break;
-            case MK_OP_ATTN_SPLIT: run_attn_split(a, t, sm.attn); break;
+            case MK_OP_ATTN_SPLIT: run_attn_split(a, t, sm.attn, kv_issued); break;
             case MK_OP_ATTN_COMBINE: run_attn_combine(a, t); break;
             case MK_OP_TOPK: run_topk(a, t, sm.topk.chosen, sm.topk.slot_of); break;
             case MK_OP_RESIDUAL_NORM:

@@ -48,3 +48,21 @@ def test_a_trace_without_timed_tasks_is_refused():
     g = mkgraph.build(ModelConfig.tiny(), [5], num_sms=4)
     with pytest.raises(ValueError, match="no block with two timed tasks"):
         summarize(g, np.zeros((*g.tasks.shape[:2], 2), dtype=np.int64))
+
+
+def test_the_layer_timeline_names_every_family_of_the_middle_layer_in_start_order():
+    cfg = ModelConfig.tiny()
+    g = mkgraph.build(cfg, [5, 130, 300], num_sms=7)
+    s = summarize(g, synthetic_trace(g, 1.5e9, np.random.default_rng(1)))
+    layer = s["timeline_layer"]
+    assert layer == cfg.num_hidden_layers // 2
+    want = {task_family(w) for w in g.order if w[1] == layer}
+    rows = s["timeline"]
+    assert {r["name"] for r in rows} == want
+    starts = [r["first_start_us"] for r in rows]
+    assert starts == sorted(starts)
+    for r in rows:
+        assert r["arrive_us"] <= r["first_start_us"] <= r["median_start_us"] <= r["median_end_us"] <= r["last_end_us"]
+        # gemv tasks wait 2000 cycles at 1.5 GHz in the synthetic trace
+        if r["name"].startswith("gemv:"):
+            assert r["first_start_us"] - r["arrive_us"] == pytest.approx(2000 / 1.5e9 * 1e6, rel=1e-3)

@@ -47,17 +47,19 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-__device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, AttnSmem& sm) {
-    const int b = t.arg[0], kvh = t.arg[1], split = t.arg[2], lo = t.arg[3], hi = t.arg[4];
-    const int group = a.heads / a.kv_heads, qw = a.heads * kHeadDim;
-    const float inv_sqrt = rsqrtf((float)kHeadDim);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
-    const int32_t* table = ptr<int32_t>(a.block_tables) + ((size_t)t.layer * a.batch + b) * a.max_pages;
-    const int first_page = lo - lo % kPage, pages = (hi - first_page + kPage - 1) / kPage;
+// Where a split's keys are: [lo, hi) of row b, in pages of kPage keys from first_page.
+struct SplitPages {
+    int b, kvh, lo, hi, first_page, pages;
+    const int32_t* table;  // the row's block table for the task's layer
 
-    // Page `i` of the split into stage i % kKvStages: rows outside [lo, hi) are zeroed (they may
-    // hold anything, and 0 * NaN would poison P V), the others copied.
-    auto issue = [&](int i) {
+    __device__ SplitPages(const MkStepArgs& a, const MkTask& t)
+        : b(t.arg[0]), kvh(t.arg[1]), lo(t.arg[3]), hi(t.arg[4]), first_page(lo - lo % kPage),
+          pages((hi - first_page + kPage - 1) / kPage),
+          table(ptr<int32_t>(a.block_tables) + ((size_t)t.layer * a.batch + b) * a.max_pages) {}
+
+    // Copies page i into stage i % kKvStages (one cp.async group, empty past the end): rows
+    // outside [lo, hi) are zeroed (they may hold anything, and 0 * NaN would poison P V).
+    __device__ void issue(const MkStepArgs& a, AttnSmem& sm, int i) const {
         if (i < pages) {
             const int start = first_page + i * kPage, st = i % kKvStages;
             const size_t block = (size_t)ld_i32(table + start / kPage);
@@ -72,10 +74,32 @@ __device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, AttnSmem& s
                 }
             }
         }
-        cp_async_commit();  // an empty group past the end keeps the wait count uniform
-    };
-    issue(0);
-    issue(1);
+        cp_async_commit();
+    }
+};
+
+// Before the split waits for this step's QKV: issues the first pages (up to the kKvStages - 1
+// the loop keeps in flight) whose keys all precede the row's position, which this step's QKV
+// writes; the cache holds every earlier key since the step began. Returns how many it issued.
+__device__ int attn_prefetch(const MkStepArgs& a, const MkTask& t, AttnSmem& sm) {
+    const SplitPages sp(a, t);
+    const int pos = ld_i32(ptr<int32_t>(a.positions) + sp.b);
+    int issued = 0;
+    while (issued < kKvStages - 1 && issued < sp.pages && min(sp.hi, sp.first_page + (issued + 1) * kPage) <= pos)
+        sp.issue(a, sm, issued++);
+    return issued;
+}
+
+// `issued`: the pages attn_prefetch issued before the task's wait.
+__device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, AttnSmem& sm, int issued) {
+    const SplitPages sp(a, t);
+    const int b = sp.b, kvh = sp.kvh, split = t.arg[2], lo = sp.lo, hi = sp.hi;
+    const int group = a.heads / a.kv_heads, qw = a.heads * kHeadDim;
+    const float inv_sqrt = rsqrtf((float)kHeadDim);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+    const int first_page = sp.first_page, pages = sp.pages;
+    auto issue = [&](int i) { sp.issue(a, sm, i); };
+    while (issued < kKvStages - 1) issue(issued++);
 
     // This thread's A fragments of Q (head g; rows g + 8 are zero) for the 8 k-steps of 16 dims.
     uint32_t qa[kHeadDim / 16][2];
@@ -159,27 +183,38 @@ __device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, AttnSmem& s
     }
 }
 
+// Warp g merges query head g's splits in rounds of 32: lane l holds split 32r + l's weight
+// exp(m_s - m) (one load of every split's (max, sum) per round, not a dependent load per split),
+// then every lane adds all the round's weighted partials for its dims 4l..4l+3.
 __device__ void run_attn_combine(const MkStepArgs& a, const MkTask& t) {
     const int b = t.arg[0], kvh = t.arg[1], splits = t.arg[2];
     const int group = a.heads / a.kv_heads;
-    const int g = threadIdx.x / 32, d0 = 4 * (threadIdx.x % 32);
+    const int g = threadIdx.x / 32, lane = threadIdx.x % 32, d0 = 4 * lane;
     if (g >= group) return;
     const size_t slot = (size_t)b * a.kv_heads + kvh;
-    const float* ml = ptr<float>(a.attn_ml);
     const float* o = ptr<float>(a.attn_o);
-    float m = -INFINITY;
-#pragma unroll 8
-    for (int s = 0; s < splits; ++s) m = fmaxf(m, ld_f32(ml + ((slot * a.max_splits + s) * group + g) * 2));
+    auto ml_of = [&](int s) {
+        const float* ml = ptr<float>(a.attn_ml) + ((slot * a.max_splits + s) * group + g) * 2;
+        return s < splits ? __ldcg(reinterpret_cast<const float2*>(ml)) : make_float2(-INFINITY, 0.f);
+    };
+    const float2 first = ml_of(lane);  // the first round's, kept for the second pass
+    float m = first.x;
+    for (int s = lane + 32; s < splits; s += 32) m = fmaxf(m, ml_of(s).x);
+    m = warp_max(m);
     float l = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 8
-    for (int s = 0; s < splits; ++s) {
-        const size_t base = (slot * a.max_splits + s) * group + g;
-        const float2 ms = __ldcg(reinterpret_cast<const float2*>(ml + base * 2));
-        const float4 os = __ldcg(reinterpret_cast<const float4*>(o + base * kHeadDim + d0));
-        const float w = __expf(ms.x - m);
+    for (int base = 0; base < splits; base += 32) {
+        const float2 ms = base == 0 ? first : ml_of(base + lane);
+        const float w = ms.x == -INFINITY ? 0.f : __expf(ms.x - m);
         l += w * ms.y;
-        acc[0] += w * os.x, acc[1] += w * os.y, acc[2] += w * os.z, acc[3] += w * os.w;
+        const int n = min(32, splits - base);
+#pragma unroll 16
+        for (int j = 0; j < n; ++j) {
+            const float ws = __shfl_sync(0xffffffffu, w, j);
+            const float4 os = __ldcg(reinterpret_cast<const float4*>(o + ((slot * a.max_splits + base + j) * group + g) * kHeadDim + d0));
+            acc[0] += ws * os.x, acc[1] += ws * os.y, acc[2] += ws * os.z, acc[3] += ws * os.w;
+        }
     }
+    l = warp_sum(l);
     bf16* out = ptr<bf16>(a.attn_out) + (size_t)b * a.heads * kHeadDim + (kvh * group + g) * kHeadDim + d0;
 #pragma unroll
     for (int i = 0; i < 4; ++i) out[i] = __float2bfloat16(acc[i] / l);

@@ -33,9 +33,12 @@ __device__ __forceinline__ void load8_bf16(const bf16* p, float (&v)[kVec]) {
 }
 
 // h[b] = bf16(rmsnorm(v) * gamma) for the fp32 row v (in shared memory), which is also stored
-// to x[b] (and, when logging, as the residual after layer `done`).
+// to x[b] (and, when logging, as the residual after layer `done`). The thread's first 8 gamma
+// values are loaded before the reduction (they are the only ones at hidden 2048).
 __device__ void store_normed(const MkStepArgs& a, int b, const float* v_smem, const bf16* gamma, float* scratch,
                              int done = -1) {
+    float g0[kVec] = {};
+    if (kVec * threadIdx.x < a.hidden) load8_bf16(gamma + kVec * threadIdx.x, g0);
     float sq = 0.f;
     for (int i = threadIdx.x; i < a.hidden; i += kThreads) sq += v_smem[i] * v_smem[i];
     const float rstd = rsqrtf(block_sum(sq, scratch) / (float)a.hidden + a.eps);
@@ -43,7 +46,12 @@ __device__ void store_normed(const MkStepArgs& a, int b, const float* v_smem, co
                                              : nullptr;
     for (int i0 = kVec * threadIdx.x; i0 < a.hidden; i0 += kVec * kThreads) {
         float g[kVec], v[kVec];
-        load8_bf16(gamma + i0, g);
+        if (i0 == kVec * (int)threadIdx.x) {
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) g[j] = g0[j];
+        } else {
+            load8_bf16(gamma + i0, g);
+        }
 #pragma unroll
         for (int j = 0; j < kVec; ++j) v[j] = v_smem[i0 + j];
         store8_f32(ptr<float>(a.x) + (size_t)b * a.hidden + i0, v);
@@ -90,33 +98,37 @@ __device__ void run_embed(const MkStepArgs& a, const MkTask& t, float* v, float*
     store_normed(a, b, v, norm_weight(a, 0), scratch);
 }
 
-// x[b] += y_attn[b] + ffn[b]; then the next layer's (or the final) norm.
+// x[b] += y_attn[b] + ffn[b]; then the next layer's (or the final) norm. The loads that do not
+// depend on the routing (x, y_attn; the dense FFN's output) go out together with warp 0's loads
+// of the row's choices, which it orders by slot in registers.
 __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, float* v, float* scratch, int* slots,
                                   float* scores) {
     const int b = t.arg[0], layer = t.layer;
     const bool moe = ptr<uint64_t>(a.layer_weights)[(size_t)layer * MK_LW_COUNT + MK_LW_ROUTER] != 0;
-    if (moe && threadIdx.x < a.top_k) {
-        slots[threadIdx.x] = ld_i32(ptr<int32_t>(a.topk_slot) + b * a.top_k + threadIdx.x);
-        scores[threadIdx.x] = ld_f32(ptr<float>(a.topk_score) + b * a.top_k + threadIdx.x);
-    }
-    compute_sync();
-    if (moe && threadIdx.x < a.top_k) {
-        // The row's choices sorted by slot (= ascending expert; slots are distinct): the
-        // reference's summation order. Each choice's rank is the number of smaller slots.
-        const int slot = slots[threadIdx.x];
-        const float score = scores[threadIdx.x];
+    if (moe && threadIdx.x < 32) {
+        // Sorted by slot (= ascending expert; slots are distinct): the reference's summation
+        // order. Each choice's rank is the number of smaller slots.
+        const int lane = threadIdx.x;
+        const bool mine = lane < a.top_k;
+        const int slot = mine ? ld_i32(ptr<int32_t>(a.topk_slot) + b * a.top_k + lane) : 0x7fffffff;
+        const float score = mine ? ld_f32(ptr<float>(a.topk_score) + b * a.top_k + lane) : 0.f;
         int rank = 0;
-        for (int k = 0; k < a.top_k; ++k) rank += slots[k] < slot;
-        slots[kMaxTopK + rank] = slot, scores[kMaxTopK + rank] = score;
+        for (int k = 0; k < a.top_k; ++k) rank += __shfl_sync(0xffffffffu, slot, k) < slot;
+        if (mine) slots[rank] = slot, scores[rank] = score;
     }
-    compute_sync();
-    slots += 8, scores += 8;
     for (int i0 = kVec * threadIdx.x; i0 < a.hidden; i0 += kVec * kThreads) {
         const size_t at = (size_t)b * a.hidden + i0;
         float x[kVec], y[kVec], ffn[kVec] = {};
         load8_f32(ptr<float>(a.x) + at, x);
         load8_f32(ptr<float>(a.y_attn) + at, y);
-        if (moe) {
+        if (!moe) load8_f32(ptr<float>(a.ffn_out) + at, ffn);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) v[i0 + j] = moe ? x[j] + y[j] : x[j] + y[j] + ffn[j];
+    }
+    if (moe) {
+        compute_sync();  // the sorted choices
+        for (int i0 = kVec * threadIdx.x; i0 < a.hidden; i0 += kVec * kThreads) {
+            float ffn[kVec] = {};
             // top_k <= kMaxTopK, unrolled: no store separates the loads, so they are all in flight at once.
 #pragma unroll
             for (int k = 0; k < kMaxTopK; ++k) {
@@ -126,11 +138,9 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, float* v
 #pragma unroll
                 for (int j = 0; j < kVec; ++j) ffn[j] += part[j] * scores[k];
             }
-        } else {
-            load8_f32(ptr<float>(a.ffn_out) + at, ffn);
-        }
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) v[i0 + j] = x[j] + y[j] + ffn[j];
+            for (int j = 0; j < kVec; ++j) v[i0 + j] += ffn[j];
+        }
     }
     compute_sync();
     store_normed(a, b, v, norm_weight(a, layer + 1), scratch, layer);

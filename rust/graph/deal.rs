@@ -38,9 +38,14 @@ impl Dealing {
 }
 
 /// Fixed cost of a task (barriers, counter handshake, first loads), ns.
-const TASK_NS: f64 = 1000.0;
-/// Bytes per ns one SM streams when all stream at once (4.8 TB/s over 132 SMs ≈ 36 B/ns).
-const SM_BYTES_PER_NS: f64 = 36.0;
+const TASK_NS: f64 = 2000.0;
+/// Bytes per ns one SM streams when all stream at once (4.3 TB/s over 132 SMs ≈ 32 B/ns; the
+/// H200 trace's GEMV tasks reach ~28).
+const SM_BYTES_PER_NS: f64 = 28.0;
+/// The same for attention's paged KV (~20 in the trace).
+const SM_KV_BYTES_PER_NS: f64 = 20.0;
+/// The small tasks on the critical path (norm, top-k, combine): a few dependent loads each.
+const SMALL_TASK_NS: f64 = 4500.0;
 
 /// Modelled duration of task `t` in ns.
 pub fn cost_ns(t: &MkTask, g: &Geometry) -> f64 {
@@ -59,9 +64,9 @@ pub fn cost_ns(t: &MkTask, g: &Geometry) -> f64 {
         }
         // The row's split size (arg5), not this split's range: a step patched from the previous
         // one (graph::cache) must deal the same way, and only the last split's range moves.
-        Op::AttnSplit => streamed(t.arg[5].max(0) as usize * g.head_dim * 4),
-        Op::ResidualNorm | Op::Embed => streamed(g.hidden * 16),
-        Op::TopK | Op::AttnCombine | Op::SamplePart | Op::SampleFinal | Op::Nop => TASK_NS,
+        Op::AttnSplit => TASK_NS + (t.arg[5].max(0) as usize * g.head_dim * 4) as f64 / SM_KV_BYTES_PER_NS,
+        Op::ResidualNorm | Op::Embed | Op::TopK | Op::AttnCombine => SMALL_TASK_NS,
+        Op::SamplePart | Op::SampleFinal | Op::Nop => TASK_NS,
     }
 }
 

@@ -165,6 +165,7 @@ class MegakernelStep:
         dealing: str = "round_robin",
         qkv_groups: int | None = None,
         gate_up_groups: int | None = None,
+        attention_first: bool | None = None,
     ) -> None:
         if model.device.type != "cuda" or model.dtype != torch.bfloat16:
             raise ValueError("the megakernel runs bf16 models on a CUDA device")
@@ -178,6 +179,7 @@ class MegakernelStep:
         self.device = model.device
         self.dealing = dealing  # how graph() deals tasks onto the SMs
         self.qkv_groups, self.gate_up_groups = qkv_groups, gate_up_groups  # GEMV task sizes (None: default)
+        self.attention_first = attention_first  # the global order (rust/graph BuildOptions; None: default)
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.tables = ModelTables.build(model)
         cfg = self.cfg
@@ -197,6 +199,7 @@ class MegakernelStep:
             dealing=self.dealing,
             qkv_groups=self.qkv_groups,
             gate_up_groups=self.gate_up_groups,
+            attention_first=self.attention_first,
         )
 
     def buffers(self, g: mkgraph.StepGraph, log_residuals: bool = True) -> StepBuffers:

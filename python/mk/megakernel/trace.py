@@ -73,6 +73,7 @@ def summarize(g: StepGraph, trace: np.ndarray) -> dict:
         if sel.any():
             layer_us.append(float((end[sel].max() - start[sel].min()) / 1e3))
     num_sms = real.shape[0]
+    middle = int(layers[real].max()) // 2
     return {
         "span_us": float(span_us),
         "sm_clock_mhz": hz / 1e6,
@@ -82,7 +83,40 @@ def summarize(g: StepGraph, trace: np.ndarray) -> dict:
         # First-to-last task of each layer (they overlap: layer l + 1 starts before l ends).
         "layer_us": layer_us,
         "families": [f.__dict__ for f in sorted(rows, key=lambda f: -f.run_sm_us)],
+        "timeline_layer": middle,
+        "timeline": layer_timeline(g, real, start, wait / hz * 1e9, end, middle),
     }
+
+
+def layer_timeline(g: StepGraph, real, start, wait_ns, end, layer: int) -> list[dict]:
+    """When each task family of `layer` ran, in µs from the end of the previous layer's last
+    residual-norm task (the moment the layer's input is ready): the first block's arrival, the
+    first and median start of work (after the wait), the median and last end. Families sorted by first start: the layer's critical path reads top down."""
+    ops, layers = g.tasks[..., 0], g.tasks[..., 1]
+    norms = real & (ops == Op.RESIDUAL_NORM) & (layers == layer - 1)
+    if not norms.any():
+        norms = real & (ops == Op.EMBED)
+    t0 = end[norms].max() if norms.any() else start[real].min()
+    sel = real & (layers == layer)
+    groups: dict[str, list[tuple[int, int]]] = {}
+    for s, i in zip(*np.nonzero(sel), strict=True):
+        groups.setdefault(task_family(g.tasks[s, i]), []).append((s, i))
+    out = []
+    for name, where in groups.items():
+        idx = tuple(np.array(where).T)
+        begin = start[idx] + wait_ns[idx]
+        out.append(
+            {
+                "name": name,
+                "count": len(where),
+                "arrive_us": float((start[idx].min() - t0) / 1e3),
+                "first_start_us": float((begin.min() - t0) / 1e3),
+                "median_start_us": float((np.median(begin) - t0) / 1e3),
+                "median_end_us": float((np.median(end[idx]) - t0) / 1e3),
+                "last_end_us": float((end[idx].max() - t0) / 1e3),
+            }
+        )
+    return sorted(out, key=lambda r: r["first_start_us"])
 
 
 def clock_hz(real: np.ndarray, start: np.ndarray, wait: np.ndarray, run: np.ndarray) -> float:
@@ -108,3 +142,10 @@ def print_summary(title: str, summary: dict, top: int = 12) -> None:
     print(f"{'family':>22} {'tasks':>7} {'wait µs':>9} {'run µs':>8} {'SM-µs':>9}")
     for f in summary["families"][:top]:
         print(f"{f['name']:>22} {f['count']:>7} {f['wait_us']:>9.2f} {f['run_us']:>8.2f} {f['run_sm_us']:>9.0f}")
+    print(f"layer {summary['timeline_layer']}, µs from the end of the previous layer's norm:")
+    print(f"{'family':>22} {'tasks':>6} {'arrive':>7} {'start':>7} {'med st':>7} {'med end':>7} {'end':>7}")
+    for r in summary["timeline"]:
+        print(
+            f"{r['name']:>22} {r['count']:>6} {r['arrive_us']:>7.1f} {r['first_start_us']:>7.1f} "
+            f"{r['median_start_us']:>7.1f} {r['median_end_us']:>7.1f} {r['last_end_us']:>7.1f}"
+        )

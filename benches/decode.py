@@ -104,7 +104,14 @@ def measure(
     positions = [ctx - 1] * batch
     step = MegakernelStep(model, kv, pages)
     g = step.graph(positions)
-    buf = step.buffers(g, log_residuals=False)
+    sized_steps = {}
+    for entry in sizes:
+        name, value = entry.split("=")
+        sized = MegakernelStep(model, kv, pages, **{name: int(value)})
+        sized_steps[entry] = (sized, sized.graph(positions))
+    # One set of buffers serves every variant: room for the most attention splits any of them has.
+    splits = max([g.max_splits] + [gs.max_splits for _, gs in sized_steps.values()])
+    buf = step.buffers(g, log_residuals=False, max_splits=splits)
     buf.tokens.copy_(torch.randint(0, cfg.vocab_size, (batch,), dtype=torch.int32))
     buf.positions.fill_(ctx - 1)
     buf.block_tables.copy_(tables)
@@ -116,10 +123,7 @@ def measure(
     ok = bool((buf.sampled >= 0).all() and (buf.sampled < cfg.vocab_size).all() and not buf.logits.isnan().any())
     plain_logits = buf.logits.clone()
     variants = {}
-    for entry in sizes:
-        name, value = entry.split("=")
-        sized = MegakernelStep(model, kv, pages, **{name: int(value)})
-        g_sized = sized.graph(positions)
+    for entry, (sized, g_sized) in sized_steps.items():
         variants[entry] = (sized, g_sized, torch.from_numpy(g_sized.tasks.copy()).cuda())
     balanced = MegakernelStep(model, kv, pages, dealing="balanced")
     g_bal = balanced.graph(positions)

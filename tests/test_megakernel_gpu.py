@@ -164,21 +164,31 @@ def test_consecutive_steps_reuse_the_counters():
 
 
 @pytest.mark.gpu
-def test_dealing_and_trace_change_no_output():
-    """Where tasks run (round-robin or the cost model's dealing) and the task trace change nothing:
-    logits, tokens, residuals and the K/V written are bit for bit those of a plain step. The trace
-    holds every task once, NOPs none."""
+def test_dealing_order_trace_and_spare_splits_change_no_output():
+    """Where tasks run (round-robin or the cost model's dealing), the global order (MoE attention
+    before or after the expert tiles), the task trace and buffers with room for more attention
+    splits than the graph has change nothing: logits, tokens, residuals and the K/V written are
+    bit for bit those of a plain step. The trace holds every task once, NOPs none. A graph with
+    more splits than its buffers hold is refused before launch."""
     cfg = ModelConfig.gpu_test()
     w = synthetic_weights(cfg, seed=SEED + 2, device="cuda", dtype=torch.bfloat16, std=0.02)
     model = Model(cfg, w)
     positions = [100, 5000, 64, 4159]
     outs = []
-    for dealing, traced in (("round_robin", False), ("balanced", False), ("balanced", True), ("round_robin", True)):
+    variants = (
+        ("round_robin", False, None, 0),
+        ("balanced", False, None, 0),
+        ("balanced", True, None, 0),
+        ("round_robin", True, None, 0),
+        ("round_robin", False, False, 0),
+        ("round_robin", False, True, 7),
+    )
+    for dealing, traced, attention_first, spare in variants:
         gen = torch.Generator(device="cuda").manual_seed(SEED)
         kv, tables, tokens = setup_step(model, positions, 80, gen)
-        step = MegakernelStep(model, kv, 80, dealing=dealing)
+        step = MegakernelStep(model, kv, 80, dealing=dealing, attention_first=attention_first)
         g = step.graph(positions)
-        buf = step.buffers(g)
+        buf = step.buffers(g, max_splits=g.max_splits + spare)
         buf.tokens.copy_(tokens.to(torch.int32))
         buf.positions.copy_(torch.tensor(positions, dtype=torch.int32))
         buf.block_tables.copy_(torch.stack(tables, dim=1))
@@ -200,6 +210,11 @@ def test_dealing_and_trace_change_no_output():
     for other in outs[1:]:
         for a, b in zip(outs[0], other, strict=True):
             assert torch.equal(a, b)
+    finer = MegakernelStep(model, kv, 80, attn_chunk=64)
+    g_finer = finer.graph(positions)
+    assert g_finer.max_splits > g.max_splits
+    with pytest.raises(ValueError, match="cannot run a graph"):
+        finer.run(g_finer, step.buffers(g))
 
 
 @pytest.fixture(scope="module")

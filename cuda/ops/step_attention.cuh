@@ -2,7 +2,6 @@
 // KV head for the whole query group (online softmax, unnormalised partials); a combine task
 // merges a (row, kv head)'s splits. Supports head_dim 128 and groups of up to 8 query heads.
 #pragma once
-#include "gemv.cuh"
 #include "step_common.cuh"
 #include "step_stream.cuh"
 

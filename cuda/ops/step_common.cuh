@@ -33,6 +33,24 @@ __device__ __forceinline__ float ld_bf16(const bf16* p) {
     return __bfloat162float(__ushort_as_bfloat16(raw));
 }
 
+// 16 bytes of activations at L2 (.cg): another SM may have written them in this launch.
+__device__ __forceinline__ uint4 ld_activations(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+// d += A · B on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate): the register
+// fragments of the PTX ISA's layout for row-major A and column-major B.
+__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // The value a bf16 matmul output holds: what the reference model computes in bf16 mode.
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
 

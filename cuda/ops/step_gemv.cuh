@@ -1,7 +1,6 @@
 // The GEMV task: 16 * groups output rows of one weight matrix for the whole batch, with the
 // matrix's epilogue (RoPE and the paged K/V write for QKV, silu·up for gate/up pairs, ...).
 #pragma once
-#include "gemv.cuh"
 #include "step_common.cuh"
 #include "step_stream.cuh"
 
@@ -193,7 +192,10 @@ __device__ void stage_activations(const GemvShape& p, int batch, int layer, Gemv
 // out[g][row][b] = sum_k act[b][k] * rows[g][row][k] (fp32), for b < batch (<= 8), from the
 // ring's stages. Warp w takes 32-column chunks w, w + 8, ... of each stage: thread (g = lane / 4,
 // t = lane % 4) reads 16 bytes of weight rows g and g + 8 and of activation row g at column
-// 8t of the chunk (the same k permutation for A and B, see gemv.cuh).
+// 8t of the chunk. The weights are the 16-row A operand and the batch the 8 columns of B ("swap
+// AB": every weight byte is read once whatever the batch), and the k index inside each 32-wide
+// chunk is permuted the same way for A and B, so each thread fills its fragments from one 16-byte
+// load per row; the dot products do not depend on the order of k.
 __device__ void gemv_compute(const GemvShape& p, GemvSmem& s, const Ring& r, uint32_t& n) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
     const int box = box_cols(p.k), kc = box * kStageBoxes, pitch = act_pitch(p.k);

@@ -220,9 +220,19 @@ __device__ void run_sample_part(const MkStepArgs& a, const MkTask& t, float* sv,
     const int b = t.arg[0], part = t.arg[1], lo = t.arg[2], hi = t.arg[3];
     float best = -INFINITY;
     int id = hi;
-    for (int i = lo + threadIdx.x; i < hi; i += kThreads) {
-        const float v = ld_f32(ptr<float>(a.logits) + (size_t)b * a.vocab + i);
-        if (v > best) best = v, id = i;  // ascending i per thread: keeps the lowest id on ties
+    // kSampleBatch loads in flight before the compares (one latency per batch, not per value).
+    constexpr int kSampleBatch = 8;
+    const float* row = ptr<float>(a.logits) + (size_t)b * a.vocab;
+    for (int i0 = lo + threadIdx.x; i0 < hi; i0 += kSampleBatch * kThreads) {
+        float v[kSampleBatch];
+#pragma unroll
+        for (int j = 0; j < kSampleBatch; ++j) {
+            const int i = i0 + j * kThreads;
+            v[j] = i < hi ? ld_f32(row + i) : -INFINITY;
+        }
+#pragma unroll
+        for (int j = 0; j < kSampleBatch; ++j)
+            if (v[j] > best) best = v[j], id = i0 + j * kThreads;  // ascending i per thread: keeps the lowest id on ties
     }
     sv[threadIdx.x] = best, si[threadIdx.x] = id;
     compute_sync();

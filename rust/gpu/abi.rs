@@ -1,38 +1,6 @@
 //! Rust mirror of `cuda/abi.h`. Field order, types and padding must match the header exactly;
 //! the test below checks them against the layout nvcc compiled (cuda/abi_probe.cu).
 
-/// See `MkAddRmsnormArgs` in cuda/abi.h.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct MkAddRmsnormArgs {
-    pub x: u64,
-    pub delta: u64,
-    pub gamma: u64,
-    pub out: u64,
-    pub rows: i32,
-    pub dim: i32,
-    pub eps: f32,
-    pub reserved: i32,
-}
-
-/// See `MkGemvArgs` in cuda/abi.h.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct MkGemvArgs {
-    pub w: u64,
-    pub x: u64,
-    pub y: u64,
-    pub n: i32,
-    pub k: i32,
-    pub batch: i32,
-    pub reserved: i32,
-}
-
-// SAFETY: plain-old-data with the C layout the kernels expect; passed by value as kernel
-// parameters.
-unsafe impl cudarc::driver::DeviceRepr for MkAddRmsnormArgs {}
-unsafe impl cudarc::driver::DeviceRepr for MkGemvArgs {}
-
 /// Declares a `#[repr(C)]` mirror of a cuda/abi.h struct and its field layout (name, offset,
 /// type), so the ABI test and the Python packer both read the one Rust definition.
 macro_rules! abi_struct {
@@ -162,32 +130,13 @@ pub const LAYER_WEIGHTS: [&str; LAYER_WEIGHT_COUNT] = ["NORM", "Q", "K", "V", "O
 pub const TRACE_ENTRY_BYTES: usize = 16;
 
 /// Must equal `MK_ABI_VERSION` in cuda/abi.h.
-pub const ABI_VERSION: u64 = 4;
+pub const ABI_VERSION: u64 = 5;
 
 /// The values `mk_abi_layout` in cuda/abi_probe.cu holds, in its order, computed on the Rust side.
 pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
     use std::mem::{offset_of, size_of};
-    type A = MkAddRmsnormArgs;
-    type G = MkGemvArgs;
     let mut out = vec![
         ("MK_ABI_VERSION", ABI_VERSION),
-        ("sizeof(MkAddRmsnormArgs)", size_of::<A>() as u64),
-        ("MkAddRmsnormArgs.x", offset_of!(A, x) as u64),
-        ("MkAddRmsnormArgs.delta", offset_of!(A, delta) as u64),
-        ("MkAddRmsnormArgs.gamma", offset_of!(A, gamma) as u64),
-        ("MkAddRmsnormArgs.out", offset_of!(A, out) as u64),
-        ("MkAddRmsnormArgs.rows", offset_of!(A, rows) as u64),
-        ("MkAddRmsnormArgs.dim", offset_of!(A, dim) as u64),
-        ("MkAddRmsnormArgs.eps", offset_of!(A, eps) as u64),
-        ("MkAddRmsnormArgs.reserved", offset_of!(A, reserved) as u64),
-        ("sizeof(MkGemvArgs)", size_of::<G>() as u64),
-        ("MkGemvArgs.w", offset_of!(G, w) as u64),
-        ("MkGemvArgs.x", offset_of!(G, x) as u64),
-        ("MkGemvArgs.y", offset_of!(G, y) as u64),
-        ("MkGemvArgs.n", offset_of!(G, n) as u64),
-        ("MkGemvArgs.k", offset_of!(G, k) as u64),
-        ("MkGemvArgs.batch", offset_of!(G, batch) as u64),
-        ("MkGemvArgs.reserved", offset_of!(G, reserved) as u64),
         ("MK_STEP_SMEM_BYTES", STEP_SMEM_BYTES as u64),
         ("MK_STEP_THREADS", STEP_THREADS as u64),
         ("sizeof(MkTask)", size_of::<crate::graph::task::MkTask>() as u64),

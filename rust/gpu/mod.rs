@@ -75,23 +75,13 @@ pub fn available() -> bool {
     CudaContext::device_count().map(|n| n > 0).unwrap_or(false)
 }
 
-/// One device's primary context (the one PyTorch uses too) and the loaded kernels.
+/// One device's primary context (the one PyTorch uses too) and the loaded megakernel.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
-    _kernels: Arc<CudaModule>,
-    add_rmsnorm: CudaFunction,
-    /// `mk_gemv_b{8,16,32,64}`: the batch is padded up to the next of these.
-    gemv: [CudaFunction; 4],
     _megakernel: Arc<CudaModule>,
     decode_step: CudaFunction,
     num_sms: u32,
 }
-
-const GEMV_BATCHES: [i32; 4] = [8, 16, 32, 64];
-
-/// Threads per block of `mk_add_rmsnorm`; with 4 vectors of 8 per thread it covers rows of 8192.
-const NORM_THREADS: u32 = 256;
-const NORM_MAX_DIM: i32 = 4 * 8 * NORM_THREADS as i32;
 
 impl Gpu {
     /// Opens device `ordinal` once per process and returns the shared handle.
@@ -121,15 +111,6 @@ impl Gpu {
             let name = ctx.name().unwrap_or_default();
             return Err(GpuError::UnsupportedDevice { ordinal, name, major, minor });
         }
-        let image = cubin("kernels").expect("kernels cubin is embedded by build.rs");
-        let kernels = ctx.load_module(Ptx::from_binary(image.to_vec())).during("load the embedded kernels")?;
-        let add_rmsnorm = kernels.load_function("mk_add_rmsnorm").during("find mk_add_rmsnorm")?;
-        let gemv = [
-            kernels.load_function("mk_gemv_b8").during("find mk_gemv_b8")?,
-            kernels.load_function("mk_gemv_b16").during("find mk_gemv_b16")?,
-            kernels.load_function("mk_gemv_b32").during("find mk_gemv_b32")?,
-            kernels.load_function("mk_gemv_b64").during("find mk_gemv_b64")?,
-        ];
         let megakernel = ctx.load_module(Ptx::from_binary(megakernel_image()?)).during("load the megakernel")?;
         let decode_step = megakernel.load_function("mk_decode_step").during("find mk_decode_step")?;
         decode_step
@@ -141,50 +122,9 @@ impl Gpu {
         let num_sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .during("count the multiprocessors")? as u32;
-        Ok(Gpu { ctx, _kernels: kernels, add_rmsnorm, gemv, _megakernel: megakernel, decode_step, num_sms })
+        Ok(Gpu { ctx, _megakernel: megakernel, decode_step, num_sms })
     }
 
-    /// Fused residual add + RMSNorm (see `MkAddRmsnormArgs`), enqueued on `stream`.
-    ///
-    /// # Safety
-    /// The pointers in `args` must be device memory of this device, sized as the struct says,
-    /// and `stream` a live stream of this device's primary context (or null for the default).
-    pub unsafe fn add_rmsnorm(&self, args: &MkAddRmsnormArgs, stream: sys::CUstream) -> Result<(), GpuError> {
-        if args.rows <= 0 || args.dim <= 0 || args.dim % 8 != 0 || args.dim > NORM_MAX_DIM {
-            return Err(GpuError::InvalidArgument(format!(
-                "add_rmsnorm needs rows > 0 and 0 < dim <= {NORM_MAX_DIM} with dim % 8 == 0; got rows={}, dim={}",
-                args.rows, args.dim
-            )));
-        }
-        if args.x == 0 || args.gamma == 0 || args.out == 0 {
-            return Err(GpuError::InvalidArgument("add_rmsnorm: null x, gamma or out pointer".into()));
-        }
-        let stream = self.ctx.wrap_borrowed_stream(stream);
-        let cfg =
-            LaunchConfig { grid_dim: (args.rows as u32, 1, 1), block_dim: (NORM_THREADS, 1, 1), shared_mem_bytes: 0 };
-        let mut launch = stream.launch_builder(&self.add_rmsnorm);
-        launch.arg(args);
-        launch.launch(cfg).during("launch mk_add_rmsnorm")?;
-        Ok(())
-    }
-
-    /// Decode-batch matrix product `y = x · Wᵀ` (see `MkGemvArgs`), enqueued on `stream`.
-    ///
-    /// # Safety
-    /// As for [`Gpu::add_rmsnorm`]: device pointers of this device sized as the struct says.
-    pub unsafe fn gemv(&self, args: &MkGemvArgs, stream: sys::CUstream) -> Result<(), GpuError> {
-        check_gemv(args)?;
-        let which = GEMV_BATCHES.iter().position(|&b| args.batch <= b).expect("checked above");
-        let stream = self.ctx.wrap_borrowed_stream(stream);
-        let cfg = LaunchConfig { grid_dim: ((args.n / 16) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let mut launch = stream.launch_builder(&self.gemv[which]);
-        launch.arg(args);
-        launch.launch(cfg).during("launch mk_gemv")?;
-        Ok(())
-    }
-}
-
-impl Gpu {
     /// Multiprocessors of the device: the decode step runs one block on each.
     pub fn num_sms(&self) -> u32 {
         self.num_sms
@@ -242,21 +182,7 @@ impl Gpu {
     }
 }
 
-fn check_gemv(a: &MkGemvArgs) -> Result<(), GpuError> {
-    let max_batch = GEMV_BATCHES[GEMV_BATCHES.len() - 1];
-    if a.n <= 0 || a.n % 16 != 0 || a.k <= 0 || a.k % 32 != 0 || a.batch < 1 || a.batch > max_batch {
-        return Err(GpuError::InvalidArgument(format!(
-            "gemv needs n % 16 == 0, k % 32 == 0 and 1 <= batch <= {max_batch}; got n={}, k={}, batch={}",
-            a.n, a.k, a.batch
-        )));
-    }
-    if a.w == 0 || a.x == 0 || a.y == 0 {
-        return Err(GpuError::InvalidArgument("gemv: null w, x or y pointer".into()));
-    }
-    Ok(())
-}
-
-pub use abi::{MkAddRmsnormArgs, MkGemvArgs, MkStepArgs};
+pub use abi::MkStepArgs;
 
 #[cfg(test)]
 mod tests {
@@ -279,32 +205,16 @@ mod tests {
     }
 
     #[test]
-    fn kernels_cubin_exports_the_norm_kernel_for_sm90a() {
+    fn the_megakernel_cubin_exports_the_decode_step_for_sm90a() {
         use object::{Object, ObjectSymbol};
-        let elf = object::File::parse(cubin("kernels").unwrap()).unwrap();
-        assert!(elf.symbols().any(|s| s.name() == Ok("mk_add_rmsnorm")));
+        let elf = object::File::parse(cubin("megakernel").unwrap()).unwrap();
+        assert!(elf.symbols().any(|s| s.name() == Ok("mk_decode_step")));
         // With CUDA ELF ABI 8, e_flags carry the SM version in bits 8..16 (0x5a = 90).
         let flags = match elf.flags() {
             object::FileFlags::Elf { e_flags, .. } => e_flags.0,
             other => panic!("unexpected flags {other:?}"),
         };
         assert_eq!((flags >> 8) & 0xff, 90, "cubin is not built for sm_90: e_flags={flags:#x}");
-    }
-
-    #[test]
-    fn gemv_shapes_are_checked_before_any_launch() {
-        let ok = MkGemvArgs { w: 1, x: 1, y: 1, n: 2048, k: 2048, batch: 8, reserved: 0 };
-        assert!(check_gemv(&ok).is_ok());
-        for bad in [
-            MkGemvArgs { n: 2040, ..ok },
-            MkGemvArgs { k: 100, ..ok },
-            MkGemvArgs { k: 0, ..ok },
-            MkGemvArgs { batch: 0, ..ok },
-            MkGemvArgs { batch: 65, ..ok },
-            MkGemvArgs { w: 0, ..ok },
-        ] {
-            assert!(matches!(check_gemv(&bad), Err(GpuError::InvalidArgument(_))), "{bad:?}");
-        }
     }
 
     #[test]

@@ -475,9 +475,9 @@ pub(crate) mod tests {
             assert_eq!(check::check(&geom, &g, 5), vec![]);
             for l in 0..geom.layers() {
                 let at = |op: Op, m: Option<Matrix>| {
-                    g.order.iter().position(|t| {
-                        t.layer == l as i32 && t.op() == op && m.is_none_or(|m| t.arg[0] == m as i32)
-                    })
+                    g.order
+                        .iter()
+                        .position(|t| t.layer == l as i32 && t.op() == op && m.is_none_or(|m| t.arg[0] == m as i32))
                 };
                 let (attn, up) = (at(Op::AttnSplit, None), at(Op::Gemv, Some(Matrix::ExpertGateUp)));
                 if let Some(up) = up {

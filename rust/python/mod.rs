@@ -10,7 +10,7 @@ mod reference_backend;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::gpu::{self, Gpu, MkAddRmsnormArgs, MkGemvArgs};
+use crate::gpu;
 
 /// True when a CUDA driver is present and sees a device.
 #[pyfunction]
@@ -31,60 +31,6 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     info.set_item("cubins", cubins)?;
     info.set_item("abi_version", gpu::abi::ABI_VERSION)?;
     Ok(info)
-}
-
-/// Fused residual add + RMSNorm on device `device`, enqueued on `stream` (a CUstream handle,
-/// e.g. `torch.cuda.current_stream().cuda_stream`). Pointers are raw device addresses of bf16
-/// tensors: x [rows, dim] (updated in place when delta != 0), delta [rows, dim] or 0,
-/// gamma [dim], out [rows, dim].
-#[pyfunction]
-#[pyo3(signature = (device, stream, x, delta, gamma, out, rows, dim, eps))]
-#[allow(clippy::too_many_arguments)]
-fn add_rmsnorm(
-    py: Python<'_>,
-    device: usize,
-    stream: u64,
-    x: u64,
-    delta: u64,
-    gamma: u64,
-    out: u64,
-    rows: i32,
-    dim: i32,
-    eps: f32,
-) -> PyResult<()> {
-    let args = MkAddRmsnormArgs { x, delta, gamma, out, rows, dim, eps, reserved: 0 };
-    py.detach(|| {
-        let gpu = Gpu::shared(device)?;
-        // SAFETY: the Python wrapper (mk.ops) passes pointers of live CUDA tensors of this
-        // device with the shapes above, and torch's current stream of that device.
-        unsafe { gpu.add_rmsnorm(&args, stream as usize as _) }
-    })
-    .map_err(errors::to_py)
-}
-
-/// `y = x · Wᵀ` for a decode batch on device `device`, enqueued on `stream`: x bf16 [batch, k],
-/// w bf16 [n, k], y bf16 [batch, n] (raw device addresses).
-#[pyfunction]
-#[pyo3(signature = (device, stream, w, x, y, n, k, batch))]
-#[allow(clippy::too_many_arguments)]
-fn gemv(
-    py: Python<'_>,
-    device: usize,
-    stream: u64,
-    w: u64,
-    x: u64,
-    y: u64,
-    n: i32,
-    k: i32,
-    batch: i32,
-) -> PyResult<()> {
-    let args = MkGemvArgs { w, x, y, n, k, batch, reserved: 0 };
-    py.detach(|| {
-        let gpu = Gpu::shared(device)?;
-        // SAFETY: as for add_rmsnorm; mk.ops.gemv checks devices, dtypes and shapes.
-        unsafe { gpu.gemv(&args, stream as usize as _) }
-    })
-    .map_err(errors::to_py)
 }
 
 /// Bulk-copy descriptors of weight matrices for the megakernel (`MkStepArgs.layer_maps` etc.):
@@ -112,8 +58,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("STEP_MAX_BATCH", gpu::abi::STEP_MAX_BATCH)?;
     m.add_function(wrap_pyfunction!(gpu_available, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
-    m.add_function(wrap_pyfunction!(add_rmsnorm, m)?)?;
-    m.add_function(wrap_pyfunction!(gemv, m)?)?;
     m.add_function(wrap_pyfunction!(weight_maps, m)?)?;
     m.add("TENSOR_MAP_BYTES", gpu::abi::TENSOR_MAP_BYTES)?;
     m.add("LAYER_WEIGHT_COUNT", gpu::abi::LAYER_WEIGHT_COUNT)?;

@@ -202,12 +202,14 @@ class MegakernelStep:
             attention_first=self.attention_first,
         )
 
-    def buffers(self, g: mkgraph.StepGraph, log_residuals: bool = True) -> StepBuffers:
+    def buffers(self, g: mkgraph.StepGraph, log_residuals: bool = True, max_splits: int = 0) -> StepBuffers:
+        """Buffers for `g`'s batch, with room for max(`max_splits`, g.max_splits) attention splits
+        (so that graphs with more splits, e.g. other attn_chunk sizes, can run on them too)."""
         return StepBuffers.allocate(
             self.cfg,
             g.batch,
             g.slots,
-            g.max_splits,
+            max(max_splits, g.max_splits),
             self.max_pages,
             self.sample_parts,
             torch.bfloat16,
@@ -229,6 +231,13 @@ class MegakernelStep:
             tasks = torch.from_numpy(g.tasks.copy()).to(self.device)
         if g.num_counters != self.num_counters or buf.block_tables.shape[2] != self.max_pages:
             raise ValueError("graph or buffers do not match this MegakernelStep")
+        # The kernel indexes the buffers by these: a graph with more splits or slots than they
+        # were allocated for would write past them.
+        if buf.x.shape[0] != g.batch or buf.attn_o.shape[1] < g.max_splits or buf.expert_act.shape[0] < g.slots:
+            raise ValueError(
+                f"buffers for batch {buf.x.shape[0]}, {buf.attn_o.shape[1]} splits and {buf.expert_act.shape[0]} "
+                f"slots cannot run a graph of batch {g.batch}, {g.max_splits} splits and {g.slots} slots"
+            )
         if int(buf.positions.max()) >= self.max_pages * PAGE_SIZE:
             raise ValueError("a position lies past the block tables")
         values = fixed_step_args(self.model, self.kv, self.tables, buf)
@@ -245,7 +254,7 @@ class MegakernelStep:
             parity=self.parity,
             batch=g.batch,
             max_pages=self.max_pages,
-            max_splits=g.max_splits,
+            max_splits=buf.attn_o.shape[1],  # the partials' stride
             slots=g.slots,
             sample_parts=self.sample_parts,
         )

@@ -91,7 +91,8 @@ def summarize(g: StepGraph, trace: np.ndarray) -> dict:
 def layer_timeline(g: StepGraph, real, start, wait_ns, end, layer: int) -> list[dict]:
     """When each task family of `layer` ran, in µs from the end of the previous layer's last
     residual-norm task (the moment the layer's input is ready): the first block's arrival, the
-    first and median start of work (after the wait), the median and last end. Families sorted by first start: the layer's critical path reads top down."""
+    first and median start of work (after the wait), the median and last end. Families sorted
+    by first start: the layer's critical path reads top down."""
     ops, layers = g.tasks[..., 0], g.tasks[..., 1]
     norms = real & (ops == Op.RESIDUAL_NORM) & (layers == layer - 1)
     if not norms.any():

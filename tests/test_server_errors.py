@@ -230,6 +230,38 @@ def test_unknown_and_refused_top_level_fields_are_named(server):
     assert r.status_code == 200, r.text
 
 
+def test_sglangs_extensions_are_accepted_at_their_neutral_values_only(server):
+    # What sglang-router adds to every request it forwards (--data-parallel-size).
+    neutral = {"no_stop_trim": False, "continue_final_message": False, "skip_special_tokens": True}
+    neutral |= {"separate_reasoning": True, "stream_reasoning": True, "return_hidden_states": False}
+    r = post(server, CHAT, {"messages": USER, "max_tokens": 1, **neutral})
+    assert r.status_code == 200, r.text
+    assert post(server, COMP, {"prompt": "x", "max_tokens": 1, **neutral}).status_code == 200
+    for field, value in [("no_stop_trim", True), ("skip_special_tokens", False), ("return_hidden_states", 1)]:
+        err = assert_error(post(server, CHAT, {"messages": USER, field: value}), 400, param=field)
+        assert "is not supported" in err["message"]
+
+
+def test_server_info_names_the_model_for_a_router(server):
+    r = httpx.get(server.url + "/server_info", headers=AUTH, timeout=30)
+    assert r.status_code == 200
+    assert r.json() == {"served_model_name": NAME, "context_length": 2048, "max_running_requests": 1}
+    assert_error(httpx.get(server.url + "/server_info", timeout=30), 401)
+
+
+def test_every_metric_family_has_samples_from_the_start():
+    # A family without samples breaks a merge of several servers' pages (sglang-router's /engine_metrics).
+    from mk.server.metrics import Metrics
+
+    text = Metrics("m").render().decode()
+    for reason in ("stop", "length", "abort", "cancelled", "error"):
+        assert f'finish_reason="{reason}"' in text, reason
+    families = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
+    sampled = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    for family in families:
+        assert any(s == family or s.startswith(family + "_") for s in sampled), family
+
+
 def test_lone_surrogates_are_a_400_naming_the_field(server):
     raw = [
         (CHAT, b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content"),

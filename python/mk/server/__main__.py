@@ -4,6 +4,9 @@ With no arguments it serves the built-in model (a small coder of North Mini Code
 trained on the Python standard library: it writes code-shaped text, not good code) on
 127.0.0.1:8000, on the GPU when there is one. Routes: /v1/chat/completions, /v1/completions,
 /v1/models[/ID], /health, /metrics (Prometheus; README "Metrics" lists them).
+
+With --data-parallel-size N it starts N such servers (one per GPU) behind sglang-router
+(mk/server/replicas.py).
 """
 
 from __future__ import annotations
@@ -68,7 +71,13 @@ def _seconds(text: str) -> float:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _Parser(prog="python -m mk.server", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # No abbreviations: a data-parallel parent passes its options on to its replicas verbatim.
+    p = _Parser(
+        prog="python -m mk.server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=_at_least(1), default=8000, help="TCP port (default: %(default)s)")
     src = p.add_mutually_exclusive_group()
@@ -76,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--model",
         type=Path,
         help="checkpoint folder: config.json, *.safetensors, tokenizer.json, "
-        "tokenizer_config.json (default: the built-in tiny model)",
+        "tokenizer_config.json (default: the built-in model)",
     )
     src.add_argument(
         "--synthetic",
@@ -163,6 +172,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds between engine status lines in the log (default: %(default)s)",
     )
     p.add_argument(
+        "--data-parallel-size",
+        type=_at_least(1),
+        default=1,
+        help="engine replicas, one per GPU (or CPU replicas with --device cpu), behind sglang-router on --host/"
+        "--port with cache-aware routing; 1 = this one process (default: %(default)s)",
+    )
+    p.add_argument(
+        "--replica-base-port",
+        type=_at_least(1),
+        help="with --data-parallel-size N: replica i listens on 127.0.0.1:BASE+i and the router's Prometheus "
+        "metrics on 127.0.0.1:BASE+N (default: --port + 1)",
+    )
+    p.add_argument(
         "--log-level",
         choices=["debug", "info", "warning", "error"],
         default="info",
@@ -177,14 +199,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--model {args.model}: no such folder")
     if args.stats_interval == 0:
         p.error("--stats-interval must be above 0")
+    if args.replica_base_port is not None and args.data_parallel_size == 1:
+        p.error("--replica-base-port is for --data-parallel-size 2 or more")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    replica = os.environ.get("MK_REPLICA")  # set by a data-parallel parent for its children
+    prefix = f"replica {replica} " if replica is not None else ""
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s",
+        stream=sys.stderr,
     )
+    if args.data_parallel_size > 1:
+        from mk.server.replicas import ReplicaError, serve_replicas
+
+        try:
+            sys.exit(serve_replicas(args, argv))
+        except (ReplicaError, OSError) as e:
+            sys.exit(f"python -m mk.server: error: {e}")
     try:
         check_port(args.host, args.port)  # before the model loads, and before any "serving" line
         state = build_state(args)

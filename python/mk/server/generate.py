@@ -13,13 +13,12 @@ from typing import Any
 from mk.engine_api import AsyncEngine, EngineClosed, EngineFull, PromptTooLong, RequestStream
 from mk.sampling import SamplingError, SamplingParams
 from mk.server.errors import APIError, bad_request
-from mk.server.metrics import Metrics
+from mk.server.metrics import ABORT, Metrics
 from mk.server.state import ServerState
 from mk.textstream import Detokenizer, StopMatcher
 from mk.tokenizer import Tokenizer
 
 # An engine "cancelled" ending the client did not ask for (the server drained past its timeout).
-ABORT = "abort"
 
 
 def submit(engine: AsyncEngine, prompt: list[int], params: SamplingParams, request_id: str) -> RequestStream:

@@ -8,6 +8,7 @@ Everything is updated from the event loop thread; each server has its own regist
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import get_args
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -20,6 +21,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from mk.engine_api import EngineStats
+from mk.outputs import FinishReason
 
 # No `*_created` series beside every counter and histogram: nothing reads them, and they double the page.
 disable_created_metrics()
@@ -27,6 +29,11 @@ disable_created_metrics()
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+# The finish reason the server reports for a generation the engine cancelled (its "cancelled" is
+# a client that went away); with the engine's own, the values of mk_requests_total's finish_reason.
+ABORT = "abort"
+FINISH_REASONS = (*get_args(FinishReason), ABORT)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 MODEL = ["model_name"]
@@ -58,6 +65,11 @@ class Metrics:
             "mk_requests", "Finished generations by finish reason.", [*MODEL, "finish_reason"], registry=r
         )
         self._http = Counter("mk_http_responses", "HTTP responses by status.", [*MODEL, "status"], registry=r)
+        # Every labelled family shows a sample from the start: a family with none breaks readers
+        # that merge several servers' pages (sglang-router's /engine_metrics refuses the merge).
+        for reason in FINISH_REASONS:
+            self._requests.labels(m, reason)
+        self._http.labels(m, "200")
         self.model_name = m
         # Plain totals for the periodic log line's rates.
         self.prompt_tokens = 0

@@ -9,6 +9,7 @@ the default), and fields mk cannot honour are refused in `params.py` rather than
 from __future__ import annotations
 
 import difflib
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -22,6 +23,17 @@ MAX_STOPS = 16
 IGNORED_FIELDS = frozenset(
     {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier", "prompt_cache_key"}
 )
+# SGLang's extensions, which sglang-router adds to every request it forwards (--data-parallel-size):
+# accepted at the value that means what mk does anyway, refused at any other.
+NEUTRAL_EXTENSIONS = {
+    "no_stop_trim": False,
+    "continue_final_message": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "return_hidden_states": False,
+}
 # Top-level fields refused with a reason of their own.
 REFUSED_FIELDS = {
     "functions": "the legacy 'functions' field is not supported; send 'tools'",
@@ -192,7 +204,12 @@ def validate(model: type, obj: Any) -> Any:
     for name in obj:
         if name in REFUSED_FIELDS:
             raise bad_request(REFUSED_FIELDS[name], name)
-    unknown = [n for n in obj if n not in model.model_fields and n not in IGNORED_FIELDS]
+        if name in NEUTRAL_EXTENSIONS and obj[name] is not NEUTRAL_EXTENSIONS[name]:
+            raise bad_request(
+                f"{name}={json.dumps(obj[name])} is not supported (only {json.dumps(NEUTRAL_EXTENSIONS[name])})", name
+            )
+    known = model.model_fields.keys() | IGNORED_FIELDS | NEUTRAL_EXTENSIONS.keys()
+    unknown = [n for n in obj if n not in known]
     if unknown:
         name = unknown[0]
         close = difflib.get_close_matches(name, list(model.model_fields), n=1)

@@ -12,21 +12,17 @@ from mk.server.chat import ChatPrompt, build_prompt
 from mk.server.errors import APIError, bad_request, error_body
 from mk.server.generate import ChoiceRun, collect, gather_all, note, start_runs, stream_choices, usage
 from mk.server.logprobs import chat_logprobs
-from mk.server.params import constraint, max_new_tokens, refuse_unsupported, sampling_params
-from mk.server.schemas import ChatRequest, validate
+from mk.server.params import constraint, max_new_tokens, parse_request, sampling_params
+from mk.server.schemas import ChatRequest
 from mk.server.state import ServerState
 from mk.toolcalls import Cmd4Stream, ContentTokens, Delta, ToolCallError
 
 
 async def chat_completions(state: ServerState, obj: Any, info: dict) -> dict | AsyncIterator:
     arrival = time.monotonic()
-    req: ChatRequest = validate(ChatRequest, obj)
-    state.check_model(req.model)
-    refuse_unsupported(req)
+    req = parse_request(ChatRequest, obj, state)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    if req.stream_options is not None and not req.stream:
-        raise bad_request("stream_options needs stream: true", "stream_options")
     # Rendering and tokenizing a long conversation takes seconds: off the event loop, so other
     # streams and /health are not held up.
     prompt = await asyncio.to_thread(build_prompt, req, state.tokenizer)

@@ -11,8 +11,8 @@ from typing import Any
 from mk.server.errors import bad_request, error_body
 from mk.server.generate import ChoiceRun, collect, gather_all, note, start_runs, stream_choices, usage
 from mk.server.logprobs import completion_logprobs
-from mk.server.params import constraint, max_new_tokens, refuse_unsupported, sampling_params
-from mk.server.schemas import CompletionRequest, validate
+from mk.server.params import constraint, max_new_tokens, parse_request, sampling_params
+from mk.server.schemas import CompletionRequest
 from mk.server.state import ServerState
 
 
@@ -24,11 +24,7 @@ class _Choice:
 
 async def completions(state: ServerState, obj: Any, info: dict) -> dict | AsyncIterator:
     arrival = time.monotonic()
-    req: CompletionRequest = validate(CompletionRequest, obj)
-    state.check_model(req.model)
-    refuse_unsupported(req)
-    if req.stream_options is not None and not req.stream:
-        raise bad_request("stream_options needs stream: true", "stream_options")
+    req = parse_request(CompletionRequest, obj, state)
     prompts = await asyncio.to_thread(_prompt_ids, req, state)  # tokenizing is slow: off the event loop
     budgets = [max_new_tokens(req, len(ids), state.engine.max_context) for ids, _ in prompts]
     rid = "cmpl-" + info["id"]

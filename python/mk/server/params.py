@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, TypeVar
 
 from mk import _native
 from mk.sampling import ConstraintSpec, SamplingError, SamplingParams
 from mk.server.errors import APIError, bad_request
-from mk.server.schemas import ChatRequest, CompletionRequest, NamedToolChoice, _Sampling
+from mk.server.schemas import ChatRequest, CompletionRequest, NamedToolChoice, _Sampling, validate
+from mk.server.state import ServerState
+
+R = TypeVar("R", ChatRequest, CompletionRequest)
 
 # Field -> the value(s) that mean "off"; anything else is refused rather than silently ignored.
 _OFF = {
@@ -17,6 +20,17 @@ _OFF = {
     "repetition_penalty": (1, 1.0),
     "min_p": (0, 0.0),
 }
+
+
+def parse_request(cls: type[R], obj: Any, state: ServerState) -> R:
+    """The body as `cls` (ChatRequest or CompletionRequest), or a 400 naming the first problem: a
+    bad or unknown field, another model's name, a setting mk cannot honour."""
+    req = validate(cls, obj)
+    state.check_model(req.model)
+    refuse_unsupported(req)
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options needs stream: true", "stream_options")
+    return req
 
 
 def refuse_unsupported(req: _Sampling) -> None:

@@ -14,7 +14,7 @@ union StepSmem {
     GemvSmem gemv;
     AttnSmem attn;
     struct {
-        float row[8192];  // one fp32 residual row (hidden <= 8192)
+        float row[MK_STEP_MAX_K];  // one fp32 residual row (hidden <= MK_STEP_MAX_K, checked by the host)
         float scratch[kWarps];
         int slots[MK_STEP_MAX_TOP_K];  // a row's top-k choices sorted by slot
         float scores[MK_STEP_MAX_TOP_K];

@@ -13,6 +13,7 @@ STEP_MAX_GROUP: int  # MK_STEP_MAX_GROUP: query heads per KV head at most
 STEP_MAX_TOP_K: int  # MK_STEP_MAX_TOP_K: experts per token at most
 STEP_MAX_EXPERTS: int  # MK_STEP_MAX_EXPERTS: experts per layer at most
 ROW_GROUPS: int  # the task builder's default row groups of expert down and LM-head tasks
+SAMPLE_PARTS: int  # the task builder's default vocabulary slices per row for sampling
 JSON_LAYOUT: str  # llguidance's x-guidance options constrained JSON gets unless its schema has its own
 STEP_MAX_BATCH: int  # MK_STEP_MAX_BATCH: rows per megakernel launch
 TENSOR_MAP_BYTES: int  # MK_TENSOR_MAP_BYTES: one encoded weight map
@@ -43,7 +44,7 @@ def build_step_graph(
     num_sms: int = 132,
     attn_chunk: int = 0,
     row_groups: int | None = None,
-    sample_parts: int = 16,
+    sample_parts: int = ...,
     check: bool = False,
     dealing: str = "round_robin",
     qkv_groups: int | None = None,
@@ -67,20 +68,23 @@ class QueueFullError(RuntimeError):
 class EngineStoppedError(RuntimeError):
     """The engine is shut down."""
 
-class Runner(Protocol):
-    """What the Reference backend calls (mk.runner.ReferenceRunner). `dirty` lists the batch rows
+class PrefillRunner(Protocol):
+    """What both backends call to prefill (mk.runner.PrefillRunner). `dirty` lists the batch rows
     whose page-table entries changed: (row, bytes of int32 [layer][page])."""
 
     def prefill(self, pieces: list[tuple[int, list[int], int, bool]], dirty: list[tuple[int, bytes]]) -> Any:
         """Chunks (row, tokens, start, last) of distinct sequences in one call; a float32 buffer
         [pieces with `last`, vocab] of their logits, in order."""
 
+class Runner(PrefillRunner, Protocol):
+    """What the Reference backend calls (mk.runner.ReferenceRunner): prefill, and decode."""
+
     def decode(self, rows: list[int], tokens: list[int], positions: list[int], dirty: list[tuple[int, bytes]]) -> Any:
         """float32 buffer [len(rows), vocab]."""
 
-class MegakernelRunner(Runner, Protocol):
-    """What the Megakernel backend calls (mk.megakernel.runner.MegakernelRunner): `prefill` as
-    above (never `decode`), and once at construction `megakernel_setup()` → device, stream,
+class MegakernelRunner(PrefillRunner, Protocol):
+    """What the Megakernel backend calls (mk.megakernel.runner.MegakernelRunner): `prefill`, and
+    once at construction `megakernel_setup()` → device, stream,
     step_args (bytes of an MkStepArgs template), rows, max_splits, slots, max_pages, num_blocks,
     attn_chunk, row_groups, sample_parts; `model.config` gives the geometry."""
 

@@ -84,7 +84,9 @@ class Engine:
     the CPU. Either way prefill is PyTorch, on the decode backend's stream.
 
     KV pool: `kv_blocks` blocks, else `kv_bytes`, else on a GPU `kv_fraction` of the memory free
-    after the weights, else (CPU) room for `max_batch` sequences of `max_context` tokens.
+    after the weights, else (CPU) room for one sequence of `max_context` tokens or `max_batch` of
+    up to CPU_BATCH_CONTEXT tokens, whichever is more (a full batch of long contexts would be
+    gigabytes of zeros for a model small enough to run on the CPU).
     """
 
     def __init__(
@@ -113,7 +115,11 @@ class Engine:
         self.max_context = max_context
         sliding = [cfg.is_sliding(layer) for layer in range(cfg.num_hidden_layers)]
         decode_need, prefill_need = _native.kv_blocks_needed(sliding, cfg.sliding_window, max_context, prefill_chunk)
-        num_blocks = _pool_blocks(model, kv_blocks, kv_bytes, kv_fraction, max(max_batch * decode_need, prefill_need))
+        batch_need, _ = _native.kv_blocks_needed(
+            sliding, cfg.sliding_window, min(max_context, CPU_BATCH_CONTEXT), prefill_chunk
+        )
+        cpu_blocks = max(decode_need, max_batch * batch_need, prefill_need)
+        num_blocks = _pool_blocks(model, kv_blocks, kv_bytes, kv_fraction, cpu_blocks)
         if self.backend == "megakernel":
             self._runner = MegakernelRunner(model, num_blocks, max_batch, max_context, fast_prefill=fast)
         else:
@@ -305,6 +311,10 @@ def _fast_prefill(model: Model, mode: str, chunk: int) -> Prefill | None:
         stack_experts(model.weights, model.config)
     # Rust hands over at most `chunk` tokens a call, so each call is one chunk of mk.prefill.
     return Prefill(model, chunk=chunk)
+
+
+# On the CPU the default pool fits a full batch of contexts up to this long (Engine's docstring).
+CPU_BATCH_CONTEXT = 8192
 
 
 def _weights_id(model: Model) -> int:

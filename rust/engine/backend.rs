@@ -99,3 +99,56 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
         (**self).decode(input, out)
     }
 }
+
+/// For a backend that prefills through one component and decodes through another: the rows whose
+/// block tables changed in decode steps, which the prefill side never saw. Its next prefill call
+/// gets them with that call's own dirty rows, and they are cleared once the call went through.
+#[derive(Debug, Default)]
+pub struct UnseenRows {
+    unseen: Vec<bool>,
+    merged: Vec<usize>,
+}
+
+impl UnseenRows {
+    /// Records a decode step's dirty rows (of a table with `rows` rows).
+    pub fn note(&mut self, rows: usize, dirty: &[usize]) {
+        self.unseen.resize(rows, false);
+        for &r in dirty {
+            self.unseen[r] = true;
+        }
+    }
+
+    /// Every row changed since the last `sent`, this prefill's `dirty` included, ascending.
+    pub fn pending(&mut self, rows: usize, dirty: &[usize]) -> &[usize] {
+        self.note(rows, dirty);
+        self.merged.clear();
+        self.merged.extend(self.unseen.iter().enumerate().filter(|(_, &u)| u).map(|(r, _)| r));
+        &self.merged
+    }
+
+    /// The prefill side has the pending rows.
+    pub fn sent(&mut self) {
+        self.unseen.fill(false);
+    }
+}
+
+#[cfg(test)]
+mod unseen_rows_tests {
+    use super::UnseenRows;
+
+    #[test]
+    fn decode_steps_rows_reach_the_next_prefill_once_and_survive_a_failed_one() {
+        let mut u = UnseenRows::default();
+        u.note(4, &[2]);
+        u.note(4, &[0, 2]);
+        assert_eq!(u.pending(4, &[3]), &[0, 2, 3]);
+        // The call failed: nothing is lost.
+        assert_eq!(u.pending(4, &[]), &[0, 2, 3]);
+        u.sent();
+        assert_eq!(u.pending(4, &[1]), &[1]);
+        u.sent();
+        assert!(u.pending(4, &[]).is_empty());
+        u.note(6, &[5]); // the table grew
+        assert_eq!(u.pending(6, &[]), &[5]);
+    }
+}

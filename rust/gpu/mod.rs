@@ -162,11 +162,21 @@ impl Gpu {
                 args.batch
             )));
         }
-        if args.head_dim != 128 || args.heads / args.kv_heads.max(1) > 8 || args.longest_reduction() > abi::STEP_MAX_K {
+        if args.head_dim as usize != abi::STEP_HEAD_DIM
+            || args.kv_heads < 1
+            || (args.heads / args.kv_heads) as usize > abi::STEP_MAX_GROUP
+            || args.longest_reduction() > abi::STEP_MAX_K
+            || args.top_k as usize > abi::STEP_MAX_TOP_K
+            || args.experts as usize > abi::STEP_MAX_EXPERTS
+        {
             return Err(GpuError::InvalidArgument(format!(
-                "decode_step supports head_dim 128, query groups of at most 8 and GEMV reductions (hidden, query \
-                 width, FFN widths) of at most {}",
-                abi::STEP_MAX_K
+                "decode_step supports head_dim {}, query groups of at most {}, GEMV reductions (hidden, query \
+                 width, FFN widths) of at most {}, top-{} routing and {} experts at most",
+                abi::STEP_HEAD_DIM,
+                abi::STEP_MAX_GROUP,
+                abi::STEP_MAX_K,
+                abi::STEP_MAX_TOP_K,
+                abi::STEP_MAX_EXPERTS
             )));
         }
         let stream = self.ctx.wrap_borrowed_stream(stream);

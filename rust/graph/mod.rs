@@ -64,6 +64,8 @@ impl Geometry {
 pub const QKV_GROUPS: usize = 3;
 /// The default `BuildOptions::row_groups`: 128-row expert down and LM-head tiles.
 pub const ROW_GROUPS: usize = 8;
+/// The default `BuildOptions::sample_parts`: vocabulary slices per row for greedy sampling.
+pub const SAMPLE_PARTS: usize = 16;
 
 /// Knobs of the task decomposition.
 #[derive(Debug, Clone)]
@@ -98,7 +100,7 @@ impl Default for BuildOptions {
             row_groups: ROW_GROUPS,
             qkv_groups: QKV_GROUPS,
             gate_up_groups: 0,
-            sample_parts: 16,
+            sample_parts: SAMPLE_PARTS,
             dealing: Dealing::RoundRobin,
             attention_first: true,
         }

@@ -38,7 +38,7 @@ pub(crate) fn geometry_from(cfg: &Bound<'_, PyAny>) -> PyResult<Geometry> {
 /// With `check=True` the static checker runs first and any violation raises. `dealing`:
 /// "round_robin" or "balanced".
 #[pyfunction]
-#[pyo3(signature = (config, positions, num_sms=132, attn_chunk=0, row_groups=None, sample_parts=16, check=false, dealing="round_robin", qkv_groups=None, gate_up_groups=None, attention_first=None))]
+#[pyo3(signature = (config, positions, num_sms=132, attn_chunk=0, row_groups=None, sample_parts=crate::graph::SAMPLE_PARTS, check=false, dealing="round_robin", qkv_groups=None, gate_up_groups=None, attention_first=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn build_step_graph<'py>(
     py: Python<'py>,

@@ -15,6 +15,7 @@ use pyo3::types::PyDict;
 use super::errors;
 use super::graph::geometry_from;
 use super::reference_backend::{reference_backend, ReferenceBackend};
+use crate::engine::backend::UnseenRows;
 use crate::engine::megakernel::MegakernelDecoder;
 use crate::engine::{Backend, BackendError, DecodeInput, PrefillInput, PrefillResult};
 use crate::gpu::step::{GpuLauncher, StepSetup};
@@ -29,8 +30,7 @@ pub struct MegakernelBackend {
     python: ReferenceBackend,
     /// Rows whose table changed in decode calls, which never reach Python: the runner's mirror
     /// gets them with the next prefill.
-    unsent: Vec<bool>,
-    merged: Vec<usize>,
+    unseen: UnseenRows,
 }
 
 fn get<'py, T: FromPyObjectOwned<'py>>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<T> {
@@ -83,31 +83,21 @@ impl MegakernelBackend {
         Ok(Self {
             decoder: MegakernelDecoder::new(launcher),
             python: reference_backend(runner, vocab),
-            unsent: Vec::new(),
-            merged: Vec::new(),
+            unseen: UnseenRows::default(),
         })
     }
 }
 
 impl Backend for MegakernelBackend {
     fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) -> Result<(), BackendError> {
-        self.unsent.resize(input.table.rows(), false);
-        for &r in input.dirty_rows {
-            self.unsent[r] = true;
-        }
-        self.merged.clear();
-        self.merged.extend(self.unsent.iter().enumerate().filter(|(_, &u)| u).map(|(r, _)| r));
-        // The runner has the rows once one of its calls went through.
-        self.python.prefill(&PrefillInput { dirty_rows: &self.merged, ..*input }, out)?;
-        self.unsent.fill(false);
+        let dirty_rows = self.unseen.pending(input.table.rows(), input.dirty_rows);
+        self.python.prefill(&PrefillInput { dirty_rows, ..*input }, out)?;
+        self.unseen.sent();
         Ok(())
     }
 
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
-        self.unsent.resize(input.table.rows(), false);
-        for &r in input.dirty_rows {
-            self.unsent[r] = true;
-        }
+        self.unseen.note(input.table.rows(), input.dirty_rows);
         self.decoder.decode(input, out)
     }
 }

@@ -54,6 +54,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("STEP_MAX_TOP_K", gpu::abi::STEP_MAX_TOP_K)?;
     m.add("STEP_MAX_EXPERTS", gpu::abi::STEP_MAX_EXPERTS)?;
     m.add("ROW_GROUPS", crate::graph::ROW_GROUPS)?;
+    m.add("SAMPLE_PARTS", crate::graph::SAMPLE_PARTS)?;
     m.add("JSON_LAYOUT", crate::grammar::JSON_LAYOUT)?;
     m.add("STEP_MAX_BATCH", gpu::abi::STEP_MAX_BATCH)?;
     m.add_function(wrap_pyfunction!(gpu_available, m)?)?;

@@ -39,7 +39,7 @@ def build(
     num_sms: int = 132,
     attn_chunk: int = 0,
     row_groups: int = _native.ROW_GROUPS,
-    sample_parts: int = 16,
+    sample_parts: int = _native.SAMPLE_PARTS,
     check: bool = False,
     dealing: str = "round_robin",
     qkv_groups: int | None = None,

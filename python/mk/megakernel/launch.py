@@ -161,7 +161,7 @@ class MegakernelStep:
         max_pages: int,
         attn_chunk: int = 0,
         row_groups: int = _native.ROW_GROUPS,
-        sample_parts=16,
+        sample_parts: int = _native.SAMPLE_PARTS,
         dealing: str = "round_robin",
         qkv_groups: int | None = None,
         gate_up_groups: int | None = None,

@@ -45,7 +45,7 @@ class MegakernelRunner(PrefillRunner):
         max_context: int,
         *,
         row_groups: int = _native.ROW_GROUPS,
-        sample_parts: int = 16,
+        sample_parts: int = _native.SAMPLE_PARTS,
         fast_prefill: Prefill | None = None,
     ) -> None:
         why = megakernel_unsupported(model)

@@ -276,7 +276,6 @@ def build_state(args: argparse.Namespace) -> ServerState:
         max_batch=args.max_batch,
         max_context=max_context,
         max_waiting=args.max_waiting,
-        kv_blocks=None if device.type == "cuda" else _cpu_kv_blocks(model, max_context, args.max_batch),
         kv_fraction=args.kv_fraction,  # on a GPU: of the memory free after the weights
         prefill_chunk=args.prefill_chunk,
         backend=args.backend,
@@ -312,15 +311,6 @@ def _synthetic(device: torch.device):
     log.info("generating full-size random weights on %s", device)
     model = Model(cfg, synthetic_weights(cfg, seed=0, device=device, dtype=torch.bfloat16, std=0.01))
     return model, Tokenizer.builtin(cfg.vocab_size)
-
-
-def _cpu_kv_blocks(model, max_context: int, max_batch: int) -> int:
-    """On the CPU: room for one full-context sequence, or a full batch of 8K-token ones if that is more
-    (a batch of 128K-token contexts would be gigabytes of zeros for a test model)."""
-    from mk.model.paged import pages_needed
-
-    pages = max(pages_needed(max_context), max_batch * pages_needed(min(max_context, 8192)))
-    return model.config.num_hidden_layers * pages
 
 
 if __name__ == "__main__":

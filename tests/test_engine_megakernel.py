@@ -5,6 +5,7 @@ rust/gpu/compact.rs, rust/engine/megakernel.rs; the GPU runs are test_engine_meg
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from types import SimpleNamespace
 
@@ -40,6 +41,11 @@ def test_geometry_limits():
     for cfg in (ModelConfig.real(), ModelConfig.gpu_test(), ModelConfig.embedded()):
         assert geometry_unsupported(cfg) is None
     assert "head_dim is 16" in geometry_unsupported(ModelConfig.tiny())
+    # The task builder's shape rules (rust/graph validate_geometry) are the support check's too.
+    odd_vocab = dataclasses.replace(ModelConfig.gpu_test(), vocab_size=1000)
+    assert "the vocabulary of 16" in geometry_unsupported(odd_vocab)
+    narrow_ffn = dataclasses.replace(ModelConfig.gpu_test(), intermediate_size=100)
+    assert "FFN widths must be multiples of 32" in geometry_unsupported(narrow_ffn)
 
 
 def test_auto_takes_the_reference_on_the_cpu_and_megakernel_is_refused(tiny):

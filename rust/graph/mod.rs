@@ -168,6 +168,26 @@ pub fn build_step(geom: &Geometry, positions: &[usize], opts: &BuildOptions) -> 
 }
 
 fn validate(g: &Geometry, o: &BuildOptions) -> Result<(), GraphError> {
+    validate_geometry(g)?;
+    let bad = |m: String| Err(GraphError::Geometry(m));
+    if o.num_sms == 0 || o.attn_chunk % PAGE_SIZE != 0 {
+        return bad(format!("num_sms > 0 and attn_chunk a multiple of {PAGE_SIZE} (0: automatic)"));
+    }
+    let groups = [("row_groups", o.row_groups, GEMV_MAX_GROUPS), ("qkv_groups", o.qkv_groups, GEMV_MAX_GROUPS)];
+    for (name, v, max) in groups {
+        if !(1..=max).contains(&v) {
+            return bad(format!("{name} must be in 1..={max}, got {v}"));
+        }
+    }
+    if o.gate_up_groups > GEMV_MAX_GROUPS / 2 {
+        return bad(format!("gate_up_groups must be in 0..={} (0: automatic)", GEMV_MAX_GROUPS / 2));
+    }
+    Ok(())
+}
+
+/// The shapes every task of a step needs (whatever the build options): GEMV widths in whole
+/// 32-column chunks, vocabulary slices of 16, whole query groups.
+pub fn validate_geometry(g: &Geometry) -> Result<(), GraphError> {
     let bad = |m: String| Err(GraphError::Geometry(m));
     if g.layers() == 0 || g.moe.len() != g.layers() {
         return bad("window and moe must list every layer".into());
@@ -182,18 +202,6 @@ fn validate(g: &Geometry, o: &BuildOptions) -> Result<(), GraphError> {
     }
     if g.expert_ffn % 32 != 0 || g.dense_ffn % 32 != 0 || g.vocab % 16 != 0 {
         return bad("FFN widths must be multiples of 32 and the vocabulary of 16".into());
-    }
-    if o.num_sms == 0 || o.attn_chunk % PAGE_SIZE != 0 {
-        return bad(format!("num_sms > 0 and attn_chunk a multiple of {PAGE_SIZE} (0: automatic)"));
-    }
-    let groups = [("row_groups", o.row_groups, GEMV_MAX_GROUPS), ("qkv_groups", o.qkv_groups, GEMV_MAX_GROUPS)];
-    for (name, v, max) in groups {
-        if !(1..=max).contains(&v) {
-            return bad(format!("{name} must be in 1..={max}, got {v}"));
-        }
-    }
-    if o.gate_up_groups > GEMV_MAX_GROUPS / 2 {
-        return bad(format!("gate_up_groups must be in 0..={} (0: automatic)", GEMV_MAX_GROUPS / 2));
     }
     Ok(())
 }

@@ -122,6 +122,14 @@ pub fn decode_step(py: Python<'_>, device: usize, stream: u64, args: &[u8], grid
     .map_err(super::errors::to_py)
 }
 
+/// Why `config`'s shapes cannot be cut into the megakernel's tasks (`graph::validate_geometry`:
+/// GEMV widths in whole 32-column chunks, ...), or None.
+#[pyfunction]
+pub fn graph_geometry_error(config: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
+    let geom = geometry_from(config)?;
+    Ok(crate::graph::validate_geometry(&geom).err().map(|e| e.to_string()))
+}
+
 pub fn parse_dealing(name: &str) -> PyResult<Dealing> {
     Dealing::parse(name)
         .ok_or_else(|| PyValueError::new_err(format!("dealing must be 'round_robin' or 'balanced', not {name:?}")))

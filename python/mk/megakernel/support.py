@@ -38,16 +38,10 @@ def geometry_unsupported(cfg: ModelConfig) -> str | None:
             f"{cfg.num_attention_heads} query heads over {cfg.num_key_value_heads} KV heads "
             f"(groups of at most {n.STEP_MAX_GROUP})",
         ),
-        (cfg.hidden_size % 32 == 0, f"hidden_size {cfg.hidden_size} is not a multiple of 32"),
         (
             longest_k <= _native.STEP_MAX_K,
             f"a reduction over {longest_k} values (hidden, q width or FFN width; at most {_native.STEP_MAX_K})",
         ),
-        (
-            cfg.intermediate_size % 32 == 0 and cfg.prefix_dense_intermediate_size % 32 == 0,
-            "FFN widths must be multiples of 32",
-        ),
-        (cfg.vocab_size % 16 == 0, f"vocab_size {cfg.vocab_size} is not a multiple of 16"),
         (
             cfg.num_experts_per_tok <= n.STEP_MAX_TOP_K,
             f"top-{cfg.num_experts_per_tok} routing (at most {n.STEP_MAX_TOP_K})",
@@ -57,7 +51,8 @@ def geometry_unsupported(cfg: ModelConfig) -> str | None:
     for ok, why in checks:
         if not ok:
             return f"unsupported geometry: {why}"
-    return None
+    tasks = n.graph_geometry_error(cfg)  # the task builder's own shape rules
+    return None if tasks is None else f"unsupported geometry: {tasks}"
 
 
 def megakernel_unsupported(model) -> str | None:

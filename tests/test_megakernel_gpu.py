@@ -44,7 +44,7 @@ TIE_TOL = 0.02
 
 
 def run_and_compare(
-    cfg: ModelConfig, weights, positions: list[int], max_pages: int, check_graph: bool, free_running=True
+    cfg: ModelConfig, weights, positions: list[int], max_pages: int, check_graph: bool, free_running=True, attn_chunk=0
 ):
     gen = torch.Generator(device="cuda").manual_seed(SEED)
     model = Model(cfg, weights)
@@ -53,7 +53,7 @@ def run_and_compare(
     kv_vm.k.copy_(kv.k)
     kv_vm.v.copy_(kv.v)
 
-    step = MegakernelStep(model, kv, max_pages)
+    step = MegakernelStep(model, kv, max_pages, attn_chunk=attn_chunk)
     g = step.graph(positions, check=check_graph)
     buf = step.buffers(g)
     buf.tokens.copy_(tokens.to(torch.int32))
@@ -138,6 +138,17 @@ def test_step_matches_reference_at_gpu_test_geometry(gpu_test_weights, positions
     cfg = ModelConfig.gpu_test()
     max_pages = max(positions) // PAGE_SIZE + 1
     out = run_and_compare(cfg, gpu_test_weights, positions, max_pages, check_graph=True)
+    check_step(*out, positions)
+
+
+@pytest.mark.gpu
+def test_a_row_with_more_than_32_splits_matches_the_reference(gpu_test_weights):
+    """The combine merges splits in rounds of 32 (lane s holds split s's weight): 64-key splits
+    at 5,000 keys make 79 splits in the full-attention layers, so its later rounds run too."""
+    cfg = ModelConfig.gpu_test()
+    positions = [5000, 70]
+    out = run_and_compare(cfg, gpu_test_weights, positions, 5000 // PAGE_SIZE + 1, check_graph=True, attn_chunk=64)
+    assert out[-1].max_splits > 64
     check_step(*out, positions)
 
 

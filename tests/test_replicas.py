@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # ---- the parts, without processes ----------------------------------------------------------------
 def test_a_replica_gets_the_parents_options_but_its_own_loopback_address():
-    argv = ["--data-parallel-size", "2", "--device", "cpu", "--host=0.0.0.0", "--port", "9000"]
+    argv = ["--data-parallel-size", "2", "--device", "cpu", "--host=0.0.0.0", "--port=9000"]
     argv += ["--replica-base-port=9100", "--api-key", "k", "--max-batch", "4"]
     child = replicas.child_argv(argv, 9101)
     assert child[:3] == [sys.executable, "-m", "mk.server"]
@@ -119,8 +119,10 @@ class Parent:
     """The data-parallel parent process and what its log says about its children."""
 
     def __init__(self) -> None:
-        self.port = free_ports(1)
         self.base = free_ports(3)
+        self.port = free_ports(1)
+        while self.base <= self.port < self.base + 3:
+            self.port = free_ports(1)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="mk-replicas-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "mk.server", "--data-parallel-size", "2", "--device", "cpu"]
@@ -176,6 +178,7 @@ def parent():
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        Path(p.log.name).unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +220,12 @@ def test_the_openai_client_works_through_the_public_port(client, parent):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
     named = {"type": "function", "function": {"name": "get_weather"}}
     called = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=tools, tool_choice=named
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=tools,
+        tool_choice=named,
+        temperature=0,
+        max_tokens=160,
     )
     (call,) = called.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and called.choices[0].finish_reason == "tool_calls"
@@ -277,9 +285,13 @@ def test_a_killed_replica_is_routed_around_restarted_and_sigterm_stops_everythin
     pids = parent.pids()
     mark = len(parent.output())
     os.kill(pids["replica 1"], signal.SIGKILL)
-    # Once the parent has seen the exit, the replica is out of the router's list: every request
-    # succeeds (one the router sent it before that fails with the router's 500).
+    # Once the parent has taken it out of the router's list, every request succeeds (one the router
+    # sent it before that fails with the router's 500).
     parent.wait_for(r"replica 1 \(http://127\.0\.0\.1:\d+\) exited with status -9; routing around it", 30, mark)
+    deadline = time.monotonic() + 30
+    while httpx.get(parent.url + "/readiness", timeout=10).json().get("total_workers") != 1:
+        assert time.monotonic() < deadline, "the router still lists the dead replica"
+        time.sleep(0.1)
     for i in range(6):
         r = client.completions.create(model=MODEL, prompt=f"x = {i}", max_tokens=2, temperature=0)
         assert r.choices[0].text is not None

@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import logging
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -23,7 +22,7 @@ from typing import NoReturn
 import torch
 
 from mk.server.app import App
-from mk.server.serve import serve
+from mk.server.serve import check_port, serve
 from mk.server.state import ServerState
 
 log = logging.getLogger("mk.server")
@@ -227,18 +226,6 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError, RuntimeError) as e:
         sys.exit(f"python -m mk.server: error: {e}")
     asyncio.run(serve(App(state), args.host, args.port, args.drain_timeout, args.log_level == "debug"))
-
-
-def check_port(host: str, port: int) -> None:
-    """OSError naming the address when nothing could listen on it (in use, not ours, bad host)."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        family, kind, proto, _, address = infos[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind(address)
-    except OSError as e:
-        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def build_state(args: argparse.Namespace) -> ServerState:

@@ -16,6 +16,7 @@ docs/ARCHITECTURE.md says why this router and not vllm-router.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -23,11 +24,10 @@ import secrets
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 log = logging.getLogger("mk.server")
 
@@ -97,8 +97,11 @@ class Replica:
     port: int
     gpu: str  # its CUDA_VISIBLE_DEVICES ("" for a CPU replica)
     argv: list[str]
+    threads: int | None = None  # OMP_NUM_THREADS of a CPU replica (the cores shared out)
     proc: subprocess.Popen | None = None
-    routed: bool = False  # in the router's worker list
+    started: float = 0.0  # when the process started (monotonic)
+    routed_since: float | None = None  # when the router's list last confirmed it, None: not in it
+    added: float | None = None  # when its addition to the router's list was last asked for
     restarts: int = 0
     next_start: float = 0.0  # when a restart is due (monotonic), after a backoff
 
@@ -108,29 +111,43 @@ class Replica:
 
     def start(self) -> None:
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": self.gpu, "MK_REPLICA": str(self.index)}
-        self.proc = spawn(self.argv, env)
+        if self.threads is not None and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        self.proc, self.started = spawn(self.argv, env), time.monotonic()
         where = f"GPU {self.gpu}" if self.gpu else "the CPU"
         log.info("replica %d: %s on %s (pid %d)", self.index, self.url, where, self.proc.pid)
 
 
 class RouterAdmin:
-    """The router's worker list, through its admin API (`/workers`) and the parent's key."""
+    """The router's worker list, through its admin API (`/workers`) and the parent's key. Additions
+    and removals are queued by the router: `listed` says what took effect."""
 
     def __init__(self, url: str, admin_key: str, api_key: str | None) -> None:
         self.url, self.api_key = url, api_key
         self.headers = {"Authorization": f"Bearer {admin_key}", "Content-Type": "application/json"}
 
+    def listed(self) -> set[str] | None:
+        """The worker URLs in the router's list, or None when it could not be read."""
+        answer = _request(f"{self.url}/workers", headers=self.headers)
+        return None if answer is None else {w.get("url") for w in answer.get("workers", [])}
+
     def remove(self, worker_url: str) -> None:
-        listed = _request(f"{self.url}/workers", headers=self.headers) or {}
-        for w in listed.get("workers", []):
+        answer = _request(f"{self.url}/workers", headers=self.headers) or {}
+        for w in answer.get("workers", []):
             if w.get("url") == worker_url:
                 _request(f"{self.url}/workers/{w['id']}", method="DELETE", headers=self.headers)
 
-    def add(self, worker_url: str) -> bool:
+    def add(self, worker_url: str) -> None:
         spec = {"url": worker_url}
         if self.api_key is not None:
             spec["api_key"] = self.api_key  # what the router sends the replica
-        return _request(f"{self.url}/workers", method="POST", body=spec, headers=self.headers) is not None
+        _request(f"{self.url}/workers", method="POST", body=spec, headers=self.headers)
+
+
+# A replica routed this long without a crash starts its restart backoff afresh.
+BACKOFF_RESET_S = 300.0
+# An addition to the router's list not seen after this long is asked for again.
+ADD_RETRY_S = 10.0
 
 
 @dataclass
@@ -143,60 +160,87 @@ class Replicas:
     admin: RouterAdmin
     drain_timeout: float
     router: subprocess.Popen | None = None
-    stopping: threading.Event = field(default_factory=threading.Event)
+    stopping: bool = False  # set by SIGTERM / SIGINT (a plain flag: a signal handler must not take locks)
 
     def run(self) -> int:
         """Starts everything, supervises until a signal or the router's exit; the exit status."""
+
+        def stop(*_) -> None:
+            self.stopping = True
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stopping.set())
+            signal.signal(sig, stop)
         try:
+            try:
+                for r in self.replicas:
+                    r.start()
+                for r in self.replicas:
+                    self._wait_healthy(r)
+                self.router = spawn(self.router_argv, dict(os.environ))
+                log.info("router: sglang-router on %s (pid %d)", self.public_url, self.router.pid)
+                self._wait_router()
+            except ReplicaError as e:
+                if self.stopping:
+                    log.info("stopped while starting")
+                    return 0
+                log.error("%s", e)
+                return 1
+            now = time.monotonic()
             for r in self.replicas:
-                r.start()
-            for r in self.replicas:
-                self._wait_healthy(r)
-            self.router = spawn(self.router_argv, dict(os.environ))
-            log.info("router: sglang-router on %s (pid %d)", self.public_url, self.router.pid)
-            self._wait_router()
-            for r in self.replicas:
-                r.routed = True
-        except ReplicaError as e:
-            log.error("%s", e)
+                r.routed_since = now
+            if self.stopping:
+                return 0
+            log.info(
+                "serving on %s: %d replicas behind sglang-router (cache-aware)", self.public_url, len(self.replicas)
+            )
+            return self._supervise()
+        finally:
             self.stop()
-            return 1
-        if self.stopping.is_set():
-            self.stop()
-            return 0
-        log.info("serving on %s: %d replicas behind sglang-router (cache-aware)", self.public_url, len(self.replicas))
-        status = self._supervise()
-        self.stop()
-        return status
 
     def _supervise(self) -> int:
-        while not self.stopping.wait(0.25):
+        while not self.stopping:
+            time.sleep(0.25)
             assert self.router is not None
             if self.router.poll() is not None:
                 log.error("the router exited with status %d; stopping the replicas", self.router.returncode)
                 return 1
-            now = time.monotonic()
             for r in self.replicas:
-                if r.proc is not None and r.proc.poll() is not None:
-                    backoff = min(MAX_BACKOFF_S, 2.0**r.restarts)
-                    log.error(
-                        "replica %d (%s) exited with status %d; routing around it; restarting in %.0f s",
-                        r.index,
-                        r.url,
-                        r.proc.returncode,
-                        backoff,
-                    )
-                    self.admin.remove(r.url)
-                    r.proc, r.routed, r.next_start = None, False, now + backoff
-                elif r.proc is None and now >= r.next_start:
-                    r.restarts += 1
-                    r.start()
-                elif r.proc is not None and not r.routed and _ok(f"{r.url}/health") and self.admin.add(r.url):
-                    r.routed = True
-                    log.info("replica %d is back in the router's list", r.index)
+                self._tend(r, time.monotonic())
         return 0
+
+    def _tend(self, r: Replica, now: float) -> None:
+        """One look at replica `r`: restart it when it died, put it back in the router's list when
+        it answers again, start its backoff afresh once it has served a while."""
+        if r.proc is not None and r.proc.poll() is not None:
+            self.admin.remove(r.url)
+            backoff = min(MAX_BACKOFF_S, 2.0**r.restarts)
+            log.error(
+                "replica %d (%s) exited with status %d; routing around it; restarting in %.0f s",
+                r.index,
+                r.url,
+                r.proc.returncode,
+                backoff,
+            )
+            r.proc, r.routed_since, r.added, r.next_start = None, None, None, now + backoff
+        elif r.proc is None:
+            if now >= r.next_start:
+                r.restarts += 1
+                r.start()
+        elif r.routed_since is None:
+            if r.added is None:
+                if _ok(f"{r.url}/health"):
+                    self.admin.add(r.url)
+                    r.added = now
+                elif now - r.started > START_TIMEOUT_S:
+                    log.error("replica %d was not ready %.0f s after its restart; killing it", r.index, START_TIMEOUT_S)
+                    r.proc.kill()
+            elif r.url in (self.admin.listed() or set()):
+                r.routed_since = now
+                log.info("replica %d is back in the router's list", r.index)
+            elif now - r.added > ADD_RETRY_S:
+                r.added = None  # ask again
+        elif r.restarts and now - r.routed_since > BACKOFF_RESET_S:
+            r.restarts = 0
 
     def _wait_healthy(self, r: Replica) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -204,7 +248,7 @@ class Replicas:
             assert r.proc is not None
             if r.proc.poll() is not None:
                 raise ReplicaError(f"replica {r.index} exited with status {r.proc.returncode} before it was ready")
-            if self.stopping.is_set():
+            if self.stopping:
                 raise ReplicaError("stopped while the replicas were starting")
             if time.monotonic() > deadline:
                 raise ReplicaError(f"replica {r.index} was not ready after {START_TIMEOUT_S:.0f} s")
@@ -222,7 +266,7 @@ class Replicas:
             ready = _json(f"{self.public_url}/readiness")
             if ready is not None and ready.get("healthy_workers") == want:
                 return
-            if self.stopping.is_set():
+            if self.stopping:
                 raise ReplicaError("stopped while the router was starting")
             if time.monotonic() > deadline:
                 raise ReplicaError(f"the router did not report {want} healthy replicas within 120 s: {ready}")
@@ -249,12 +293,14 @@ def spawn(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
     )
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int = os.getpid()) -> None:
     if sys.platform.startswith("linux"):
         import ctypes
 
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
 
 
 def _terminate(procs: list[subprocess.Popen], grace: float) -> None:
@@ -270,11 +316,16 @@ def _terminate(procs: list[subprocess.Popen], grace: float) -> None:
             p.wait()
 
 
+# Loopback only: never through an http_proxy the environment may name.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+_NET_ERRORS = (urllib.error.URLError, OSError, http.client.HTTPException, ValueError)
+
+
 def _ok(url: str) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
+        with _OPENER.open(url, timeout=2) as resp:
             return resp.status == 200
-    except (urllib.error.URLError, OSError):
+    except _NET_ERRORS:
         return False
 
 
@@ -283,23 +334,23 @@ def _request(url: str, method: str = "GET", body: dict | None = None, headers: d
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
     try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
+        with _OPENER.open(req, timeout=10) as resp:
             return json.loads(resp.read() or b"{}")
-    except (urllib.error.URLError, OSError, ValueError) as e:
+    except _NET_ERRORS as e:
         log.error("router admin request %s %s failed: %s", method, url, e)
         return None
 
 
 def _json(url: str) -> dict | None:
     try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
+        with _OPENER.open(url, timeout=2) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as e:  # 503 while not ready: its body still says how many are healthy
         try:
             return json.loads(e.read())
-        except ValueError:
+        except _NET_ERRORS:
             return None
-    except (urllib.error.URLError, OSError, ValueError):
+    except _NET_ERRORS:
         return None
 
 
@@ -358,7 +409,7 @@ def check_router_installed() -> None:
 
 def serve_replicas(args, argv: list[str]) -> int:
     """The data-parallel server of `args` (parsed from `argv`); its exit status."""
-    from mk.server.__main__ import check_port
+    from mk.server.serve import check_port
 
     n = args.data_parallel_size
     check_router_installed()
@@ -367,8 +418,11 @@ def serve_replicas(args, argv: list[str]) -> int:
     base = args.replica_base_port or args.port + 1
     ports = [base + i for i in range(n)]
     metrics_port = base + n
-    if args.port in ports or args.port == metrics_port:
-        raise ReplicaError(f"--replica-base-port {base}: the replicas' ports would include --port {args.port}")
+    if args.port in (*ports, metrics_port):
+        raise ReplicaError(
+            f"the replicas and the router's metrics would listen on {base}-{metrics_port}, which includes "
+            f"--port {args.port}: choose another --replica-base-port"
+        )
     if metrics_port > 65535:
         raise ReplicaError(
             f"--replica-base-port {base}: {n} replicas and the router's metrics need ports to {metrics_port}"
@@ -376,7 +430,12 @@ def serve_replicas(args, argv: list[str]) -> int:
     check_port(args.host, args.port)
     for p in (*ports, metrics_port):
         check_port("127.0.0.1", p)
-    replicas = [Replica(i, p, d, child_argv(argv, p)) for i, (p, d) in enumerate(zip(ports, devices, strict=True))]
+    # CPU replicas share the cores out instead of each starting a thread per core.
+    threads = max(1, (os.cpu_count() or 1) // n)
+    replicas = [
+        Replica(i, p, d, child_argv(argv, p), None if d else threads)
+        for i, (p, d) in enumerate(zip(ports, devices, strict=True))
+    ]
     log.info(
         "data parallel: %d replicas on 127.0.0.1:%d-%d, the router's metrics on 127.0.0.1:%d",
         n,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 
 from granian.constants import Interfaces
 from granian.log import LogLevels
@@ -17,6 +18,18 @@ from granian.server.embed import Server
 from mk.server.app import App
 
 log = logging.getLogger("mk.server")
+
+
+def check_port(host: str, port: int) -> None:
+    """OSError naming the address when nothing could listen on it (in use, not ours, bad host)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 async def serve(app: App, host: str, port: int, drain_timeout: float, debug: bool = False) -> None:

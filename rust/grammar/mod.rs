@@ -23,7 +23,8 @@ pub enum ConstraintSpec {
     JsonSchema(String),
     /// A regular expression (Rust `regex` syntax) the whole output matches.
     Regex(String),
-    /// A grammar in llguidance's Lark dialect.
+    /// A grammar in llguidance's Lark dialect, or (text starting with `{`) a JSON list of named
+    /// grammars, llguidance's `TopLevelGrammar`, whose first may refer to the others as `@name`.
     Lark(String),
 }
 
@@ -156,7 +157,7 @@ impl Grammars {
             ConstraintSpec::JsonObject => TopLevelGrammar::from_json_schema(with_layout(r#"{"type": "object"}"#)?),
             ConstraintSpec::JsonSchema(s) => TopLevelGrammar::from_json_schema(with_layout(s)?),
             ConstraintSpec::Regex(s) => TopLevelGrammar::from_regex(s),
-            ConstraintSpec::Lark(s) => TopLevelGrammar::from_lark(s.clone()),
+            ConstraintSpec::Lark(s) => TopLevelGrammar::from_lark_or_grammar_list(s).map_err(err)?,
         };
         let parser = self.factory.create_parser(grammar).map_err(err)?;
         let matcher = Matcher::new(Ok(parser));
@@ -304,6 +305,24 @@ mod tests {
         assert!(!mask.allows(eos));
         assert!(!mask.allows(299)); // past the tokenizer: never
         assert!(c.commit(u32::from(b'[')).is_err());
+    }
+
+    #[test]
+    fn a_grammar_list_embeds_one_grammar_in_another_by_name() {
+        let (g, _) = bytes_vocab();
+        let list = serde_json::json!({"grammars": [
+            {"name": "outer", "lark_grammar": "start: \"<\" @inner \">\""},
+            {"name": "inner", "lark_grammar": "start: \"ab\" | \"cd\""},
+        ]});
+        let mut c = g.compile(&ConstraintSpec::Lark(list.to_string())).unwrap();
+        let mut mask = TokenMask::default();
+        for byte in [b'<', b'c', b'd', b'>'] {
+            c.allowed(&mut mask).unwrap();
+            assert!(mask.allows(u32::from(byte)), "{}", byte as char);
+            assert!(!mask.allows(u32::from(b'x')));
+            c.commit(u32::from(byte)).unwrap();
+        }
+        assert!(g.compile(&ConstraintSpec::Lark(r#"{"grammars": []}"#.into())).is_err());
     }
 
     #[test]

@@ -77,7 +77,7 @@ def max_new_tokens(req: _Sampling, prompt_len: int, max_context: int) -> int:
 
 def constraint(req: _Sampling, thinking: bool | None = None) -> ConstraintSpec | None:
     """The grammar the output must follow: chat's `response_format` (`json_object`, `json_schema`) or
-    one of vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (completions only), and in a chat
+    one of vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, and in a chat
     with tools the action block. A chat's grammar covers the answer the template expects: the
     reasoning the prompt opened (`thinking`: free text up to its end marker), then either
     `<|START_RESPONSE|>` body `<|END_RESPONSE|>` (body: the constrained one, else any text) or,
@@ -98,8 +98,6 @@ def constraint(req: _Sampling, thinking: bool | None = None) -> ConstraintSpec |
             raise bad_request("guided_choice entries must be non-empty strings", "guided_choice")
         found.append(("guided_choice", "choice", _alternatives(req.guided_choice)))
     if req.guided_grammar is not None:
-        if isinstance(req, ChatRequest):
-            raise bad_request("guided_grammar is supported on /v1/completions only", "guided_grammar")
         found.append(("guided_grammar", "lark", req.guided_grammar))
     if len(found) > 1:
         raise bad_request(f"send one of {' and '.join(f[0] for f in found)}", found[1][0])
@@ -112,7 +110,11 @@ def constraint(req: _Sampling, thinking: bool | None = None) -> ConstraintSpec |
             if kind == "choice"
             else ConstraintSpec(kind, value, origin)
         )
-    return ConstraintSpec("lark", _chat_grammar(kind, value, thinking, tools), origin)
+    chat = _chat_grammar(kind, value, thinking, tools)
+    if kind == "lark":  # the user's grammar stays whole: a grammar of its own that the answer names
+        grammars = [{"name": "chat", "lark_grammar": chat}, {"name": "user", "lark_grammar": value}]
+        return ConstraintSpec("lark", json.dumps({"grammars": grammars}), origin)
+    return ConstraintSpec("lark", chat, origin)
 
 
 def _tool_calls(req: ChatRequest) -> tuple[dict[str, Any], bool] | None:
@@ -177,6 +179,8 @@ def _chat_grammar(kind: str, value: str, thinking: bool, tools: tuple[dict[str, 
         body = "/" + value.replace("/", "\\/") + "/"
     elif kind == "choice":  # guided_choice's alternatives, a Lark rule body
         body = value
+    elif kind == "lark":  # guided_grammar: the grammar named "user" beside this one
+        body = "@user"
     else:  # any text
         body = "/(?s:.*)/"
     answers = ["response"]

@@ -70,7 +70,7 @@ class _Sampling(_Body):
     # vLLM's structured-output extensions (at most one, and not with response_format).
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_grammar: str | None = None  # llguidance's Lark dialect; /v1/completions only
+    guided_grammar: str | None = None  # llguidance's Lark dialect (in a chat: the answer's grammar)
     guided_choice: list[str] | None = Field(None, min_length=1)
     presence_penalty: float | None = Field(None, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, allow_inf_nan=False)

@@ -129,7 +129,9 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, float* v
         compute_sync();  // the sorted choices
         for (int i0 = kVec * threadIdx.x; i0 < a.hidden; i0 += kVec * kThreads) {
             float ffn[kVec] = {};
-            // top_k <= kMaxTopK, unrolled: no store separates the loads, so they are all in flight at once.
+            // top_k <= kMaxTopK. The loads do not all go out at once: each waits for its `break`
+            // test (2.2 µs of the task's 5.9 at batch 1, docs/PERF.md); predicated loads of all
+            // eight need registers the kernel does not have (168 a thread).
 #pragma unroll
             for (int k = 0; k < kMaxTopK; ++k) {
                 if (k >= a.top_k) break;

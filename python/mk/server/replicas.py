@@ -126,14 +126,17 @@ class RouterAdmin:
         self.url, self.api_key = url, api_key
         self.headers = {"Authorization": f"Bearer {admin_key}", "Content-Type": "application/json"}
 
+    def _workers(self) -> list[dict] | None:
+        answer = _request(f"{self.url}/workers", headers=self.headers)
+        return None if answer is None else answer.get("workers", [])
+
     def listed(self) -> set[str] | None:
         """The worker URLs in the router's list, or None when it could not be read."""
-        answer = _request(f"{self.url}/workers", headers=self.headers)
-        return None if answer is None else {w.get("url") for w in answer.get("workers", [])}
+        workers = self._workers()
+        return None if workers is None else {w.get("url") for w in workers}
 
     def remove(self, worker_url: str) -> None:
-        answer = _request(f"{self.url}/workers", headers=self.headers) or {}
-        for w in answer.get("workers", []):
+        for w in self._workers() or []:
             if w.get("url") == worker_url:
                 _request(f"{self.url}/workers/{w['id']}", method="DELETE", headers=self.headers)
 

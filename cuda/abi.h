@@ -7,7 +7,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MK_ABI_VERSION 5
+#define MK_ABI_VERSION 6
 
 // ---- The decode megakernel's task graph (docs/MEGAKERNEL.md) ------------------------------------
 // A step is a list of tasks per SM, built by the host (rust/graph). Each block runs its list in
@@ -159,9 +159,13 @@ typedef struct MkStepArgs {
 #define MK_STAGE_COLS 256
 #define MK_TENSOR_MAP_BYTES 128
 
-// One executed task, written by thread 0 of its block when MkStepArgs.trace is set.
+// One executed task, written when MkStepArgs.trace is set: by thread 0 of its block, and for the
+// GEMV tasks whose weights were streamed, by the weight producer (fields stream_ns on; 0 otherwise).
 typedef struct MkTraceEntry {
     uint64_t start_ns;     // %globaltimer when the block reached the task (before its wait)
     uint32_t wait_cycles;  // clock64 cycles spent waiting on its counters
     uint32_t run_cycles;   // cycles from the end of the wait to its signal
+    uint64_t stream_ns;    // %globaltimer when the producer issued the task's first weight copy
+    uint32_t ring_wait_cycles;  // cycles the producer waited for free ring stages for the task's copies
+    uint32_t topk_wait_cycles;  // cycles it waited for the layer's top-k before them (expert tiles)
 } MkTraceEntry;

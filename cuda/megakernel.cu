@@ -91,7 +91,11 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
         }
         if (t.op != MK_OP_GEMV) act_key = 0;  // the ops share the activation buffer's memory
         signal_done(t, counters);
-        if (trace && threadIdx.x == 0) trace[i] = MkTraceEntry{start_ns, (uint32_t)(c1 - c0), (uint32_t)(clock64() - c1)};
+        if (trace && threadIdx.x == 0) {  // the producer writes the entry's other fields
+            trace[i].start_ns = start_ns;
+            trace[i].wait_cycles = (uint32_t)(c1 - c0);
+            trace[i].run_cycles = (uint32_t)(clock64() - c1);
+        }
     }
 }
 

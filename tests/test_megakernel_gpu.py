@@ -14,6 +14,7 @@ import torch
 
 from mk import _native
 from mk.config import PAGE_SIZE, ModelConfig
+from mk.megakernel.graph import ARG, Matrix, Op
 from mk.megakernel.launch import MegakernelStep, pack_step_args, trace_buffer
 from mk.megakernel.random_cache import random_step_inputs
 from mk.megakernel.trace import cycles as trace_cycles
@@ -214,6 +215,14 @@ def test_dealing_order_trace_and_spare_splits_change_no_output():
             assert (trace[~real] == 0).all(), "a NOP was traced"
             starts = torch.where(real, trace[..., 0], torch.iinfo(torch.int64).max)
             assert (starts[:, 1:] >= starts[:, :-1]).all(), "a block's tasks ran out of order"
+            # The weight producer traced every GEMV task it streamed: all of them but expert
+            # tiles of unused slots; no other task.
+            words = torch.from_numpy(g.tasks.copy()).to(trace.device)
+            gemv = words[..., 0] == Op.GEMV
+            expert = gemv & ((words[..., ARG] == Matrix.EXPERT_GATE_UP) | (words[..., ARG] == Matrix.EXPERT_DOWN))
+            streamed = trace[..., 2] != 0
+            assert streamed[gemv & ~expert].all() and not streamed[~gemv].any(), "the producer's trace is wrong"
+            assert streamed[expert].any()
             print(
                 f"trace: {int(real.sum())} tasks, mean wait {wait[real].float().mean():.0f} cycles, "
                 f"mean run {run[real].float().mean():.0f} cycles"

@@ -6,14 +6,19 @@ import pytest
 from mk.config import ModelConfig
 from mk.megakernel import graph as mkgraph
 from mk.megakernel.graph import Op
-from mk.megakernel.trace import summarize, task_family
+from mk.megakernel.trace import TRACE_WORDS, summarize, task_family
 
 EPOCH_NS = 1_700_000_000_000_000_000  # a real %globaltimer counts ns since an epoch: too big for float64 ns
 
 
+STREAM_LEAD_NS = 1000  # the producer's first copy, before the block reaches a gemv task
+RING_WAIT, TOPK_WAIT = 300, 100  # the producer's cycles per gemv task
+
+
 def synthetic_trace(g: mkgraph.StepGraph, hz: float, rng: np.random.Generator) -> np.ndarray:
-    """Each block runs its tasks back to back from a random start; gemv waits 2000 cycles, others 500."""
-    trace = np.zeros((*g.tasks.shape[:2], 2), dtype=np.int64)
+    """Each block runs its tasks back to back from a random start; gemv waits 2000 cycles, others
+    500; the producer streamed every gemv task's weights STREAM_LEAD_NS before the block reached it."""
+    trace = np.zeros((*g.tasks.shape[:2], TRACE_WORDS), dtype=np.int64)
     for s in range(g.tasks.shape[0]):
         t = rng.uniform(0, 500)
         for i in range(g.tasks.shape[1]):
@@ -23,6 +28,9 @@ def synthetic_trace(g: mkgraph.StepGraph, hz: float, rng: np.random.Generator) -
             run = int(rng.integers(1000, 5000))
             trace[s, i, 0] = EPOCH_NS + int(t)
             trace[s, i, 1] = wait | (run << 32)
+            if g.tasks[s, i, 0] == Op.GEMV:
+                trace[s, i, 2] = EPOCH_NS + int(t) - STREAM_LEAD_NS
+                trace[s, i, 3] = RING_WAIT | (TOPK_WAIT << 32)
             t += (wait + run) / hz * 1e9
     return trace
 
@@ -44,10 +52,31 @@ def test_summary_recovers_the_clock_counts_and_waits():
     assert s["families"][0]["run_sm_us"] >= s["families"][-1]["run_sm_us"]
 
 
+def test_summary_reports_the_weight_producer_for_streamed_tasks_only():
+    g = mkgraph.build(ModelConfig.tiny(), [5, 130, 300], num_sms=7)
+    s = summarize(g, synthetic_trace(g, 1.5e9, np.random.default_rng(2)))
+    for f in s["families"]:
+        if not f["name"].startswith("gemv:"):
+            assert f["streamed"] == 0 and f["ring_wait_us"] == 0 and f["lead_us"] == 0
+            continue
+        assert f["streamed"] == f["count"]
+        assert f["ring_wait_us"] == pytest.approx(RING_WAIT / 1.5e9 * 1e6, rel=1e-3)
+        assert f["topk_wait_us"] == pytest.approx(TOPK_WAIT / 1.5e9 * 1e6, rel=1e-3)
+        # the copy came STREAM_LEAD_NS before the block arrived, which then waited 2000 cycles
+        assert f["lead_us"] == pytest.approx((STREAM_LEAD_NS + 2000 / 1.5e9 * 1e9) / 1e3, abs=2e-3)
+    gemv_tasks = sum(f["count"] for f in s["families"] if f["name"].startswith("gemv:"))
+    ring_us = gemv_tasks * RING_WAIT / 1.5e9 * 1e6
+    assert s["producer_ring_wait_fraction"] == pytest.approx(ring_us / (7 * s["span_us"]), rel=1e-3)
+    for r in s["timeline"]:
+        assert (r["stream_us"] is not None) == r["name"].startswith("gemv:")
+        if r["stream_us"] is not None:
+            assert r["stream_us"] < r["arrive_us"]
+
+
 def test_a_trace_without_timed_tasks_is_refused():
     g = mkgraph.build(ModelConfig.tiny(), [5], num_sms=4)
     with pytest.raises(ValueError, match="no block with two timed tasks"):
-        summarize(g, np.zeros((*g.tasks.shape[:2], 2), dtype=np.int64))
+        summarize(g, np.zeros((*g.tasks.shape[:2], TRACE_WORDS), dtype=np.int64))
 
 
 def test_the_layer_timeline_names_every_family_of_the_middle_layer_in_start_order():

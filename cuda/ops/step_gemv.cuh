@@ -71,7 +71,7 @@ __device__ GemvShape gemv_shape(const MkStepArgs& a, const MkTask& t) {
 // task's slot: read once the layer's top-k has run (the producer waits for it).
 struct GemvMaps {
     const void* map[2];
-    __device__ const void* of(const GemvShape& s, int g) const { return map[s.paired ? g % 2 : 0]; }
+    __device__ const void* of(const GemvShape& s, int g) const { return s.paired && g % 2 ? map[1] : map[0]; }
 };
 
 __device__ GemvMaps gemv_maps(const MkStepArgs& a, const MkTask& t) {
@@ -102,59 +102,118 @@ __device__ __forceinline__ bool is_expert(const MkTask& t) {
     return t.arg[0] == MK_MAT_EXPERT_GATE_UP || t.arg[0] == MK_MAT_EXPERT_DOWN;
 }
 
-// The producer warp's loop: every stage of every GEMV task of the block's list, in list order, as
-// soon as a ring slot is free; one bulk tensor copy per box. The warp reads the list kListBatch
-// tasks at a time into `tasks` (shared memory of its own); lane 0 then walks them.
+// The producer warp's walk: every stage of every GEMV task of the block's list, in list order,
+// the stage sequence gemv_compute consumes. Lane 0 walks; the list is read kListBatch tasks at a
+// time into a window of shared memory (loads in flight together instead of one task's latency per
+// task).
 constexpr int kListBatch = 32;
 
-__device__ void stream_weights(const MkStepArgs& a, const MkTask* list, const uint32_t* counters, const Ring& r,
-                               MkTask* tasks) {
-    const int lane = threadIdx.x % 32;
-    const uint64_t policy = evict_first_policy();
-    uint32_t n = 0;
+struct StageWalk {
+    const MkTask* list;
+    int per_sm;
+    MkTask* window;  // [kListBatch]: tasks [base, base + kListBatch) of the list (past its end: unread)
+    int base = -kListBatch;
+    int j = -1;  // the task whose stages are being walked, -1 before the first
+    GemvShape s{};
+    GemvMaps maps{};
+    int g = 0, c = 0, box = 0, kc = 0;
     int slots_layer = -1, slots = 0;  // the layer whose used-slot count `slots` is
-    bool done = false;
-    for (int base = 0; base < a.per_sm && !done; base += kListBatch) {
-        if (base + lane < a.per_sm) tasks[lane] = list[base + lane];
-        __syncwarp();
-        if (lane == 0) {
-            for (int j = 0; j < kListBatch && base + j < a.per_sm; ++j) {
-                const MkTask& t = tasks[j];
-                if (t.op == MK_OP_NOP) {
-                    done = true;
-                    break;
-                }
-                if (t.op != MK_OP_GEMV) continue;
-                if (is_expert(t)) {
-                    if (t.layer != slots_layer) {
-                        // A slot's expert is known once the layer's one top-k task has run.
-                        spin_until(counters + t.layer * MK_COUNTERS_PER_LAYER + MK_CTR_TOPK, 1);
-                        slots = ld_i32(ptr<int32_t>(a.slot_count)), slots_layer = t.layer;
-                    }
-                    if (t.arg[3] >= slots) continue;
-                }
-                const GemvShape s = gemv_shape(a, t);
-                const GemvMaps maps = gemv_maps(a, t);
-                const int box = box_cols(s.k), kc = box * kStageBoxes;
-                for (int g = 0; g < s.groups; ++g) {
-                    if (s.group_valid(g) <= 0) continue;
-                    const void* map = maps.of(s, g);
-                    const int row = s.group_first(g);
-                    for (int c = 0; c < s.k; c += kc, ++n) {
-                        if (n >= (uint32_t)r.count) mbar_wait(r.empty_of(n), r.parity(n) ^ 1u);
-                        uint64_t* full = r.full_of(n);
-                        const int boxes = min(kStageBoxes, (s.k - c + box - 1) / box);
-                        // Whole boxes count, rows past the matrix's end too (the copy zero-fills them).
-                        mbar_arrive_expect_tx(full, (uint32_t)(boxes * kStageRows * box * 2));
-                        for (int b = 0; b < boxes; ++b)
-                            tensor_copy_2d(r.stage(n) + b * kStageRows * box * 2, map, c + b * box, row, full, policy);
-                    }
-                }
-            }
+    bool end = false;
+
+    __device__ const MkTask& task(int i) {
+        if (i >= base + kListBatch) {
+            // Asynchronous 16-byte copies: the window's loads are in flight together without
+            // holding registers. The list does not change during the step (.ca: through L1).
+            base = i - i % kListBatch;
+            const int count = min(kListBatch, per_sm - base);
+            for (int q = 0; q < count * (int)(sizeof(MkTask) / 16); ++q)
+                asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(smem_addr(window) + 16 * q),
+                             "l"(reinterpret_cast<const uint4*>(list + base) + q)
+                             : "memory");
+            asm volatile("cp.async.wait_all;" ::: "memory");
         }
-        done = __shfl_sync(0xffffffffu, done, 0);
-        __syncwarp();
+        return window[i - base];
     }
+
+    // Moves to the next GEMV task with weights to stream; false at the end of the list. An expert
+    // task needs its layer's top-k (which says what its slot holds): the walk waits for it.
+    __device__ bool next_task(const MkStepArgs& a, const uint32_t* counters) {
+        for (++j; j < per_sm; ++j) {
+            const MkTask& t = task(j);
+            if (t.op == MK_OP_NOP) break;  // lists are NOP-padded at the end only
+            if (t.op != MK_OP_GEMV) continue;
+            if (is_expert(t)) {
+                if (t.layer != slots_layer) {
+                    spin_until(counters + t.layer * MK_COUNTERS_PER_LAYER + MK_CTR_TOPK, 1);
+                    slots = ld_i32(ptr<int32_t>(a.slot_count)), slots_layer = t.layer;
+                }
+                if (t.arg[3] >= slots) continue;
+            }
+            s = gemv_shape(a, t), maps = gemv_maps(a, t);
+            box = box_cols(s.k), kc = box * kStageBoxes, g = 0, c = 0;
+            while (g < s.groups && s.group_valid(g) <= 0) ++g;
+            if (g < s.groups) return true;
+        }
+        return false;
+    }
+
+    // The next stage: its matrix, first column and row and boxes; false at the end of the list.
+    __device__ bool next(const MkStepArgs& a, const uint32_t* counters, const void*& map, int& col, int& row,
+                         int& boxes) {
+        if (end) return false;
+        if (j < 0 || g >= s.groups) {
+            if (!next_task(a, counters)) return end = true, false;
+        }
+        map = maps.of(s, g), col = c, row = s.group_first(g);
+        boxes = min(kStageBoxes, (s.k - c + box - 1) / box);
+        c += kc;
+        if (c >= s.k) {
+            c = 0;
+            do ++g;
+            while (g < s.groups && s.group_valid(g) <= 0);
+        }
+        return true;
+    }
+};
+
+// The producer warp's loop: one bulk tensor copy per box of every stage, as soon as a ring slot
+// is free. (Prefetching the stages beyond the ring into L2 while it waits was slower: docs/PERF.md.)
+__device__ void stream_weights(const MkStepArgs& a, const MkTask* list, const uint32_t* counters, const Ring& r,
+                               MkTask* window) {
+    if (threadIdx.x % 32 != 0) return;
+    const uint64_t policy = evict_first_policy();
+    StageWalk copy{list, a.per_sm, window};
+    uint32_t n = 0;  // stages issued
+    // The trace's producer fields of the task being streamed (`traced`).
+    MkTraceEntry* trace = a.trace ? ptr<MkTraceEntry>(a.trace) + (size_t)blockIdx.x * a.per_sm : nullptr;
+    int traced = -1;
+    uint32_t ring_wait = 0;
+    const void* map;
+    int col, row, boxes;
+    for (;;) {
+        const long long t0 = trace ? clock64() : 0;
+        if (!copy.next(a, counters, map, col, row, boxes)) break;
+        const bool first = trace && copy.j != traced;
+        if (first) {
+            if (traced >= 0) trace[traced].ring_wait_cycles = ring_wait;
+            trace[copy.j].topk_wait_cycles = (uint32_t)(clock64() - t0);
+            traced = copy.j, ring_wait = 0;
+        }
+        if (n >= (uint32_t)r.count && !mbar_test_wait(r.empty_of(n), r.parity(n) ^ 1u)) {
+            const long long w0 = trace ? clock64() : 0;
+            mbar_wait(r.empty_of(n), r.parity(n) ^ 1u);
+            if (trace) ring_wait += (uint32_t)(clock64() - w0);
+        }
+        uint64_t* full = r.full_of(n);
+        const int box = copy.box;
+        // Whole boxes count, rows past the matrix's end too (the copy zero-fills them).
+        mbar_arrive_expect_tx(full, (uint32_t)(boxes * kStageRows * box * 2));
+        for (int b = 0; b < boxes; ++b)
+            tensor_copy_2d(r.stage(n) + b * kStageRows * box * 2, map, col + b * box, row, full, policy);
+        if (first) trace[copy.j].stream_ns = global_ns();
+        ++n;
+    }
+    if (traced >= 0) trace[traced].ring_wait_cycles = ring_wait;
 }
 
 // Fills has_row[b] for an expert tile's slot (visible after the next barrier).

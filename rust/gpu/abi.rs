@@ -126,11 +126,12 @@ pub const TENSOR_MAP_BYTES: usize = 128;
 pub const LAYER_WEIGHT_COUNT: usize = 9;
 pub const LAYER_WEIGHTS: [&str; LAYER_WEIGHT_COUNT] = ["NORM", "Q", "K", "V", "O", "ROUTER", "GATE", "UP", "DOWN"];
 
-/// `sizeof(MkTraceEntry)`: u64 start_ns, u32 wait_cycles, u32 run_cycles.
-pub const TRACE_ENTRY_BYTES: usize = 16;
+/// `sizeof(MkTraceEntry)`: u64 start_ns, u32 wait_cycles, u32 run_cycles, u64 stream_ns,
+/// u32 ring_wait_cycles, u32 topk_wait_cycles.
+pub const TRACE_ENTRY_BYTES: usize = 32;
 
 /// Must equal `MK_ABI_VERSION` in cuda/abi.h.
-pub const ABI_VERSION: u64 = 5;
+pub const ABI_VERSION: u64 = 6;
 
 /// The values `mk_abi_layout` in cuda/abi_probe.cu holds, in its order, computed on the Rust side.
 pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {

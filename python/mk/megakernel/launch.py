@@ -15,6 +15,7 @@ from mk import _native
 from mk.config import PAGE_SIZE
 from mk.megakernel import graph as mkgraph
 from mk.megakernel.buffers import StepBuffers
+from mk.megakernel.trace import TRACE_WORDS
 from mk.model.paged import PagedKV
 from mk.model.reference import Model
 
@@ -242,7 +243,7 @@ class MegakernelStep:
             raise ValueError("a position lies past the block tables")
         values = fixed_step_args(self.model, self.kv, self.tables, buf)
         if trace is not None:
-            want = (*g.tasks.shape[:2], 2)
+            want = (*g.tasks.shape[:2], TRACE_WORDS)
             if trace.dtype != torch.int64 or tuple(trace.shape) != want or trace.device != self.device:
                 raise ValueError(f"trace must be int64 {want} on {self.device} (see trace_buffer)")
             values["trace"] = trace.data_ptr()
@@ -265,6 +266,8 @@ class MegakernelStep:
 
 def trace_buffer(g: mkgraph.StepGraph, device: torch.device) -> torch.Tensor:
     """A zeroed MkTraceEntry [num_sms][per_sm] array for `MegakernelStep.run(trace=...)`, as int64
-    pairs: [..., 0] the %globaltimer ns when the block reached the task, [..., 1] its wait cycles
-    (low 32 bits) and run cycles (high 32 bits). Entries of NOPs stay 0."""
-    return torch.zeros(*g.tasks.shape[:2], 2, dtype=torch.int64, device=device)
+    words (mk.megakernel.trace reads them): [..., 0] the %globaltimer ns when the block reached the
+    task, [..., 1] its wait and run cycles; for GEMV tasks whose weights were streamed, [..., 2]
+    when the producer issued the first copy and [..., 3] its ring and top-k wait cycles. Entries of
+    NOPs stay 0."""
+    return torch.zeros(*g.tasks.shape[:2], TRACE_WORDS, dtype=torch.int64, device=device)

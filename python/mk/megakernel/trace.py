@@ -1,8 +1,11 @@
 """Where a decode step's time goes, from the kernel's task trace (`MegakernelStep.run(trace=...)`).
 
 Each executed task left: the %globaltimer time its block reached it, the clock cycles it waited on
-its counters and the cycles it ran. The SM clock is estimated from the trace itself (a block's
-consecutive tasks start `wait + run` cycles apart), so no clock query is needed.
+its counters and the cycles it ran; a GEMV task whose weights were streamed also when the block's
+weight producer issued its first copy, and the cycles the producer waited for free ring stages
+(the compute warps were behind) and for the layer's top-k (expert tiles). The SM clock is
+estimated from the trace itself (a block's consecutive tasks start `wait + run` cycles apart), so
+no clock query is needed.
 """
 
 from __future__ import annotations
@@ -11,7 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mk import _native
 from mk.megakernel.graph import ARG, Matrix, Op, StepGraph
+
+TRACE_WORDS = _native.TRACE_ENTRY_BYTES // 8  # int64 words of one MkTraceEntry (cuda/abi.h)
 
 
 @dataclass(frozen=True)
@@ -21,13 +27,18 @@ class Family:
     wait_us: float  # mean per task
     run_us: float  # mean per task
     run_sm_us: float  # total: SM-time it kept blocks busy
+    streamed: int  # tasks whose weights the producer streamed (GEMV tasks with weights)
+    ring_wait_us: float  # mean per streamed task: the producer waiting for free ring stages
+    topk_wait_us: float  # mean per streamed task: the producer waiting for the layer's top-k
+    lead_us: float  # mean per streamed task: first copy issued to the compute warps' start of work
 
 
-def cycles(trace):
-    """(wait, run) clock cycles of every entry of a trace (a torch tensor or numpy array): the low
-    and high halves of each entry's second word."""
-    word = trace[..., 1]
-    return word & 0xFFFFFFFF, (word >> 32) & 0xFFFFFFFF
+def cycles(trace, word: int = 1):
+    """The two cycle counts packed in one word of every entry (a torch tensor or numpy array), low
+    half first: word 1 the (wait, run) cycles of the compute warps, word 3 the producer's (ring
+    wait, top-k wait)."""
+    w = trace[..., word]
+    return w & 0xFFFFFFFF, (w >> 32) & 0xFFFFFFFF
 
 
 def task_family(words: np.ndarray) -> str:
@@ -38,8 +49,8 @@ def task_family(words: np.ndarray) -> str:
 
 
 def summarize(g: StepGraph, trace: np.ndarray) -> dict:
-    """Per-family and whole-step figures of one traced step; `trace` is the int64 [num_sms, per_sm, 2]
-    `trace_buffer` copied to the host."""
+    """Per-family and whole-step figures of one traced step; `trace` is the int64 [num_sms, per_sm,
+    TRACE_WORDS] `trace_buffer` copied to the host."""
     ops = g.tasks[..., 0]
     real = ops != Op.NOP
     # %globaltimer counts ns since an epoch (~2^60): subtract the first start before going to float64.
@@ -48,8 +59,12 @@ def summarize(g: StepGraph, trace: np.ndarray) -> dict:
     wait, run = (c.astype(np.float64) for c in cycles(trace))
     hz = clock_hz(real, start, wait, run)
     end = start + (wait + run) / hz * 1e9
+    streamed = real & (trace[..., 2] != 0)
+    stream = np.where(streamed, trace[..., 2] - first, 0).astype(np.float64)
+    ring_wait, topk_wait = (c.astype(np.float64) for c in cycles(trace, 3))
     t0, t1 = start[real].min(), end[real].max()
     span_us = (t1 - t0) / 1e3
+    num_sms = real.shape[0]
 
     families: dict[str, list[tuple[int, int]]] = {}
     for s, i in zip(*np.nonzero(real), strict=True):
@@ -57,6 +72,12 @@ def summarize(g: StepGraph, trace: np.ndarray) -> dict:
     rows = []
     for name, where in sorted(families.items()):
         idx = tuple(np.array(where).T)
+        st = streamed[idx]
+        work_start = start[idx] + wait[idx] / hz * 1e9
+
+        def mean_us(v, st=st):
+            return float(v[st].mean() / 1e3) if st.any() else 0.0
+
         rows.append(
             Family(
                 name=name,
@@ -64,6 +85,10 @@ def summarize(g: StepGraph, trace: np.ndarray) -> dict:
                 wait_us=float(wait[idx].mean() / hz * 1e6),
                 run_us=float(run[idx].mean() / hz * 1e6),
                 run_sm_us=float(run[idx].sum() / hz * 1e6),
+                streamed=int(st.sum()),
+                ring_wait_us=mean_us(ring_wait[idx] / hz * 1e9),
+                topk_wait_us=mean_us(topk_wait[idx] / hz * 1e9),
+                lead_us=mean_us(work_start - stream[idx]),
             )
         )
     layers = g.tasks[..., 1]
@@ -72,7 +97,6 @@ def summarize(g: StepGraph, trace: np.ndarray) -> dict:
         sel = real & (layers == layer)
         if sel.any():
             layer_us.append(float((end[sel].max() - start[sel].min()) / 1e3))
-    num_sms = real.shape[0]
     middle = int(layers[real].max()) // 2
     return {
         "span_us": float(span_us),
@@ -80,19 +104,22 @@ def summarize(g: StepGraph, trace: np.ndarray) -> dict:
         "tasks": int(real.sum()),
         "busy_fraction": float(run[real].sum() / hz * 1e6 / (num_sms * span_us)),
         "wait_fraction": float(wait[real].sum() / (wait[real].sum() + run[real].sum())),
+        # The weight stream stalled because the ring was full (the compute warps were behind).
+        "producer_ring_wait_fraction": float(ring_wait[streamed].sum() / hz * 1e6 / (num_sms * span_us)),
         # First-to-last task of each layer (they overlap: layer l + 1 starts before l ends).
         "layer_us": layer_us,
         "families": [f.__dict__ for f in sorted(rows, key=lambda f: -f.run_sm_us)],
         "timeline_layer": middle,
-        "timeline": layer_timeline(g, real, start, wait / hz * 1e9, end, middle),
+        "timeline": layer_timeline(g, real, start, wait / hz * 1e9, end, middle, np.where(streamed, stream, np.nan)),
     }
 
 
-def layer_timeline(g: StepGraph, real, start, wait_ns, end, layer: int) -> list[dict]:
+def layer_timeline(g: StepGraph, real, start, wait_ns, end, layer: int, stream) -> list[dict]:
     """When each task family of `layer` ran, in µs from the end of the previous layer's last
-    residual-norm task (the moment the layer's input is ready): the first block's arrival, the
-    first and median start of work (after the wait), the median and last end. Families sorted
-    by first start: the layer's critical path reads top down."""
+    residual-norm task (the moment the layer's input is ready): the first weight copy (`stream`,
+    NaN where none), the first block's arrival, the first and median start of work (after the
+    wait), the median and last end. Families sorted by first start: the layer's critical path
+    reads top down."""
     ops, layers = g.tasks[..., 0], g.tasks[..., 1]
     norms = real & (ops == Op.RESIDUAL_NORM) & (layers == layer - 1)
     if not norms.any():
@@ -106,10 +133,12 @@ def layer_timeline(g: StepGraph, real, start, wait_ns, end, layer: int) -> list[
     for name, where in groups.items():
         idx = tuple(np.array(where).T)
         begin = start[idx] + wait_ns[idx]
+        streams = stream[idx][~np.isnan(stream[idx])]
         out.append(
             {
                 "name": name,
                 "count": len(where),
+                "stream_us": float((streams.min() - t0) / 1e3) if streams.size else None,
                 "arrive_us": float((start[idx].min() - t0) / 1e3),
                 "first_start_us": float((begin.min() - t0) / 1e3),
                 "median_start_us": float((np.median(begin) - t0) / 1e3),
@@ -138,15 +167,22 @@ def print_summary(title: str, summary: dict, top: int = 12) -> None:
     print(f"\n{title}: {summary['tasks']} tasks in {summary['span_us']:.0f} µs at ~{summary['sm_clock_mhz']:.0f} MHz")
     print(
         f"blocks busy {summary['busy_fraction']:.0%} of the span; {summary['wait_fraction']:.0%} of block time "
-        f"spent waiting; layer first-to-last task: mean {np.mean(summary['layer_us']):.0f} µs"
+        f"spent waiting; layer first-to-last task: mean {np.mean(summary['layer_us']):.0f} µs; the weight "
+        f"producers waited for a free ring stage {summary['producer_ring_wait_fraction']:.0%} of the span"
     )
-    print(f"{'family':>22} {'tasks':>7} {'wait µs':>9} {'run µs':>8} {'SM-µs':>9}")
+    print("per streamed task: the producer's ring and top-k waits, its first copy's lead on the work")
+    print(f"{'family':>22} {'tasks':>7} {'wait µs':>9} {'run µs':>8} {'SM-µs':>9} {'ring':>6} {'top-k':>6} {'lead':>6}")
     for f in summary["families"][:top]:
-        print(f"{f['name']:>22} {f['count']:>7} {f['wait_us']:>9.2f} {f['run_us']:>8.2f} {f['run_sm_us']:>9.0f}")
-    print(f"layer {summary['timeline_layer']}, µs from the end of the previous layer's norm:")
-    print(f"{'family':>22} {'tasks':>6} {'arrive':>7} {'start':>7} {'med st':>7} {'med end':>7} {'end':>7}")
-    for r in summary["timeline"]:
         print(
-            f"{r['name']:>22} {r['count']:>6} {r['arrive_us']:>7.1f} {r['first_start_us']:>7.1f} "
+            f"{f['name']:>22} {f['count']:>7} {f['wait_us']:>9.2f} {f['run_us']:>8.2f} {f['run_sm_us']:>9.0f} "
+            f"{f['ring_wait_us']:>6.1f} {f['topk_wait_us']:>6.1f} {f['lead_us']:>6.1f}"
+        )
+    print(f"layer {summary['timeline_layer']}, µs from the end of the previous layer's norm:")
+    heads = ("stream", "arrive", "start", "med st", "med end", "end")
+    print(f"{'family':>22} {'tasks':>6} " + " ".join(f"{h:>7}" for h in heads))
+    for r in summary["timeline"]:
+        stream = "" if r["stream_us"] is None else f"{r['stream_us']:.1f}"
+        print(
+            f"{r['name']:>22} {r['count']:>6} {stream:>7} {r['arrive_us']:>7.1f} {r['first_start_us']:>7.1f} "
             f"{r['median_start_us']:>7.1f} {r['median_end_us']:>7.1f} {r['last_end_us']:>7.1f}"
         )

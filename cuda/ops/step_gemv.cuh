@@ -226,26 +226,29 @@ __device__ __forceinline__ void load_slot_rows(const MkStepArgs& a, int slot, in
     }
 }
 
-// Expert tiles of a slot the batch did not fill have nothing to do (read after the layer's top-k).
-__device__ __forceinline__ bool slot_in_use(const MkStepArgs& a, const MkTask& t) {
-    return t.arg[3] < ld_i32(ptr<int32_t>(a.slot_count));
-}
-
-// Stages the task's activations [batch][k] in shared memory (rows batch..7 zero), unless the
-// previous GEMV task of this block already did: `key` names what the buffer holds (the source
+// Starts copying the task's activations [batch][k] into shared memory (rows batch..7 zero), unless
+// the previous GEMV task of this block already did: `key` names what the buffer holds (the source
 // address and layer; activation buffers are rewritten only after every reader of the layer has
-// finished), 0 when another op has reused the memory.
-__device__ void stage_activations(const GemvShape& p, int batch, int layer, GemvSmem& s, uint64_t& key) {
+// finished), 0 when another op has reused the memory. The copies are asynchronous, so the loads
+// an expert tile still has to make go out with them; finish_activations waits for them.
+__device__ bool start_activations(const GemvShape& p, int batch, int layer, GemvSmem& s, uint64_t& key) {
     const uint64_t want = reinterpret_cast<uint64_t>(p.act) ^ ((uint64_t)layer << 56);
-    if (key == want) return;
+    if (key == want) return false;
     const int vecs = p.k / 8, pitch = act_pitch(p.k);
     for (int i = threadIdx.x; i < kMaxBatch * vecs; i += kThreads) {
         const int b = i / vecs, v = i % vecs;
-        const uint4 x = b < batch ? ld_activations(p.act + (size_t)b * p.k + 8 * v) : make_uint4(0, 0, 0, 0);
-        *reinterpret_cast<uint4*>(s.act + b * pitch + 16 * v) = x;
+        unsigned char* dst = s.act + b * pitch + 16 * v;
+        if (b < batch) cp_async16(dst, p.act + (size_t)b * p.k + 8 * v);
+        else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
     }
+    key = want;  // true once every thread has waited for its copies (the next barrier)
+    return true;
+}
+
+__device__ __forceinline__ void finish_activations(bool started) {
+    if (!started) return;
+    cp_async_wait_all();
     compute_sync();
-    key = want;
 }
 
 // out[g][row][b] = sum_k act[b][k] * rows[g][row][k] (fp32), for b < batch (<= 8), from the
@@ -363,10 +366,18 @@ __device__ void gemv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvSh
 
 __device__ void run_gemv(const MkStepArgs& a, const MkTask& t, GemvSmem& s, const Ring& r, uint32_t& n,
                          uint64_t& act_key) {
-    if (is_expert(t) && !slot_in_use(a, t)) return;  // the producer skipped it too
     const GemvShape p = gemv_shape(a, t);
-    if (is_expert(t)) load_slot_rows(a, t.arg[3], s.has_row);
-    stage_activations(p, a.batch, t.layer, s, act_key);
+    const bool started = start_activations(p, a.batch, t.layer, s, act_key);
+    if (is_expert(t)) {
+        // Both loads go out together (and with the activations' copies).
+        const int slots = ld_i32(ptr<int32_t>(a.slot_count));
+        load_slot_rows(a, t.arg[3], s.has_row);
+        if (t.arg[3] >= slots) {  // a slot the batch did not fill: the producer skipped it too
+            if (started) cp_async_wait_all();  // the buffer is complete before the next task's barrier
+            return;
+        }
+    }
+    finish_activations(started);
     gemv_compute(p, s, r, n);  // its barriers publish has_row
     gemv_epilogue(a, t, p, s);
 }

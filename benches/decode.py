@@ -10,7 +10,7 @@ embedding rows. Prints a table, writes JSON (and a PNG plot when matplotlib is t
 Unless --plain, every point is also timed, in the same run, with the tasks dealt onto the SMs by
 the cost model instead of round-robin (rust/graph/deal.rs): `mk_balanced_ms` (its modelled step
 time beside the round-robin one: `model_balanced_us`, `model_rr_us`). `--sizes` adds variants of
-the GEMV task sizes (BuildOptions), e.g. `gate_up_groups=3,qkv_groups=2`: one variant per entry,
+the GEMV task sizes and other BuildOptions, e.g. `gate_up_groups=3,expert_queue=0`: one variant per entry,
 `mk_<entry>_ms`; all variants must give the default's logits bit for bit. With --trace, one step of each variant records
 when every task waited and ran, summarized per task family (mk.megakernel.trace) into the JSON.
 Usage: python benches/decode.py [--json out.json] [--quick | --points 1x8192,8x8192] [--trace] [--plain]

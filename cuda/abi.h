@@ -7,7 +7,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MK_ABI_VERSION 6
+#define MK_ABI_VERSION 7
 
 // ---- The decode megakernel's task graph (docs/MEGAKERNEL.md) ------------------------------------
 // A step is a list of tasks per SM, built by the host (rust/graph). Each block runs its list in
@@ -55,6 +55,13 @@ typedef enum MkOp {
     MK_OP_SAMPLE_PART = 7,
     // arg0 = b, arg1 = parts. Reduces the parts and writes the sampled token.
     MK_OP_SAMPLE_FINAL = 8,
+    // A MoE layer's expert tiles of one matrix, claimed from the layer's queue by whichever block
+    // is free: arg0 = MK_MAT_EXPERT_GATE_UP or MK_MAT_EXPERT_DOWN, arg1 = row groups of 16 per
+    // tile (gate/up: features), arg2 = tiles per slot. Tile i is slot i / arg2, rows (i % arg2)
+    // * 16 * arg1 ..; the queue holds slot_count * arg2 tiles. The block's weight producer claims
+    // (atomic add on the layer's MK_CTR_UP_CLAIM / MK_CTR_DOWN_CLAIM) as it streams; one task per
+    // block and matrix, signalled once when the queue is empty and its own tiles are done.
+    MK_OP_EXPERT_CLAIM = 9,
 } MkOp;
 
 typedef enum MkMatrix {
@@ -71,7 +78,7 @@ typedef enum MkMatrix {
 // Per-layer counters (index = layer * MK_COUNTERS_PER_LAYER + MkCounter). "Layer" L (one past
 // the last) holds H_READY = final norm done, and reuses QKV's and ATTN_SPLIT's slots for the
 // logits and the sampling parts.
-#define MK_COUNTERS_PER_LAYER 9
+#define MK_COUNTERS_PER_LAYER 11
 typedef enum MkCounter {
     MK_CTR_H_READY = 0,   // h of this layer is ready (embed or the previous layer's norms)
     MK_CTR_QKV = 1,
@@ -82,6 +89,8 @@ typedef enum MkCounter {
     MK_CTR_TOPK = 6,
     MK_CTR_FFN_UP = 7,    // dense or expert gate/up tiles
     MK_CTR_FFN_DOWN = 8,  // dense or expert down tiles
+    MK_CTR_UP_CLAIM = 9,  // the next expert gate/up tile to claim (MK_OP_EXPERT_CLAIM); not waited on
+    MK_CTR_DOWN_CLAIM = 10,  // the next expert down tile to claim
     MK_CTR_LOGITS = 1,    // in "layer" L
     MK_CTR_SAMPLE = 2,    // in "layer" L
 } MkCounter;

@@ -32,7 +32,8 @@ union StepSmem {
 // Dynamic shared memory: the ops' union, the ring's barriers, then as many stages as fit.
 constexpr int kMaxRingStages = 32;
 constexpr size_t kBarrierOffset = (sizeof(StepSmem) + 127) / 128 * 128;
-constexpr size_t kListOffset = kBarrierOffset + 2 * kMaxRingStages * sizeof(uint64_t);
+constexpr size_t kTagOffset = kBarrierOffset + 2 * kMaxRingStages * sizeof(uint64_t);
+constexpr size_t kListOffset = kTagOffset + kMaxRingStages * sizeof(int);
 constexpr size_t kStagesOffset = (kListOffset + kListBatch * sizeof(MkTask) + 127) / 128 * 128;
 constexpr int kRingStages = (int)((MK_STEP_SMEM_BYTES - kStagesOffset) / kStageBytes);
 static_assert(kRingStages >= 4, "raise MK_STEP_SMEM_BYTES: the weight ring needs at least 4 stages");
@@ -46,7 +47,8 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
     extern __shared__ __align__(128) unsigned char smem_raw[];
     StepSmem& sm = *reinterpret_cast<StepSmem*>(smem_raw);
     uint64_t* barriers = reinterpret_cast<uint64_t*>(smem_raw + kBarrierOffset);
-    const Ring ring{smem_raw + kStagesOffset, barriers, barriers + kMaxRingStages, kRingStages};
+    int* tags = reinterpret_cast<int*>(smem_raw + kTagOffset);
+    const Ring ring{smem_raw + kStagesOffset, barriers, barriers + kMaxRingStages, tags, kRingStages};
     if (threadIdx.x == 0) ring_init(ring);
     __syncthreads();  // the last barrier the producer warp joins
 
@@ -79,6 +81,7 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
         switch (t.op) {
             case MK_OP_EMBED: run_embed(a, t, sm.norm.row, sm.norm.scratch); break;
             case MK_OP_GEMV: run_gemv(a, t, sm.gemv, ring, stage, act_key); break;
+            case MK_OP_EXPERT_CLAIM: run_expert_claim(a, t, sm.gemv, ring, stage, act_key); break;
             case MK_OP_ATTN_SPLIT: run_attn_split(a, t, sm.attn, kv_issued); break;
             case MK_OP_ATTN_COMBINE: run_attn_combine(a, t); break;
             case MK_OP_TOPK: run_topk(a, t, sm.topk.chosen, sm.topk.slot_of); break;
@@ -89,7 +92,7 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
             case MK_OP_SAMPLE_FINAL: run_sample_final(a, t); break;
             default: break;
         }
-        if (t.op != MK_OP_GEMV) act_key = 0;  // the ops share the activation buffer's memory
+        if (t.op != MK_OP_GEMV && t.op != MK_OP_EXPERT_CLAIM) act_key = 0;  // the ops share its memory
         signal_done(t, counters);
         if (trace && threadIdx.x == 0) {  // the producer writes the entry's other fields
             trace[i].start_ns = start_ns;

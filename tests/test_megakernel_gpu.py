@@ -177,28 +177,33 @@ def test_consecutive_steps_reuse_the_counters():
 
 @pytest.mark.gpu
 def test_dealing_order_trace_and_spare_splits_change_no_output():
-    """Where tasks run (round-robin or the cost model's dealing), the global order (MoE attention
-    before or after the expert tiles), the task trace and buffers with room for more attention
-    splits than the graph has change nothing: logits, tokens, residuals and the K/V written are
-    bit for bit those of a plain step. The trace holds every task once, NOPs none. A graph with
-    more splits than its buffers hold is refused before launch."""
+    """Where tasks run (round-robin or the cost model's dealing, expert tiles claimed at run time
+    or dealt as tasks), the global order (MoE attention before or after the expert tiles), the
+    task trace and buffers with room for more attention splits than the graph has change nothing:
+    logits, tokens, residuals and the K/V written are bit for bit those of a plain step. The trace
+    holds every task once, NOPs none. A graph with more splits than its buffers hold is refused
+    before launch."""
     cfg = ModelConfig.gpu_test()
     w = synthetic_weights(cfg, seed=SEED + 2, device="cuda", dtype=torch.bfloat16, std=0.02)
     model = Model(cfg, w)
     positions = [100, 5000, 64, 4159]
     outs = []
     variants = (
-        ("round_robin", False, None, 0),
-        ("balanced", False, None, 0),
-        ("balanced", True, None, 0),
-        ("round_robin", True, None, 0),
-        ("round_robin", False, False, 0),
-        ("round_robin", False, True, 7),
+        ("round_robin", False, None, 0, None),
+        ("balanced", False, None, 0, None),
+        ("balanced", True, None, 0, None),
+        ("round_robin", True, None, 0, None),
+        ("round_robin", False, False, 0, None),
+        ("round_robin", False, True, 7, None),
+        ("round_robin", True, None, 0, False),
+        ("balanced", False, None, 0, False),
     )
-    for dealing, traced, attention_first, spare in variants:
+    for dealing, traced, attention_first, spare, expert_queue in variants:
         gen = torch.Generator(device="cuda").manual_seed(SEED)
         kv, tables, tokens = setup_step(model, positions, 80, gen)
-        step = MegakernelStep(model, kv, 80, dealing=dealing, attention_first=attention_first)
+        step = MegakernelStep(
+            model, kv, 80, dealing=dealing, attention_first=attention_first, expert_queue=expert_queue
+        )
         g = step.graph(positions)
         buf = step.buffers(g, max_splits=g.max_splits + spare)
         buf.tokens.copy_(tokens.to(torch.int32))
@@ -218,11 +223,12 @@ def test_dealing_order_trace_and_spare_splits_change_no_output():
             # The weight producer traced every GEMV task it streamed: all of them but expert
             # tiles of unused slots; no other task.
             words = torch.from_numpy(g.tasks.copy()).to(trace.device)
-            gemv = words[..., 0] == Op.GEMV
+            gemv, claim = words[..., 0] == Op.GEMV, words[..., 0] == Op.EXPERT_CLAIM
             expert = gemv & ((words[..., ARG] == Matrix.EXPERT_GATE_UP) | (words[..., ARG] == Matrix.EXPERT_DOWN))
             streamed = trace[..., 2] != 0
-            assert streamed[gemv & ~expert].all() and not streamed[~gemv].any(), "the producer's trace is wrong"
-            assert streamed[expert].any()
+            assert streamed[(gemv & ~expert) | claim].all(), "the producer left a streamed task out"
+            assert not streamed[~(gemv | claim)].any(), "the producer traced a task it does not stream"
+            assert streamed[expert].any() or claim.any()
             print(
                 f"trace: {int(real.sum())} tasks, mean wait {wait[real].float().mean():.0f} cycles, "
                 f"mean run {run[real].float().mean():.0f} cycles"

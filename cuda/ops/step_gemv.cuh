@@ -102,6 +102,17 @@ __device__ __forceinline__ bool is_expert(const MkTask& t) {
     return t.arg[0] == MK_MAT_EXPERT_GATE_UP || t.arg[0] == MK_MAT_EXPERT_DOWN;
 }
 
+// Tile i of a claim task's queue as the GEMV task it is (the producer and the compute warps both
+// build it from here): slot i / tiles, rows (i % tiles) * 16 * groups on.
+__device__ __forceinline__ MkTask claimed_tile(const MkTask& claim, int i) {
+    const int groups = claim.arg[1], tiles = claim.arg[2];
+    MkTask t = claim;
+    t.op = MK_OP_GEMV;
+    t.arg[1] = (i % tiles) * 16 * groups, t.arg[2] = groups, t.arg[3] = i / tiles;
+    t.arg[4] = 0;  // the claim task's words past arg3 mean nothing to a GEMV task
+    return t;
+}
+
 // The producer warp's walk: every stage of every GEMV task of the block's list, in list order,
 // the stage sequence gemv_compute consumes. Lane 0 walks; the list is read kListBatch tasks at a
 // time into a window of shared memory (loads in flight together instead of one task's latency per
@@ -119,6 +130,12 @@ struct StageWalk {
     int g = 0, c = 0, box = 0, kc = 0;
     int slots_layer = -1, slots = 0;  // the layer whose used-slot count `slots` is
     bool end = false;
+    // The expert queue being claimed (MK_OP_EXPERT_CLAIM): the claim task, its head counter and
+    // its tiles; `tag` is what the stage next() returned carries.
+    bool claiming = false;
+    MkTask claim{};
+    uint32_t* queue_head = nullptr;
+    int queue_tiles = 0, tag = kNoTag;
 
     __device__ const MkTask& task(int i) {
         if (i >= base + kListBatch) {
@@ -135,34 +152,62 @@ struct StageWalk {
         return window[i - base];
     }
 
-    // Moves to the next GEMV task with weights to stream; false at the end of the list. An expert
-    // task needs its layer's top-k (which says what its slot holds): the walk waits for it.
-    __device__ bool next_task(const MkStepArgs& a, const uint32_t* counters) {
-        for (++j; j < per_sm; ++j) {
-            const MkTask& t = task(j);
-            if (t.op == MK_OP_NOP) break;  // lists are NOP-padded at the end only
-            if (t.op != MK_OP_GEMV) continue;
-            if (is_expert(t)) {
-                if (t.layer != slots_layer) {
-                    spin_until(counters + t.layer * MK_COUNTERS_PER_LAYER + MK_CTR_TOPK, 1);
-                    slots = ld_i32(ptr<int32_t>(a.slot_count)), slots_layer = t.layer;
-                }
-                if (t.arg[3] >= slots) continue;
-            }
-            s = gemv_shape(a, t), maps = gemv_maps(a, t);
-            box = box_cols(s.k), kc = box * kStageBoxes, g = 0, c = 0;
-            while (g < s.groups && s.group_valid(g) <= 0) ++g;
-            if (g < s.groups) return true;
-        }
-        return false;
+    // Starts walking the stages of GEMV task (or claimed tile) t; false if it has none.
+    __device__ bool start(const MkStepArgs& a, const MkTask& t) {
+        s = gemv_shape(a, t), maps = gemv_maps(a, t);
+        box = box_cols(s.k), kc = box * kStageBoxes, g = 0, c = 0;
+        while (g < s.groups && s.group_valid(g) <= 0) ++g;
+        return g < s.groups;
     }
 
-    // The next stage: its matrix, first column and row and boxes; false at the end of the list.
-    __device__ bool next(const MkStepArgs& a, const uint32_t* counters, const void*& map, int& col, int& row,
-                         int& boxes) {
-        if (end) return false;
+    // The layer's used-slot count, once its one top-k task has run (which also says what each
+    // slot holds): the walk waits for it.
+    __device__ int slot_count(const MkStepArgs& a, const uint32_t* counters, int layer) {
+        if (layer != slots_layer) {
+            spin_until(counters + layer * MK_COUNTERS_PER_LAYER + MK_CTR_TOPK, 1);
+            slots = ld_i32(ptr<int32_t>(a.slot_count)), slots_layer = layer;
+        }
+        return slots;
+    }
+
+    // Moves to the next run of stages: the next tile of the queue being claimed, or the next GEMV
+    // task with weights in the list (a claim task opens its queue). kQueueEnd: the queue being
+    // claimed is empty (the walk then reports one marker stage).
+    enum Next { kEnd, kStages, kMarker };
+    __device__ Next advance(const MkStepArgs& a, uint32_t* counters) {
+        for (;;) {
+            if (claiming) {
+                const int i = (int)atomicAdd(queue_head, 1u);
+                if (i >= queue_tiles) return claiming = false, kMarker;
+                tag = i;
+                if (start(a, claimed_tile(claim, i))) return kStages;
+                continue;
+            }
+            if (++j >= per_sm) return kEnd;
+            const MkTask& t = task(j);
+            if (t.op == MK_OP_NOP) return kEnd;  // lists are NOP-padded at the end only
+            if (t.op == MK_OP_EXPERT_CLAIM) {
+                claim = t, claiming = true;
+                queue_tiles = slot_count(a, counters, t.layer) * t.arg[2];
+                const int head = t.arg[0] == MK_MAT_EXPERT_GATE_UP ? MK_CTR_UP_CLAIM : MK_CTR_DOWN_CLAIM;
+                queue_head = counters + t.layer * MK_COUNTERS_PER_LAYER + head;
+                continue;
+            }
+            if (t.op != MK_OP_GEMV) continue;
+            if (is_expert(t) && t.arg[3] >= slot_count(a, counters, t.layer)) continue;
+            if (start(a, t)) return kStages;
+        }
+    }
+
+    // The next stage: its matrix, first column and row and boxes, and `tag` (Ring::tag); kEnd at
+    // the end of the list, kMarker for a queue's end marker (no copies).
+    __device__ Next next(const MkStepArgs& a, uint32_t* counters, const void*& map, int& col, int& row, int& boxes) {
+        tag = kNoTag;
+        if (end) return kEnd;
         if (j < 0 || g >= s.groups) {
-            if (!next_task(a, counters)) return end = true, false;
+            const Next n = advance(a, counters);
+            if (n == kEnd) end = true;
+            if (n != kStages) return tag = kQueueEnd, n;
         }
         map = maps.of(s, g), col = c, row = s.group_first(g);
         boxes = min(kStageBoxes, (s.k - c + box - 1) / box);
@@ -172,13 +217,13 @@ struct StageWalk {
             do ++g;
             while (g < s.groups && s.group_valid(g) <= 0);
         }
-        return true;
+        return kStages;
     }
 };
 
 // The producer warp's loop: one bulk tensor copy per box of every stage, as soon as a ring slot
 // is free. (Prefetching the stages beyond the ring into L2 while it waits was slower: docs/PERF.md.)
-__device__ void stream_weights(const MkStepArgs& a, const MkTask* list, const uint32_t* counters, const Ring& r,
+__device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t* counters, const Ring& r,
                                MkTask* window) {
     if (threadIdx.x % 32 != 0) return;
     const uint64_t policy = evict_first_policy();
@@ -192,7 +237,8 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, const ui
     int col, row, boxes;
     for (;;) {
         const long long t0 = trace ? clock64() : 0;
-        if (!copy.next(a, counters, map, col, row, boxes)) break;
+        const StageWalk::Next kind = copy.next(a, counters, map, col, row, boxes);
+        if (kind == StageWalk::kEnd) break;
         const bool first = trace && copy.j != traced;
         if (first) {
             if (traced >= 0) trace[traced].ring_wait_cycles = ring_wait;
@@ -204,12 +250,17 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, const ui
             mbar_wait(r.empty_of(n), r.parity(n) ^ 1u);
             if (trace) ring_wait += (uint32_t)(clock64() - w0);
         }
+        r.tag[n % r.count] = copy.tag;  // published by the arrival below
         uint64_t* full = r.full_of(n);
-        const int box = copy.box;
-        // Whole boxes count, rows past the matrix's end too (the copy zero-fills them).
-        mbar_arrive_expect_tx(full, (uint32_t)(boxes * kStageRows * box * 2));
-        for (int b = 0; b < boxes; ++b)
-            tensor_copy_2d(r.stage(n) + b * kStageRows * box * 2, map, col + b * box, row, full, policy);
+        if (kind == StageWalk::kMarker) {
+            mbar_arrive(full);  // no bytes: the phase completes at once
+        } else {
+            const int box = copy.box;
+            // Whole boxes count, rows past the matrix's end too (the copy zero-fills them).
+            mbar_arrive_expect_tx(full, (uint32_t)(boxes * kStageRows * box * 2));
+            for (int b = 0; b < boxes; ++b)
+                tensor_copy_2d(r.stage(n) + b * kStageRows * box * 2, map, col + b * box, row, full, policy);
+        }
         if (first) trace[copy.j].stream_ns = global_ns();
         ++n;
     }
@@ -380,6 +431,24 @@ __device__ void run_gemv(const MkStepArgs& a, const MkTask& t, GemvSmem& s, cons
     finish_activations(started);
     gemv_compute(p, s, r, n);  // its barriers publish has_row
     gemv_epilogue(a, t, p, s);
+}
+
+// A claim task: the tiles the block's producer claimed from the queue, in the order it streamed
+// them (each first stage's tag says which), up to the queue's end marker.
+__device__ void run_expert_claim(const MkStepArgs& a, const MkTask& t, GemvSmem& s, const Ring& r, uint32_t& n,
+                                 uint64_t& act_key) {
+    for (;;) {
+        mbar_wait(r.full_of(n), r.parity(n));
+        const int tile = r.tag_of(n);
+        if (tile == kQueueEnd) {
+            __syncwarp();
+            if (threadIdx.x % 32 == 0) mbar_arrive(r.empty_of(n));
+            ++n;
+            return;
+        }
+        run_gemv(a, claimed_tile(t, tile), s, r, n, act_key);
+        compute_sync();  // the epilogue's reads of the tile's shared memory are done
+    }
 }
 
 }  // namespace mk

@@ -122,14 +122,22 @@ struct Ring {
     unsigned char* stages;  // [stages][kStageBytes]
     uint64_t* full;         // [stages], 1 arrival (the producer) + the stage's bytes
     uint64_t* empty;        // [stages], kWarps arrivals (one per compute warp)
+    // [stages]: what an expert queue's stage is (written before the stage's arrival, so the
+    // compute warps read it once the stage is full): the claimed tile's index at its first
+    // stage, kQueueEnd for the marker that ends a claim task's tiles, kNoTag otherwise.
+    int* tag;
     int count;
 
     __device__ unsigned char* stage(uint32_t n) const { return stages + (size_t)(n % count) * kStageBytes; }
     __device__ uint64_t* full_of(uint32_t n) const { return full + n % count; }
     __device__ uint64_t* empty_of(uint32_t n) const { return empty + n % count; }
+    __device__ int tag_of(uint32_t n) const { return *(volatile const int*)(tag + n % count); }
     // Parity of the n-th use's phase of its slot.
     __device__ uint32_t parity(uint32_t n) const { return (n / count) & 1u; }
 };
+
+constexpr int kNoTag = -2;
+constexpr int kQueueEnd = -1;
 
 // One thread initialises the barriers before the block splits into roles.
 __device__ __forceinline__ void ring_init(const Ring& r) {

@@ -51,6 +51,7 @@ def build_step_graph(
     qkv_groups: int | None = None,
     gate_up_groups: int | None = None,
     attention_first: bool | None = None,
+    expert_queue: bool | None = None,
 ) -> dict[str, Any]:
     """tasks, order (bytes of int32 [.., 16]), num_sms, per_sm, num_counters, slots, max_splits,
     modelled_ns."""

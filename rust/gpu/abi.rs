@@ -131,7 +131,7 @@ pub const LAYER_WEIGHTS: [&str; LAYER_WEIGHT_COUNT] = ["NORM", "Q", "K", "V", "O
 pub const TRACE_ENTRY_BYTES: usize = 32;
 
 /// Must equal `MK_ABI_VERSION` in cuda/abi.h.
-pub const ABI_VERSION: u64 = 6;
+pub const ABI_VERSION: u64 = 7;
 
 /// The values `mk_abi_layout` in cuda/abi_probe.cu holds, in its order, computed on the Rust side.
 pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
@@ -164,6 +164,14 @@ pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
     out.push(("MK_PAGE_SIZE", crate::kv::PAGE_SIZE as u64));
     out.extend(Op::NAMED.into_iter().map(|(name, op)| (name, op as i32 as u64)));
     out.extend(Matrix::NAMED.into_iter().map(|(name, m)| (name, m as i32 as u64)));
+    use crate::graph::task::Counter;
+    for (name, c) in [
+        ("MK_CTR_TOPK", Counter::TopK),
+        ("MK_CTR_UP_CLAIM", Counter::UpClaim),
+        ("MK_CTR_DOWN_CLAIM", Counter::DownClaim),
+    ] {
+        out.push((name, c as u64));
+    }
     out
 }
 

@@ -65,6 +65,16 @@ pub fn cost_ns(t: &MkTask, g: &Geometry) -> f64 {
         // The row's split size (arg5), not this split's range: a step patched from the previous
         // one (graph::cache) must deal the same way, and only the last split's range moves.
         Op::AttnSplit => TASK_NS + (t.arg[5].max(0) as usize * g.head_dim * 4) as f64 / SM_KV_BYTES_PER_NS,
+        // A claimer's share of the queue, every slot in use: tiles of 16 * arg1 rows (gate/up:
+        // features, each a gate and an up row) of k columns, arg3 tiles over arg4 claimers.
+        Op::ExpertClaim => {
+            let (rows, k) = match Matrix::from_i32(t.arg[0]).expect("valid matrix") {
+                Matrix::ExpertGateUp => (32 * t.arg[1] as usize, g.hidden),
+                _ => (16 * t.arg[1] as usize, g.expert_ffn),
+            };
+            let tiles = (t.arg[3].max(0) as usize).div_ceil(t.arg[4].max(1) as usize);
+            TASK_NS * tiles.max(1) as f64 + (tiles * rows * k * 2) as f64 / SM_BYTES_PER_NS
+        }
         Op::ResidualNorm | Op::Embed | Op::TopK | Op::AttnCombine => SMALL_TASK_NS,
         Op::SamplePart | Op::SampleFinal | Op::Nop => TASK_NS,
     }

@@ -95,6 +95,20 @@ pub fn effects(t: &MkTask, geom: &Geometry, graph: &StepGraph) -> Effects {
             e.writes.extend([r(Buf::X, a(0), 0, d), r(Buf::H, a(0), 0, d), r(Buf::Rope, a(0), 0, hd / 2)]);
         }
         Op::Gemv => gemv_effects(t, geom, &graph.positions, &mut e),
+        // Whichever tiles the queue hands it: as far as order goes, any of the matrix's outputs
+        // for every slot (the checker knows the claimers of one queue never share a tile).
+        Op::ExpertClaim => {
+            let (m, slots) = (Matrix::from_i32(t.arg[0]).expect("valid matrix"), graph.slots);
+            let slot_rows = |buf: Buf, hi: usize| (0..slots * batch).map(move |row| r(buf, row, 0, hi));
+            e.reads.push(r(Buf::Routing, 0, 0, 1));
+            if m == Matrix::ExpertGateUp {
+                e.reads.extend(rows.map(|b| r(Buf::H, b, 0, d)));
+                e.writes.extend(slot_rows(Buf::ExpertAct, geom.expert_ffn));
+            } else {
+                e.reads.extend(slot_rows(Buf::ExpertAct, geom.expert_ffn));
+                e.writes.extend(slot_rows(Buf::ExpertOut, d));
+            }
+        }
         Op::AttnSplit => {
             let (b, kvh, split, lo, hi) = (a(0), a(1), a(2), a(3), a(4));
             let group_cols = geom.group() * hd;

@@ -90,7 +90,18 @@ pub struct BuildOptions {
     /// gate/up tiles (which wait on the top-k), instead of after them. On the H200 at 8K, 12%
     /// faster at batch 1 and 3% at batch 8 (docs/PERF.md).
     pub attention_first: bool,
+    /// A MoE layer's expert tiles are claimed at run time from a queue per matrix by whichever
+    /// block is free (`Op::ExpertClaim`, one task per SM and matrix), instead of dealt with the
+    /// rest as one task per (slot, tile), which leaves the SMs that got one more tile (or fewer
+    /// unused slots) finishing last. None: from `EXPERT_QUEUE_MIN_BATCH` rows on.
+    pub expert_queue: Option<bool>,
 }
+
+/// The smallest batch whose expert tiles are claimed from queues by default. On the H200 at 8K
+/// (docs/PERF.md) the queues were 1.5%, 5% and 6% faster at batch 2, 4 and 8 but 3-5% slower at
+/// batch 1, where the blocks that are free first take a second tile while most are still in
+/// their attention split, and the layer's last gate/up tile ends later than with one per SM.
+pub const EXPERT_QUEUE_MIN_BATCH: usize = 2;
 
 impl Default for BuildOptions {
     fn default() -> Self {
@@ -103,6 +114,7 @@ impl Default for BuildOptions {
             sample_parts: SAMPLE_PARTS,
             dealing: Dealing::RoundRobin,
             attention_first: true,
+            expert_queue: None,
         }
     }
 }
@@ -269,19 +281,9 @@ impl Builder<'_> {
             if self.opts.attention_first {
                 self.attention(l, positions);
             }
-            for s in 0..g.slots(self.batch) {
-                self.gemv(
-                    l,
-                    (
-                        Matrix::ExpertGateUp,
-                        g.expert_ffn,
-                        gate_up_groups(self.opts, g.expert_ffn, g.slots(self.batch)),
-                        s as i32,
-                    ),
-                    &[counter(l, Counter::TopK)],
-                    counter(l, Counter::FfnUp),
-                );
-            }
+            let groups = gate_up_groups(self.opts, g.expert_ffn, g.slots(self.batch));
+            let tile = (Matrix::ExpertGateUp, g.expert_ffn, groups);
+            self.experts(l, tile, counter(l, Counter::TopK), counter(l, Counter::FfnUp));
         } else {
             self.gemv(
                 l,
@@ -296,11 +298,11 @@ impl Builder<'_> {
         // O and the dense down projection have long rows (4096, 3072): 16-row tasks keep each
         // task short and spread them over more SMs.
         self.gemv(l, (Matrix::O, g.hidden, 1, -1), &[counter(l, Counter::Attn)], counter(l, Counter::O));
-        let (down, slots, groups) =
-            if g.moe[l] { (Matrix::ExpertDown, g.slots(self.batch), rg) } else { (Matrix::DenseDown, 1, 1) };
-        for s in 0..slots {
-            let slot = if g.moe[l] { s as i32 } else { -1 };
-            self.gemv(l, (down, g.hidden, groups, slot), &[counter(l, Counter::FfnUp)], counter(l, Counter::FfnDown));
+        let (up_done, down_done) = (counter(l, Counter::FfnUp), counter(l, Counter::FfnDown));
+        if g.moe[l] {
+            self.experts(l, (Matrix::ExpertDown, g.hidden, rg), up_done, down_done);
+        } else {
+            self.gemv(l, (Matrix::DenseDown, g.hidden, 1, -1), &[up_done], down_done);
         }
         for b in 0..self.batch {
             self.push(
@@ -309,6 +311,25 @@ impl Builder<'_> {
                     .waits(counter(l, Counter::FfnDown))
                     .signals(counter(l + 1, Counter::HReady)),
             );
+        }
+    }
+
+    /// A MoE layer's tiles of expert matrix `m` (`rows` rows per expert, 16 * `groups` per tile)
+    /// for every slot: claim tasks, one per SM (`expert_queue`), or one task per (slot, tile).
+    fn experts(&mut self, l: usize, (m, rows, groups): (Matrix, usize, usize), wait: i32, signal: i32) {
+        let slots = self.geom.slots(self.batch);
+        if !self.opts.expert_queue.unwrap_or(self.batch >= EXPERT_QUEUE_MIN_BATCH) {
+            for s in 0..slots {
+                self.gemv(l, (m, rows, groups, s as i32), &[wait], signal);
+            }
+            return;
+        }
+        let tiles = rows.div_ceil(16 * groups);
+        let claimers = self.opts.num_sms;
+        // arg3 and arg4 (the queue's most tiles, the claimers) are for the cost model only.
+        let args = [m as i32, groups as i32, tiles as i32, (slots * tiles) as i32, claimers as i32];
+        for _ in 0..claimers {
+            self.push(MkTask::new(Op::ExpertClaim, l, &args).waits(wait).signals(signal));
         }
     }
 
@@ -489,7 +510,7 @@ pub(crate) mod tests {
                         .iter()
                         .position(|t| t.layer == l as i32 && t.op() == op && m.is_none_or(|m| t.arg[0] == m as i32))
                 };
-                let (attn, up) = (at(Op::AttnSplit, None), at(Op::Gemv, Some(Matrix::ExpertGateUp)));
+                let (attn, up) = (at(Op::AttnSplit, None), at(Op::ExpertClaim, Some(Matrix::ExpertGateUp)));
                 if let Some(up) = up {
                     assert_eq!(attn.unwrap() < up, attention_first, "layer {l}");
                 } else {
@@ -532,7 +553,8 @@ pub(crate) mod tests {
     #[test]
     fn gate_up_tasks_cover_gate_up_groups_of_16_features() {
         let geom = gpu_test();
-        let g = build_step(&geom, &[100, 200], &BuildOptions::default()).unwrap();
+        let opts = BuildOptions { expert_queue: Some(false), ..Default::default() };
+        let g = build_step(&geom, &[100, 200], &opts).unwrap();
         let gate_up: Vec<&MkTask> =
             g.order.iter().filter(|t| t.op() == Op::Gemv && t.arg[0] == Matrix::ExpertGateUp as i32).collect();
         let groups = gate_up_groups(&BuildOptions::default(), geom.expert_ffn, geom.slots(2));
@@ -541,6 +563,65 @@ pub(crate) mod tests {
         assert_eq!(gate_up.len(), per_layer * (geom.layers() - 1));
         assert!(gate_up.iter().all(|t| t.arg[2] == groups as i32 && t.arg[1] % 48 == 0));
         assert!(check::check(&geom, &g, 10).is_empty());
+    }
+
+    #[test]
+    fn expert_queues_get_one_claim_task_per_sm_and_matrix_and_stay_sound() {
+        let geom = gpu_test();
+        for positions in [vec![5000], vec![100, 7000, 64, 4159, 9, 300, 2000]] {
+            let opts = BuildOptions { num_sms: 20, expert_queue: Some(true), ..Default::default() };
+            let g = build_step(&geom, &positions, &opts).unwrap();
+            assert_eq!(check::check(&geom, &g, 5), vec![]);
+            let slots = geom.slots(positions.len());
+            let gate_up = gate_up_groups(&opts, geom.expert_ffn, slots);
+            for l in (0..geom.layers()).filter(|&l| geom.moe[l]) {
+                let claims = |m: Matrix| -> Vec<usize> {
+                    (0..g.order.len())
+                        .filter(|&i| g.order[i].layer == l as i32 && g.order[i].op() == Op::ExpertClaim)
+                        .filter(|&i| g.order[i].arg[0] == m as i32)
+                        .collect()
+                };
+                let (up, down) = (claims(Matrix::ExpertGateUp), claims(Matrix::ExpertDown));
+                assert_eq!((up.len(), down.len()), (20, 20));
+                let up_tiles = geom.expert_ffn / (16 * gate_up);
+                let down_tiles = geom.hidden / (16 * ROW_GROUPS);
+                for (list, groups, tiles, wait, signal) in [
+                    (&up, gate_up, up_tiles, Counter::TopK, Counter::FfnUp),
+                    (&down, ROW_GROUPS, down_tiles, Counter::FfnUp, Counter::FfnDown),
+                ] {
+                    for &i in list {
+                        let t = &g.order[i];
+                        assert_eq!(&t.arg[1..5], &[groups as i32, tiles as i32, (slots * tiles) as i32, 20]);
+                        assert_eq!((t.wait0, t.signal), (counter(l, wait), counter(l, signal)));
+                    }
+                    // Round-robin deals one claimer of each queue to every SM.
+                    let mut sms: Vec<usize> =
+                        list.iter().map(|&i| g.per_sm.iter().position(|s| s.contains(&i)).unwrap()).collect();
+                    sms.sort();
+                    assert_eq!(sms, (0..20).collect::<Vec<_>>());
+                }
+                // Down claimers wait for every gate/up claimer; norms for every down claimer.
+                assert_eq!(g.order[down[0]].target0, 20);
+                let norm = g.order.iter().find(|t| t.layer == l as i32 && t.op() == Op::ResidualNorm).unwrap();
+                assert_eq!((norm.wait1, norm.target1), (counter(l, Counter::FfnDown), 20));
+                assert!(!g.order.iter().any(|t| t.layer == l as i32 && t.op() == Op::Gemv && t.arg[0] >= 5));
+            }
+            let static_tiles =
+                build_step(&geom, &positions, &BuildOptions { expert_queue: Some(false), ..opts }).unwrap();
+            assert_eq!(check::check(&geom, &static_tiles, 5), vec![]);
+        }
+    }
+
+    #[test]
+    fn expert_queues_are_the_default_from_two_rows_on() {
+        let geom = gpu_test();
+        let claims = |positions: &[usize]| {
+            let g = build_step(&geom, positions, &BuildOptions::default()).unwrap();
+            g.order.iter().filter(|t| t.op() == Op::ExpertClaim).count()
+        };
+        assert_eq!(EXPERT_QUEUE_MIN_BATCH, 2);
+        assert_eq!(claims(&[100]), 0);
+        assert_eq!(claims(&[100, 200]), 2 * 132 * geom.moe.iter().filter(|&&m| m).count());
     }
 
     #[test]

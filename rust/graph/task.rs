@@ -3,7 +3,7 @@
 /// `MK_NO_COUNTER`: a task that waits on, or signals, nothing.
 pub const NO_COUNTER: i32 = -1;
 /// `MK_COUNTERS_PER_LAYER`.
-pub const COUNTERS_PER_LAYER: usize = 9;
+pub const COUNTERS_PER_LAYER: usize = 11;
 /// `MK_TASK_WORDS`: int32 words of one task, and the word that holds `arg[0]`.
 pub const TASK_WORDS: usize = 16;
 pub const TASK_ARG_WORD: usize = 7;
@@ -39,11 +39,12 @@ pub enum Op {
     ResidualNorm = 6,
     SamplePart = 7,
     SampleFinal = 8,
+    ExpertClaim = 9,
 }
 
 impl Op {
     /// Every op with its name in cuda/abi.h (`MK_OP_<name>`), the names Python uses too.
-    pub const NAMED: [(&'static str, Op); 9] = [
+    pub const NAMED: [(&'static str, Op); 10] = [
         ("NOP", Op::Nop),
         ("EMBED", Op::Embed),
         ("GEMV", Op::Gemv),
@@ -53,6 +54,7 @@ impl Op {
         ("RESIDUAL_NORM", Op::ResidualNorm),
         ("SAMPLE_PART", Op::SamplePart),
         ("SAMPLE_FINAL", Op::SampleFinal),
+        ("EXPERT_CLAIM", Op::ExpertClaim),
     ];
 
     pub fn from_i32(v: i32) -> Option<Op> {
@@ -104,6 +106,9 @@ pub enum Counter {
     TopK = 6,
     FfnUp = 7,
     FfnDown = 8,
+    /// The claim queues' heads (Op::ExpertClaim): atomics, never waited on or signalled.
+    UpClaim = 9,
+    DownClaim = 10,
 }
 
 /// Counter index of `which` in `layer` (layer == num_layers is the final "layer").
@@ -176,12 +181,12 @@ mod tests {
 
     #[test]
     fn enums_round_trip() {
-        for v in 0..9 {
+        for v in 0..10 {
             assert_eq!(Op::from_i32(v).unwrap() as i32, v);
         }
         for v in 0..8 {
             assert_eq!(Matrix::from_i32(v).unwrap() as i32, v);
         }
-        assert!(Op::from_i32(9).is_none() && Matrix::from_i32(8).is_none());
+        assert!(Op::from_i32(10).is_none() && Matrix::from_i32(8).is_none());
     }
 }

@@ -45,11 +45,13 @@ def build(
     qkv_groups: int | None = None,
     gate_up_groups: int | None = None,
     attention_first: bool | None = None,
+    expert_queue: bool | None = None,
 ) -> StepGraph:
     """`dealing`: "round_robin" (task i to SM i mod num_sms) or "balanced" (list scheduling under a
     cost model); see rust/graph/deal.rs. `row_groups`, `qkv_groups` and `gate_up_groups` size the
     GEMV tasks and `attention_first` orders a MoE layer's attention before or after its expert
-    gate/up tiles (rust/graph/mod.rs BuildOptions; None: its default)."""
+    gate/up tiles and `expert_queue` has the expert tiles claimed at run time (rust/graph/mod.rs
+    BuildOptions; None: its default)."""
     raw = _native.build_step_graph(
         cfg,
         list(positions),
@@ -62,6 +64,7 @@ def build(
         qkv_groups,
         gate_up_groups,
         None if attention_first is None else bool(attention_first),
+        None if expert_queue is None else bool(expert_queue),
     )
     tasks = np.frombuffer(raw["tasks"], dtype=np.int32).reshape(raw["num_sms"], raw["per_sm"], TASK_WORDS)
     order = np.frombuffer(raw["order"], dtype=np.int32).reshape(-1, TASK_WORDS)

@@ -45,6 +45,8 @@ def task_family(words: np.ndarray) -> str:
     op = Op(int(words[0]))
     if op == Op.GEMV:
         return f"gemv:{Matrix(int(words[ARG])).name.lower()}"
+    if op == Op.EXPERT_CLAIM:
+        return f"claim:{Matrix(int(words[ARG])).name.lower()}"
     return op.name.lower()
 
 

@@ -60,6 +60,7 @@ class _Interpreter:
         self.teacher: torch.Tensor | None = None
         self.act = model.dtype
         self.cos, self.sin = cos_sin(self.cfg, buf.positions.long(), model.dtype)
+        self.claimed: set[tuple[int, int]] = set()  # (layer, matrix) queues already emptied
 
     def execute(self, t) -> None:
         op, layer, a = Op(int(t[0])), int(t[1]), [int(v) for v in t[ARG:]]
@@ -73,6 +74,7 @@ class _Interpreter:
             Op.RESIDUAL_NORM: self.residual_norm,
             Op.SAMPLE_PART: self.sample_part,
             Op.SAMPLE_FINAL: self.sample_final,
+            Op.EXPERT_CLAIM: self.expert_claim,
         }[op](layer, a)
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -129,6 +131,17 @@ class _Interpreter:
         elif matrix == Matrix.LM_HEAD:
             out = self.matmul(b.h, self.w["model.embed_tokens.weight"][r0:r1])
             b.logits[:, r0:r1] = out * cfg.logit_scale
+
+    def expert_claim(self, layer: int, a: list[int]) -> None:
+        """The first claimer of a queue takes every tile (in the kernel, whoever is free does);
+        the others find it empty."""
+        matrix, groups, tiles = a[0], a[1], a[2]
+        if (layer, matrix) in self.claimed:
+            return
+        self.claimed.add((layer, matrix))
+        for tile in range(int(self.b.slot_count[0]) * tiles):
+            slot, r0 = tile // tiles, (tile % tiles) * 16 * groups
+            self.gemv(layer, [matrix, r0, groups, slot])
 
     def expert_prefix(self, layer: int, slot: int) -> str:
         return f"model.layers.{layer}.mlp.experts.{int(self.b.slot_expert[slot])}."

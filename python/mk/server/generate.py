@@ -106,7 +106,9 @@ class ChoiceRun:
                     text += self.stops.flush()
                     yield self._end(Piece(text, pending, ABORT if reason == "cancelled" else reason, event.error))
                     return
-                if text:
+                # A client that asked for logprobs gets every token as it comes, even one whose text
+                # the detokenizer still holds (a partial character): its stream counts tokens.
+                if text or (pending and event.logprob is not None):
                     yield Piece(text, pending)
                     pending = []
         finally:

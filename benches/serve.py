@@ -133,7 +133,8 @@ def main() -> None:
         for c in (int(x) for x in args.concurrency.split(",")):
             rows.append(asyncio.run(run_level(url, c, args.requests or max(8, 4 * c), prompt, args.max_tokens)))
         columns = ["concurrency", "requests", "req_per_s", "out_tok_per_s", "ttft_p50_ms", "ttft_p90_ms",
-                   "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "e2e_p50_s", "every_token_streamed"]  # fmt: skip
+                   "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "e2e_p50_s",
+                   "every_token_streamed"]  # fmt: skip
         title = f"serving: {args.prompt_words}-word prompts, {args.max_tokens} output tokens, {url}"
         print_table(title, rows, columns)
         if args.json:

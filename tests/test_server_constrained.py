@@ -180,6 +180,18 @@ def test_a_tool_whose_schema_does_not_compile_is_a_400(server):
         timeout=60,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    # Beside a response_format that compiles, the tool is still the one named; and the other way round.
+    good_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    good_tool = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for tools, response_format, field in ((bad, good_schema, "tools"), (good_tool, bad_schema, "response_format")):
+        body = {"model": "mk-embedded", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        r = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={**body, "tools": tools, "response_format": response_format},
+            timeout=60,
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
 def test_guided_choice_answers_one_of_the_choices(client):

@@ -152,6 +152,9 @@ class Engine:
         """Raises ValueError (bad request; ConstraintError for a constraint), QueueFullError,
         EngineStoppedError."""
 
+    def check_constraint(self, kind: str, value: str) -> None:
+        """Compiles (kind, text) as submit would; raises ConstraintError if it cannot be followed."""
+
     def cancel(self, id: int) -> None: ...
     def cancel_all(self) -> None: ...
     def next_events(self, timeout: float) -> list[EventTuple] | None:

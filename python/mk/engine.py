@@ -28,7 +28,7 @@ from mk.model.reference import Model
 from mk.outputs import TokenEvent
 from mk.prefill import Prefill, stack_experts
 from mk.runner import ReferenceRunner
-from mk.sampling import SamplingError, SamplingParams
+from mk.sampling import ConstraintSpec, SamplingError, SamplingParams
 
 _U64 = 1 << 64
 
@@ -201,9 +201,19 @@ class Engine:
             if isinstance(e, _native.EngineStoppedError):
                 raise EngineClosed(str(e)) from None
             if isinstance(e, _native.ConstraintError) and params.constraint is not None:
-                raise SamplingError(params.constraint.origin, str(e)) from None
+                raise SamplingError(*self._constraint_fault(params.constraint, str(e))) from None
             raise
         return stream
+
+    def _constraint_fault(self, spec: ConstraintSpec, error: str) -> tuple[str, str]:
+        """(field, message) of a constraint that does not compile: the first of its parts that
+        does not compile alone, else the whole grammar's origin."""
+        for origin, kind, value in spec.parts:
+            try:
+                self._native.check_constraint(kind, value)
+            except _native.ConstraintError as part_error:
+                return origin, str(part_error)
+        return spec.origin, error
 
     def stats(self) -> EngineStats:
         s = self._native.stats()

@@ -23,11 +23,13 @@ class ConstraintSpec:
     rust/grammar): `json_object` (any JSON object), `json_schema` (`value`: the schema as JSON
     text), `regex` (`value`: a regular expression the whole output matches) or `lark` (`value`: a
     grammar in llguidance's Lark dialect). `origin` names the request field it came from, for
-    error messages."""
+    error messages; a grammar combined from several fields lists them in `parts` as (field, kind,
+    value) constraints of their own, so that a failure is laid at the right one."""
 
     kind: str
     value: str = ""
     origin: str = "constraint"
+    parts: tuple[tuple[str, str, str], ...] = ()
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ use super::errors;
 use super::megakernel_backend::MegakernelBackend;
 use super::reference_backend::reference_backend;
 use crate::engine::{Engine, EngineConfig, NoopBackend};
-use crate::grammar::{ConstraintSpec, Grammars};
+use crate::grammar::{Constraint, ConstraintSpec, Grammars};
 use crate::kv::KvConfig;
 use crate::sched::{Event, Request, SamplingParams, SchedConfig};
 
@@ -142,18 +142,16 @@ impl PyEngine {
             SamplingParams { max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, logprobs };
         let constraint = match constraint {
             None => None,
-            Some((kind, value)) => {
-                let spec = constraint_spec(&kind, value)?;
-                let Some(grammars) = &self.grammars else {
-                    return Err(errors::ConstraintError::new_err(
-                        "this engine has no tokenizer to compile constraints against",
-                    ));
-                };
-                let compiled = py.detach(|| grammars.compile(&spec));
-                Some(compiled.map_err(|e| errors::ConstraintError::new_err(format!("invalid {kind}: {e}")))?)
-            }
+            Some((kind, value)) => Some(self.compile(py, &kind, value)?),
         };
         self.engine.submit(Request { constraint, ..Request::new(id, prompt, params) }).map_err(errors::engine_to_py)
+    }
+
+    /// Compiles a constraint (kind, text) as `submit` would, without submitting anything: a
+    /// ConstraintError says why it cannot be followed (the server checks the parts of a combined
+    /// grammar this way, to name the field at fault).
+    fn check_constraint(&self, py: Python<'_>, kind: String, value: String) -> PyResult<()> {
+        self.compile(py, &kind, value).map(|_| ())
     }
 
     /// Ends request `id` within one loop iteration (a `cancelled` event follows).
@@ -242,6 +240,21 @@ impl PyEngine {
     #[getter]
     fn num_blocks(&self) -> usize {
         self.num_blocks
+    }
+}
+
+impl PyEngine {
+    /// A request's constraint compiled against the engine's vocabulary, or the ConstraintError
+    /// that says why it cannot be (compiling releases the GIL: a large schema takes a while).
+    fn compile(&self, py: Python<'_>, kind: &str, value: String) -> PyResult<Constraint> {
+        let spec = constraint_spec(kind, value)?;
+        let Some(grammars) = &self.grammars else {
+            return Err(errors::ConstraintError::new_err(
+                "this engine has no tokenizer to compile constraints against",
+            ));
+        };
+        py.detach(|| grammars.compile(&spec))
+            .map_err(|e| errors::ConstraintError::new_err(format!("invalid {kind}: {e}")))
     }
 }
 

@@ -111,10 +111,24 @@ def constraint(req: _Sampling, thinking: bool | None = None) -> ConstraintSpec |
             else ConstraintSpec(kind, value, origin)
         )
     chat = _chat_grammar(kind, value, thinking, tools)
+    parts = _parts(req, found[0] if found else None, tools is not None)
     if kind == "lark":  # the user's grammar stays whole: a grammar of its own that the answer names
         grammars = [{"name": "chat", "lark_grammar": chat}, {"name": "user", "lark_grammar": value}]
-        return ConstraintSpec("lark", json.dumps({"grammars": grammars}), origin)
-    return ConstraintSpec("lark", chat, origin)
+        return ConstraintSpec("lark", json.dumps({"grammars": grammars}), origin, parts)
+    return ConstraintSpec("lark", chat, origin, parts)
+
+
+def _parts(req: ChatRequest, found: tuple[str, str, str] | None, with_tools: bool) -> tuple[tuple[str, str, str], ...]:
+    """The fields a chat grammar combines, each as a constraint of its own (field, kind, value):
+    the answer's constraint and (`with_tools`: the tools may be called) every tool's parameters
+    schema, so that a grammar that does not compile is blamed on the field at fault."""
+    parts: list[tuple[str, str, str]] = []
+    if found is not None:
+        origin, kind, value = found
+        parts.append((origin, "lark", f"start: {value}") if kind == "choice" else found)
+    for t in req.tools if with_tools and req.tools else []:
+        parts.append(("tools", "json_schema", json.dumps(t.function.parameters or {"type": "object"})))
+    return tuple(parts)
 
 
 def _tool_calls(req: ChatRequest) -> tuple[dict[str, Any], bool] | None:

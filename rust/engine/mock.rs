@@ -111,6 +111,8 @@ pub struct MockBackend {
     pub prefill_calls: usize,
     /// Chunks per `prefill` call, in call order.
     pub prefill_batches: Vec<usize>,
+    /// Prompt tokens per `prefill` call, in call order.
+    pub prefill_tokens: Vec<usize>,
     pub decode_calls: usize,
     /// Largest decode batch seen.
     pub max_rows: usize,
@@ -128,6 +130,7 @@ impl MockBackend {
             fail_decode_call: None,
             prefill_calls: 0,
             prefill_batches: Vec::new(),
+            prefill_tokens: Vec::new(),
             decode_calls: 0,
             max_rows: 0,
         }
@@ -190,6 +193,7 @@ impl Backend for MockBackend {
         let rows: std::collections::HashSet<usize> = input.chunks.iter().map(|c| c.row).collect();
         assert_eq!(rows.len(), input.chunks.len(), "one chunk per sequence and call");
         self.prefill_batches.push(input.chunks.len());
+        self.prefill_tokens.push(input.chunks.iter().map(|c| c.tokens.len()).sum());
         let poisoned = input.chunks.iter().any(|c| self.fail_packed_request == Some(c.request));
         if poisoned && input.chunks.len() > 1 {
             return Err(BackendError("injected failure of the packed call".into()));

@@ -84,4 +84,41 @@ proptest! {
             }
         }
     }
+
+    /// The prefill budget (the engine's `prefill_chunk`) shared by every prompt of an iteration:
+    /// no prefill call ever carries more prompt tokens than the budget, and while long prompts are
+    /// admitted (in chunks, several iterations each) every stream that has started gets a token
+    /// in every iteration until it ends. Blocks are ample, so nothing is preempted.
+    #[test]
+    fn prefill_stays_within_its_budget_and_never_stalls_a_decoding_stream(
+        long in proptest::collection::vec((0..10usize, 20..44usize), 1..5),
+        short in proptest::collection::vec((0..10usize, 1..6usize, 2..20usize), 1..6),
+        budget in 1usize..24,
+    ) {
+        let model = MockModel::small();
+        let mut arrivals = Vec::new();
+        let greedy = |n: usize| SamplingParams::greedy(n).with_ignore_eos();
+        for (i, &(at, len)) in long.iter().enumerate() {
+            let prompt: Vec<u32> = (0..len as u32).map(|t| 1 + (t * 7 + i as u32) % 31).collect();
+            arrivals.push((at, Request::new(i as u64, prompt, greedy(MAX_CONTEXT - len))));
+        }
+        for (i, &(at, len, n)) in short.iter().enumerate() {
+            let id = (long.len() + i) as u64;
+            let prompt: Vec<u32> = (0..len as u32).map(|t| 1 + (t * 3 + id as u32) % 31).collect();
+            arrivals.push((at, Request::new(id, prompt, greedy(n))));
+        }
+        let probe = KvManager::new(model.kv_config(1)).unwrap();
+        let blocks = arrivals.len() * probe.prefill_blocks_needed(MAX_CONTEXT, budget);
+        let mut c = core(&model, blocks, arrivals.len(), budget, MAX_CONTEXT);
+        let out = run(&mut c, &arrivals, &[]);
+        prop_assert!(c.backend.prefill_tokens.iter().all(|&t| t <= budget), "{:?}", c.backend.prefill_tokens);
+        for (_, r) in &arrivals {
+            let first = out.per_iteration.iter().position(|m| m.contains_key(&r.id)).unwrap();
+            let last = out.per_iteration.iter().rposition(|m| m.contains_key(&r.id)).unwrap();
+            // The first iteration brings the prefill's token and the step's (or only the first).
+            prop_assert!(out.per_iteration[first + 1..=last].iter().all(|m| m.get(&r.id) == Some(&1)),
+                "request {} skipped an iteration", r.id);
+            prop_assert_eq!(out.tokens[&r.id].len(), r.params.max_tokens);
+        }
+    }
 }

@@ -21,19 +21,28 @@ pub struct PrefillChunkInput<'a> {
     pub tokens: &'a [u32],
     pub start: usize,
     /// Last chunk of this prefill: return the next token, sampled with `spec` among the tokens
-    /// `allowed` allows (a grammar's mask; None: any).
+    /// the call's mask `entry` allows (`PrefillInput::allowed`: a grammar's mask, or any).
     pub last: bool,
     pub spec: SampleSpec,
-    pub allowed: Option<&'a TokenMask>,
+    pub entry: usize,
 }
 
 /// One iteration's prefill: chunks of distinct sequences, to compute in one call (a backend that
-/// can packs them into one forward pass).
+/// can packs them into one forward pass). The last chunks' grammar masks may still be being
+/// computed while the call runs: `allowed` waits for them.
 #[derive(Debug, Clone, Copy)]
 pub struct PrefillInput<'a> {
     pub chunks: &'a [PrefillChunkInput<'a>],
+    pub masks: &'a MaskSet,
     pub table: &'a PageTable,
     pub dirty_rows: &'a [usize],
+}
+
+impl<'a> PrefillInput<'a> {
+    /// The mask `chunk` samples under, if it has one (waiting until it is computed).
+    pub fn allowed(&self, chunk: &PrefillChunkInput<'_>) -> Option<&'a TokenMask> {
+        self.masks.get(chunk.entry)
+    }
 }
 
 /// One decode step: row `rows[i]` feeds `tokens[i]` at position `positions[i]` (writing its K/V

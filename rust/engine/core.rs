@@ -68,12 +68,9 @@ impl<B: Backend> Core<B> {
         let mut chunks = std::mem::take(&mut self.chunks);
         self.sched.plan_prefill(self.sched.config().prefill_chunk, &mut chunks, out);
         if !chunks.is_empty() {
-            // A prompt's last chunk samples its first token: under a grammar, with its mask.
-            let mut lent = Lent::take(&mut self.sched, chunks.iter().map(|c| c.last.then_some(c.row)));
-            if let Some((l, masks)) = &mut lent {
-                l.fill(masks);
-            }
-            let masks = lent.as_ref().map_or(&NO_MASKS, |(_, m)| m);
+            // A prompt's last chunk samples its first token: under a grammar, with its mask, which a
+            // helper thread computes while the backend runs the forward pass.
+            let (mut lent, masks) = Lent::take(&mut self.sched, chunks.iter().map(|c| c.last.then_some(c.row))).unzip();
             let sched = &self.sched;
             let inputs: Vec<PrefillChunkInput<'_>> = chunks
                 .iter()
@@ -85,31 +82,42 @@ impl<B: Backend> Core<B> {
                     start: c.start,
                     last: c.last,
                     spec: c.spec,
-                    allowed: masks.get(i),
+                    entry: i,
                 })
                 .collect();
-            let input = PrefillInput { chunks: &inputs, table: sched.page_table(), dirty_rows: sched.dirty_rows() };
+            let input = PrefillInput {
+                chunks: &inputs,
+                masks: masks.as_ref().unwrap_or(&NO_MASKS),
+                table: sched.page_table(),
+                dirty_rows: sched.dirty_rows(),
+            };
             let mut results = std::mem::take(&mut self.prefilled);
             results.clear();
             let t = Instant::now();
-            if let Err(e) = self.backend.prefill(&input, &mut results) {
-                // A failed packed call is retried chunk by chunk, so an error ends only the
-                // requests it concerns (a retried chunk rewrites the same K/V).
-                results.clear();
-                if inputs.len() == 1 {
-                    results.push(Err(e));
-                } else {
-                    for chunk in &inputs {
-                        let alone = PrefillInput { chunks: std::slice::from_ref(chunk), ..input };
-                        if let Err(e) = self.backend.prefill(&alone, &mut results) {
-                            results.push(Err(e));
+            let backend = &mut self.backend;
+            std::thread::scope(|s| {
+                if let (Some(l), Some(masks)) = (&mut lent, &masks) {
+                    s.spawn(move || l.fill(masks));
+                }
+                if let Err(e) = backend.prefill(&input, &mut results) {
+                    // A failed packed call is retried chunk by chunk, so an error ends only the
+                    // requests it concerns (a retried chunk rewrites the same K/V).
+                    results.clear();
+                    if inputs.len() == 1 {
+                        results.push(Err(e));
+                    } else {
+                        for chunk in &inputs {
+                            let alone = PrefillInput { chunks: std::slice::from_ref(chunk), ..input };
+                            if let Err(e) = backend.prefill(&alone, &mut results) {
+                                results.push(Err(e));
+                            }
                         }
                     }
                 }
-            }
+            });
             backend_ns += t.elapsed().as_nanos() as u64;
             drop(inputs);
-            if let Some((l, _)) = lent {
+            if let Some(l) = lent {
                 l.give_back(&mut self.sched);
             }
             self.sched.clear_dirty();

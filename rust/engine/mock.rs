@@ -172,7 +172,8 @@ impl MockBackend {
 }
 
 impl MockBackend {
-    fn prefill_chunk(&mut self, table: &PageTable, c: &PrefillChunkInput<'_>) -> PrefillResult {
+    fn prefill_chunk(&mut self, input: &PrefillInput<'_>, c: &PrefillChunkInput<'_>) -> PrefillResult {
+        let table = input.table;
         self.prefill_calls += 1;
         if self.fail_request == Some(c.request) {
             return Err(BackendError("injected failure".into()));
@@ -184,7 +185,7 @@ impl MockBackend {
             return Ok(None);
         }
         let last = c.start + c.tokens.len() - 1;
-        self.next(table, c.row, last, &c.spec, c.allowed).map(Some).map_err(BackendError)
+        self.next(table, c.row, last, &c.spec, input.allowed(c)).map(Some).map_err(BackendError)
     }
 }
 
@@ -198,7 +199,7 @@ impl Backend for MockBackend {
         if poisoned && input.chunks.len() > 1 {
             return Err(BackendError("injected failure of the packed call".into()));
         }
-        out.extend(input.chunks.iter().map(|c| self.prefill_chunk(input.table, c)));
+        out.extend(input.chunks.iter().map(|c| self.prefill_chunk(input, c)));
         Ok(())
     }
 

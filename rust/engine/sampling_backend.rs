@@ -48,7 +48,7 @@ impl<M: LogitsModel> Backend for SamplingBackend<M> {
                 false => Ok(None),
                 true => {
                     let logits = rows.next().expect("counted above");
-                    let sampled = self.sampler.sample_allowed(logits, &chunk.spec, chunk.allowed);
+                    let sampled = self.sampler.sample_allowed(logits, &chunk.spec, input.allowed(chunk));
                     sampled.map(Some).map_err(|e| BackendError(e.to_string()))
                 }
             });
@@ -115,7 +115,7 @@ mod tests {
                 start: 0,
                 last: false,
                 spec: SampleSpec::greedy(0),
-                allowed: None,
+                entry: 0,
             },
             PrefillChunkInput {
                 row: 1,
@@ -124,11 +124,13 @@ mod tests {
                 start: 5,
                 last: true,
                 spec: SampleSpec::greedy(0),
-                allowed: None,
+                entry: 0,
             },
         ];
         let mut out = Vec::new();
-        b.prefill(&PrefillInput { chunks: &chunks, table: &table, dirty_rows: &[] }, &mut out).unwrap();
+        let prefill =
+            PrefillInput { chunks: &chunks, masks: &crate::grammar::NO_MASKS, table: &table, dirty_rows: &[] };
+        b.prefill(&prefill, &mut out).unwrap();
         assert_eq!(out.len(), 2);
         assert_eq!(out[0], Ok(None));
         assert_eq!(out[1].as_ref().unwrap().as_ref().unwrap().token, 5);
@@ -148,7 +150,7 @@ mod tests {
         // A failed call reports itself and leaves `out` as it was.
         let mut b = SamplingBackend::new(Peaked { vocab: 16, fail: true });
         let mut out = Vec::new();
-        assert!(b.prefill(&PrefillInput { chunks: &chunks, table: &table, dirty_rows: &[] }, &mut out).is_err());
+        assert!(b.prefill(&prefill, &mut out).is_err());
         assert!(out.is_empty());
     }
 }

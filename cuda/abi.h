@@ -57,7 +57,8 @@ typedef enum MkOp {
     MK_OP_SAMPLE_FINAL = 8,
     // A MoE layer's expert tiles of one matrix, claimed from the layer's queue by whichever block
     // is free: arg0 = MK_MAT_EXPERT_GATE_UP or MK_MAT_EXPERT_DOWN, arg1 = row groups of 16 per
-    // tile (gate/up: features), arg2 = tiles per slot. Tile i is slot i / arg2, rows (i % arg2)
+    // tile (gate/up: features), arg2 = tiles per slot (arg3, arg4: the queue's most tiles and its
+    // claimers, for the host's cost model only). Tile i is slot i / arg2, rows (i % arg2)
     // * 16 * arg1 ..; the queue holds slot_count * arg2 tiles. The block's weight producer claims
     // (atomic add on the layer's MK_CTR_UP_CLAIM / MK_CTR_DOWN_CLAIM) as it streams; one task per
     // block and matrix, signalled once when the queue is empty and its own tiles are done.

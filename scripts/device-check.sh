@@ -27,11 +27,23 @@ fi
 sanitize=0
 { [ -z "$quick" ] || [ "$quick" = --sanitize ]; } && sanitize=1
 if [ $sanitize = 1 ] || [ "${SANITIZE:-}" = 1 ]; then
-    for tool in memcheck racecheck; do
-        timeout 400 compute-sanitizer --tool $tool --error-exitcode 3 python3 scripts/megakernel_once.py \
-            >>"$OUT/tests.log" 2>&1
-        echo "$tool (megakernel step) exit: $?" >>"$OUT/tests.log"
+    # Both ways of running expert tiles (claim queues, one task per tile), and the racecheck
+    # probe of a plain shared-memory value handed over through an mbarrier (the ring's tags).
+    for variant in "" --no-expert-queue; do
+        for tool in memcheck racecheck; do
+            report=()
+            [ $tool = racecheck ] && report=(--racecheck-report all)
+            # shellcheck disable=SC2086
+            timeout 400 compute-sanitizer --tool $tool "${report[@]}" --error-exitcode 3 \
+                python3 scripts/megakernel_once.py $variant >>"$OUT/tests.log" 2>&1
+            echo "$tool (megakernel step $variant) exit: $?" >>"$OUT/tests.log"
+        done
     done
+    if nvcc -gencode=arch=compute_90a,code=sm_90a -o /tmp/racecheck-probe scripts/racecheck_probe.cu \
+        >>"$OUT/tests.log" 2>&1; then
+        timeout 60 compute-sanitizer --tool racecheck --racecheck-report all /tmp/racecheck-probe >>"$OUT/tests.log" 2>&1
+        echo "racecheck (mbarrier hand-off probe) exit: $?" >>"$OUT/tests.log"
+    fi
 fi
 
 benches=(benches/decode.py benches/prefill.py)

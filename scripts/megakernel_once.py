@@ -1,5 +1,8 @@
 """One decode step of the GPU-test geometry through the megakernel, for compute-sanitizer runs:
-compute-sanitizer --tool memcheck python3 scripts/megakernel_once.py"""
+compute-sanitizer --tool memcheck python3 scripts/megakernel_once.py [--no-expert-queue]
+(batch 4: the expert tiles come from the claim queues unless --no-expert-queue)."""
+
+import sys
 
 import torch
 
@@ -14,7 +17,7 @@ model = Model(cfg, synthetic_weights(cfg, seed=1, device="cuda", dtype=torch.bfl
 positions = [100, 4100, 64, 5000]
 max_pages = max(positions) // PAGE_SIZE + 1
 kv, tables, _ = random_step_inputs(model, positions, max_pages, torch.Generator(device="cuda").manual_seed(1))
-step = MegakernelStep(model, kv, max_pages)
+step = MegakernelStep(model, kv, max_pages, expert_queue="--no-expert-queue" not in sys.argv[1:])
 g = step.graph(positions, check=True)
 buf = step.buffers(g)
 buf.tokens.copy_(torch.tensor([1, 2, 3, 4], dtype=torch.int32))

@@ -1,0 +1,44 @@
+"""The built-in model's quality harness (scripts/eval_embedded.py): its checks and its prompts."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("eval_embedded", REPO / "scripts" / "eval_embedded.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["eval_embedded"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+ev = _script()
+
+
+def test_a_line_repeated_more_than_three_times_is_a_loop():
+    assert ev.loop_free("a = 1\nb = 2\n\n\n\n\n")
+    assert ev.loop_free("import os\n" * 3 + "x = 1\n")
+    assert not ev.loop_free("import os\n" * 4)
+
+
+def test_a_chat_answer_counts_when_its_code_defines_a_function():
+    assert ev.chat_code("Here it is:\n```python\ndef f(s):\n    return s[::-1]\n```\nDone.")
+    assert ev.chat_code("def f(s):\n    return s[::-1]\n")
+    assert not ev.chat_code("```python\nprint(1)\n```")
+    assert not ev.chat_code("def f(s) return s")
+
+
+def test_held_out_prompts_are_functions_of_the_named_package():
+    fns = ev.held_out_functions(["jinja2"], 6)
+    assert len(fns) == 6 and all(f.path.startswith("jinja2/") for f in fns)
+    for f in fns:  # a function with a docstring: its head is the prompt, the rest its body
+        fn = ast.parse(f.source).body[0]
+        assert ast.get_docstring(fn) is not None and f.source == f.prompt + f.body and f.body.strip()
+    assert [f.name for f in ev.held_out_functions(["jinja2"], 6)] == [f.name for f in fns]  # deterministic
+    assert len(ev.CHAT_TASKS) == 20

@@ -75,13 +75,7 @@ def held_out_functions(held: list[str], count: int) -> list:
     if missing:
         raise SystemExit(f"not installed here: {', '.join(sorted(missing))}")
     files = {path: text for texts in cc.build(packages, set(held)).held_out.values() for path, text in texts.items()}
-    found = []
-    for path in sorted(files, key=te.holdout_key):
-        fit = sorted(te.extract_functions(path, files[path]), key=lambda f: te.holdout_key(f"{f.path}:{f.lineno}"))
-        found.extend(fit[: te.PER_FILE])
-        if len(found) >= count:
-            break
-    return found[:count]
+    return te.pick_test_functions(files, count)  # the functions training held out, if it held these out
 
 
 def loop_free(text: str) -> bool:

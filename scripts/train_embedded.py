@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import ast
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -218,6 +219,58 @@ def build_corpus(root: str | Path, heldout: int = 100, max_files: int | None = N
         texts = dict(list(texts.items())[:max_files])
     train_functions = [f for path, text in texts.items() for f in extract_functions(path, text)]
     return Corpus(str(root), texts, val, held, tests, train_functions, excluded)
+
+
+def pick_test_functions(files: dict[str, str], count: int) -> list[Function]:
+    """Up to `count` functions fit for the completion test from `files` (path -> text): files in hash
+    order, at most PER_FILE from one, picked by hash."""
+    found: list[Function] = []
+    for path in sorted(files, key=holdout_key):
+        fit = sorted(extract_functions(path, files[path]), key=lambda f: holdout_key(f"{f.path}:{f.lineno}"))
+        found.extend(fit[: min(PER_FILE, count - len(found))])
+        if len(found) >= count:
+            break
+    return found
+
+
+def _code_corpus():
+    spec = importlib.util.spec_from_file_location("code_corpus", Path(__file__).resolve().parent / "code_corpus.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["code_corpus"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_site_corpus(
+    packages: list, held_out: set[str], heldout: int, max_files: int | None = None, workers: int = 1
+) -> tuple[Corpus, dict]:
+    """The corpus of installed packages (scripts/code_corpus.py: deduplicated, tests and generated files
+    dropped) with whole packages held out: their functions are the completion test, their files the
+    held-out loss set; the first training files in hash order, up to 2% of the bytes, are the validation
+    set. Returns the corpus and code_corpus's manifest."""
+    built = _code_corpus().build(packages, held_out, workers)
+    held = {path: text for texts in built.held_out.values() for path, text in texts.items()}
+    tests = pick_test_functions(held, heldout)
+    if len(tests) < heldout:
+        raise ValueError(f"held-out packages give only {len(tests)} functions fit for the completion test")
+    order = sorted(built.train, key=holdout_key)
+    total = sum(len(built.train[p]) for p in order)
+    val: dict[str, str] = {}
+    j = val_bytes = 0
+    while j < len(order) and val_bytes < VAL_FRACTION * total:
+        val[order[j]] = built.train[order[j]]
+        val_bytes += len(val[order[j]])
+        j += 1
+    texts = {p: built.train[p] for p in order[j:]}
+    needles = [_normalise(f.source) for f in tests]  # a held-out function copied inside a larger file
+    excluded = [p for p, t in texts.items() if any(n in _normalise(t) for n in needles)]
+    for path in excluded:
+        del texts[path]
+    if max_files is not None:
+        texts = dict(list(texts.items())[:max_files])
+    train_functions = [f for path, text in texts.items() for f in extract_functions(path, text)]
+    corpus = Corpus("site-packages", texts, val, held, tests, train_functions, excluded)
+    return corpus, built.manifest
 
 
 # ================================================================================================
@@ -841,6 +894,12 @@ def parse_args(argv: Sequence[str] | None):
     p.add_argument("--loss-batches", type=int, default=None, help="batches of the final losses (default: all)")
     p.add_argument("--vocab-size", type=int, default=None, help="tokenizer size (default: the preset's vocab)")
     p.add_argument("--stdlib", default=None, help="library root (default: this interpreter's stdlib)")
+    p.add_argument(
+        "--held-out-packages",
+        default=None,
+        help="train on every installed package and the stdlib (scripts/code_corpus.py), holding these\n"
+        "comma-separated packages out for the tests (default: the stdlib alone, held-out files)",
+    )
     p.add_argument("--max-files", type=int, default=None, help="training files kept (quick runs)")
     p.add_argument("--heldout", type=int, default=100, help="held-out functions")
     p.add_argument("--eval-functions", type=int, default=None, help="held-out functions generated from")
@@ -875,8 +934,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    root = Path(args.stdlib or sysconfig.get_paths()["stdlib"])
-    corpus = build_corpus(root, args.heldout, args.max_files)
+    manifest = None
+    if args.held_out_packages:
+        cc = _code_corpus()
+        held = {h.strip().lower() for h in args.held_out_packages.split(",") if h.strip()}
+        packages = cc.installed_packages() + [cc.stdlib_package()]
+        root = Path("site-packages")
+        corpus, manifest = build_site_corpus(packages, held, args.heldout, args.max_files, os.cpu_count() or 1)
+    else:
+        root = Path(args.stdlib or sysconfig.get_paths()["stdlib"])
+        corpus = build_corpus(root, args.heldout, args.max_files)
     docs = build_documents(corpus, args.tool_examples, args.seed)
     log(
         f"corpus {root}: {len(corpus.train)} training files, {len(corpus.val)} validation, {len(corpus.heldout)} "
@@ -941,6 +1008,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             ).hexdigest(),
         },
         "corpus": {
+            "manifest": manifest,  # packages, versions, licences, drops (None: the stdlib alone)
             "train_files": len(corpus.train),
             "val_files": sorted(corpus.val),
             "heldout_files": sorted(corpus.heldout),
@@ -989,7 +1057,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print_table(
         [
             ("geometry", f"{args.preset}: {n_params / 1e6:.2f}M parameters, {size / 1e6:.2f} MB bf16 safetensors"),
-            ("corpus", f"Python {platform.python_version()} stdlib, {len(train_stream):,} training tokens"),
+            (
+                "corpus",
+                (
+                    f"{len(manifest['packages'])} packages (held out: {', '.join(manifest['held_out'])})"
+                    if manifest
+                    else f"Python {platform.python_version()} stdlib"
+                )
+                + f", {len(train_stream):,} training tokens",
+            ),
             ("steps", f"{t['steps']} ({t['steps_set_by']}), {t['epochs']:.1f} epochs, {t['train_seconds']:.0f} s"),
             ("throughput", f"{t['tokens_per_second']:,.0f} tokens/s on {args.device}"),
             ("best validation", f"{t['best_val_loss']:.4f} at step {t['best_step']}"),

@@ -136,6 +136,39 @@ def test_real_stdlib_split_has_100_functions_and_no_leak():
 # ---- documents and tokenizer ---------------------------------------------------------------------
 
 
+def test_a_site_corpus_holds_whole_packages_out(tmp_path):
+    """Training on installed packages (scripts/code_corpus.py): the held-out packages' files are the
+    held-out set and their functions the tests; training and validation files come from the others,
+    and a training file that copies a held-out function is dropped."""
+    cc = te._code_corpus()
+
+    def package(name: str, modules: dict[str, str]):
+        root = tmp_path / name
+        for rel, text in modules.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(text)
+        return cc.Package(name, "1.0", "MIT", root.resolve(), tuple(sorted((root / r).resolve() for r in modules)))
+
+    held_fn = 'def held(a):\n    """Held out."""\n    b = a + 1\n    return b * 2\n'
+    train = package("train", {f"train/m{i}.py": _module(i) for i in range(30)})
+    copies = package("copies", {"copies/c.py": _module(500) + "\n\n" + held_fn})
+    held = package("held", {f"held/h{i}.py": _module(100 + i).replace("func_", "hfunc_") for i in range(6)})
+    (tmp_path / "held" / "held" / "h0.py").write_text(_module(100).replace("func_", "hfunc_") + "\n\n" + held_fn)
+    corpus, manifest = te.build_site_corpus([train, copies, held], {"held"}, heldout=12)
+    assert set(corpus.heldout) == {f"held/held/h{i}.py" for i in range(6)}
+    assert len(corpus.test_functions) == 12 and all(f.path.startswith("held/") for f in corpus.test_functions)
+    assert not set(corpus.train) & set(corpus.val) and all(p.startswith(("train/", "copies/")) for p in corpus.train)
+    assert len(corpus.train) + len(corpus.val) + len(corpus.leak_excluded) == 31
+    assert manifest["held_out"] == ["held"] and {r["name"] for r in manifest["packages"]} == {"train", "copies", "held"}
+    needles = _normalised_sources(corpus)  # no training file copies a test function
+    assert not any(n in te._normalise(t) for t in corpus.train.values() for n in needles)
+    assert set(corpus.leak_excluded) <= {"copies/copies/c.py"}
+    again, _ = te.build_site_corpus([train, copies, held], {"held"}, heldout=12)
+    assert again.train == corpus.train and [f.name for f in again.test_functions] == [
+        f.name for f in corpus.test_functions
+    ]
+
+
 def test_chat_examples_render_with_the_template(fake_stdlib):
     corpus = te.build_corpus(fake_stdlib, heldout=10)
     fn = corpus.train_functions[0]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import importlib.util
 import json
 import re
 import sys
@@ -31,16 +30,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-te = _load("train_embedded")
-cc = _load("code_corpus")
+sys.path.insert(0, str(HERE))  # its siblings, imported by name (once)
+import code_corpus as cc  # noqa: E402
+import train_embedded as te  # noqa: E402
 
 MAX_NEW = 96
 LOOP_REPEATS = 3  # a line repeated more often than this is a verbatim loop

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import ast
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -234,11 +233,11 @@ def pick_test_functions(files: dict[str, str], count: int) -> list[Function]:
 
 
 def _code_corpus():
-    spec = importlib.util.spec_from_file_location("code_corpus", Path(__file__).resolve().parent / "code_corpus.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["code_corpus"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    """scripts/code_corpus.py, imported by name (once: its worker processes pickle its functions by name)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import code_corpus
+
+    return code_corpus
 
 
 def build_site_corpus(

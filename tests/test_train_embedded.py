@@ -6,7 +6,6 @@ loader and `load_default` read, and the embedded preset fits the megakernel and 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import logging
 import math
@@ -30,16 +29,8 @@ from mk.tokenizer import Tokenizer
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("train_embedded", REPO / "scripts" / "train_embedded.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_embedded"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-te = _script()
-
+sys.path.insert(0, str(REPO / "scripts"))  # the scripts import each other by name
+import train_embedded as te  # noqa: E402
 
 # ---- a small fake standard library --------------------------------------------------------------
 

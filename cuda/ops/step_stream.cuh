@@ -65,29 +65,21 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
                  : "memory");
 }
 
+// Whether the phase of parity %2 of the barrier at %1 has completed, into %0: mbarrier.<op>, where
+// try_wait may suspend the thread a while first and test_wait answers at once.
+#define MK_MBAR_PHASE_DONE(op)                                                               \
+    "{\n\t.reg .pred p;\n\tmbarrier." op ".parity.shared::cta.b64 p, [%1], %2;\n\t" \
+    "selp.u32 %0, 1, 0, p;\n\t}"
+
 __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
     uint32_t done;
-    asm volatile(
-        "{\n\t.reg .pred p;\n\t"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-        "selp.u32 %0, 1, 0, p;\n\t}"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(parity)
-        : "memory");
+    asm volatile(MK_MBAR_PHASE_DONE("try_wait") : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
     return done != 0;
 }
 
-// Whether the phase of parity `parity` has completed, without waiting (try_wait may suspend the
-// thread for a while first).
 __device__ __forceinline__ bool mbar_test_wait(uint64_t* bar, uint32_t parity) {
     uint32_t done;
-    asm volatile(
-        "{\n\t.reg .pred p;\n\t"
-        "mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-        "selp.u32 %0, 1, 0, p;\n\t}"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(parity)
-        : "memory");
+    asm volatile(MK_MBAR_PHASE_DONE("test_wait") : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
     return done != 0;
 }
 

@@ -1,11 +1,11 @@
 """Where a decode step's time goes, from the kernel's task trace (`MegakernelStep.run(trace=...)`).
 
 Each executed task left: the %globaltimer time its block reached it, the clock cycles it waited on
-its counters and the cycles it ran; a GEMV task whose weights were streamed also when the block's
-weight producer issued its first copy, and the cycles the producer waited for free ring stages
-(the compute warps were behind) and for the layer's top-k (expert tiles). The SM clock is
-estimated from the trace itself (a block's consecutive tasks start `wait + run` cycles apart), so
-no clock query is needed.
+its counters and the cycles it ran; a task whose weights were streamed (GEMV and expert-claim
+tasks) also when the block's weight producer issued its first copy, and the cycles the producer
+waited for free ring stages (the compute warps were behind) and for the layer's top-k (expert
+tiles). The SM clock is estimated from the trace itself (a block's consecutive tasks start
+`wait + run` cycles apart), so no clock query is needed.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class Family:
     wait_us: float  # mean per task
     run_us: float  # mean per task
     run_sm_us: float  # total: SM-time it kept blocks busy
-    streamed: int  # tasks whose weights the producer streamed (GEMV tasks with weights)
+    streamed: int  # tasks whose weights the producer streamed (GEMV tasks with weights, claim tasks)
     ring_wait_us: float  # mean per streamed task: the producer waiting for free ring stages
     topk_wait_us: float  # mean per streamed task: the producer waiting for the layer's top-k
     lead_us: float  # mean per streamed task: first copy issued to the compute warps' start of work
@@ -62,7 +62,7 @@ def summarize(g: StepGraph, trace: np.ndarray) -> dict:
     hz = clock_hz(real, start, wait, run)
     end = start + (wait + run) / hz * 1e9
     streamed = real & (trace[..., 2] != 0)
-    stream = np.where(streamed, trace[..., 2] - first, 0).astype(np.float64)
+    stream = np.where(streamed, (trace[..., 2] - first).astype(np.float64), np.nan)  # NaN: nothing streamed
     ring_wait, topk_wait = (c.astype(np.float64) for c in cycles(trace, 3))
     t0, t1 = start[real].min(), end[real].max()
     span_us = (t1 - t0) / 1e3
@@ -112,7 +112,7 @@ def summarize(g: StepGraph, trace: np.ndarray) -> dict:
         "layer_us": layer_us,
         "families": [f.__dict__ for f in sorted(rows, key=lambda f: -f.run_sm_us)],
         "timeline_layer": middle,
-        "timeline": layer_timeline(g, real, start, wait / hz * 1e9, end, middle, np.where(streamed, stream, np.nan)),
+        "timeline": layer_timeline(g, real, start, wait / hz * 1e9, end, middle, stream),
     }
 
 

@@ -13,6 +13,9 @@ time beside the round-robin one: `model_balanced_us`, `model_rr_us`). `--sizes` 
 the GEMV task sizes and other BuildOptions, e.g. `gate_up_groups=3,expert_queue=0`: one variant per entry,
 `mk_<entry>_ms`; all variants must give the default's logits bit for bit. With --trace, one step of each variant records
 when every task waited and ran, summarized per task family (mk.megakernel.trace) into the JSON.
+Where $MK_MEGAKERNEL_CUBIN lists several cubins (a:b:...), each point also times every loaded
+kernel on the same buffers, in KERNEL_ROUNDS alternating rounds (between processes the step time
+varies by 1-3%, in one process far less): `mk_kernel<k>_ms` (the median), `kernel<k>_same_logits`.
 Usage: python benches/decode.py [--json out.json] [--quick | --points 1x8192,8x8192] [--trace] [--plain]
 """
 
@@ -25,6 +28,7 @@ from pathlib import Path
 import torch
 
 from common import HBM_BYTES_PER_S, print_table, pyplot, write_json
+from mk import _native
 from mk.config import PAGE_SIZE, ModelConfig
 from mk.megakernel.launch import MegakernelStep, trace_buffer
 from mk.megakernel.trace import print_summary, summarize
@@ -97,6 +101,29 @@ def time_events(fn, iters: int) -> float:
     return start.elapsed_time(end) / 1e3 / iters
 
 
+KERNEL_ROUNDS = 3
+
+
+def compare_kernels(step, g, buf, tasks, iters: int, row: dict) -> None:
+    """Times every loaded megakernel image on the same buffers, alternating, into `row`."""
+    # Wheels from before megakernel_count (an earlier ABI's, timed by scripts/device-ab.sh) load one.
+    count = _native.megakernel_count(buf.x.device.index or 0) if hasattr(_native, "megakernel_count") else 1
+    if count < 2:
+        return
+    times: dict[int, list[float]] = {k: [] for k in range(count)}
+    logits = {}
+    for _ in range(KERNEL_ROUNDS):
+        for k in range(count):
+            for _ in range(2):
+                step.run(g, buf, tasks, kernel=k)
+            torch.cuda.synchronize()
+            times[k].append(time_events(lambda k=k: step.run(g, buf, tasks, kernel=k), iters))
+            logits[k] = buf.logits.clone()
+    for k, ts in times.items():
+        row[f"mk_kernel{k}_ms"] = sorted(ts)[len(ts) // 2] * 1e3
+        row[f"kernel{k}_same_logits"] = bool(torch.equal(logits[0], logits[k]))
+
+
 def measure(
     cfg, model, stacked, batch: int, ctx: int, iters: int, trace=False, plain=False, sizes=(), torch_graph=True
 ) -> dict:
@@ -146,6 +173,7 @@ def measure(
             print_summary(f"batch {batch}, context {ctx}, {name}", traces[name])
     experts = int(buf.slot_count[0])
     row = {"batch": batch, "ctx": ctx, "mk_ms": t_mk * 1e3, "mk_tok_s": batch / t_mk, "valid_output": ok}
+    compare_kernels(step, g, buf, tasks, iters, row)
     for name, t in times.items():
         row[f"mk_{name}_ms"] = t * 1e3
         row[f"{name}_gain"] = t_mk / t
@@ -226,6 +254,7 @@ def main() -> None:
     cols = ["batch", "ctx", "mk_ms", "mk_tok_s", "sol_ms", "sol_fraction", "torch_graph_ms", "speedup_vs_torch"]
     cols += ["mk_balanced_ms", "balanced_gain", "model_rr_us", "model_balanced_us"]
     cols += [f"mk_{s}_ms" for s in args.sizes.split(",") if s]
+    cols += sorted({k for r in rows for k in r if re.fullmatch(r"mk_kernel\d+_ms", k)})
     print_table("decode step, real geometry, synthetic weights (SOL 4.8 TB/s)", rows, cols)
     write_json(args.json, "decode", rows)
     plot(rows, Path(args.json).with_suffix(".png"))

@@ -7,7 +7,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MK_ABI_VERSION 7
+#define MK_ABI_VERSION 8
 
 // ---- The decode megakernel's task graph (docs/MEGAKERNEL.md) ------------------------------------
 // A step is a list of tasks per SM, built by the host (rust/graph). Each block runs its list in
@@ -113,9 +113,9 @@ typedef enum MkLayerWeight {
 
 // Dynamic shared memory every block of mk_decode_step is launched with (all a Hopper block may
 // have: the ops' union, then a ring of weight stages filling the rest), and its threads per
-// block: 8 compute warps and the weight producer warp.
+// block: 8 compute warps, the weight producer warp and the signal warp.
 #define MK_STEP_SMEM_BYTES (227 * 1024)
-#define MK_STEP_THREADS 288
+#define MK_STEP_THREADS 320
 // The longest reduction (k) of any GEMV task and the most rows per launch: the activation
 // buffer in shared memory holds [MK_STEP_MAX_BATCH][MK_STEP_MAX_K].
 #define MK_STEP_MAX_K 4096
@@ -174,8 +174,8 @@ typedef struct MkStepArgs {
 // stream_ns on; 0 otherwise).
 typedef struct MkTraceEntry {
     uint64_t start_ns;     // %globaltimer when the block reached the task (before its wait)
-    uint32_t wait_cycles;  // clock64 cycles spent waiting on its counters
-    uint32_t run_cycles;   // cycles from the end of the wait to its signal
+    uint32_t wait_cycles;  // clock64 cycles spent waiting on its counters (a norm: the first only)
+    uint32_t run_cycles;   // cycles from the end of the wait to its "done" (the signal warp then publishes it)
     uint64_t stream_ns;    // %globaltimer when the producer issued the task's first weight copy
     uint32_t ring_wait_cycles;  // cycles the producer waited for free ring stages for the task's copies
     uint32_t topk_wait_cycles;  // cycles it waited for the layer's top-k before them (expert tiles)

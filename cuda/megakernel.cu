@@ -33,7 +33,8 @@ union StepSmem {
 constexpr int kMaxRingStages = 32;
 constexpr size_t kBarrierOffset = (sizeof(StepSmem) + 127) / 128 * 128;
 constexpr size_t kTagOffset = kBarrierOffset + 2 * kMaxRingStages * sizeof(uint64_t);
-constexpr size_t kListOffset = kTagOffset + kMaxRingStages * sizeof(int);
+constexpr size_t kDoneOffset = kTagOffset + kMaxRingStages * sizeof(int);  // the tasks done (signal_done)
+constexpr size_t kListOffset = (kDoneOffset + sizeof(uint32_t) + 15) / 16 * 16;
 constexpr size_t kStagesOffset = (kListOffset + kListBatch * sizeof(MkTask) + 127) / 128 * 128;
 constexpr int kRingStages = (int)((MK_STEP_SMEM_BYTES - kStagesOffset) / kStageBytes);
 static_assert(kRingStages >= 4, "raise MK_STEP_SMEM_BYTES: the weight ring needs at least 4 stages");
@@ -49,8 +50,9 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
     uint64_t* barriers = reinterpret_cast<uint64_t*>(smem_raw + kBarrierOffset);
     int* tags = reinterpret_cast<int*>(smem_raw + kTagOffset);
     const Ring ring{smem_raw + kStagesOffset, barriers, barriers + kMaxRingStages, tags, kRingStages};
-    if (threadIdx.x == 0) ring_init(ring);
-    __syncthreads();  // the last barrier the producer warp joins
+    uint32_t* done = reinterpret_cast<uint32_t*>(smem_raw + kDoneOffset);
+    if (threadIdx.x == 0) ring_init(ring), *done = 0;
+    __syncthreads();  // the last barrier the producer and signal warps join
 
     uint32_t* counters = ptr<uint32_t>(a.counters) + (size_t)a.parity * a.num_counters;
     const MkTask* list = ptr<const MkTask>(a.tasks) + (size_t)blockIdx.x * a.per_sm;
@@ -58,6 +60,7 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
         stream_weights(a, list, counters, ring, reinterpret_cast<MkTask*>(smem_raw + kListOffset));
         return;
     }
+    if (threadIdx.x / 32 == kSignalWarp) return send_signals(a, list, counters, done);
     // The other set serves the next step: zero it now (the previous step, its last user, has
     // finished before this launch began; the next one starts after this one ends).
     uint32_t* next = ptr<uint32_t>(a.counters) + (size_t)(1 - a.parity) * a.num_counters;
@@ -76,7 +79,7 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
         if (trace && threadIdx.x == 0) start_ns = global_ns(), c0 = clock64();
         // A split's cached pages do not depend on the step: they load while it waits.
         const int kv_issued = t.op == MK_OP_ATTN_SPLIT ? attn_prefetch(a, t, sm.attn) : 0;
-        wait_for(t, counters);
+        wait_for(t, counters, t.op != MK_OP_RESIDUAL_NORM);  // a norm waits for its FFN itself
         if (trace && threadIdx.x == 0) c1 = clock64();
         switch (t.op) {
             case MK_OP_EMBED: run_embed(a, t, sm.norm.row, sm.norm.scratch); break;
@@ -86,14 +89,14 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
             case MK_OP_ATTN_COMBINE: run_attn_combine(a, t); break;
             case MK_OP_TOPK: run_topk(a, t, sm.topk.chosen, sm.topk.slot_of); break;
             case MK_OP_RESIDUAL_NORM:
-                run_residual_norm(a, t, sm.norm.row, sm.norm.scratch, sm.norm.slots, sm.norm.scores);
+                run_residual_norm(a, t, counters, sm.norm.row, sm.norm.scratch, sm.norm.slots, sm.norm.scores);
                 break;
             case MK_OP_SAMPLE_PART: run_sample_part(a, t, sm.sample.score, sm.sample.id); break;
             case MK_OP_SAMPLE_FINAL: run_sample_final(a, t); break;
             default: break;
         }
         if (t.op != MK_OP_GEMV && t.op != MK_OP_EXPERT_CLAIM) act_key = 0;  // the ops share its memory
-        signal_done(t, counters);
+        signal_done(i, done);
         if (trace && threadIdx.x == 0) {  // the producer writes the entry's other fields
             trace[i].start_ns = start_ns;
             trace[i].wait_cycles = (uint32_t)(c1 - c0);

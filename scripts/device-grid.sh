@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs ON the GPU machine: the decode grid of record (~8 min). benches/decode.py over batch
+# Runs ON the GPU machine: the decode grid of record (~90 s on the H200). benches/decode.py over batch
 # {1, 2, 4, 8} x context {1K, 8K, 32K, 128K} and batch 1 at 256K, and the yardstick of record
 # (.whl/yardstick.py, a copy of shared/tools/yardstick.py) at the same points in the same call,
 # in chunks with their own time limits so that one slow or failing point costs only its chunk.

@@ -88,6 +88,8 @@ def test_the_layer_timeline_names_every_family_of_the_middle_layer_in_start_orde
     want = {task_family(w) for w in g.order if w[1] == layer}
     rows = s["timeline"]
     assert {r["name"] for r in rows} == want
+    following = {task_family(w) for w in g.order if w[1] == layer + 1}
+    assert {r["name"] for r in s["next_timeline"]} == following
     starts = [r["first_start_us"] for r in rows]
     assert starts == sorted(starts)
     for r in rows:

@@ -10,11 +10,13 @@ namespace mk {
 
 using bf16 = __nv_bfloat16;
 // The compute warps run the tasks; one more warp, the producer, streams weight tiles into the
-// shared-memory ring ahead of them (step_stream.cuh). Ops see only the kThreads compute threads.
+// shared-memory ring ahead of them (step_stream.cuh), and another, the signal warp, publishes
+// the finished tasks' counters (send_signals). Ops see only the kThreads compute threads.
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kProducerWarp = kWarps;
-constexpr int kBlockThreads = kThreads + 32;
+constexpr int kSignalWarp = kWarps + 1;
+constexpr int kBlockThreads = kThreads + 64;
 
 // A barrier of the compute warps only (named barrier 1): the producer never joins it.
 __device__ __forceinline__ void compute_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory"); }
@@ -104,21 +106,53 @@ __device__ __forceinline__ void spin_until(const uint32_t* c, uint32_t target) {
 
 // Thread 0 spins until every counter the task names reaches its target; the barrier then
 // extends the acquire to the whole block.
-__device__ __forceinline__ void wait_for(const MkTask& t, const uint32_t* counters) {
+__device__ __forceinline__ void wait_for(const MkTask& t, const uint32_t* counters, bool second = true) {
     if (threadIdx.x == 0) {
         if (t.wait0 >= 0) spin_until(counters + t.wait0, (uint32_t)t.target0);
-        if (t.wait1 >= 0) spin_until(counters + t.wait1, (uint32_t)t.target1);
+        if (second && t.wait1 >= 0) spin_until(counters + t.wait1, (uint32_t)t.target1);
     }
     compute_sync();
 }
 
-// After the barrier every thread's writes of the task are done; thread 0 publishes them with a
-// release add (cumulative: it orders the block's writes the barrier ordered before it), which
-// pairs with the waiters' ld.acquire.
-__device__ __forceinline__ void signal_done(const MkTask& t, uint32_t* counters) {
+// A shared-memory word handed between warps of the block (release / acquire at block scope), by
+// atomics: racecheck reports plain accesses ordered by anything but a barrier (docs/PERF.md).
+__device__ __forceinline__ void st_release_cta(uint32_t* p, uint32_t v) {
+    asm volatile("atom.release.cta.shared.exch.b32 _, [%0], %1;" ::"r"((uint32_t)__cvta_generic_to_shared(p)), "r"(v)
+                 : "memory");
+}
+__device__ __forceinline__ uint32_t ld_acquire_cta(uint32_t* p) {
+    uint32_t v;
+    asm volatile("atom.acquire.cta.shared.or.b32 %0, [%1], 0;" : "=r"(v) : "r"((uint32_t)__cvta_generic_to_shared(p)) : "memory");
+    return v;
+}
+
+// Task i of the block's list is done: after the barrier every thread's writes of the task are
+// done, and thread 0 says so to the signal warp (`done` = tasks finished), which publishes the
+// task's counter. The compute warps go on to the next task without waiting for the gpu-scope
+// release (0.5-1 µs a task, docs/PERF.md).
+__device__ __forceinline__ void signal_done(int i, uint32_t* done) {
     compute_sync();
-    if (threadIdx.x == 0 && t.signal >= 0)
-        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counters + t.signal) : "memory");
+    if (threadIdx.x == 0) st_release_cta(done, (uint32_t)i + 1);
+}
+
+// The signal warp's loop (lane 0): as each task of the list is done, in list order, a release add
+// of 1 to its counter. The release is cumulative: it orders every write the block made before
+// the task's `done` store (the compute warps' barrier, then the store and this lane's acquire),
+// and pairs with the waiters' ld.acquire.
+__device__ void send_signals(const MkStepArgs& a, const MkTask* list, uint32_t* counters, uint32_t* done) {
+    if (threadIdx.x % 32 != 0) return;
+    int op = list[0].op, signal = list[0].signal;  // per_sm > 0 (checked by the host)
+    for (int i = 0; i < a.per_sm && op != MK_OP_NOP; ++i) {
+        const int this_signal = signal;
+        if (i + 1 < a.per_sm) op = list[i + 1].op, signal = list[i + 1].signal;  // in flight while task i runs
+        if (ld_acquire_cta(done) <= (uint32_t)i) {
+            const uint64_t start = global_ns();
+            while (ld_acquire_cta(done) <= (uint32_t)i)
+                if (global_ns() - start > kWaitLimitNs) __trap();
+        }
+        if (this_signal >= 0)
+            asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counters + this_signal) : "memory");
+    }
 }
 
 }  // namespace mk

@@ -250,7 +250,7 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t
             mbar_wait(r.empty_of(n), r.parity(n) ^ 1u);
             if (trace) ring_wait += (uint32_t)(clock64() - w0);
         }
-        r.tag[n % r.count] = copy.tag;  // published by the arrival below
+        r.set_tag(n, copy.tag);  // published by the arrival below
         uint64_t* full = r.full_of(n);
         if (kind == StageWalk::kMarker) {
             mbar_arrive(full);  // no bytes: the phase completes at once

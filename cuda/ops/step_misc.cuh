@@ -98,16 +98,20 @@ __device__ void run_embed(const MkStepArgs& a, const MkTask& t, float* v, float*
     store_normed(a, b, v, norm_weight(a, 0), scratch);
 }
 
-// x[b] += y_attn[b] + ffn[b]; then the next layer's (or the final) norm. The loads that do not
-// depend on the routing (x, y_attn; the dense FFN's output) go out together with warp 0's loads
-// of the row's choices, which it orders by slot in registers.
-__device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, float* v, float* scratch, int* slots,
-                                  float* scores) {
+// x[b] += y_attn[b] + ffn[b]; then the next layer's (or the final) norm. The main loop has waited
+// only for the O projection (wait0): what does not depend on the FFN (x + y_attn, and warp 0's
+// loads of the row's choices, which it orders by slot in registers, once the top-k has run) is
+// done before the task waits for the FFN (wait1), so that one L2 round trip, the expert outputs'
+// loads, follows the last down tile (-1% at batch 1, docs/PERF.md).
+__device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, const uint32_t* counters, float* v,
+                                  float* scratch, int* slots, float* scores) {
     const int b = t.arg[0], layer = t.layer;
     const bool moe = ptr<uint64_t>(a.layer_weights)[(size_t)layer * MK_LW_COUNT + MK_LW_ROUTER] != 0;
     if (moe && threadIdx.x < 32) {
         // Sorted by slot (= ascending expert; slots are distinct): the reference's summation
         // order. Each choice's rank is the number of smaller slots.
+        if (threadIdx.x == 0) spin_until(counters + layer * MK_COUNTERS_PER_LAYER + MK_CTR_TOPK, 1);
+        __syncwarp();
         const int lane = threadIdx.x;
         const bool mine = lane < a.top_k;
         const int slot = mine ? ld_i32(ptr<int32_t>(a.topk_slot) + b * a.top_k + lane) : 0x7fffffff;
@@ -118,20 +122,22 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, float* v
     }
     for (int i0 = kVec * threadIdx.x; i0 < a.hidden; i0 += kVec * kThreads) {
         const size_t at = (size_t)b * a.hidden + i0;
-        float x[kVec], y[kVec], ffn[kVec] = {};
+        float x[kVec], y[kVec];
         load8_f32(ptr<float>(a.x) + at, x);
         load8_f32(ptr<float>(a.y_attn) + at, y);
-        if (!moe) load8_f32(ptr<float>(a.ffn_out) + at, ffn);
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) v[i0 + j] = moe ? x[j] + y[j] : x[j] + y[j] + ffn[j];
+        for (int j = 0; j < kVec; ++j) v[i0 + j] = x[j] + y[j];
     }
-    if (moe) {
-        compute_sync();  // the sorted choices
-        for (int i0 = kVec * threadIdx.x; i0 < a.hidden; i0 += kVec * kThreads) {
-            float ffn[kVec] = {};
+    if (threadIdx.x == 0 && t.wait1 >= 0) spin_until(counters + t.wait1, (uint32_t)t.target1);
+    compute_sync();  // the FFN's outputs are visible (and the sorted choices)
+    for (int i0 = kVec * threadIdx.x; i0 < a.hidden; i0 += kVec * kThreads) {
+        float ffn[kVec] = {};
+        if (!moe) {
+            load8_f32(ptr<float>(a.ffn_out) + (size_t)b * a.hidden + i0, ffn);
+        } else {
             // top_k <= kMaxTopK. The loads do not all go out at once: each waits for its `break`
-            // test (2.2 µs of the task's 5.9 at batch 1, docs/PERF.md); predicated loads of all
-            // eight need registers the kernel does not have (168 a thread).
+            // test; predicated loads of all eight need registers the kernel does not have (168 a
+            // thread), and copying them into shared memory with cp.async was slower (docs/PERF.md).
 #pragma unroll
             for (int k = 0; k < kMaxTopK; ++k) {
                 if (k >= a.top_k) break;
@@ -140,9 +146,9 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, float* v
 #pragma unroll
                 for (int j = 0; j < kVec; ++j) ffn[j] += part[j] * scores[k];
             }
-#pragma unroll
-            for (int j = 0; j < kVec; ++j) v[i0 + j] += ffn[j];
         }
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) v[i0 + j] += ffn[j];
     }
     compute_sync();
     store_normed(a, b, v, norm_weight(a, layer + 1), scratch, layer);

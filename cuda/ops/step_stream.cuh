@@ -123,7 +123,11 @@ struct Ring {
     __device__ unsigned char* stage(uint32_t n) const { return stages + (size_t)(n % count) * kStageBytes; }
     __device__ uint64_t* full_of(uint32_t n) const { return full + n % count; }
     __device__ uint64_t* empty_of(uint32_t n) const { return empty + n % count; }
-    __device__ int tag_of(uint32_t n) const { return *(volatile const int*)(tag + n % count); }
+    // Atomic accesses: ordered by the stage's mbarriers alone, which racecheck does not see (its
+    // probe, scripts/racecheck_probe.cu, reports a plain value handed over that way), and it
+    // does not report atomics.
+    __device__ int tag_of(uint32_t n) const { return atomicAdd(tag + n % count, 0); }
+    __device__ void set_tag(uint32_t n, int value) const { atomicExch(tag + n % count, value); }
     // Parity of the n-th use's phase of its slot.
     __device__ uint32_t parity(uint32_t n) const { return (n / count) & 1u; }
 };

@@ -104,7 +104,7 @@ unsafe impl cudarc::driver::DeviceRepr for MkStepArgs {}
 
 /// `MK_STEP_SMEM_BYTES` and `MK_STEP_THREADS`: how mk_decode_step is launched.
 pub const STEP_SMEM_BYTES: u32 = 227 * 1024;
-pub const STEP_THREADS: u32 = 288;
+pub const STEP_THREADS: u32 = 320;
 /// `MK_STEP_MAX_K` and `MK_STEP_MAX_BATCH`: the longest GEMV reduction and the most rows per launch.
 pub const STEP_MAX_K: usize = 4096;
 pub const STEP_MAX_BATCH: usize = 8;
@@ -131,7 +131,7 @@ pub const LAYER_WEIGHTS: [&str; LAYER_WEIGHT_COUNT] = ["NORM", "Q", "K", "V", "O
 pub const TRACE_ENTRY_BYTES: usize = 32;
 
 /// Must equal `MK_ABI_VERSION` in cuda/abi.h.
-pub const ABI_VERSION: u64 = 7;
+pub const ABI_VERSION: u64 = 8;
 
 /// The values `mk_abi_layout` in cuda/abi_probe.cu holds, in its order, computed on the Rust side.
 pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {

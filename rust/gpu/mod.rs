@@ -28,15 +28,27 @@ pub fn cubin(name: &str) -> Option<&'static [u8]> {
 
 /// Names a cubin file to load instead of the embedded megakernel: a kernel change is measured on
 /// the GPU machine by compiling `cuda/megakernel.cu` there, without rebuilding the wheel
-/// (scripts/device-kernel.sh). It must be built from the same `cuda/abi.h`.
+/// (scripts/device-kernel.sh). It must be built from the same `cuda/abi.h`. Several files
+/// separated by `:` load as variants of one process (`decode_step`'s `kernel` index; the first
+/// is the default), so that kernels are compared on the same buffers (benches/decode.py --kernels).
 pub const MEGAKERNEL_CUBIN_ENV: &str = "MK_MEGAKERNEL_CUBIN";
 
-/// The megakernel image to load: `$MK_MEGAKERNEL_CUBIN` when set, else the embedded one.
-fn megakernel_image() -> Result<Vec<u8>, GpuError> {
-    match std::env::var_os(MEGAKERNEL_CUBIN_ENV) {
-        Some(path) => std::fs::read(&path)
-            .map_err(|e| GpuError::InvalidArgument(format!("{MEGAKERNEL_CUBIN_ENV}={}: {e}", path.to_string_lossy()))),
-        None => Ok(cubin("megakernel").expect("megakernel cubin is embedded by build.rs").to_vec()),
+/// The megakernel images to load: those `$MK_MEGAKERNEL_CUBIN` names when set, else the embedded one.
+fn megakernel_images() -> Result<Vec<Vec<u8>>, GpuError> {
+    images_named_by(std::env::var_os(MEGAKERNEL_CUBIN_ENV))
+}
+
+/// The images a value of `MEGAKERNEL_CUBIN_ENV` names (None: the embedded megakernel).
+fn images_named_by(value: Option<std::ffi::OsString>) -> Result<Vec<Vec<u8>>, GpuError> {
+    match value {
+        Some(paths) => std::env::split_paths(&paths)
+            .map(|path| {
+                std::fs::read(&path).map_err(|e| {
+                    GpuError::InvalidArgument(format!("{MEGAKERNEL_CUBIN_ENV}: {}: {e}", path.to_string_lossy()))
+                })
+            })
+            .collect(),
+        None => Ok(vec![cubin("megakernel").expect("megakernel cubin is embedded by build.rs").to_vec()]),
     }
 }
 
@@ -78,8 +90,9 @@ pub fn available() -> bool {
 /// One device's primary context (the one PyTorch uses too) and the loaded megakernel.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
-    _megakernel: Arc<CudaModule>,
-    decode_step: CudaFunction,
+    _megakernel: Vec<Arc<CudaModule>>,
+    /// mk_decode_step of each loaded image (`megakernel_images`), the default first.
+    decode_step: Vec<CudaFunction>,
     num_sms: u32,
 }
 
@@ -111,18 +124,29 @@ impl Gpu {
             let name = ctx.name().unwrap_or_default();
             return Err(GpuError::UnsupportedDevice { ordinal, name, major, minor });
         }
-        let megakernel = ctx.load_module(Ptx::from_binary(megakernel_image()?)).during("load the megakernel")?;
-        let decode_step = megakernel.load_function("mk_decode_step").during("find mk_decode_step")?;
-        decode_step
-            .set_attribute(
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                abi::STEP_SMEM_BYTES as i32,
-            )
-            .during("raise mk_decode_step's shared memory limit")?;
+        let mut megakernel = Vec::new();
+        let mut decode_step = Vec::new();
+        for image in megakernel_images()? {
+            let module = ctx.load_module(Ptx::from_binary(image)).during("load the megakernel")?;
+            let function = module.load_function("mk_decode_step").during("find mk_decode_step")?;
+            function
+                .set_attribute(
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    abi::STEP_SMEM_BYTES as i32,
+                )
+                .during("raise mk_decode_step's shared memory limit")?;
+            megakernel.push(module);
+            decode_step.push(function);
+        }
         let num_sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .during("count the multiprocessors")? as u32;
         Ok(Gpu { ctx, _megakernel: megakernel, decode_step, num_sms })
+    }
+
+    /// How many megakernel images are loaded (`MEGAKERNEL_CUBIN_ENV`): valid `kernel` indices.
+    pub fn kernel_count(&self) -> usize {
+        self.decode_step.len()
     }
 
     /// Multiprocessors of the device: the decode step runs one block on each.
@@ -139,14 +163,27 @@ impl Gpu {
         self.ctx.wrap_borrowed_stream(stream)
     }
 
-    /// One decode step of the megakernel over `grid` blocks (one per task list).
+    /// One decode step of the megakernel (image `kernel`, 0 = the default) over `grid` blocks
+    /// (one per task list).
     ///
     /// # Safety
     /// Every pointer in `args` must be device memory of this device laid out as cuda/abi.h and
     /// python/mk/megakernel/buffers.py describe, and the task lists must pass `graph::check`
     /// (a list waiting on work that never comes hangs the GPU). `grid` must not exceed the number
     /// of multiprocessors, so every block is resident at once.
-    pub unsafe fn decode_step(&self, args: &MkStepArgs, grid: u32, stream: sys::CUstream) -> Result<(), GpuError> {
+    pub unsafe fn decode_step(
+        &self,
+        args: &MkStepArgs,
+        grid: u32,
+        stream: sys::CUstream,
+        kernel: usize,
+    ) -> Result<(), GpuError> {
+        let Some(function) = self.decode_step.get(kernel) else {
+            return Err(GpuError::InvalidArgument(format!(
+                "kernel {kernel} is not loaded ({} megakernel images, see {MEGAKERNEL_CUBIN_ENV})",
+                self.decode_step.len()
+            )));
+        };
         if grid == 0
             || grid > self.num_sms
             || args.per_sm <= 0
@@ -185,7 +222,7 @@ impl Gpu {
             block_dim: (abi::STEP_THREADS, 1, 1),
             shared_mem_bytes: abi::STEP_SMEM_BYTES,
         };
-        let mut launch = stream.launch_builder(&self.decode_step);
+        let mut launch = stream.launch_builder(function);
         launch.arg(args);
         launch.launch(cfg).during("launch mk_decode_step")?;
         Ok(())
@@ -212,6 +249,23 @@ mod tests {
         for (name, bytes) in CUBINS {
             assert_eq!(&bytes[..4], b"\x7fELF", "{name} is not a cubin");
         }
+    }
+
+    #[test]
+    fn the_cubin_variable_names_one_image_or_several() {
+        let dir = std::env::temp_dir().join(format!("mk-cubins-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (a, b) = (dir.join("a.cubin"), dir.join("b.cubin"));
+        std::fs::write(&a, b"first").unwrap();
+        std::fs::write(&b, b"second").unwrap();
+        let both = std::env::join_paths([&a, &b]).unwrap();
+        assert_eq!(images_named_by(Some(both)).unwrap(), vec![b"first".to_vec(), b"second".to_vec()]);
+        assert_eq!(images_named_by(Some(a.clone().into_os_string())).unwrap(), vec![b"first".to_vec()]);
+        assert_eq!(images_named_by(None).unwrap(), vec![cubin("megakernel").unwrap().to_vec()]);
+        let missing = std::env::join_paths([a.clone(), dir.join("missing.cubin")]).unwrap();
+        let err = images_named_by(Some(missing)).unwrap_err().to_string();
+        assert!(err.contains(MEGAKERNEL_CUBIN_ENV) && err.contains("missing.cubin"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -234,7 +234,7 @@ impl GpuLauncher {
         // SAFETY: the addresses are Python's live buffers (see `new`) and this launcher's, sized
         // for at least `b` rows, `pages` pages, these splits and slots (checked above); the task
         // lists come from `build_step`, whose graphs the static checker's tests cover.
-        unsafe { self.gpu.decode_step(&args, num_sms as u32, self.stream.cu_stream())? };
+        unsafe { self.gpu.decode_step(&args, num_sms as u32, self.stream.cu_stream(), 0)? };
         self.parity ^= 1;
         self.launches[step.launch].uploaded = Some(version);
         self.download(step, sampled, logits)

@@ -498,6 +498,23 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_norm_waits_for_the_o_projection_first_and_the_ffn_second() {
+        // The kernel reads x, y_attn and the routing after the first wait (and the layer's top-k)
+        // alone, before it waits for the FFN (cuda/ops/step_misc.cuh run_residual_norm): the
+        // checker sees both waits as one, so the order of the two is pinned here.
+        let geom = gpu_test();
+        for batch in [1, 4] {
+            let g = build_step(&geom, &vec![300; batch], &BuildOptions::default()).unwrap();
+            let norms: Vec<_> = g.order.iter().filter(|t| t.op() == Op::ResidualNorm).collect();
+            assert_eq!(norms.len(), batch * geom.layers());
+            for t in norms {
+                let l = t.layer as usize;
+                assert_eq!((t.wait0, t.wait1), (counter(l, Counter::O), counter(l, Counter::FfnDown)));
+            }
+        }
+    }
+
+    #[test]
     fn attention_first_moves_moe_attention_ahead_of_the_expert_tiles_and_stays_sound() {
         let geom = gpu_test();
         for attention_first in [false, true] {

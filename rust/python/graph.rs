@@ -106,9 +106,11 @@ pub fn step_args_layout() -> (Vec<(&'static str, usize, &'static str)>, usize) {
 }
 
 /// Launch one decode step on device `device`, stream `stream`: `args` are the packed bytes of
-/// `MkStepArgs`, `grid` the number of task lists (one block each).
+/// `MkStepArgs`, `grid` the number of task lists (one block each), `kernel` which of the loaded
+/// megakernel images runs (`megakernel_count`).
 #[pyfunction]
-pub fn decode_step(py: Python<'_>, device: usize, stream: u64, args: &[u8], grid: u32) -> PyResult<()> {
+#[pyo3(signature = (device, stream, args, grid, kernel = 0))]
+pub fn decode_step(py: Python<'_>, device: usize, stream: u64, args: &[u8], grid: u32, kernel: usize) -> PyResult<()> {
     let size = std::mem::size_of::<crate::gpu::MkStepArgs>();
     if args.len() != size {
         return Err(PyValueError::new_err(format!("MkStepArgs is {size} bytes, got {}", args.len())));
@@ -119,9 +121,16 @@ pub fn decode_step(py: Python<'_>, device: usize, stream: u64, args: &[u8], grid
         let gpu = crate::gpu::Gpu::shared(device)?;
         // SAFETY: mk.megakernel.launch builds the graph with the static checker on and passes
         // live device buffers sized from the same config (megakernel/buffers.py).
-        unsafe { gpu.decode_step(&args, grid, stream as usize as _) }
+        unsafe { gpu.decode_step(&args, grid, stream as usize as _, kernel) }
     })
     .map_err(super::errors::to_py)
+}
+
+/// How many megakernel images device `device` has loaded: 1, or the files `$MK_MEGAKERNEL_CUBIN`
+/// lists (separated by `:`) to be compared in one process.
+#[pyfunction]
+pub fn megakernel_count(py: Python<'_>, device: usize) -> PyResult<usize> {
+    py.detach(|| crate::gpu::Gpu::shared(device).map(|gpu| gpu.kernel_count())).map_err(super::errors::to_py)
 }
 
 /// Why `config`'s shapes cannot be cut into the megakernel's tasks (`graph::validate_geometry`:

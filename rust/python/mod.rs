@@ -86,6 +86,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(graph::graph_geometry_error, m)?)?;
     m.add_function(wrap_pyfunction!(graph::step_args_layout, m)?)?;
     m.add_function(wrap_pyfunction!(graph::decode_step, m)?)?;
+    m.add_function(wrap_pyfunction!(graph::megakernel_count, m)?)?;
     engine::register(m)?;
     Ok(())
 }

@@ -227,10 +227,13 @@ class MegakernelStep:
         buf: StepBuffers,
         tasks: torch.Tensor | None = None,
         trace: torch.Tensor | None = None,
+        kernel: int = 0,
     ) -> None:
         """Enqueue one step on the current stream. `buf.tokens/positions/block_tables` must be
         filled; `tasks` (g.tasks on the device) may be passed to skip the upload. `trace` (from
-        `trace_buffer`) receives when each task waited and ran."""
+        `trace_buffer`) receives when each task waited and ran. `kernel` picks one of the loaded
+        megakernel images (`_native.megakernel_count`; 0, the default, unless a benchmark
+        compares several)."""
         if tasks is None:
             tasks = torch.from_numpy(g.tasks.copy()).to(self.device)
         if g.num_counters != self.num_counters or buf.block_tables.shape[2] != self.max_pages:
@@ -263,7 +266,7 @@ class MegakernelStep:
             sample_parts=self.sample_parts,
         )
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        _native.decode_step(self.device.index or 0, stream, pack_step_args(values), g.tasks.shape[0])
+        _native.decode_step(self.device.index or 0, stream, pack_step_args(values), g.tasks.shape[0], kernel)
         self.parity ^= 1
 
 

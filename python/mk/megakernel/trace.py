@@ -113,6 +113,11 @@ def summarize(g: StepGraph, trace: np.ndarray) -> dict:
         "families": [f.__dict__ for f in sorted(rows, key=lambda f: -f.run_sm_us)],
         "timeline_layer": middle,
         "timeline": layer_timeline(g, real, start, wait / hz * 1e9, end, middle, stream),
+        # The layer after the middle one as well: in the real model the middle layer (24) has
+        # full attention and the next a sliding window, whose splits fill only part of the SMs.
+        "next_timeline": layer_timeline(g, real, start, wait / hz * 1e9, end, middle + 1, stream)
+        if (real & (layers == middle + 1)).any()
+        else [],
     }
 
 
@@ -179,12 +184,16 @@ def print_summary(title: str, summary: dict, top: int = 12) -> None:
             f"{f['name']:>22} {f['count']:>7} {f['wait_us']:>9.2f} {f['run_us']:>8.2f} {f['run_sm_us']:>9.0f} "
             f"{f['ring_wait_us']:>6.1f} {f['topk_wait_us']:>6.1f} {f['lead_us']:>6.1f}"
         )
-    print(f"layer {summary['timeline_layer']}, µs from the end of the previous layer's norm:")
-    heads = ("stream", "arrive", "start", "med st", "med end", "end")
-    print(f"{'family':>22} {'tasks':>6} " + " ".join(f"{h:>7}" for h in heads))
-    for r in summary["timeline"]:
-        stream = "" if r["stream_us"] is None else f"{r['stream_us']:.1f}"
-        print(
-            f"{r['name']:>22} {r['count']:>6} {stream:>7} {r['arrive_us']:>7.1f} {r['first_start_us']:>7.1f} "
-            f"{r['median_start_us']:>7.1f} {r['median_end_us']:>7.1f} {r['last_end_us']:>7.1f}"
-        )
+    layer = summary["timeline_layer"]
+    for offset, rows in enumerate((summary["timeline"], summary.get("next_timeline", []))):
+        if not rows:
+            continue
+        print(f"layer {layer + offset}, µs from the end of the previous layer's norm:")
+        heads = ("stream", "arrive", "start", "med st", "med end", "end")
+        print(f"{'family':>22} {'tasks':>6} " + " ".join(f"{h:>7}" for h in heads))
+        for r in rows:
+            stream = "" if r["stream_us"] is None else f"{r['stream_us']:.1f}"
+            print(
+                f"{r['name']:>22} {r['count']:>6} {stream:>7} {r['arrive_us']:>7.1f} {r['first_start_us']:>7.1f} "
+                f"{r['median_start_us']:>7.1f} {r['median_end_us']:>7.1f} {r['last_end_us']:>7.1f}"
+            )

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Runs ON the GPU machine (see shared/design/GPU.md): trains the embedded model with
-# scripts/train_embedded.py and writes under $OUT (7 files, each under the 16 MiB return limit):
-#   $OUT/embedded/{config.json,model.safetensors,tokenizer.json,tokenizer_config.json}  -> python/mk/embedded/
-#   $OUT/docs/{embedded-model.json,embedded-model-loss.png}                             -> docs/
-#   $OUT/train.log
+# scripts/train_embedded.py. The device returns at most 8 files of at most 16 MiB (64 MiB in all), so
+# the weights come back as they are (one model.safetensors, or shards of at most 15 MiB with their
+# index) and everything else in one tar:
+#   $OUT/embedded/*.safetensors                                   -> python/mk/embedded/
+#   $OUT/bundle.tar: embedded/{config.json,tokenizer.json,tokenizer_config.json[,model.safetensors.index.json]},
+#                    docs/{embedded-model.json,embedded-model-loss.png}, train.log
+#     unpack: tar -xf bundle.tar -C /tmp/train && cp /tmp/train/embedded/* python/mk/embedded/ && cp /tmp/train/docs/* docs/
 # The table of results is printed last.
 #   device run:  bash scripts/device-train.sh [extra train_embedded.py flags]     (carry: none needed)
 # One `run` command lasts at most 600 s, so training gets 7 minutes (BUDGET, in minutes) and the rest
@@ -34,5 +37,8 @@ export PYTHONPATH=$PWD/python:/tmp/site
 timeout 560 python3 scripts/train_embedded.py --device cuda --time-budget "$BUDGET" \
     --out-dir "$OUT/embedded" --docs-dir "$OUT/docs" "$@" 2>&1 | tee -a "$OUT/train.log"
 status=${PIPESTATUS[0]}
-[ "$status" -eq 0 ] || echo "train_embedded.py exit status $status (124: killed by the 560 s timeout)"
+[ "$status" -eq 0 ] || echo "train_embedded.py exit status $status (124: killed by the 560 s timeout)" | tee -a "$OUT/train.log"
+# Everything but the weights into one file (even after a failed run: the log says why).
+(cd "$OUT" && tar -cf bundle.tar --ignore-failed-read embedded/*.json docs train.log 2>/dev/null \
+    && rm -rf embedded/*.json docs train.log)
 exit "$status"

@@ -16,13 +16,16 @@ Self-contained (torch, tokenizers and the mk package; no network), seeded and re
    offered in the system turn, a `<|START_ACTION|>` block, tool results, a final answer), repeated.
 3. Tokenizer: byte-level BPE (`mk.tokenizer_files.train_tokenizer`, the Cohere special tokens at mk's fixed
    ids) trained on the training documents only.
-4. Model: `ModelConfig.embedded()` (or `--preset tiny`), trained with `mk.model.train.forward` (the reference
-   model's math, batched; a test checks it equals `Model.logits`), AdamW, warmup then cosine decay, bf16
-   autocast on CUDA, a small load-balancing loss on the routers. Without `--steps`, the step count is fixed
+4. Model: `ModelConfig.embedded()` (or `--preset tiny`; `--geometry field=value,...` changes its fields,
+   e.g. `hidden_size=384,vocab_size=16384`; `--dry-run` prints the size and the megakernel's verdict),
+   trained with `mk.model.train.forward` (the reference model's math, batched; a test checks it equals
+   `Model.logits`), AdamW, warmup then cosine decay, bf16 autocast on CUDA, a small load-balancing loss on
+   the routers. Without `--steps`, the step count is fixed
    after a short timing calibration so that training fits `--time-budget` (capped by `--max-epochs`); the
    JSON's "replay" flags (`--steps N --max-steps M --warmup W --seed S`) rerun the same schedule and batches.
 5. Outputs: the checkpoint of the lowest validation loss, in bf16 (`--out-dir`, by default
-   python/mk/embedded/), written with `write_checkpoint`; `<docs-dir>/embedded-model.json` (settings,
+   python/mk/embedded/), written with `write_checkpoint` (in shards of at most SHIPPED_SHARD_BYTES when
+   larger: the device machine returns files of at most 16 MiB); `<docs-dir>/embedded-model.json` (settings,
    metrics, curves, samples) and `<docs-dir>/embedded-model-loss.png` (when matplotlib is there). Metrics,
    all on the shipped bf16 weights: held-out next-token loss (and bits per byte), the share of the held-out
    functions whose greedy completion (signature + docstring as the prompt) makes the function parse with
@@ -49,14 +52,14 @@ import sysconfig
 import textwrap
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from mk import tokenizer_files
-from mk.config import ModelConfig
+from mk.config import ModelConfig, default_layer_types
 from mk.model import load, write_checkpoint
 from mk.model.names import expected_shapes
 from mk.model.train import forward, init_weights
@@ -869,11 +872,66 @@ def print_table(rows: list[tuple[str, str]]) -> None:
         print(f"{k:<{width}}  {v}")
 
 
+# Shards of the shipped checkpoint: the device machine returns files of at most 16 MiB.
+SHIPPED_SHARD_BYTES = 15 * 2**20
+
+
+def preset_config(preset: str, geometry: str | None) -> ModelConfig:
+    """The preset's config with the `--geometry` changes (`field=value,...`; a new layer count gets the
+    default layer pattern)."""
+    cfg = ModelConfig.embedded() if preset == "embedded" else ModelConfig.tiny()
+    if not geometry:
+        return cfg
+    names = [f.name for f in fields(ModelConfig) if f.name != "layer_types"]
+    changes: dict = {}
+    for item in geometry.split(","):
+        key, sep, value = (s.strip() for s in item.partition("="))
+        if not sep or key not in names:
+            raise SystemExit(f"--geometry: {item!r} is not field=value with a field among {', '.join(names)}")
+        try:
+            changes[key] = type(getattr(cfg, key))(value)
+        except ValueError:
+            raise SystemExit(f"--geometry: {key}={value!r} is not a {type(getattr(cfg, key)).__name__}") from None
+    if "num_hidden_layers" in changes:
+        changes["layer_types"] = default_layer_types(changes["num_hidden_layers"])
+    try:
+        return replace(cfg, **changes)
+    except ValueError as e:
+        raise SystemExit(f"--geometry: {e}") from None
+
+
+def megakernel_verdict(cfg: ModelConfig) -> str:
+    """Whether the megakernel can serve `cfg` (mk.megakernel.support), where mk's compiled module is
+    importable (not on the device machine, which trains from python/)."""
+    try:
+        from mk.megakernel.support import geometry_unsupported
+    except ImportError:
+        return "not checked (mk's compiled module is not importable here)"
+    why = geometry_unsupported(cfg)
+    return "the megakernel can serve it" if why is None else why
+
+
+def write_shipped(out_dir: Path, cfg: ModelConfig, weights: dict, tok, shard_bytes: int = SHIPPED_SHARD_BYTES) -> int:
+    """Writes the shipped checkpoint, one file if it fits `shard_bytes`, else shards; returns its weight bytes."""
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    one_file = total <= shard_bytes
+    write_checkpoint(out_dir, cfg, weights, tokenizer=tok, single_file=one_file, max_shard_bytes=shard_bytes)
+    return sum(p.stat().st_size for p in out_dir.glob("*.safetensors"))
+
+
 def parse_args(argv: Sequence[str] | None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preset", choices=["embedded", "tiny"], default="embedded")
+    p.add_argument(
+        "--geometry",
+        default=None,
+        help="changes to the preset's config, field=value,... (e.g. hidden_size=384,vocab_size=16384)",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the geometry, its size and the megakernel's verdict, then exit"
+    )
     p.add_argument("--time-budget", type=float, default=12.0, help="minutes of training (default 12)")
     p.add_argument("--steps", type=int, default=None, help="schedule length in steps, no timing calibration")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
@@ -922,10 +980,15 @@ def parse_args(argv: Sequence[str] | None):
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device)
-    cfg = ModelConfig.embedded() if args.preset == "embedded" else ModelConfig.tiny()
+    cfg = preset_config(args.preset, args.geometry)
     vocab = args.vocab_size or cfg.vocab_size
     if vocab > cfg.vocab_size:
-        raise SystemExit(f"--vocab-size {vocab} exceeds the preset's vocab_size {cfg.vocab_size}")
+        raise SystemExit(f"--vocab-size {vocab} exceeds the model's vocab_size {cfg.vocab_size} (see --geometry)")
+    if args.dry_run:
+        n_params = sum(math.prod(s) for s in expected_shapes(cfg).values())
+        print(f"{args.preset} {cfg.to_dict()}")
+        print(f"{n_params / 1e6:.2f}M parameters, {2 * n_params / 1e6:.2f} MB in bf16; {megakernel_verdict(cfg)}")
+        return {"config": cfg.to_dict(), "parameters": n_params, "megakernel": megakernel_verdict(cfg)}
     started = time.perf_counter()
 
     def log(msg: str) -> None:
@@ -972,8 +1035,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     shipped = {n: t.to(torch.bfloat16) for n, t in result["weights"].items()}
     eval_w = shipped if device.type == "cuda" else {n: t.float() for n, t in shipped.items()}
     out_dir = Path(args.out_dir)
-    write_checkpoint(out_dir, cfg, shipped, tokenizer=tok, single_file=True)
-    size = (out_dir / "model.safetensors").stat().st_size
+    size = write_shipped(out_dir, cfg, shipped, tok)
     log(f"checkpoint written: {out_dir} ({size / 1e6:.2f} MB)")
 
     lw = args.loss_batches
@@ -1020,7 +1082,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "heldout_tokens": len(held_stream),
             "vocab": tok.get_vocab_size(),
         },
-        "model": {"parameters": n_params, "safetensors_bytes": size},
+        "model": {"parameters": n_params, "safetensors_bytes": size, "megakernel": megakernel_verdict(cfg)},
         "training": {k: v for k, v in result.items() if k not in ("weights", "history")},
         # The same run again (same schedule, same batches; on CUDA up to atomic-add order).
         "replay": f"--steps {result['planned_steps']} --max-steps {result['steps']} --warmup {result['warmup']} "

@@ -373,6 +373,53 @@ def test_embedded_preset_fits_the_megakernel_and_the_size_bounds():
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
 
 
+def test_geometry_changes_the_preset_and_refuses_unknown_or_invalid_fields():
+    cfg = te.preset_config("embedded", "hidden_size=384, vocab_size=16384,num_hidden_layers=9")
+    base = ModelConfig.embedded()
+    assert (cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers) == (384, 16384, 9)
+    assert cfg.layer_types == tuple("full_attention" if i % 4 == 0 else "sliding_attention" for i in range(9))
+    assert cfg.num_experts == base.num_experts and cfg.rope_theta == base.rope_theta
+    assert te.preset_config("tiny", None) == ModelConfig.tiny()
+    for bad, why in [
+        ("hidden=384", "not field=value"),
+        ("hidden_size", "not field=value"),
+        ("layer_types=x", "not field=value"),
+        ("hidden_size=3.5", "is not a int"),
+        ("num_experts_per_tok=99", "--geometry"),
+    ]:
+        with pytest.raises(SystemExit, match=why):
+            te.preset_config("embedded", bad)
+
+
+def test_a_dry_run_reports_the_size_and_the_megakernel_verdict(capsys):
+    report = te.main(["--dry-run", "--device", "cpu", "--geometry", "vocab_size=16384"])
+    cfg = te.preset_config("embedded", "vocab_size=16384")
+    assert report["config"] == cfg.to_dict()
+    assert report["parameters"] == sum(math.prod(s) for s in expected_shapes(cfg).values())
+    assert report["megakernel"] == "the megakernel can serve it"
+    assert "MB in bf16" in capsys.readouterr().out
+    wide = te.main(["--dry-run", "--device", "cpu", "--geometry", "head_dim=64"])
+    assert "head_dim is 64" in wide["megakernel"]
+    with pytest.raises(SystemExit, match="exceeds the model's vocab_size"):
+        te.main(["--dry-run", "--device", "cpu", "--vocab-size", "8192"])
+
+
+def test_a_checkpoint_larger_than_a_shard_is_written_in_shards_the_loader_reads(tmp_path):
+    cfg = ModelConfig.tiny()
+    w = synthetic_weights(cfg, seed=3, dtype=torch.bfloat16)
+    tok = tokenizer_files.train_tokenizer(["def f(x):\n    return x + 1\n"] * 20, 300)
+    total = sum(t.numel() * t.element_size() for t in w.values())
+    size = te.write_shipped(tmp_path / "sharded", cfg, w, tok, shard_bytes=total // 3)
+    shards = sorted(p.name for p in (tmp_path / "sharded").glob("*.safetensors"))
+    assert len(shards) >= 3 and all(n.startswith("model-") for n in shards)
+    assert all((tmp_path / "sharded" / n).stat().st_size <= total // 3 + 100_000 for n in shards)
+    assert size == sum((tmp_path / "sharded" / n).stat().st_size for n in shards)
+    loaded = load(tmp_path / "sharded", progress=False, dtype=torch.bfloat16)
+    assert all(torch.equal(loaded.weights[n], t) for n, t in w.items())
+    assert te.write_shipped(tmp_path / "one", cfg, w, tok) > total  # fits: one file (plus its header)
+    assert [p.name for p in (tmp_path / "one").glob("*.safetensors")] == ["model.safetensors"]
+
+
 def test_the_megakernel_runs_the_embedded_preset():
     """The Rust graph builder accepts the geometry and its task list, interpreted on the CPU (the
     megakernel's VM), equals the reference decode step for rows inside and past the sliding window."""

@@ -104,7 +104,12 @@ pub struct GpuLauncher {
     parity: i32,
     host_positions: Vec<usize>,
     host_i32: Vec<i32>,
+    /// This step's compacted page tables, and what the device copy holds (`tables_held`: known
+    /// to be that; a failed upload or launch leaves it unknown). Positions advance one a step and
+    /// a page lasts 64 of them, so most steps' tables equal the last ones and are not uploaded.
     host_tables: Vec<i32>,
+    device_tables: Vec<i32>,
+    tables_held: bool,
 }
 
 fn invalid(msg: String) -> GpuError {
@@ -149,6 +154,8 @@ impl GpuLauncher {
             host_positions: Vec::new(),
             host_i32: Vec::new(),
             host_tables: Vec::new(),
+            device_tables: Vec::new(),
+            tables_held: false,
         })
     }
 
@@ -216,7 +223,11 @@ impl GpuLauncher {
         upload_tasks(&self.stream, &mut launch.device, &graph, bands)?;
         let tasks = ptr(launch.device.as_ref().expect("uploaded"), &self.stream);
         let version = graph.version;
-        self.upload(step)?;
+        let same_tables = std::mem::take(&mut self.tables_held) && self.device_tables == self.host_tables;
+        self.upload(step, !same_tables)?;
+        if !same_tables {
+            std::mem::swap(&mut self.host_tables, &mut self.device_tables);
+        }
         let mut args = self.setup.args;
         args.tasks = tasks;
         args.counters = ptr(&self.counters, &self.stream);
@@ -235,12 +246,15 @@ impl GpuLauncher {
         // for at least `b` rows, `pages` pages, these splits and slots (checked above); the task
         // lists come from `build_step`, whose graphs the static checker's tests cover.
         unsafe { self.gpu.decode_step(&args, num_sms as u32, self.stream.cu_stream(), 0)? };
+        self.tables_held = true;
         self.parity ^= 1;
         self.launches[step.launch].uploaded = Some(version);
         self.download(step, sampled, logits)
     }
 
-    fn upload(&mut self, step: &StepRows<'_>) -> Result<(), GpuError> {
+    /// Uploads the step's tokens and positions, and its page tables unless `tables` is false (the
+    /// device copy already holds them).
+    fn upload(&mut self, step: &StepRows<'_>, tables: bool) -> Result<(), GpuError> {
         let s = &self.stream;
         let b = step.rows.len();
         self.host_i32.clear();
@@ -250,6 +264,9 @@ impl GpuLauncher {
         self.host_i32.extend(step.positions.iter().map(|&p| p as i32));
         s.memcpy_htod(&self.host_i32[..], &mut self.positions.slice_mut(..b))
             .map_err(driver("upload the positions"))?;
+        if !tables {
+            return Ok(());
+        }
         let n = self.host_tables.len();
         s.memcpy_htod(&self.host_tables[..], &mut self.tables.slice_mut(..n)).map_err(driver("upload the page tables"))
     }

@@ -7,7 +7,9 @@
 #         -DMK_STAGE_BOXES=2) and loaded by the wheel in .whl/ (the same abi.h);
 #   wheel the wheel in DIR with its embedded kernel (an earlier ABI), timed in its own process
 #         after each round.
-#   device run:  VARIANTS="base=src:.whl/base-cuda new=src:cuda" bash scripts/device-ab.sh
+#   device run:  VARIANTS="old=src:.whl/old-cuda new=src:cuda" bash scripts/device-ab.sh
+#   (src variants share the wheel's cuda/abi.h, which the launcher checks by the block size; a kernel
+#   of an earlier ABI runs as a wheel variant: VARIANTS="base=wheel:.whl/base-wheel new=src:cuda")
 # Environment: VARIANTS (required), ROUNDS (default 1), POINTS (default 1x8192,8x8192), SIZES
 # (decode.py --sizes for every process, e.g. expert_queue=1).
 # Writes $OUT/ab-<round>.json, $OUT/<wheel variant>-<round>.json and prints one line per variant
@@ -63,6 +65,7 @@ for r in $(seq 1 "$rounds"); do
         bench "$OUT/ab-$r.json" "$OUT/ab-$r.log" MK_MEGAKERNEL_CUBIN="$joined" && show "$OUT/ab-$r.json" "${names[@]}"
     fi
     for name in "${wheels[@]}"; do
-        bench "$OUT/$name-$r.json" "$OUT/$name-$r.log" PYTHONPATH="/tmp/site-$name" && show "$OUT/$name-$r.json" "$name"
+        bench "$OUT/$name-$r.json" "$OUT/$name-$r.log" PYTHONPATH="/tmp/site-$name:/tmp/site" \
+            && show "$OUT/$name-$r.json" "$name"
     done
 done

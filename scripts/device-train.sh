@@ -6,7 +6,10 @@
 #   $OUT/embedded/*.safetensors                                   -> python/mk/embedded/
 #   $OUT/bundle.tar: embedded/{config.json,tokenizer.json,tokenizer_config.json[,model.safetensors.index.json]},
 #                    docs/{embedded-model.json,embedded-model-loss.png}, train.log
-#     unpack: tar -xf bundle.tar -C /tmp/train && cp /tmp/train/embedded/* python/mk/embedded/ && cp /tmp/train/docs/* docs/
+#     unpack (the old weights first out: the loader prefers shards to a model.safetensors):
+#       rm -f python/mk/embedded/*.safetensors python/mk/embedded/model.safetensors.index.json
+#       cp <files_at>/embedded/*.safetensors python/mk/embedded/
+#       tar -xf <files_at>/bundle.tar -C /tmp/train && cp /tmp/train/embedded/* python/mk/embedded/ && cp /tmp/train/docs/* docs/
 # The table of results is printed last.
 #   device run:  bash scripts/device-train.sh [extra train_embedded.py flags]     (carry: none needed)
 # One `run` command lasts at most 600 s, so training gets 7 minutes (BUDGET, in minutes) and the rest

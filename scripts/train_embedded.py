@@ -872,8 +872,26 @@ def print_table(rows: list[tuple[str, str]]) -> None:
         print(f"{k:<{width}}  {v}")
 
 
-# Shards of the shipped checkpoint: the device machine returns files of at most 16 MiB.
+# Shards of the shipped checkpoint: the device machine returns at most 8 files of at most 16 MiB, 64 MiB
+# in all (scripts/device-train.sh sends the weights and one tar of the rest).
 SHIPPED_SHARD_BYTES = 15 * 2**20
+SHIPPED_MAX_BYTES = 60 * 2**20
+
+
+def unshippable(cfg: ModelConfig) -> str | None:
+    """Why the device machine could not return `cfg`'s bf16 weights (a tensor over a shard, too many
+    bytes), or None. The sharder never splits a tensor."""
+    shapes = expected_shapes(cfg)
+    name, shape = max(shapes.items(), key=lambda kv: math.prod(kv[1]))
+    total = 2 * sum(math.prod(s) for s in shapes.values())
+    largest = 2 * math.prod(shape)
+    if largest > SHIPPED_SHARD_BYTES:
+        return (
+            f"{name} {tuple(shape)} is {largest / 2**20:.1f} MiB in bf16, over a {SHIPPED_SHARD_BYTES >> 20} MiB shard"
+        )
+    if total > SHIPPED_MAX_BYTES:
+        return f"the weights are {total / 2**20:.1f} MiB in bf16, over the {SHIPPED_MAX_BYTES >> 20} MiB returned"
+    return None
 
 
 def preset_config(preset: str, geometry: str | None) -> ModelConfig:
@@ -984,11 +1002,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
     vocab = args.vocab_size or cfg.vocab_size
     if vocab > cfg.vocab_size:
         raise SystemExit(f"--vocab-size {vocab} exceeds the model's vocab_size {cfg.vocab_size} (see --geometry)")
+    too_big = unshippable(cfg)
     if args.dry_run:
         n_params = sum(math.prod(s) for s in expected_shapes(cfg).values())
         print(f"{args.preset} {cfg.to_dict()}")
         print(f"{n_params / 1e6:.2f}M parameters, {2 * n_params / 1e6:.2f} MB in bf16; {megakernel_verdict(cfg)}")
-        return {"config": cfg.to_dict(), "parameters": n_params, "megakernel": megakernel_verdict(cfg)}
+        print(f"the device machine can return it: {too_big or 'yes'}")
+        report = {"config": cfg.to_dict(), "parameters": n_params, "megakernel": megakernel_verdict(cfg)}
+        return report | {"unshippable": too_big}
+    if too_big:
+        raise SystemExit(f"--geometry: {too_big}")
     started = time.perf_counter()
 
     def log(msg: str) -> None:

@@ -402,6 +402,19 @@ def test_a_dry_run_reports_the_size_and_the_megakernel_verdict(capsys):
     assert "head_dim is 64" in wide["megakernel"]
     with pytest.raises(SystemExit, match="exceeds the model's vocab_size"):
         te.main(["--dry-run", "--device", "cpu", "--vocab-size", "8192"])
+    assert report["unshippable"] is None
+
+
+def test_a_geometry_the_device_could_not_return_is_refused_before_training():
+    # The embedding of 32768 x 384 is 24 MiB in bf16: one tensor over a 15 MiB shard.
+    big_table = te.unshippable(te.preset_config("embedded", "vocab_size=32768,hidden_size=384"))
+    assert big_table is not None and "model.embed_tokens.weight" in big_table and "shard" in big_table
+    geometry = "vocab_size=16384,hidden_size=384,num_hidden_layers=8,intermediate_size=128,num_experts=32"
+    many = te.unshippable(te.preset_config("embedded", geometry))  # 90 MB, no tensor over 12 MiB
+    assert many is not None and "MiB returned" in many
+    assert te.unshippable(te.preset_config("embedded", "vocab_size=16384,hidden_size=384")) is None
+    with pytest.raises(SystemExit, match="over a 15 MiB shard"):
+        te.main(["--device", "cpu", "--geometry", "vocab_size=32768,hidden_size=384"])
 
 
 def test_a_checkpoint_larger_than_a_shard_is_written_in_shards_the_loader_reads(tmp_path):

@@ -126,9 +126,20 @@ impl Gpu {
         }
         let mut megakernel = Vec::new();
         let mut decode_step = Vec::new();
-        for image in megakernel_images()? {
+        for (i, image) in megakernel_images()?.into_iter().enumerate() {
             let module = ctx.load_module(Ptx::from_binary(image)).during("load the megakernel")?;
             let function = module.load_function("mk_decode_step").during("find mk_decode_step")?;
+            // Its __launch_bounds__ are MK_STEP_THREADS: a cubin of another cuda/abi.h (a
+            // $MK_MEGAKERNEL_CUBIN file) would fail to launch, or lack a warp and hang.
+            let threads = function.max_threads_per_block().during("read mk_decode_step's block size")?;
+            if threads != abi::STEP_THREADS as i32 {
+                return Err(GpuError::InvalidArgument(format!(
+                    "megakernel image {i} is built for blocks of {threads} threads and this build launches {} \
+                     (MK_ABI_VERSION {}): it was compiled from another cuda/abi.h",
+                    abi::STEP_THREADS,
+                    abi::ABI_VERSION
+                )));
+            }
             function
                 .set_attribute(
                     sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

@@ -7,7 +7,10 @@ Rows:
   once every stream has its first token, the next 64 steps of all B together are timed (then the
   streams are cancelled): per-stream and aggregate decode tok/s, and the kernel's own step time
   for the same batch and context (`MegakernelStep` on a scratch cache, same process):
-  `host_ms_per_step` is the gap between the two.
+  `host_ms_per_step` is the gap between the two; where the host's time goes inside the launcher
+  (µs per launch: `launch_prepare_us` task lists, page tables and checks, `launch_upload_us`,
+  `launch_call_us`, `launch_wait_us` the wait for the step and its copies back, which holds the
+  kernel) and outside it (`loop_host_us` per loop iteration).
 - ttft: one prompt alone (512, 2K, 8K, 32K tokens), one new token: submission to first token,
   and the prompt tokens per second that implies.
 - admit: one stream decoding at 8K while a 32K prompt arrives: the stream's longest and median gap
@@ -102,10 +105,12 @@ def decode_row(engine: Engine, model: Model, batch: int, ctx: int, gen: torch.Ge
             raise RuntimeError("the streams did not all start decoding")
         time.sleep(0.002)
     marks = [len(r.times) for r in runs]
+    before = engine.native_stats()  # the launcher's phases are among the Rust counters, not EngineStats
     while min(len(r.times) - m for r, m in zip(runs, marks, strict=True)) < NEW_TOKENS:
         if any(r.done.is_set() for r in runs):
             raise RuntimeError("a stream ended before the timed window did")
         time.sleep(0.002)
+    after = engine.native_stats()
     for r in runs:
         r.stream.cancel()
     for r in runs:
@@ -129,7 +134,21 @@ def decode_row(engine: Engine, model: Model, batch: int, ctx: int, gen: torch.Ge
         "kernel_ms_per_step": step_ms,
         "host_ms_per_step": stream_ms - step_ms,
         "kernel_tok_s": batch / step_ms * 1e3,
+        **launch_phases(before, after),
     }
+
+
+def launch_phases(before: dict, after: dict) -> dict:
+    """µs per launch in each phase of the megakernel launcher's host work over the window (its task
+    lists and tables, the uploads, the launch call, the wait for the step), and the loop's own host
+    time per iteration outside the backend."""
+    launches = after.get("launches", 0) - before.get("launches", 0)
+    iterations = after["iterations"] - before["iterations"]
+    out = {"loop_host_us": (after["host_ns"] - before["host_ns"]) / max(1, iterations) / 1e3}
+    for phase in ("prepare", "upload", "call", "wait"):
+        key = f"launch_{phase}_ns"
+        out[f"launch_{phase}_us"] = (after.get(key, 0) - before.get(key, 0)) / max(1, launches) / 1e3
+    return out
 
 
 def ttft_row(engine: Engine, cfg: ModelConfig, n: int, gen: torch.Generator) -> dict:
@@ -195,6 +214,8 @@ def main() -> None:
     cols = ["batch", "ctx", "stream_tok_s", "aggregate_tok_s", "engine_ms_per_step", "kernel_ms_per_step"]
     title = "engine decode (megakernel backend, real geometry, synthetic weights)"
     print_table(title, decode, cols + ["host_ms_per_step"])
+    phases = ["launch_prepare_us", "launch_upload_us", "launch_call_us", "launch_wait_us", "loop_host_us"]
+    print_table("host time of a decode step (µs)", decode, ["batch", "ctx", *phases])
     other = [r for r in rows if r["row"] != "decode"]
     cols = ["row", "prompt", "ttft_ms", "prompt_tok_s", "longest_gap_ms", "median_gap_ms"]
     print_table("time to first token", other, cols)

@@ -81,6 +81,19 @@ impl<'a> DecodeInput<'a> {
     }
 }
 
+/// Where a backend's decode calls spent their host time, summed over its life (the megakernel's
+/// launcher: `crate::gpu::step::GpuLauncher`; backends that do not measure report zeros): the
+/// task lists, page tables and checks (`prepare`), the uploads, the launch call, and the wait for
+/// the step with the copies back (`wait`, which holds the kernel's own time).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LaunchTimes {
+    pub launches: u64,
+    pub prepare_ns: u64,
+    pub upload_ns: u64,
+    pub launch_ns: u64,
+    pub wait_ns: u64,
+}
+
 /// A failed backend call; the requests it concerned end with finish reason `error`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
@@ -97,6 +110,11 @@ pub trait Backend: Send {
 
     /// Runs one decode step; `out` receives one `Sampled` per row, in row order.
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError>;
+
+    /// Where the decode calls' host time went so far (zeros where the backend does not measure).
+    fn launch_times(&self) -> LaunchTimes {
+        LaunchTimes::default()
+    }
 }
 
 impl<B: Backend + ?Sized> Backend for Box<B> {
@@ -106,6 +124,10 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
 
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
         (**self).decode(input, out)
+    }
+
+    fn launch_times(&self) -> LaunchTimes {
+        (**self).launch_times()
     }
 }
 

@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use super::backend::{Backend, BackendError, DecodeInput, PrefillChunkInput, PrefillInput, PrefillResult};
+use super::backend::{Backend, BackendError, DecodeInput, LaunchTimes, PrefillChunkInput, PrefillInput, PrefillResult};
 use crate::grammar::{Constraint, MaskSet, TokenMask, NO_MASKS};
 use crate::sampling::Sampled;
 use crate::sched::{DecodeBatch, Event, PrefillChunk, Scheduler};
@@ -23,6 +23,8 @@ pub struct LoopMetrics {
     pub backend_ns: u64,
     /// The slowest iteration's host time.
     pub max_host_ns: u64,
+    /// Inside the backend's decode calls: where its host time went (`Backend::launch_times`).
+    pub launch: LaunchTimes,
 }
 
 pub struct Core<B> {
@@ -181,6 +183,7 @@ impl<B: Backend> Core<B> {
             }
             self.metrics.decode_steps += 1;
             self.metrics.decode_rows += self.batch.len() as u64;
+            self.metrics.launch = self.backend.launch_times();
         }
 
         let host = (started.elapsed().as_nanos() as u64).saturating_sub(backend_ns);

@@ -8,7 +8,7 @@
 //! seed gives the same tokens on every backend). So do rows under a grammar (their mask applies on
 //! the host). That copy is the fallback until the kernel samples with Gumbel noise and masks itself.
 
-use super::backend::{BackendError, DecodeInput};
+use super::backend::{BackendError, DecodeInput, LaunchTimes};
 use crate::gpu::step::{GpuLauncher, StepRows};
 use crate::sampling::{SampleSpec, Sampled, Sampler};
 
@@ -23,6 +23,11 @@ pub trait StepLauncher {
         sampled: &mut Vec<u32>,
         logits: &mut Vec<f32>,
     ) -> Result<(), BackendError>;
+
+    /// Where the launches' host time went so far.
+    fn times(&self) -> LaunchTimes {
+        LaunchTimes::default()
+    }
 }
 
 impl StepLauncher for GpuLauncher {
@@ -42,6 +47,10 @@ impl StepLauncher for GpuLauncher {
     ) -> Result<(), BackendError> {
         self.run(step, sampled, logits).map_err(|e| BackendError(format!("megakernel step: {e}")))
     }
+
+    fn times(&self) -> LaunchTimes {
+        GpuLauncher::times(self)
+    }
 }
 
 /// Whether a row's token needs the host sampler (and so its logits).
@@ -60,6 +69,11 @@ pub struct MegakernelDecoder<L> {
 impl<L: StepLauncher> MegakernelDecoder<L> {
     pub fn new(launcher: L) -> Self {
         Self { launcher, sampler: Sampler::new(), want: Vec::new(), sampled: Vec::new(), logits: Vec::new() }
+    }
+
+    /// Where the launches' host time went so far.
+    pub fn times(&self) -> LaunchTimes {
+        self.launcher.times()
     }
 
     /// One decode step of `input`'s rows: launches of at most `max_rows` consecutive rows each.

@@ -4,7 +4,7 @@
 //! id, a stale page or a bad prefix attach therefore changes the output or fails the call, while
 //! any correct schedule reproduces `MockModel::solo`, the request run alone.
 
-use super::backend::{Backend, BackendError, DecodeInput, PrefillChunkInput, PrefillInput, PrefillResult};
+use super::backend::{Backend, BackendError, DecodeInput, LaunchTimes, PrefillChunkInput, PrefillInput, PrefillResult};
 use crate::grammar::TokenMask;
 use crate::kv::KvConfig;
 use crate::sampling::{SampleSpec, Sampled, Sampler};
@@ -218,5 +218,10 @@ impl Backend for MockBackend {
             out.push(self.next(input.table, row, pos, &input.specs[i], input.allowed(i)).map_err(BackendError)?);
         }
         Ok(())
+    }
+
+    /// One launch per decode call (the only phase the mock can stand for: no time).
+    fn launch_times(&self) -> LaunchTimes {
+        LaunchTimes { launches: self.decode_calls as u64, ..LaunchTimes::default() }
     }
 }

@@ -24,7 +24,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 pub use self::core::{Core, LoopMetrics};
-pub use backend::{Backend, BackendError, DecodeInput, PrefillChunkInput, PrefillInput, PrefillResult};
+pub use backend::{Backend, BackendError, DecodeInput, LaunchTimes, PrefillChunkInput, PrefillInput, PrefillResult};
 pub use events::EventQueue;
 pub use noop::NoopBackend;
 pub use sampling_backend::{LogitsModel, SamplingBackend};

@@ -390,6 +390,7 @@ fn the_loop_thread_serves_concurrent_clients() {
     assert_eq!((stats.sched.running, stats.sched.waiting), (0, 0));
     assert_eq!(stats.kv.free_blocks, stats.kv.total_blocks);
     assert!(stats.metrics.decode_steps > 0 && stats.metrics.host_ns > 0);
+    assert_eq!(stats.metrics.launch.launches, stats.metrics.decode_steps, "the backend's launch times reach the stats");
     // Cancel a long request mid-stream: it ends `cancelled` and gives its blocks back. (If this
     // thread was descheduled for the request's whole life, its first batch already holds the
     // finish: then there is nothing left to cancel.)

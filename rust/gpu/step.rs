@@ -10,8 +10,11 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaSlice, CudaStream, DevicePtr, DriverError};
 
+use std::time::Instant;
+
 use super::compact::{check_mapped, compact_tables, step_pages};
 use super::{Gpu, GpuError, MkStepArgs};
+use crate::engine::LaunchTimes;
 use crate::graph::cache::{GraphCache, StepTasks};
 use crate::graph::task::MkTask;
 use crate::graph::{BuildOptions, Geometry};
@@ -110,6 +113,7 @@ pub struct GpuLauncher {
     host_tables: Vec<i32>,
     device_tables: Vec<i32>,
     tables_held: bool,
+    times: LaunchTimes,
 }
 
 fn invalid(msg: String) -> GpuError {
@@ -156,6 +160,7 @@ impl GpuLauncher {
             host_tables: Vec::new(),
             device_tables: Vec::new(),
             tables_held: false,
+            times: LaunchTimes::default(),
         })
     }
 
@@ -167,10 +172,16 @@ impl GpuLauncher {
         self.setup.geometry.vocab
     }
 
+    /// Where the launches' host time went so far (`run`'s phases).
+    pub fn times(&self) -> LaunchTimes {
+        self.times
+    }
+
     /// Runs one step over `step` (1..=max_rows rows) and waits for it. `sampled` receives the
     /// kernel's greedy token of every row; `logits` the `vocab` logits of each row with
     /// `want_logits`, in row order.
     pub fn run(&mut self, step: &StepRows<'_>, sampled: &mut Vec<u32>, logits: &mut Vec<f32>) -> Result<(), GpuError> {
+        let started = Instant::now();
         let b = step.rows.len();
         if b == 0 || b > self.setup.rows {
             return Err(invalid(format!("a launch takes 1 to {} rows, got {b}", self.setup.rows)));
@@ -217,6 +228,7 @@ impl GpuLauncher {
         compact_tables(table, step.rows, pages, &mut self.host_tables);
         check_mapped(&self.host_tables, step.positions, pages, &g.window, self.setup.num_blocks).map_err(invalid)?;
 
+        let prepared = Instant::now();
         // A failed upload or launch leaves the device copy unknown.
         let held = launch.uploaded.take();
         let bands = self.band_uploads && !graph.rebuilt && held == Some(graph.version - 1);
@@ -228,6 +240,7 @@ impl GpuLauncher {
         if !same_tables {
             std::mem::swap(&mut self.host_tables, &mut self.device_tables);
         }
+        let uploaded = Instant::now();
         let mut args = self.setup.args;
         args.tasks = tasks;
         args.counters = ptr(&self.counters, &self.stream);
@@ -249,7 +262,16 @@ impl GpuLauncher {
         self.tables_held = true;
         self.parity ^= 1;
         self.launches[step.launch].uploaded = Some(version);
-        self.download(step, sampled, logits)
+        let launched = Instant::now();
+        self.download(step, sampled, logits)?;
+        let ns = |a: Instant, b: Instant| b.duration_since(a).as_nanos() as u64;
+        let t = &mut self.times;
+        t.launches += 1;
+        t.prepare_ns += ns(started, prepared);
+        t.upload_ns += ns(prepared, uploaded);
+        t.launch_ns += ns(uploaded, launched);
+        t.wait_ns += ns(launched, Instant::now());
+        Ok(())
     }
 
     /// Uploads the step's tokens and positions, and its page tables unless `tables` is false (the

@@ -201,6 +201,11 @@ impl PyEngine {
             ("host_ns", m.host_ns),
             ("backend_ns", m.backend_ns),
             ("max_host_ns", m.max_host_ns),
+            ("launches", m.launch.launches),
+            ("launch_prepare_ns", m.launch.prepare_ns),
+            ("launch_upload_ns", m.launch.upload_ns),
+            ("launch_call_ns", m.launch.launch_ns),
+            ("launch_wait_ns", m.launch.wait_ns),
         ] {
             d.set_item(k, v)?;
         }

@@ -17,7 +17,7 @@ use super::graph::geometry_from;
 use super::reference_backend::{reference_backend, ReferenceBackend};
 use crate::engine::backend::UnseenRows;
 use crate::engine::megakernel::MegakernelDecoder;
-use crate::engine::{Backend, BackendError, DecodeInput, PrefillInput, PrefillResult};
+use crate::engine::{Backend, BackendError, DecodeInput, LaunchTimes, PrefillInput, PrefillResult};
 use crate::gpu::step::{GpuLauncher, StepSetup};
 use crate::gpu::{Gpu, MkStepArgs};
 use crate::graph::BuildOptions;
@@ -99,5 +99,9 @@ impl Backend for MegakernelBackend {
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
         self.unseen.note(input.table.rows(), input.dirty_rows);
         self.decoder.decode(input, out)
+    }
+
+    fn launch_times(&self) -> LaunchTimes {
+        self.decoder.times()
     }
 }

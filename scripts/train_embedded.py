@@ -165,7 +165,23 @@ def _normalise(text: str) -> str:
     return "\n".join(s for s in (x.strip() for x in text.split("\n")) if s)
 
 
-def build_corpus(root: str | Path, heldout: int = 100, max_files: int | None = None) -> Corpus:
+def first_files(texts: dict[str, str], max_files: int | None, max_bytes: int | None) -> dict[str, str]:
+    """The first files of `texts` (in its order), at most `max_files` of them and `max_bytes` in all."""
+    kept: dict[str, str] = {}
+    size = 0
+    for path, text in texts.items():
+        if (max_files is not None and len(kept) >= max_files) or (
+            max_bytes is not None and size + len(text) > max_bytes
+        ):
+            break
+        kept[path] = text
+        size += len(text)
+    return kept
+
+
+def build_corpus(
+    root: str | Path, heldout: int = 100, max_files: int | None = None, max_bytes: int | None = None
+) -> Corpus:
     """Split the library at `root` into training, validation and held-out files (see the module doc).
 
     Deterministic: depends only on the files' paths and contents. `max_files` keeps the first that many
@@ -217,8 +233,7 @@ def build_corpus(root: str | Path, heldout: int = 100, max_files: int | None = N
         if any(n in hay for n in needles):
             excluded.append(path)
             del texts[path]
-    if max_files is not None:
-        texts = dict(list(texts.items())[:max_files])
+    texts = first_files(texts, max_files, max_bytes)
     train_functions = [f for path, text in texts.items() for f in extract_functions(path, text)]
     return Corpus(str(root), texts, val, held, tests, train_functions, excluded)
 
@@ -244,7 +259,12 @@ def _code_corpus():
 
 
 def build_site_corpus(
-    packages: list, held_out: set[str], heldout: int, max_files: int | None = None, workers: int = 1
+    packages: list,
+    held_out: set[str],
+    heldout: int,
+    max_files: int | None = None,
+    workers: int = 1,
+    max_bytes: int | None = None,
 ) -> tuple[Corpus, dict]:
     """The corpus of installed packages (scripts/code_corpus.py: deduplicated, tests and generated files
     dropped) with whole packages held out: their functions are the completion test, their files the
@@ -268,8 +288,7 @@ def build_site_corpus(
     excluded = [p for p, t in texts.items() if any(n in _normalise(t) for n in needles)]
     for path in excluded:
         del texts[path]
-    if max_files is not None:
-        texts = dict(list(texts.items())[:max_files])
+    texts = first_files(texts, max_files, max_bytes)
     train_functions = [f for path, text in texts.items() for f in extract_functions(path, text)]
     corpus = Corpus("site-packages", texts, val, held, tests, train_functions, excluded)
     return corpus, built.manifest
@@ -453,8 +472,11 @@ def build_documents(corpus: Corpus, tool_count: int, seed: int) -> Documents:
 # ================================================================================================
 
 
-def build_tokenizer(docs: Documents, vocab_size: int):
-    return tokenizer_files.train_tokenizer([*docs.code, *docs.chat, *docs.tools], vocab_size)
+def build_tokenizer(docs: Documents, vocab_size: int, max_code_bytes: int | None = None):
+    """BPE on the chat and tool documents and the first code files up to `max_code_bytes` (the
+    merges settle long before a large corpus ends; training on all of it costs minutes)."""
+    code = list(first_files(dict(enumerate(docs.code)), None, max_code_bytes).values())
+    return tokenizer_files.train_tokenizer([*code, *docs.chat, *docs.tools], vocab_size)
 
 
 def encode_code(tok, texts: Sequence[str]) -> list[list[int]]:
@@ -470,7 +492,10 @@ def token_stream(pieces: list[list[int]], seed: int) -> torch.Tensor:
     """The documents in a seeded random order, concatenated: int64 [n]."""
     order = list(range(len(pieces)))
     random.Random(seed).shuffle(order)
-    return torch.tensor([t for i in order for t in pieces[i]], dtype=torch.long)
+    if not order:
+        return torch.zeros(0, dtype=torch.long)
+    # One array per document, then one copy (a flat Python list of every token would take GBs).
+    return torch.cat([torch.tensor(pieces[i], dtype=torch.long) for i in order])
 
 
 # ================================================================================================
@@ -937,6 +962,10 @@ def write_shipped(out_dir: Path, cfg: ModelConfig, weights: dict, tok, shard_byt
     return sum(p.stat().st_size for p in out_dir.glob("*.safetensors"))
 
 
+def megabytes(mb: float | None) -> int | None:
+    return None if mb is None else int(mb * 1e6)
+
+
 def parse_args(argv: Sequence[str] | None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -976,6 +1005,19 @@ def parse_args(argv: Sequence[str] | None):
         "comma-separated packages out for the tests (default: the stdlib alone, held-out files)",
     )
     p.add_argument("--max-files", type=int, default=None, help="training files kept (quick runs)")
+    p.add_argument(
+        "--max-train-bytes",
+        type=float,
+        default=None,
+        help="MB of training files kept, the first in hash order (a large site-packages corpus is\n"
+        "more than one GPU run trains on; encoding it costs time and host memory)",
+    )
+    p.add_argument(
+        "--tokenizer-bytes",
+        type=float,
+        default=None,
+        help="MB of code files the tokenizer is trained on (default: all; BPE on hundreds of MB takes minutes)",
+    )
     p.add_argument("--heldout", type=int, default=100, help="held-out functions")
     p.add_argument("--eval-functions", type=int, default=None, help="held-out functions generated from")
     p.add_argument("--max-new-tokens", type=int, default=None)
@@ -1025,17 +1067,19 @@ def main(argv: Sequence[str] | None = None) -> dict:
         held = {h.strip().lower() for h in args.held_out_packages.split(",") if h.strip()}
         packages = cc.installed_packages() + [cc.stdlib_package()]
         root = Path("site-packages")
-        corpus, manifest = build_site_corpus(packages, held, args.heldout, args.max_files, os.cpu_count() or 1)
+        corpus, manifest = build_site_corpus(
+            packages, held, args.heldout, args.max_files, os.cpu_count() or 1, megabytes(args.max_train_bytes)
+        )
     else:
         root = Path(args.stdlib or sysconfig.get_paths()["stdlib"])
-        corpus = build_corpus(root, args.heldout, args.max_files)
+        corpus = build_corpus(root, args.heldout, args.max_files, megabytes(args.max_train_bytes))
     docs = build_documents(corpus, args.tool_examples, args.seed)
     log(
         f"corpus {root}: {len(corpus.train)} training files, {len(corpus.val)} validation, {len(corpus.heldout)} "
         f"held out ({len(corpus.test_functions)} test functions), {len(corpus.leak_excluded)} dropped as copies; "
         f"{len(docs.chat)} chat and {len(docs.tools)} tool examples"
     )
-    tok = build_tokenizer(docs, vocab)
+    tok = build_tokenizer(docs, vocab, megabytes(args.tokenizer_bytes))
     for name, i in tokenizer_files.SPECIAL_IDS.items():
         assert tok.token_to_id(name) == i, name
     pieces = encode_code(tok, docs.code) + encode_chat(tok, docs.chat) + encode_chat(tok, docs.tools) * args.tool_repeat

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +91,32 @@ def test_holdout_is_deterministic_disjoint_and_skips_tests(fake_stdlib):
     # Fewer training files leave the held-out and validation sets alone.
     c = te.build_corpus(fake_stdlib, heldout=10, max_files=5)
     assert c.heldout == a.heldout and c.val == a.val and len(c.train) == 5
+
+
+def test_byte_caps_keep_the_first_training_files_and_bound_the_tokenizer_text(fake_stdlib):
+    full = te.build_corpus(fake_stdlib, heldout=10)
+    sizes = [len(t) for t in full.train.values()]
+    cap = sum(sizes[:3]) + sizes[3] // 2  # three whole files and half of the fourth
+    capped = te.build_corpus(fake_stdlib, heldout=10, max_bytes=cap)
+    assert list(capped.train) == list(full.train)[:3]
+    assert capped.heldout == full.heldout and capped.val == full.val  # only the training side shrinks
+    assert te.first_files(full.train, 2, None) == dict(list(full.train.items())[:2])
+    assert te.first_files(full.train, None, None) == full.train
+    docs = te.build_documents(full, 3, 0)
+    small = te.build_tokenizer(docs, 300, max_code_bytes=sizes[0])
+    whole = te.build_tokenizer(docs, 300)
+    for name, i in tokenizer_files.SPECIAL_IDS.items():
+        assert small.token_to_id(name) == whole.token_to_id(name) == i
+    assert te.build_tokenizer(docs, 300, max_code_bytes=sum(sizes)).get_vocab() == whole.get_vocab()
+
+
+def test_the_token_stream_is_the_documents_in_seeded_order():
+    pieces = [[1, 2], [], [3], [4, 5, 6]]
+    stream = te.token_stream(pieces, seed=5)
+    order = list(range(4))
+    random.Random(5).shuffle(order)
+    assert stream.tolist() == [t for i in order for t in pieces[i]] and stream.dtype == torch.long
+    assert te.token_stream([], seed=1).tolist() == []
 
 
 def test_held_out_functions_never_reach_the_training_documents(fake_stdlib):

@@ -51,7 +51,7 @@ import sys
 import sysconfig
 import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -165,18 +165,25 @@ def _normalise(text: str) -> str:
     return "\n".join(s for s in (x.strip() for x in text.split("\n")) if s)
 
 
-def first_files(texts: dict[str, str], max_files: int | None, max_bytes: int | None) -> dict[str, str]:
-    """The first files of `texts` (in its order), at most `max_files` of them and `max_bytes` in all."""
-    kept: dict[str, str] = {}
+def first_files(
+    texts: dict, max_files: int | None, max_bytes: int | None, drop: Callable[[str], bool] | None = None
+) -> tuple[dict, list]:
+    """The first files of `texts` (in its order), at most `max_files` of them and `max_bytes` in all,
+    leaving out (and listing) those `drop` refuses; files past the caps are not looked at."""
+    kept: dict = {}
+    dropped = []
     size = 0
     for path, text in texts.items():
         if (max_files is not None and len(kept) >= max_files) or (
             max_bytes is not None and size + len(text) > max_bytes
         ):
             break
+        if drop is not None and drop(text):
+            dropped.append(path)
+            continue
         kept[path] = text
         size += len(text)
-    return kept
+    return kept, dropped
 
 
 def build_corpus(
@@ -233,7 +240,7 @@ def build_corpus(
         if any(n in hay for n in needles):
             excluded.append(path)
             del texts[path]
-    texts = first_files(texts, max_files, max_bytes)
+    texts = first_files(texts, max_files, max_bytes)[0]
     train_functions = [f for path, text in texts.items() for f in extract_functions(path, text)]
     return Corpus(str(root), texts, val, held, tests, train_functions, excluded)
 
@@ -283,12 +290,11 @@ def build_site_corpus(
         val[order[j]] = built.train[order[j]]
         val_bytes += len(val[order[j]])
         j += 1
-    texts = {p: built.train[p] for p in order[j:]}
     needles = [_normalise(f.source) for f in tests]  # a held-out function copied inside a larger file
-    excluded = [p for p, t in texts.items() if any(n in _normalise(t) for n in needles)]
-    for path in excluded:
-        del texts[path]
-    texts = first_files(texts, max_files, max_bytes)
+    # The leak check stops with the caps: it scans every byte it is given.
+    texts, excluded = first_files(
+        {p: built.train[p] for p in order[j:]}, max_files, max_bytes, lambda t: any(n in _normalise(t) for n in needles)
+    )
     train_functions = [f for path, text in texts.items() for f in extract_functions(path, text)]
     corpus = Corpus("site-packages", texts, val, held, tests, train_functions, excluded)
     return corpus, built.manifest
@@ -475,7 +481,7 @@ def build_documents(corpus: Corpus, tool_count: int, seed: int) -> Documents:
 def build_tokenizer(docs: Documents, vocab_size: int, max_code_bytes: int | None = None):
     """BPE on the chat and tool documents and the first code files up to `max_code_bytes` (the
     merges settle long before a large corpus ends; training on all of it costs minutes)."""
-    code = list(first_files(dict(enumerate(docs.code)), None, max_code_bytes).values())
+    code = list(first_files(dict(enumerate(docs.code)), None, max_code_bytes)[0].values())
     return tokenizer_files.train_tokenizer([*code, *docs.chat, *docs.tools], vocab_size)
 
 

@@ -100,8 +100,11 @@ def test_byte_caps_keep_the_first_training_files_and_bound_the_tokenizer_text(fa
     capped = te.build_corpus(fake_stdlib, heldout=10, max_bytes=cap)
     assert list(capped.train) == list(full.train)[:3]
     assert capped.heldout == full.heldout and capped.val == full.val  # only the training side shrinks
-    assert te.first_files(full.train, 2, None) == dict(list(full.train.items())[:2])
-    assert te.first_files(full.train, None, None) == full.train
+    assert te.first_files(full.train, 2, None) == (dict(list(full.train.items())[:2]), [])
+    assert te.first_files(full.train, None, None) == (full.train, [])
+    first = next(iter(full.train))
+    kept, dropped = te.first_files(full.train, 2, None, lambda t: t == full.train[first])
+    assert dropped == [first] and list(kept) == list(full.train)[1:3]
     docs = te.build_documents(full, 3, 0)
     small = te.build_tokenizer(docs, 300, max_code_bytes=sizes[0])
     whole = te.build_tokenizer(docs, 300)
@@ -185,6 +188,12 @@ def test_a_site_corpus_holds_whole_packages_out(tmp_path):
     assert again.train == corpus.train and [f.name for f in again.test_functions] == [
         f.name for f in corpus.test_functions
     ]
+    # Capped: the first training files in the same order, the held-out side and validation unchanged.
+    cap = sum(len(t) for t in list(corpus.train.values())[:5])
+    capped, _ = te.build_site_corpus([train, copies, held], {"held"}, heldout=12, max_bytes=cap)
+    assert list(capped.train) == list(corpus.train)[:5]
+    assert capped.val == corpus.val and capped.heldout == corpus.heldout
+    assert not any(n in te._normalise(t) for t in capped.train.values() for n in needles)
 
 
 def test_chat_examples_render_with_the_template(fake_stdlib):

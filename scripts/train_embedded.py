@@ -1190,7 +1190,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     t = result
     print_table(
         [
-            ("geometry", f"{args.preset}: {n_params / 1e6:.2f}M parameters, {size / 1e6:.2f} MB bf16 safetensors"),
+            (
+                "geometry",
+                f"{args.preset}{f' with {args.geometry}' if args.geometry else ''}: {n_params / 1e6:.2f}M "
+                f"parameters, {size / 1e6:.2f} MB bf16 safetensors",
+            ),
             (
                 "corpus",
                 (

@@ -97,3 +97,38 @@ def test_the_layer_timeline_names_every_family_of_the_middle_layer_in_start_orde
         # gemv tasks wait 2000 cycles at 1.5 GHz in the synthetic trace
         if r["name"].startswith("gemv:"):
             assert r["first_start_us"] - r["arrive_us"] == pytest.approx(2000 / 1.5e9 * 1e6, rel=1e-3)
+
+
+def test_layer_phases_are_each_phase_s_last_end_after_the_previous_norm():
+    cfg = ModelConfig.tiny()
+    g = mkgraph.build(cfg, [5, 130, 300], num_sms=7)
+    hz = 1.5e9
+    trace = synthetic_trace(g, hz, np.random.default_rng(2))
+    phases = summarize(g, trace)["layer_phases_us"]
+    # From first principles: every task's end, each (family, layer)'s last one.
+    last: dict[tuple[str, int], float] = {}
+    for s in range(g.tasks.shape[0]):
+        for i in range(g.tasks.shape[1]):
+            words = g.tasks[s, i]
+            if words[0] == Op.NOP:
+                break
+            wait, run = int(trace[s, i, 1]) & 0xFFFFFFFF, int(trace[s, i, 1]) >> 32
+            end = (int(trace[s, i, 0]) - EPOCH_NS) + (wait + run) / hz * 1e9
+            key = (task_family(words), int(words[1]))
+            last[key] = max(last.get(key, -np.inf), end)
+    moe = [layer for layer in range(1, cfg.num_hidden_layers) if cfg.is_moe(layer)]
+    assert phases["layers"] == len(moe) > 0
+
+    def want(names):
+        ends = [max(last.get((n, layer), -np.inf) for n in names) - last[("residual_norm", layer - 1)] for layer in moe]
+        return np.mean(ends) / 1e3
+
+    for phase, names in {
+        "qkv": ["gemv:qkv"],
+        "attention": ["attn_split", "attn_combine"],
+        "gate_up": ["gemv:expert_gate_up", "claim:expert_gate_up"],
+        "o_proj": ["gemv:o_proj"],
+        "down": ["gemv:expert_down", "claim:expert_down"],
+        "norm": ["residual_norm"],
+    }.items():
+        assert phases[phase] == pytest.approx(want(names), abs=2e-3), phase

@@ -111,6 +111,7 @@ def summarize(g: StepGraph, trace: np.ndarray) -> dict:
         # First-to-last task of each layer (they overlap: layer l + 1 starts before l ends).
         "layer_us": layer_us,
         "families": [f.__dict__ for f in sorted(rows, key=lambda f: -f.run_sm_us)],
+        "layer_phases_us": layer_phases(g, families, end),
         "timeline_layer": middle,
         "timeline": layer_timeline(g, real, start, wait / hz * 1e9, end, middle, stream),
         # The layer after the middle one as well: in the real model the middle layer (24) has
@@ -119,6 +120,43 @@ def summarize(g: StepGraph, trace: np.ndarray) -> dict:
         if (real & (layers == middle + 1)).any()
         else [],
     }
+
+
+# A layer's phases, each the task families whose last end marks it.
+PHASES = {
+    "qkv": ("gemv:qkv",),
+    "attention": ("attn_split", "attn_combine"),
+    "gate_up": ("gemv:expert_gate_up", "claim:expert_gate_up"),
+    "o_proj": ("gemv:o_proj",),
+    "down": ("gemv:expert_down", "claim:expert_down"),
+    "norm": ("residual_norm",),
+}
+
+
+def layer_phases(g: StepGraph, families: dict[str, list[tuple[int, int]]], end: np.ndarray) -> dict:
+    """When each phase of a MoE layer ends, in µs from the end of the previous layer's last norm
+    (the moment its input is ready), averaged over the MoE layers after the first; `layers` is how
+    many. The whole layer is `norm`; the gaps between phases say what its critical path is."""
+    layer_of = g.tasks[..., 1]
+    num_layers = int(layer_of[g.tasks[..., 0] != Op.NOP].max()) + 1
+    last = {}
+    for phase, names in PHASES.items():
+        ends = np.full(num_layers, -np.inf)
+        for name in names:
+            if name in families:
+                idx = tuple(np.array(families[name]).T)
+                np.maximum.at(ends, layer_of[idx], end[idx])
+        last[phase] = ends
+    moe = [
+        layer
+        for layer in range(1, num_layers)
+        if last["gate_up"][layer] > -np.inf and last["norm"][layer - 1] > -np.inf
+    ]
+    out: dict = {"layers": len(moe)}
+    for phase in PHASES:
+        values = [last[phase][layer] - last["norm"][layer - 1] for layer in moe if last[phase][layer] > -np.inf]
+        out[phase] = float(np.mean(values) / 1e3) if values else None
+    return out
 
 
 def layer_timeline(g: StepGraph, real, start, wait_ns, end, layer: int, stream) -> list[dict]:
@@ -184,6 +222,10 @@ def print_summary(title: str, summary: dict, top: int = 12) -> None:
             f"{f['name']:>22} {f['count']:>7} {f['wait_us']:>9.2f} {f['run_us']:>8.2f} {f['run_sm_us']:>9.0f} "
             f"{f['ring_wait_us']:>6.1f} {f['topk_wait_us']:>6.1f} {f['lead_us']:>6.1f}"
         )
+    phases = summary.get("layer_phases_us", {})
+    if phases.get("layers"):
+        ends = ", ".join(f"{k} {v:.1f}" for k, v in phases.items() if k != "layers" and v is not None)
+        print(f"a MoE layer's phases end (µs after the previous norm, mean of {phases['layers']} layers): {ends}")
     layer = summary["timeline_layer"]
     for offset, rows in enumerate((summary["timeline"], summary.get("next_timeline", []))):
         if not rows:

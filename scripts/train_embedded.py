@@ -1054,10 +1054,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.dry_run:
         n_params = sum(math.prod(s) for s in expected_shapes(cfg).values())
         print(f"{args.preset} {cfg.to_dict()}")
-        print(f"{n_params / 1e6:.2f}M parameters, {2 * n_params / 1e6:.2f} MB in bf16; {megakernel_verdict(cfg)}")
+        verdict = megakernel_verdict(cfg)
+        print(f"{n_params / 1e6:.2f}M parameters, {2 * n_params / 1e6:.2f} MB in bf16; {verdict}")
         print(f"the device machine can return it: {too_big or 'yes'}")
-        report = {"config": cfg.to_dict(), "parameters": n_params, "megakernel": megakernel_verdict(cfg)}
-        return report | {"unshippable": too_big}
+        return {"config": cfg.to_dict(), "parameters": n_params, "megakernel": verdict, "unshippable": too_big}
     if too_big:
         raise SystemExit(f"--geometry: {too_big}")
     started = time.perf_counter()

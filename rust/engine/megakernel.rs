@@ -25,7 +25,7 @@ pub trait StepLauncher {
     ) -> Result<(), BackendError>;
 
     /// Where the launches' host time went so far.
-    fn times(&self) -> LaunchTimes {
+    fn launch_times(&self) -> LaunchTimes {
         LaunchTimes::default()
     }
 }
@@ -48,8 +48,8 @@ impl StepLauncher for GpuLauncher {
         self.run(step, sampled, logits).map_err(|e| BackendError(format!("megakernel step: {e}")))
     }
 
-    fn times(&self) -> LaunchTimes {
-        GpuLauncher::times(self)
+    fn launch_times(&self) -> LaunchTimes {
+        GpuLauncher::launch_times(self)
     }
 }
 
@@ -72,8 +72,8 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
     }
 
     /// Where the launches' host time went so far.
-    pub fn times(&self) -> LaunchTimes {
-        self.launcher.times()
+    pub fn launch_times(&self) -> LaunchTimes {
+        self.launcher.launch_times()
     }
 
     /// One decode step of `input`'s rows: launches of at most `max_rows` consecutive rows each.

@@ -30,7 +30,8 @@ pub fn cubin(name: &str) -> Option<&'static [u8]> {
 /// the GPU machine by compiling `cuda/megakernel.cu` there, without rebuilding the wheel
 /// (scripts/device-kernel.sh). It must be built from the same `cuda/abi.h`. Several files
 /// separated by `:` load as variants of one process (`decode_step`'s `kernel` index; the first
-/// is the default), so that kernels are compared on the same buffers (benches/decode.py --kernels).
+/// is the default), so that kernels are compared on the same buffers (benches/decode.py times
+/// every loaded image; scripts/device-ab.sh).
 pub const MEGAKERNEL_CUBIN_ENV: &str = "MK_MEGAKERNEL_CUBIN";
 
 /// The megakernel images to load: those `$MK_MEGAKERNEL_CUBIN` names when set, else the embedded one.

@@ -7,10 +7,9 @@
 //! per-step indices (tasks, tokens, positions, tables) and the dependency counters.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use cudarc::driver::{result, sys, CudaSlice, CudaStream, DevicePtr, DriverError};
-
-use std::time::Instant;
 
 use super::compact::{check_mapped, compact_tables, step_pages};
 use super::{Gpu, GpuError, MkStepArgs};
@@ -173,7 +172,7 @@ impl GpuLauncher {
     }
 
     /// Where the launches' host time went so far (`run`'s phases).
-    pub fn times(&self) -> LaunchTimes {
+    pub fn launch_times(&self) -> LaunchTimes {
         self.times
     }
 
@@ -269,7 +268,7 @@ impl GpuLauncher {
         t.launches += 1;
         t.prepare_ns += ns(started, prepared);
         t.upload_ns += ns(prepared, uploaded);
-        t.launch_ns += ns(uploaded, launched);
+        t.call_ns += ns(uploaded, launched);
         t.wait_ns += ns(launched, Instant::now());
         Ok(())
     }

@@ -204,7 +204,7 @@ impl PyEngine {
             ("launches", m.launch.launches),
             ("launch_prepare_ns", m.launch.prepare_ns),
             ("launch_upload_ns", m.launch.upload_ns),
-            ("launch_call_ns", m.launch.launch_ns),
+            ("launch_call_ns", m.launch.call_ns),
             ("launch_wait_ns", m.launch.wait_ns),
         ] {
             d.set_item(k, v)?;

@@ -102,6 +102,6 @@ impl Backend for MegakernelBackend {
     }
 
     fn launch_times(&self) -> LaunchTimes {
-        self.decoder.times()
+        self.decoder.launch_times()
     }
 }

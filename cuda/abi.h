@@ -7,7 +7,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MK_ABI_VERSION 8
+#define MK_ABI_VERSION 9
 
 // ---- The decode megakernel's task graph (docs/MEGAKERNEL.md) ------------------------------------
 // A step is a list of tasks per SM, built by the host (rust/graph). Each block runs its list in
@@ -38,9 +38,11 @@ typedef enum MkOp {
     // its up rows; QKV tasks stay inside one of Q, K and V), arg3 = MoE slot (expert matrices
     // only). y = act · Wᵀ with the matrix's epilogue.
     MK_OP_GEMV = 2,
-    // arg0 = b, arg1 = kv head, arg2 = split, arg3 = first key position, arg4 = end position,
-    // arg5 = the row's split size (the host's scheduling only; the kernel does not read it).
-    // Partial softmax(q kᵀ) v of the kv head's query group over keys [arg3, arg4).
+    // arg0 = b, arg1 = kv head, arg2 = split s, arg3 = sliding window (0: full attention),
+    // arg4 = the row's splits (the host's only), arg5 = keys per split (chunk). Partial
+    // softmax(q kᵀ) v of the kv head's query group over keys [lo, hi) of a row writing at pos:
+    // lo = start + s * chunk with start = max(0, pos + 1 - window) (0 without one), hi =
+    // min(lo + chunk, pos + 1). The words do not change while the row's split count holds.
     MK_OP_ATTN_SPLIT = 3,
     // arg0 = b, arg1 = kv head, arg2 = number of splits. Merges the partials into attn_out.
     MK_OP_ATTN_COMBINE = 4,

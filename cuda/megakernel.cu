@@ -78,14 +78,15 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
         long long c0 = 0, c1 = 0;
         if (trace && threadIdx.x == 0) start_ns = global_ns(), c0 = clock64();
         // A split's cached pages do not depend on the step: they load while it waits.
-        const int kv_issued = t.op == MK_OP_ATTN_SPLIT ? attn_prefetch(a, t, sm.attn) : 0;
+        const SplitPages split = t.op == MK_OP_ATTN_SPLIT ? SplitPages(a, t) : SplitPages();
+        const int kv_issued = t.op == MK_OP_ATTN_SPLIT ? attn_prefetch(a, split, sm.attn) : 0;
         wait_for(t, counters, t.op != MK_OP_RESIDUAL_NORM);  // a norm waits for its FFN itself
         if (trace && threadIdx.x == 0) c1 = clock64();
         switch (t.op) {
             case MK_OP_EMBED: run_embed(a, t, sm.norm.row, sm.norm.scratch); break;
             case MK_OP_GEMV: run_gemv(a, t, sm.gemv, ring, stage, act_key); break;
             case MK_OP_EXPERT_CLAIM: run_expert_claim(a, t, sm.gemv, ring, stage, act_key); break;
-            case MK_OP_ATTN_SPLIT: run_attn_split(a, t, sm.attn, kv_issued); break;
+            case MK_OP_ATTN_SPLIT: run_attn_split(a, t, split, sm.attn, kv_issued); break;
             case MK_OP_ATTN_COMBINE: run_attn_combine(a, t); break;
             case MK_OP_TOPK: run_topk(a, t, sm.topk.chosen, sm.topk.slot_of); break;
             case MK_OP_RESIDUAL_NORM:

@@ -11,11 +11,17 @@ constexpr int kHeadDim = MK_STEP_HEAD_DIM;
 constexpr int kMaxGroup = MK_STEP_MAX_GROUP;
 constexpr int kPage = MK_PAGE_SIZE;
 
-constexpr int kKvStages = 3;             // pages in shared memory: two in flight while one is used
+#ifndef MK_KV_STAGES
+#define MK_KV_STAGES 3
+#endif
+// Pages in shared memory: all but one in flight while one is used (a tuning knob,
+// -DMK_KV_STAGES=N: fewer leave the weight ring more stages).
+constexpr int kKvStages = MK_KV_STAGES;
+static_assert(kKvStages >= 2, "attention keeps at least one page in flight");
 constexpr int kKvPitch = kHeadDim + 8;   // bf16 per smem row: 272 bytes, so 8 rows hit 8 distinct bank groups
 constexpr int kPPitch = kPage + 8;       // bf16 per row of P
 
-// One split streams its pages through a 3-stage cp.async pipeline; the query group is the
+// One split streams its pages through a kKvStages-deep cp.async pipeline; the query group is the
 // 16-row A operand of mma.m16n8k16 (heads 0..7, rows 8..15 zero), so S = Q Kᵀ and O += P V run on
 // the tensor cores: warp w takes keys 8w..8w+7 of S and dims 16w..16w+15 of O.
 struct AttnSmem {
@@ -40,15 +46,27 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// Where a split's keys are: [lo, hi) of row b, in pages of kPage keys from first_page.
+// Keys [lo, hi) of split `split` for a row writing at `pos` (split_keys in rust/graph): from the
+// window's start (window 0: the first key), `chunk` keys a split, the last ending at the row's own
+// key. The task's words do not change from step to step; the keys do.
+__device__ __forceinline__ int2 split_keys(int split, int window, int chunk, int pos) {
+    const int end = pos + 1, start = window > 0 ? max(0, end - window) : 0, lo = start + split * chunk;
+    return make_int2(lo, min(lo + chunk, end));
+}
+
+// Where a split's keys are: [lo, hi) of row b, which writes at pos, in pages of kPage keys from
+// first_page.
 struct SplitPages {
-    int b, kvh, lo, hi, first_page, pages;
+    int b, kvh, pos, lo, hi, first_page, pages;
     const int32_t* table;  // the row's block table for the task's layer
 
+    SplitPages() = default;
     __device__ SplitPages(const MkStepArgs& a, const MkTask& t)
-        : b(t.arg[0]), kvh(t.arg[1]), lo(t.arg[3]), hi(t.arg[4]), first_page(lo - lo % kPage),
-          pages((hi - first_page + kPage - 1) / kPage),
-          table(ptr<int32_t>(a.block_tables) + ((size_t)t.layer * a.batch + b) * a.max_pages) {}
+        : b(t.arg[0]), kvh(t.arg[1]), pos(ld_i32(ptr<int32_t>(a.positions) + t.arg[0])),
+          table(ptr<int32_t>(a.block_tables) + ((size_t)t.layer * a.batch + b) * a.max_pages) {
+        const int2 keys = split_keys(t.arg[2], t.arg[3], t.arg[5], pos);
+        lo = keys.x, hi = keys.y, first_page = lo - lo % kPage, pages = (hi - first_page + kPage - 1) / kPage;
+    }
 
     // Copies page i into stage i % kKvStages (one cp.async group, empty past the end): rows
     // outside [lo, hi) are zeroed (they may hold anything, and 0 * NaN would poison P V).
@@ -74,18 +92,16 @@ struct SplitPages {
 // Before the split waits for this step's QKV: issues the first pages (up to the kKvStages - 1
 // the loop keeps in flight) whose keys all precede the row's position, which this step's QKV
 // writes; the cache holds every earlier key since the step began. Returns how many it issued.
-__device__ int attn_prefetch(const MkStepArgs& a, const MkTask& t, AttnSmem& sm) {
-    const SplitPages sp(a, t);
-    const int pos = ld_i32(ptr<int32_t>(a.positions) + sp.b);
+__device__ int attn_prefetch(const MkStepArgs& a, const SplitPages& sp, AttnSmem& sm) {
     int issued = 0;
-    while (issued < kKvStages - 1 && issued < sp.pages && min(sp.hi, sp.first_page + (issued + 1) * kPage) <= pos)
+    while (issued < kKvStages - 1 && issued < sp.pages && min(sp.hi, sp.first_page + (issued + 1) * kPage) <= sp.pos)
         sp.issue(a, sm, issued++);
     return issued;
 }
 
 // `issued`: the pages attn_prefetch issued before the task's wait.
-__device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, AttnSmem& sm, int issued) {
-    const SplitPages sp(a, t);
+__device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, const SplitPages& sp, AttnSmem& sm,
+                               int issued) {
     const int b = sp.b, kvh = sp.kvh, split = t.arg[2], lo = sp.lo, hi = sp.hi;
     const int group = a.heads / a.kv_heads, qw = a.heads * kHeadDim;
     const float inv_sqrt = rsqrtf((float)kHeadDim);
@@ -112,9 +128,9 @@ __device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, AttnSmem& s
     float m_run = -INFINITY, l_run = 0.f;  // of head g, identical in every warp
     float o[2][4] = {};                    // O[head g][dims 16w + 8j + 2tq, +1] in o[j][0..1]
     for (int i = 0; i < pages; ++i) {
-        cp_async_wait_one();  // this thread's copies of page i have landed
-        compute_sync();       // everyone's have; everyone is done with page i - 1
-        issue(i + 2);
+        cp_async_wait_pending<kKvStages - 2>();  // this thread's copies of page i have landed
+        compute_sync();                          // everyone's have; everyone is done with page i - 1
+        issue(i + kKvStages - 1);
         const int st = i % kKvStages, start = first_page + i * kPage;
 
         // S for keys 8w + 2tq, + 1 of head g.

@@ -228,10 +228,13 @@ impl GpuLauncher {
         check_mapped(&self.host_tables, step.positions, pages, &g.window, self.setup.num_blocks).map_err(invalid)?;
 
         let prepared = Instant::now();
-        // A failed upload or launch leaves the device copy unknown.
+        // A failed upload or launch leaves the device copy unknown. Most steps' lists are the
+        // previous step's (the kernel computes attention keys from the positions).
         let held = launch.uploaded.take();
-        let bands = self.band_uploads && !graph.rebuilt && held == Some(graph.version - 1);
-        upload_tasks(&self.stream, &mut launch.device, &graph, bands)?;
+        if held != Some(graph.version) {
+            let bands = self.band_uploads && !graph.rebuilt && held == Some(graph.version - 1);
+            upload_tasks(&self.stream, &mut launch.device, &graph, bands)?;
+        }
         let tasks = ptr(launch.device.as_ref().expect("uploaded"), &self.stream);
         let version = graph.version;
         let same_tables = std::mem::take(&mut self.tables_held) && self.device_tables == self.host_tables;

@@ -3,7 +3,7 @@
 //! Weights are constant during a step and not modelled.
 
 use super::task::{Matrix, MkTask, Op};
-use super::{Geometry, StepGraph};
+use super::{split_keys, Geometry, StepGraph};
 
 /// The step's activation and cache buffers. Each is a set of rows of elements; `row` and the
 /// element range [lo, hi) of a `Region` index them as the comments say.
@@ -110,7 +110,8 @@ pub fn effects(t: &MkTask, geom: &Geometry, graph: &StepGraph) -> Effects {
             }
         }
         Op::AttnSplit => {
-            let (b, kvh, split, lo, hi) = (a(0), a(1), a(2), a(3), a(4));
+            let (b, kvh, split) = (a(0), a(1), a(2));
+            let (lo, hi) = split_keys(t, graph.positions[b]);
             let group_cols = geom.group() * hd;
             e.reads.push(r(Buf::Q, b, kvh * group_cols, (kvh + 1) * group_cols));
             for cache in [Buf::KCache(l as u16), Buf::VCache(l as u16)] {

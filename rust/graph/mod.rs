@@ -342,8 +342,8 @@ impl Builder<'_> {
             self.max_splits = self.max_splits.max(splits);
             for kvh in 0..g.kv_heads {
                 for s in 0..splits {
-                    let (lo, hi) = keys.split(s);
-                    let args = [b as i32, kvh as i32, s as i32, lo as i32, hi as i32, keys.chunk as i32];
+                    let window = g.window[l].unwrap_or(0);
+                    let args = [b as i32, kvh as i32, s as i32, window as i32, splits as i32, keys.chunk as i32];
                     self.push(
                         MkTask::new(Op::AttnSplit, l, &args)
                             .waits(counter(l, Counter::Qkv))
@@ -426,6 +426,18 @@ impl KeyRange {
         let lo = self.start + s * self.chunk;
         (lo, (lo + self.chunk).min(self.end))
     }
+}
+
+/// Keys [lo, hi) of attention split task `t` (`Op::AttnSplit`: row, KV head, split, window or 0,
+/// splits, chunk) for its row writing at `pos`. The kernel computes the same from the step's
+/// positions, so a split's words stay the same from one step to the next (`KeyRange::split` of
+/// the range the task was built from, while the row's split count and chunk hold).
+pub fn split_keys(t: &MkTask, pos: usize) -> (usize, usize) {
+    let (split, window, chunk) = (t.arg[2] as usize, t.arg[3] as usize, t.arg[5] as usize);
+    let end = pos + 1;
+    let start = if window > 0 { end.saturating_sub(window) } else { 0 };
+    let lo = start + split * chunk;
+    (lo, (lo + chunk).min(end))
 }
 
 /// Every wait targets the number of tasks that signal its counter.
@@ -548,7 +560,44 @@ pub(crate) mod tests {
         assert_eq!(splits(0), 301usize.div_ceil(64)); // full attention: all 301 keys
         assert_eq!(splits(1), 2); // window 96: keys 205..301
         let first = g.order.iter().find(|t| t.op() == Op::AttnSplit && t.layer == 1).unwrap();
-        assert_eq!((first.arg[3], first.arg[4]), (205, 269));
+        assert_eq!(split_keys(first, 300), (205, 269));
+        let last = g.order.iter().rfind(|t| t.op() == Op::AttnSplit && t.layer == 1).unwrap();
+        assert_eq!(split_keys(last, 300), (269, 301));
+    }
+
+    #[test]
+    fn split_keys_tile_each_rows_keys_as_key_range_does() {
+        // What the kernel computes from a task's words and the row's position: the splits of a
+        // (layer, row, KV head) are KeyRange's, in order, and cover its keys exactly once.
+        let geom = gpu_test();
+        for (positions, chunk) in
+            [(vec![5000, 70], 64), (vec![8191], 0), (vec![4095, 4096, 4097, 0], 0), (vec![100, 200], 128)]
+        {
+            let opts = BuildOptions { attn_chunk: chunk, ..Default::default() };
+            let g = build_step(&geom, &positions, &opts).unwrap();
+            for l in 0..geom.layers() {
+                for (b, &pos) in positions.iter().enumerate() {
+                    let keys = KeyRange::of(&geom, &opts, positions.len(), l, pos);
+                    for kvh in 0..geom.kv_heads as i32 {
+                        let got: Vec<_> = g
+                            .order
+                            .iter()
+                            .filter(|t| {
+                                t.op() == Op::AttnSplit
+                                    && t.layer == l as i32
+                                    && t.arg[0] == b as i32
+                                    && t.arg[1] == kvh
+                            })
+                            .map(|t| split_keys(t, pos))
+                            .collect();
+                        let want: Vec<_> = (0..keys.splits).map(|s| keys.split(s)).collect();
+                        assert_eq!(got, want, "layer {l} row {b} at {pos}");
+                        assert_eq!((got[0].0, got.last().unwrap().1), (keys.start, pos + 1));
+                        assert!(got.windows(2).all(|w| w[0].1 == w[1].0 && w[0].0 < w[0].1));
+                    }
+                }
+            }
+        }
     }
 
     #[test]
@@ -557,13 +606,17 @@ pub(crate) mod tests {
         let g = build_step(&geom, &[8191], &BuildOptions::default()).unwrap();
         let splits = g.order.iter().filter(|t| t.op() == Op::AttnSplit && t.layer == 0).count();
         assert!((100..=132).contains(&splits), "{splits} splits for 132 SMs");
-        let chunk = |t: &MkTask| t.arg[4] - t.arg[3];
-        assert!(g.order.iter().filter(|t| t.op() == Op::AttnSplit).all(|t| chunk(t) >= 1 && chunk(t) <= 256));
+        let keys = |t: &MkTask, positions: &[usize]| split_keys(t, positions[t.arg[0] as usize]);
+        let chunk = |t: &MkTask, positions: &[usize]| {
+            let (lo, hi) = keys(t, positions);
+            hi - lo
+        };
+        assert!(g.order.iter().filter(|t| t.op() == Op::AttnSplit).all(|t| (1..=256).contains(&chunk(t, &[8191]))));
         // Short contexts still get at least two pages per split (but the last).
-        let g = build_step(&geom, &[100, 200], &BuildOptions::default()).unwrap();
-        let ends = [101, 201];
+        let positions = [100, 200];
+        let g = build_step(&geom, &positions, &BuildOptions::default()).unwrap();
         for t in g.order.iter().filter(|t| t.op() == Op::AttnSplit) {
-            assert!(chunk(t) == 128 || t.arg[4] == ends[t.arg[0] as usize], "{t:?}");
+            assert!(chunk(t, &positions) == 128 || keys(t, &positions).1 == positions[t.arg[0] as usize] + 1, "{t:?}");
         }
     }
 

@@ -21,6 +21,16 @@ from mk.model.reference import Model, rms_norm
 from mk.model.rope import cos_sin
 
 
+def split_keys(a: list[int], pos: int) -> tuple[int, int]:
+    """Keys [lo, hi) of an attention split (words: row, KV head, split, window or 0, splits, chunk)
+    for its row writing at `pos`, as the kernel and `graph::split_keys` compute them."""
+    split, window, chunk = a[2], a[3], a[5]
+    end = pos + 1
+    start = max(0, end - window) if window > 0 else 0
+    lo = start + split * chunk
+    return lo, min(lo + chunk, end)
+
+
 class RoutingMismatch(AssertionError):
     """A forced routing choice is not a near-tie of the interpreter's own choice."""
 
@@ -184,7 +194,8 @@ class _Interpreter:
         return k, v
 
     def attn_split(self, layer: int, a: list[int]) -> None:
-        row, kvh, split, lo, hi = a[:5]
+        row, kvh, split = a[:3]
+        lo, hi = split_keys(a, int(self.b.positions[row]))
         cfg, b = self.cfg, self.b
         group, hd = cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim
         q = b.q[row, kvh * group * hd : (kvh + 1) * group * hd].view(group, hd)

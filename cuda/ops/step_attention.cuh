@@ -18,27 +18,19 @@ constexpr int kPage = MK_PAGE_SIZE;
 // -DMK_KV_STAGES=N: fewer leave the weight ring more stages).
 constexpr int kKvStages = MK_KV_STAGES;
 static_assert(kKvStages >= 2, "attention keeps at least one page in flight");
-constexpr int kKvPitch = kHeadDim + 8;  // bf16 per smem row: 272 bytes, so 8 rows hit 8 distinct bank groups
-constexpr int kOPitch = kHeadDim + 8;   // floats per row of a warp's partial output (2-way banks at most)
-constexpr int kWarpKeys = kPage / kWarps;  // keys of each page one warp owns
-static_assert(kWarpKeys == 8, "warp w owns keys 8w..8w+7 of every page (one n8 tile of S)");
+constexpr int kKvPitch = kHeadDim + 8;   // bf16 per smem row: 272 bytes, so 8 rows hit 8 distinct bank groups
+constexpr int kPPitch = kPage + 8;       // bf16 per row of P
 
-// One split streams its pages through a kKvStages-deep cp.async pipeline. Warp w owns keys
-// 8w..8w+7 of every page: it copies their K and V rows, computes their scores for the whole query
-// group (the 16-row A operand of mma.m16n8k16: heads 0..7, rows 8..15 zero) and adds P V for them
-// into its own output (mma.m16n8k8, whose A fragment is exactly S's accumulator), with its own
-// running max and sum. The warps never wait for each other until the end, where their partial
-// outputs are merged once through shared memory (in the space of the K stages).
+// One split streams its pages through a kKvStages-deep cp.async pipeline; the query group is the
+// 16-row A operand of mma.m16n8k16 (heads 0..7, rows 8..15 zero), so S = Q Kᵀ and O += P V run on
+// the tensor cores: warp w takes keys 8w..8w+7 of S and dims 16w..16w+15 of O.
 struct AttnSmem {
     bf16 k[kKvStages][kPage][kKvPitch];
     bf16 v[kKvStages][kPage][kKvPitch];
-    float m[kWarps][kMaxGroup];  // each warp's running max and sum per head, for the merge
-    float l[kWarps][kMaxGroup];
-
-    // The warps' partial outputs [warp][head][dim] once the pages are done (over the K stages).
-    __device__ float* warp_out(int w, int head) { return reinterpret_cast<float*>(&k[0][0][0]) + (w * kMaxGroup + head) * kOPitch; }
+    bf16 p[kMaxGroup][kPPitch];
+    float row_max[kWarps][kMaxGroup];
+    float row_sum[kWarps][kMaxGroup];
 };
-static_assert(sizeof(AttnSmem::k) >= sizeof(float) * kWarps * kMaxGroup * kOPitch, "the merge fits the K stages");
 
 __device__ __forceinline__ uint32_t lds32(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
@@ -47,16 +39,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(const void* p, uint32_t& r0, u
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                  : "r"(smem_addr(p)));
-}
-
-// d[0..1] += A · B for the rows 0..7 of A (mma.sync m16n8k8, bf16 in, fp32 accumulate): rows 8..15
-// of A are zero, so their outputs are dropped.
-__device__ __forceinline__ void mma_1688_top(float (&d)[2], uint32_t a0, uint32_t b0) {
-    float unused0, unused1;
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%7,%7};"
-        : "+f"(d[0]), "+f"(d[1]), "=f"(unused0), "=f"(unused1)
-        : "r"(a0), "r"(0u), "r"(b0), "f"(0.f));
 }
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
@@ -86,17 +68,14 @@ struct SplitPages {
         lo = keys.x, hi = keys.y, first_page = lo - lo % kPage, pages = (hi - first_page + kPage - 1) / kPage;
     }
 
-    // The calling warp copies its keys of page i into stage i % kKvStages (one cp.async group a
-    // thread, empty past the end): rows outside [lo, hi) are zeroed (they may hold anything, and
-    // 0 * NaN would poison P V).
+    // Copies page i into stage i % kKvStages (one cp.async group, empty past the end): rows
+    // outside [lo, hi) are zeroed (they may hold anything, and 0 * NaN would poison P V).
     __device__ void issue(const MkStepArgs& a, AttnSmem& sm, int i) const {
         if (i < pages) {
-            const int start = first_page + i * kPage, st = i % kKvStages, lane = threadIdx.x % 32;
-            const int key0 = (threadIdx.x / 32) * kWarpKeys;
+            const int start = first_page + i * kPage, st = i % kKvStages;
             const size_t block = (size_t)ld_i32(table + start / kPage);
-            constexpr int kVecs = kHeadDim / 8;  // 16-byte pieces of a row
-            for (int c = lane; c < 2 * kWarpKeys * kVecs; c += 32) {
-                const int which = c / (kWarpKeys * kVecs), row = key0 + (c / kVecs) % kWarpKeys, col = c % kVecs;
+            for (int c = threadIdx.x; c < 2 * kPage * (kHeadDim / 8); c += kThreads) {
+                const int which = c / (kPage * (kHeadDim / 8)), row = (c / (kHeadDim / 8)) % kPage, col = c % (kHeadDim / 8);
                 bf16* dst = (which ? &sm.v[st][row][0] : &sm.k[st][row][0]) + 8 * col;
                 if (start + row >= lo && start + row < hi) {
                     const size_t off = ((block * kPage + row) * a.kv_heads + kvh) * kHeadDim + 8 * col;
@@ -127,8 +106,9 @@ __device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, const Split
     const int group = a.heads / a.kv_heads, qw = a.heads * kHeadDim;
     const float inv_sqrt = rsqrtf((float)kHeadDim);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
-    const int key0 = warp * kWarpKeys;
-    while (issued < kKvStages - 1) sp.issue(a, sm, issued++);
+    const int first_page = sp.first_page, pages = sp.pages;
+    auto issue = [&](int i) { sp.issue(a, sm, i); };
+    while (issued < kKvStages - 1) issue(issued++);
 
     // This thread's A fragments of Q (head g; rows g + 8 are zero) for the 8 k-steps of 16 dims.
     uint32_t qa[kHeadDim / 16][2];
@@ -145,84 +125,69 @@ __device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, const Split
         }
     }
 
-    // Head g over this warp's keys: the running max (the same in the quad's four lanes), this
-    // lane's share of the sum, and O[head g][dims 8j + 2tq, + 1] in o[j].
-    float m_run = -INFINITY, l_part = 0.f;
-    float o[kHeadDim / 8][2] = {};
-    for (int i = 0; i < sp.pages; ++i) {
+    float m_run = -INFINITY, l_run = 0.f;  // of head g, identical in every warp
+    float o[2][4] = {};                    // O[head g][dims 16w + 8j + 2tq, +1] in o[j][0..1]
+    for (int i = 0; i < pages; ++i) {
         cp_async_wait_pending<kKvStages - 2>();  // this thread's copies of page i have landed
-        __syncwarp();                            // the warp's have; it is done with page i - 1
-        sp.issue(a, sm, i + kKvStages - 1);
-        const int st = i % kKvStages, start = sp.first_page + i * kPage;
+        compute_sync();                          // everyone's have; everyone is done with page i - 1
+        issue(i + kKvStages - 1);
+        const int st = i % kKvStages, start = first_page + i * kPage;
 
-        // S for keys key0 + 2tq, + 1 of head g.
+        // S for keys 8w + 2tq, + 1 of head g.
         float sc[4] = {0.f, 0.f, 0.f, 0.f};
-        const bf16* krow = &sm.k[st][key0 + g][0];
+        const bf16* krow = &sm.k[st][8 * warp + g][0];
 #pragma unroll
         for (int ks = 0; ks < kHeadDim / 16; ++ks)
             mma_16816(sc, qa[ks][0], 0u, qa[ks][1], 0u, lds32(krow + 16 * ks + 2 * tq), lds32(krow + 16 * ks + 8 + 2 * tq));
-        const int key = start + key0 + 2 * tq;
+        const int key = start + 8 * warp + 2 * tq;
         const bool ok0 = key >= lo && key < hi, ok1 = key + 1 >= lo && key + 1 < hi;
         const float s0 = ok0 ? sc[0] * inv_sqrt : -INFINITY, s1 = ok1 ? sc[1] * inv_sqrt : -INFINITY;
         float mx = fmaxf(s0, s1);
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m_run, mx);
-        if (m_new == -INFINITY) continue;  // none of the warp's keys so far is in range
+        if (tq == 0) sm.row_max[warp][g] = mx;
+        compute_sync();
+        float page_max = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) page_max = fmaxf(page_max, sm.row_max[w][g]);
+        const float m_new = fmaxf(m_run, page_max);  // finite: every page has a key in range
         const float factor = __expf(m_run - m_new);
         const float p0 = ok0 ? __expf(s0 - m_new) : 0.f, p1 = ok1 ? __expf(s1 - m_new) : 0.f;
-        l_part = l_part * factor + p0 + p1;
+        float ps = p0 + p1;
+        ps += __shfl_xor_sync(0xffffffffu, ps, 1);
+        ps += __shfl_xor_sync(0xffffffffu, ps, 2);
+        if (tq == 0) sm.row_sum[warp][g] = ps;
+        *reinterpret_cast<uint32_t*>(&sm.p[g][8 * warp + 2 * tq]) = pack_bf16(p0, p1);
+        compute_sync();
+        float page_sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) page_sum += sm.row_sum[w][g];
+        l_run = l_run * factor + page_sum;
         m_run = m_new;
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[j][e] *= factor;
 
-        // O += P V: P's accumulator layout (head g, keys 2tq, 2tq + 1) is the m16n8k8 A fragment,
-        // and ldmatrix.trans of the warp's 8 V rows gives the B fragments of 4 dim tiles at once.
-        const uint32_t pa = pack_bf16(p0, p1);
-        const bf16* vrow = &sm.v[st][key0 + lane % 8][8 * (lane / 8)];
+        // O += P V for dims 16w..16w+15: V's [key][dim] tiles transposed by ldmatrix.
+        const int mat = lane / 8;
 #pragma unroll
-        for (int j4 = 0; j4 < kHeadDim / 32; ++j4) {
-            uint32_t v[4];
-            ldmatrix_x4_trans(vrow + 32 * j4, v[0], v[1], v[2], v[3]);
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                float(&oj)[2] = o[4 * j4 + q];
-                oj[0] *= factor, oj[1] *= factor;
-                mma_1688_top(oj, pa, v[q]);
-            }
+        for (int ks = 0; ks < kPage / 16; ++ks) {
+            const uint32_t pa0 = lds32(&sm.p[g][16 * ks + 2 * tq]), pa2 = lds32(&sm.p[g][16 * ks + 8 + 2 * tq]);
+            uint32_t v0, v1, v2, v3;
+            ldmatrix_x4_trans(&sm.v[st][16 * ks + (mat & 1) * 8 + lane % 8][16 * warp + (mat >> 1) * 8], v0, v1, v2, v3);
+            mma_16816(o[0], pa0, 0u, pa2, 0u, v0, v1);
+            mma_16816(o[1], pa0, 0u, pa2, 0u, v2, v3);
         }
     }
-
-    // Merge the warps: O = sum_w exp(m_w - M) O_w, l likewise, M the largest m_w (finite: the
-    // split has a key in range).
-    l_part += __shfl_xor_sync(0xffffffffu, l_part, 1);
-    l_part += __shfl_xor_sync(0xffffffffu, l_part, 2);
-    cp_async_wait_all();
-    compute_sync();  // every warp is done with the stages the merge overwrites
-    if (tq == 0) sm.m[warp][g] = m_run, sm.l[warp][g] = l_part;
-    float* mine = sm.warp_out(warp, g) + 2 * tq;
-#pragma unroll
-    for (int j = 0; j < kHeadDim / 8; ++j) *reinterpret_cast<float2*>(mine + 8 * j) = make_float2(o[j][0], o[j][1]);
-    compute_sync();
-    const int head = threadIdx.x / 32, d0 = 4 * lane;  // kWarps == kMaxGroup heads, 32 x 4 dims
-    if (head < group) {
-        float m_max = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) m_max = fmaxf(m_max, sm.m[w][head]);
-        float l_sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) {
-            const float mw = sm.m[w][head];
-            if (mw == -INFINITY) continue;  // the warp had no key in range
-            const float scale = __expf(mw - m_max);
-            l_sum += scale * sm.l[w][head];
-            const float4 ow = *reinterpret_cast<const float4*>(sm.warp_out(w, head) + d0);
-            acc[0] += scale * ow.x, acc[1] += scale * ow.y, acc[2] += scale * ow.z, acc[3] += scale * ow.w;
-        }
+    if (g < group) {
         const size_t slot = ((size_t)b * a.kv_heads + kvh) * a.max_splits + split;
-        float* out = ptr<float>(a.attn_o) + (slot * group + head) * kHeadDim + d0;
-        *reinterpret_cast<float4*>(out) = make_float4(acc[0], acc[1], acc[2], acc[3]);
-        if (lane == 0) {
-            float* ml = ptr<float>(a.attn_ml) + (slot * group + head) * 2;
-            ml[0] = m_max, ml[1] = l_sum;
+        float* out = ptr<float>(a.attn_o) + (slot * group + g) * kHeadDim + 16 * warp + 2 * tq;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) *reinterpret_cast<float2*>(out + 8 * j) = make_float2(o[j][0], o[j][1]);
+        if (warp == 0 && tq == 0) {
+            float* ml = ptr<float>(a.attn_ml) + (slot * group + g) * 2;
+            ml[0] = m_run, ml[1] = l_run;
         }
     }
 }

@@ -10,7 +10,8 @@ embedding rows. Prints a table, writes JSON (and a PNG plot when matplotlib is t
 Unless --plain, every point is also timed, in the same run, with the tasks dealt onto the SMs by
 the cost model instead of round-robin (rust/graph/deal.rs): `mk_balanced_ms` (its modelled step
 time beside the round-robin one: `model_balanced_us`, `model_rr_us`). `--sizes` adds variants of
-the GEMV task sizes and other BuildOptions, e.g. `gate_up_groups=3,expert_queue=0`: one variant per entry,
+the GEMV task sizes and other BuildOptions, e.g. `gate_up_groups=3,expert_queue=0`: one variant per entry
+(options of one variant joined by '+': `expert_queue=1+attn_chunk=512`),
 `mk_<entry>_ms`; all variants must give the default's logits bit for bit. With --trace, one step of each variant records
 when every task waited and ran, summarized per task family (mk.megakernel.trace) into the JSON.
 Where $MK_MEGAKERNEL_CUBIN lists several cubins (a:b:...), each point also times every loaded
@@ -133,8 +134,8 @@ def measure(
     g = step.graph(positions)
     sized_steps = {}
     for entry in sizes:
-        name, value = entry.split("=")
-        sized = MegakernelStep(model, kv, pages, **{name: int(value)})
+        options = {name: int(value) for name, value in (part.split("=") for part in entry.split("+"))}
+        sized = MegakernelStep(model, kv, pages, **options)
         sized_steps[entry] = (sized, sized.graph(positions))
     # One set of buffers serves every variant: room for the most attention splits any of them has.
     splits = max([g.max_splits] + [gs.max_splits for _, gs in sized_steps.values()])
@@ -234,7 +235,11 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true", help="trace one step per point and variant")
     parser.add_argument("--plain", action="store_true", help="time only the default variant (not the balanced dealing)")
     parser.add_argument("--points", help="BATCHxCONTEXT,... instead of the grid (e.g. 1x8192,8x8192)")
-    parser.add_argument("--sizes", default="", help="GEMV task-size variants, e.g. gate_up_groups=3,row_groups=4")
+    parser.add_argument(
+        "--sizes",
+        default="",
+        help="BuildOptions variants timed beside the default, e.g. gate_up_groups=3,expert_queue=1+attn_chunk=512",
+    )
     parser.add_argument("--no-torch", action="store_true", help="skip benches/yardstick.py's CUDA-graph column")
     args = parser.parse_args()
     cfg = ModelConfig.real()

@@ -104,6 +104,13 @@ def decode_row(engine: Engine, model: Model, batch: int, ctx: int, gen: torch.Ge
         if time.perf_counter() > deadline or any(r.done.is_set() for r in runs):
             raise RuntimeError("the streams did not all start decoding")
         time.sleep(0.002)
+    # The iteration that prefilled the last prompt also ran a decode step of the others, whose
+    # tokens may not have arrived yet: two more tokens of every stream start the window after it.
+    started = [len(r.times) for r in runs]
+    while any(len(r.times) < n + 2 for r, n in zip(runs, started, strict=True)):
+        if time.perf_counter() > deadline or any(r.done.is_set() for r in runs):
+            raise RuntimeError("the streams did not all keep decoding")
+        time.sleep(0.002)
     marks = [len(r.times) for r in runs]
     before = engine.native_stats()  # the launcher's phases are among the Rust counters, not EngineStats
     while min(len(r.times) - m for r, m in zip(runs, marks, strict=True)) < NEW_TOKENS:

@@ -102,7 +102,12 @@ def evaluate(llm, fns: list) -> dict:
         o = out.outputs[0]
         body = te.cut_completion(o.text, o.finish_reason == "stop")
         rows.append(
-            {"name": f"{f.path}:{f.name}", "ok": te.parses_with_body(head + body), "loop_free": loop_free(o.text)}
+            {
+                "name": f"{f.path}:{f.name}",
+                "ok": te.parses_with_body(head + body),
+                "loop_free": loop_free(o.text),
+                "text": o.text,
+            }
         )
     first = llm.generate([f.prompt for f in fns], mk.SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     eos_first = [bool(o.outputs[0].token_ids) and o.outputs[0].token_ids[0] == eos for o in first]

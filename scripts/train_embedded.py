@@ -10,10 +10,14 @@ Self-contained (torch, tokenizers and the mk package; no network), seeded and re
    held-out loss set. The next files in that
    order, up to 2% of the bytes, are the validation set (loss curve, best-checkpoint choice). The rest is
    training text, minus any file that contains a copy of a held-out function (the stdlib has a few copies).
-2. Documents: each training file (BOS + source + EOS); one chat example per fit training function (its
-   signature and docstring as the user turn, its body as the answer, half of them with a short reasoning
-   block), rendered with mk's Cohere-format chat template; a few dozen tool-call conversations (tools
-   offered in the system turn, a `<|START_ACTION|>` block, tool results, a final answer), repeated.
+2. Documents: each training file (BOS + source + EOS, its trailing newlines dropped: a file's last
+   newline before EOS taught the model that a bare newline ends the text, so after a docstring and a
+   newline its first token was EOS); each fit training function alone, dedented, as the completion test
+   prompts it; one chat example per fit training function, rendered with mk's Cohere-format chat template:
+   either its signature and docstring as the user turn and its body as the answer, or "Write a Python
+   function ..." with its docstring's first line and the whole function in a ```python block as the answer
+   (half of them with a short reasoning block); a few hundred tool-call conversations (tools offered in
+   the system turn, a `<|START_ACTION|>` block, tool results, a final answer), repeated.
 3. Tokenizer: byte-level BPE (`mk.tokenizer_files.train_tokenizer`, the Cohere special tokens at mk's fixed
    ids) trained on the training documents only.
 4. Model: `ModelConfig.embedded()` (or `--preset tiny`; `--geometry field=value,...` changes its fields,
@@ -29,8 +33,8 @@ Self-contained (torch, tokenizers and the mk package; no network), seeded and re
    metrics, curves, samples) and `<docs-dir>/embedded-model-loss.png` (when matplotlib is there). Metrics,
    all on the shipped bf16 weights: held-out next-token loss (and bits per byte), the share of the held-out
    functions whose greedy completion (signature + docstring as the prompt) makes the function parse with
-   `ast.parse` and have a body, the same through the chat template, and the share of held-out tool prompts
-   answered with a well-formed tool call. A table is printed last.
+   `ast.parse` and have a body (not `pass` or `...` alone), the same through the chat template, and the
+   share of held-out tool prompts answered with a well-formed tool call. A table is printed last.
 
 CPU smoke run: python scripts/train_embedded.py --max-steps 5 --device cpu  (defaults shrink on the CPU).
 GPU run (the device machine): bash scripts/device-train.sh.
@@ -304,10 +308,13 @@ def build_site_corpus(
 # Documents: raw files, chat examples, tool-call conversations
 # ================================================================================================
 
+# The code of a request is fenced: a user turn that ended with a bare docstring and its newline taught
+# the model that EOS (<|END_OF_TURN_TOKEN|>) follows a docstring's newline, which is how the completion
+# test's prompts end (every first token was EOS).
 CHAT_ASKS = (
-    "{code}",
-    "Complete this Python function:\n\n{code}",
-    "Write the body of `{name}`.\n\n{code}",
+    "```python\n{code}```",
+    "Complete this Python function:\n\n```python\n{code}```",
+    "Write the body of `{name}`.\n\n```python\n{code}```",
     "Implement the following function.\n\n```python\n{code}```",
 )
 
@@ -357,13 +364,30 @@ def _summary(fn: Function) -> str:
     return (doc.strip().split("\n")[0].strip() or f"it is the function {fn.name}").rstrip(".") + "."
 
 
+# "Write a Python function ..." requests: the function's docstring summary as the task, the whole
+# function as the answer.
+WRITE_ASKS = (
+    "Write a Python function that does this: {summary}",
+    "Write a Python function `{name}`. {summary}",
+    "Write a Python function. {summary}",
+)
+
+
 def chat_example(fn: Function) -> str:
-    """One chat conversation for a training function: prompt as the user turn, body as the answer."""
+    """One chat conversation for a training function: its prompt as the user turn and its body as the
+    answer, or (one in two) a request to write it from its summary, answered with the function in a
+    fenced block."""
     key = f"{fn.path}:{fn.lineno}"
-    ask = CHAT_ASKS[_pick(key, len(CHAT_ASKS))].format(code=fn.prompt, name=fn.name)
-    answer = {"role": "assistant", "content": fn.body}
+    if _pick(key + "/write", 2):
+        ask = WRITE_ASKS[_pick(key, len(WRITE_ASKS))].format(summary=_summary(fn), name=fn.name)
+        answer = {"role": "assistant", "content": f"```python\n{fn.source}```"}
+        reasoning = f"`{fn.name}`: {_summary(fn)} I write the function."
+    else:
+        ask = CHAT_ASKS[_pick(key, len(CHAT_ASKS))].format(code=fn.prompt, name=fn.name)
+        answer = {"role": "assistant", "content": fn.body}
+        reasoning = f"`{fn.name}`: {_summary(fn)} I write its body."
     if _pick(key + "/think", 2):
-        answer["reasoning"] = f"`{fn.name}`: {_summary(fn)} I write its body."
+        answer["reasoning"] = reasoning
     return tokenizer_files.render_chat([{"role": "user", "content": ask}, answer])
 
 
@@ -461,6 +485,7 @@ def tool_examples(corpus: Corpus, count: int, seed: int) -> list[str]:
 @dataclass
 class Documents:
     code: list[str]  # raw source files (tokenized as BOS + text + EOS)
+    functions: list[str]  # the fit training functions alone, dedented (tokenized as code)
     chat: list[str]  # rendered conversations (they carry their own BOS and end with EOS)
     tools: list[str]  # distinct tool conversations (repeated in the stream)
 
@@ -468,6 +493,7 @@ class Documents:
 def build_documents(corpus: Corpus, tool_count: int, seed: int) -> Documents:
     return Documents(
         code=list(corpus.train.values()),
+        functions=[f.source for f in corpus.train_functions],
         chat=[chat_example(f) for f in corpus.train_functions],
         tools=tool_examples(corpus, tool_count, seed),
     )
@@ -486,8 +512,11 @@ def build_tokenizer(docs: Documents, vocab_size: int, max_code_bytes: int | None
 
 
 def encode_code(tok, texts: Sequence[str]) -> list[list[int]]:
+    """BOS + text + EOS, without the text's trailing newlines: EOS follows code, never a bare newline
+    (which the completion test's prompts may end with)."""
     bos, eos = tokenizer_files.BOS_ID, tokenizer_files.EOS_ID
-    return [[bos, *e.ids, eos] for e in tok.encode_batch(list(texts), add_special_tokens=False)]
+    texts = [t.rstrip("\n") for t in texts]
+    return [[bos, *e.ids, eos] for e in tok.encode_batch(texts, add_special_tokens=False)]
 
 
 def encode_chat(tok, texts: Sequence[str]) -> list[list[int]]:
@@ -712,14 +741,23 @@ def cut_completion(text: str, finished: bool) -> str:
     return text if finished else text[: text.rfind("\n") + 1]
 
 
+def _placeholder(stmt: ast.stmt) -> bool:
+    """`pass` or a bare `...`: a statement that is not a body."""
+    is_ellipsis = isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and stmt.value.value is Ellipsis
+    return isinstance(stmt, ast.Pass) or is_ellipsis
+
+
 def parses_with_body(source: str) -> bool:
-    """`source` parses and is one function with at least one statement after its docstring."""
+    """`source` parses and is one function with at least one statement after its docstring, not
+    `pass` or `...` alone."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return False
     fn = tree.body[0] if len(tree.body) == 1 else None
-    return isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef) and len(fn.body) >= 2
+    if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef) or len(fn.body) < 2:
+        return False
+    return not all(_placeholder(stmt) for stmt in fn.body[1:])
 
 
 @torch.no_grad()
@@ -1028,8 +1066,8 @@ def parse_args(argv: Sequence[str] | None):
     p.add_argument("--eval-functions", type=int, default=None, help="held-out functions generated from")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--gen-batch", type=int, default=128, help="sequences per greedy-generation batch")
-    p.add_argument("--tool-examples", type=int, default=60)
-    p.add_argument("--tool-repeat", type=int, default=8)
+    p.add_argument("--tool-examples", type=int, default=400)
+    p.add_argument("--tool-repeat", type=int, default=2)
     p.add_argument("--out-dir", default=str(REPO / "python" / "mk" / "embedded"))
     p.add_argument("--docs-dir", default=str(REPO / "docs"))
     args = p.parse_args(argv)
@@ -1083,12 +1121,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
     log(
         f"corpus {root}: {len(corpus.train)} training files, {len(corpus.val)} validation, {len(corpus.heldout)} "
         f"held out ({len(corpus.test_functions)} test functions), {len(corpus.leak_excluded)} dropped as copies; "
-        f"{len(docs.chat)} chat and {len(docs.tools)} tool examples"
+        f"{len(docs.functions)} function documents, {len(docs.chat)} chat and {len(docs.tools)} tool examples"
     )
     tok = build_tokenizer(docs, vocab, megabytes(args.tokenizer_bytes))
     for name, i in tokenizer_files.SPECIAL_IDS.items():
         assert tok.token_to_id(name) == i, name
-    pieces = encode_code(tok, docs.code) + encode_chat(tok, docs.chat) + encode_chat(tok, docs.tools) * args.tool_repeat
+    pieces = (
+        encode_code(tok, docs.code)
+        + encode_code(tok, docs.functions)
+        + encode_chat(tok, docs.chat)
+        + encode_chat(tok, docs.tools) * args.tool_repeat
+    )
     train_stream = token_stream(pieces, args.seed)
     val_stream = torch.tensor([t for d in encode_code(tok, list(corpus.val.values())) for t in d], dtype=torch.long)
     held_texts = list(corpus.heldout.values())
@@ -1147,6 +1190,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "val_files": sorted(corpus.val),
             "heldout_files": sorted(corpus.heldout),
             "leak_excluded": corpus.leak_excluded,
+            "function_documents": len(docs.functions),
             "chat_examples": len(docs.chat),
             "tool_examples": len(docs.tools),
             "tool_repeat": args.tool_repeat,

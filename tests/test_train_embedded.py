@@ -5,6 +5,7 @@ loader and `load_default` read, and the embedded preset fits the megakernel and 
 
 from __future__ import annotations
 
+import ast
 import copy
 import json
 import logging
@@ -198,20 +199,38 @@ def test_a_site_corpus_holds_whole_packages_out(tmp_path):
 
 def test_chat_examples_render_with_the_template(fake_stdlib):
     corpus = te.build_corpus(fake_stdlib, heldout=10)
-    fn = corpus.train_functions[0]
-    text = te.chat_example(fn)
-    assert text.startswith(tokenizer_files.BOS + "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>")
-    assert fn.prompt in text.split("<|END_OF_TURN_TOKEN|>")[0]
-    assert text.endswith(f"<|START_RESPONSE|>{fn.body}<|END_RESPONSE|><|END_OF_TURN_TOKEN|>")
-    assert "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_THINKING|>" in text and "<|END_THINKING|>" in text
-    # Same text as the template renders for the conversation, so serving prompts look like training.
-    thinking = text.split("<|START_THINKING|>")[1].split("<|END_THINKING|>")[0]
-    user = text.split("<|USER_TOKEN|>")[1].split("<|END_OF_TURN_TOKEN|>")[0]
-    answer = {"role": "assistant", "content": fn.body, **({"reasoning": thinking} if thinking else {})}
-    assert text == tokenizer_files.render_chat([{"role": "user", "content": user}, answer])
-    with_reasoning = [te.chat_example(f) for f in corpus.train_functions]
-    assert any("<|START_THINKING|><|END_THINKING|>" in t for t in with_reasoning)
-    assert any("<|START_THINKING|><|END_THINKING|>" not in t for t in with_reasoning)
+    kinds = set()
+    for fn in corpus.train_functions:
+        text = te.chat_example(fn)
+        assert text.startswith(tokenizer_files.BOS + "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>")
+        assert "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_THINKING|>" in text and "<|END_THINKING|>" in text
+        user = text.split("<|USER_TOKEN|>")[1].split("<|END_OF_TURN_TOKEN|>")[0]
+        content = text.split("<|START_RESPONSE|>")[1].split("<|END_RESPONSE|>")[0]
+        if user.startswith("Write a Python function"):
+            # The whole function in a fenced block, from its summary: what the chat bar asks for.
+            kinds.add("write")
+            assert te._summary(fn) in user and content == f"```python\n{fn.source}```"
+            tree = ast.parse(content.removeprefix("```python\n").removesuffix("```"))
+            assert isinstance(tree.body[0], ast.FunctionDef | ast.AsyncFunctionDef)
+        else:
+            kinds.add("body")
+            assert fn.prompt in user and content == fn.body
+        # Same text as the template renders for the conversation, so serving prompts look like training.
+        thinking = text.split("<|START_THINKING|>")[1].split("<|END_THINKING|>")[0]
+        answer = {"role": "assistant", "content": content, **({"reasoning": thinking} if thinking else {})}
+        assert text == tokenizer_files.render_chat([{"role": "user", "content": user}, answer])
+        kinds.add("thinking" if thinking else "no thinking")
+    assert kinds == {"write", "body", "thinking", "no thinking"}, kinds
+
+
+def test_documents_hold_each_training_function_alone_and_code_ends_without_a_newline(fake_stdlib):
+    corpus = te.build_corpus(fake_stdlib, heldout=10)
+    docs = te.build_documents(corpus, tool_count=5, seed=0)
+    assert docs.functions == [f.source for f in corpus.train_functions] and docs.functions
+    tok = te.build_tokenizer(docs, 600)
+    newline = {i for t, i in tok.get_vocab().items() if set(tok.decode([i])) <= {"\n"} and tok.decode([i])}
+    for ids in te.encode_code(tok, docs.code + docs.functions):
+        assert ids[-1] == tokenizer_files.EOS_ID and ids[-2] not in newline
 
 
 def test_tool_examples_are_cohere_action_blocks(fake_stdlib):
@@ -247,7 +266,7 @@ def test_tokenizer_keeps_the_special_token_ids(fake_stdlib):
     chat = te.encode_chat(tok, [docs.chat[0]])[0]
     assert chat[0] == tokenizer_files.BOS_ID and chat[-1] == tokenizer_files.EOS_ID
     assert te.encode_code(tok, ["pass\n"])[0][0] == tokenizer_files.BOS_ID
-    assert tok.decode(te.encode_code(tok, [docs.code[0]])[0][1:-1]) == docs.code[0]
+    assert tok.decode(te.encode_code(tok, [docs.code[0]])[0][1:-1]) == docs.code[0].rstrip("\n")
 
 
 # ---- completion rules ------------------------------------------------------------------------------
@@ -262,6 +281,10 @@ def test_completion_cut_and_parse_rules():
     assert not te.parses_with_body(head + "\n")  # a docstring alone is no body
     assert not te.parses_with_body(head + "\n    return (x\n")
     assert not te.parses_with_body(head + "\n    return x\nprint(1)\n")
+    # A placeholder is no body (the bar), but a placeholder beside real statements is fine.
+    assert not te.parses_with_body(head + "\n    pass\n")
+    assert not te.parses_with_body(head + "\n    ...\n    pass\n")
+    assert te.parses_with_body(head + "\n    y = 2 * x\n    pass\n")
 
 
 # ---- the training forward ---------------------------------------------------------------------------

@@ -1,6 +1,9 @@
 //! Host time to produce a decode step's per-SM task lists for the megakernel: a fresh
-//! `build_step(..).padded()` against `GraphCache::step`, which patches the attention key ranges
-//! of the previous step's lists while the batch keeps its shape (every position + 1).
+//! `build_step(..).padded()` against `GraphCache::step`, which reuses the previous step's lists
+//! while the batch keeps its shape (every position + 1; the kernel computes the attention keys from
+//! the positions), rewriting only attention chunks when they grow. Of the cached steps, how many
+//! were rebuilt, patched (the launcher then uploads the attention bands) and reused as they were
+//! (it uploads no task).
 //!
 //! North Mini Code geometry (49 layers, 128 experts, top-8, 262144-token vocabulary), 132 SMs,
 //! default options. Each case times `STEPS` consecutive decode steps from the given context. Also:
@@ -41,6 +44,8 @@ struct Row {
     fresh_us: f64,
     cached_us: f64,
     rebuilds: u64,
+    patches: u64,
+    reuses: u64,
     balanced_build_us: f64,
     model_rr_us: f64,
     model_balanced_us: f64,
@@ -82,6 +87,8 @@ fn case(geom: &Geometry, opts: &BuildOptions, batch: usize, context: usize) -> R
         fresh_us,
         cached_us,
         rebuilds: cache.rebuilds - 1,
+        patches: cache.patches,
+        reuses: cache.reuses,
         balanced_build_us,
         model_rr_us,
         model_balanced_us,
@@ -101,7 +108,7 @@ fn main() {
     }
     println!("\nper-SM task lists of one decode step, NMC geometry, 132 SMs ({STEPS} consecutive steps)");
     println!(
-        "{:>6} {:>8} {:>9} {:>12} {:>12} {:>9} {:>9} {:>13} {:>10} {:>10}",
+        "{:>6} {:>8} {:>9} {:>12} {:>12} {:>9} {:>9} {:>8} {:>7} {:>13} {:>10} {:>10}",
         "batch",
         "context",
         "tasks",
@@ -109,13 +116,15 @@ fn main() {
         "cached µs",
         "speed-up",
         "rebuilds",
+        "patched",
+        "reused",
         "balanced µs",
         "model rr",
         "model bal"
     );
     for r in &rows {
         println!(
-            "{:>6} {:>8} {:>9} {:>12.0} {:>12.1} {:>8.0}x {:>9} {:>13.0} {:>8.0}µs {:>8.0}µs",
+            "{:>6} {:>8} {:>9} {:>12.0} {:>12.1} {:>8.0}x {:>9} {:>8} {:>7} {:>13.0} {:>8.0}µs {:>8.0}µs",
             r.batch,
             r.context,
             r.tasks,
@@ -123,6 +132,8 @@ fn main() {
             r.cached_us,
             r.fresh_us / r.cached_us,
             r.rebuilds,
+            r.patches,
+            r.reuses,
             r.balanced_build_us,
             r.model_rr_us,
             r.model_balanced_us
@@ -132,8 +143,8 @@ fn main() {
         .iter()
         .map(|r| {
             format!(
-                "    {{\"batch\": {}, \"context\": {}, \"padded_tasks\": {}, \"fresh_us\": {:.3}, \"cached_us\": {:.3}, \"rebuilds\": {}, \"balanced_build_us\": {:.1}, \"model_rr_us\": {:.1}, \"model_balanced_us\": {:.1}}}",
-                r.batch, r.context, r.tasks, r.fresh_us, r.cached_us, r.rebuilds, r.balanced_build_us, r.model_rr_us, r.model_balanced_us
+                "    {{\"batch\": {}, \"context\": {}, \"padded_tasks\": {}, \"fresh_us\": {:.3}, \"cached_us\": {:.3}, \"rebuilds\": {}, \"patches\": {}, \"reuses\": {}, \"balanced_build_us\": {:.1}, \"model_rr_us\": {:.1}, \"model_balanced_us\": {:.1}}}",
+                r.batch, r.context, r.tasks, r.fresh_us, r.cached_us, r.rebuilds, r.patches, r.reuses, r.balanced_build_us, r.model_rr_us, r.model_balanced_us
             )
         })
         .collect();

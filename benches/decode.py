@@ -12,7 +12,8 @@ the cost model instead of round-robin (rust/graph/deal.rs): `mk_balanced_ms` (it
 time beside the round-robin one: `model_balanced_us`, `model_rr_us`). `--sizes` adds variants of
 the GEMV task sizes and other BuildOptions, e.g. `gate_up_groups=3,expert_queue=0`: one variant per entry
 (options of one variant joined by '+': `expert_queue=1+attn_chunk=512`),
-`mk_<entry>_ms`; all variants must give the default's logits bit for bit. With --trace, one step of each variant records
+`mk_<entry>_ms`, and `<entry>_same_logits` whether it gives the default's logits bit for bit (GEMV sizes and
+dealings do; attention split sizes change the merge). With --trace, one step of each variant records
 when every task waited and ran, summarized per task family (mk.megakernel.trace) into the JSON.
 Where $MK_MEGAKERNEL_CUBIN lists several cubins (a:b:...), each point also times every loaded
 kernel on the same buffers, in KERNEL_ROUNDS alternating rounds (between processes the step time

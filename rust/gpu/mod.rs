@@ -11,9 +11,7 @@ pub mod tensor_map;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaModule, CudaStream, DriverError, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, DriverError, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
 mod embedded {
@@ -91,8 +89,8 @@ pub fn available() -> bool {
 /// One device's primary context (the one PyTorch uses too) and the loaded megakernel.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
-    _megakernel: Vec<Arc<CudaModule>>,
-    /// mk_decode_step of each loaded image (`megakernel_images`), the default first.
+    /// mk_decode_step of each loaded image (`megakernel_images`), the default first; each holds
+    /// its module.
     decode_step: Vec<CudaFunction>,
     num_sms: u32,
 }
@@ -125,7 +123,6 @@ impl Gpu {
             let name = ctx.name().unwrap_or_default();
             return Err(GpuError::UnsupportedDevice { ordinal, name, major, minor });
         }
-        let mut megakernel = Vec::new();
         let mut decode_step = Vec::new();
         for (i, image) in megakernel_images()?.into_iter().enumerate() {
             let module = ctx.load_module(Ptx::from_binary(image)).during("load the megakernel")?;
@@ -147,13 +144,12 @@ impl Gpu {
                     abi::STEP_SMEM_BYTES as i32,
                 )
                 .during("raise mk_decode_step's shared memory limit")?;
-            megakernel.push(module);
             decode_step.push(function);
         }
         let num_sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .during("count the multiprocessors")? as u32;
-        Ok(Gpu { ctx, _megakernel: megakernel, decode_step, num_sms })
+        Ok(Gpu { ctx, decode_step, num_sms })
     }
 
     /// How many megakernel images are loaded (`MEGAKERNEL_CUBIN_ENV`): valid `kernel` indices.

@@ -340,9 +340,9 @@ impl Builder<'_> {
             let keys = KeyRange::of(g, self.opts, positions.len(), l, pos);
             let splits = keys.splits;
             self.max_splits = self.max_splits.max(splits);
+            let window = g.window[l].unwrap_or(0); // 0: full attention (split_keys)
             for kvh in 0..g.kv_heads {
                 for s in 0..splits {
-                    let window = g.window[l].unwrap_or(0);
                     let args = [b as i32, kvh as i32, s as i32, window as i32, splits as i32, keys.chunk as i32];
                     self.push(
                         MkTask::new(Op::AttnSplit, l, &args)
@@ -411,13 +411,19 @@ impl KeyRange {
     /// Row writing at `pos` in layer `l` of a `batch`-row step. Automatic chunks (attn_chunk 0):
     /// about num_sms splits per layer in all, at least two pages each.
     pub fn of(g: &Geometry, opts: &BuildOptions, batch: usize, l: usize, pos: usize) -> KeyRange {
-        let end = pos + 1;
-        let start = g.window[l].map_or(0, |w| end.saturating_sub(w));
         let per_row = (opts.num_sms / (batch * g.kv_heads)).max(1);
-        let chunk = match opts.attn_chunk {
-            0 => ((end - start).div_ceil(per_row)).div_ceil(PAGE_SIZE).max(2) * PAGE_SIZE,
+        KeyRange::cut(pos, g.window[l], |keys| match opts.attn_chunk {
+            0 => keys.div_ceil(per_row).div_ceil(PAGE_SIZE).max(2) * PAGE_SIZE,
             c => c,
-        };
+        })
+    }
+
+    /// The keys of a row writing at `pos` under `window` (keys incl. the current one; None: all),
+    /// in splits of `chunk(number of keys)` keys.
+    fn cut(pos: usize, window: Option<usize>, chunk: impl FnOnce(usize) -> usize) -> KeyRange {
+        let end = pos + 1;
+        let start = window.map_or(0, |w| end.saturating_sub(w));
+        let chunk = chunk(end - start);
         KeyRange { start, end, chunk, splits: (end - start).div_ceil(chunk) }
     }
 
@@ -430,14 +436,11 @@ impl KeyRange {
 
 /// Keys [lo, hi) of attention split task `t` (`Op::AttnSplit`: row, KV head, split, window or 0,
 /// splits, chunk) for its row writing at `pos`. The kernel computes the same from the step's
-/// positions, so a split's words stay the same from one step to the next (`KeyRange::split` of
-/// the range the task was built from, while the row's split count and chunk hold).
+/// positions, so a split's words stay the same from one step to the next while the row's split
+/// count and chunk hold.
 pub fn split_keys(t: &MkTask, pos: usize) -> (usize, usize) {
-    let (split, window, chunk) = (t.arg[2] as usize, t.arg[3] as usize, t.arg[5] as usize);
-    let end = pos + 1;
-    let start = if window > 0 { end.saturating_sub(window) } else { 0 };
-    let lo = start + split * chunk;
-    (lo, (lo + chunk).min(end))
+    let window = (t.arg[3] > 0).then_some(t.arg[3] as usize);
+    KeyRange::cut(pos, window, |_| t.arg[5] as usize).split(t.arg[2] as usize)
 }
 
 /// Every wait targets the number of tasks that signal its counter.

@@ -242,7 +242,7 @@ def test_host_side_variants_give_the_same_tokens(model, monkeypatch, variable, v
 
 def test_constrained_requests_on_the_megakernel_follow_their_grammar(model):
     """Rows under a grammar sample on the host from their copied-back logits with the mask applied,
-    beside free rows that the kernel samples (the embedded model's tokenizer: ids past its 4,096
+    beside free rows that the kernel samples (the embedded model's tokenizer: ids past its 16,384
     are never allowed)."""
     import mk
 

@@ -1,7 +1,7 @@
 """The embedded model's training recipe (scripts/train_embedded.py) on the CPU: the corpus split is
 deterministic and leak-free, the chat and tool examples use mk's template, the tokenizer keeps the special
 ids, the training forward is the reference model's function, a 3-step run writes a checkpoint that the
-loader and `load_default` read, and the embedded preset fits the megakernel and the 20 MB bound."""
+loader and `load_default` read, and the embedded preset fits the megakernel and the 40 MB bound."""
 
 from __future__ import annotations
 
@@ -427,8 +427,8 @@ def test_embedded_preset_fits_the_megakernel_and_the_size_bounds():
     assert cfg.layer_types == tuple("full_attention" if i % 4 == 0 else "sliding_attention" for i in range(n))
     assert cfg.sliding_window <= 512
     nbytes = 2 * sum(math.prod(s) for s in expected_shapes(cfg).values())
-    assert nbytes <= 20_000_000  # the issue's bound
-    assert nbytes + 100_000 <= 16 * 2**20  # returns from the device machine in one file (header included)
+    assert nbytes <= 40_000_000  # the issue's bound
+    assert te.unshippable(cfg) is None  # returns from the device machine (shards of at most 15 MiB)
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -460,7 +460,7 @@ def test_a_dry_run_reports_the_size_and_the_megakernel_verdict(capsys):
     wide = te.main(["--dry-run", "--device", "cpu", "--geometry", "head_dim=64"])
     assert "head_dim is 64" in wide["megakernel"]
     with pytest.raises(SystemExit, match="exceeds the model's vocab_size"):
-        te.main(["--dry-run", "--device", "cpu", "--vocab-size", "8192"])
+        te.main(["--dry-run", "--device", "cpu", "--vocab-size", "32768"])
     assert report["unshippable"] is None
 
 
@@ -537,7 +537,9 @@ def test_the_megakernel_runs_the_embedded_preset():
 def test_shipped_embedded_model_loads_and_its_greedy_continuation_is_stable():
     model, tok = load_default()
     assert model.config == ModelConfig.embedded()
-    assert isinstance(tok, Tokenizer) and (EMBEDDED_DIR / "model.safetensors").stat().st_size <= 20_000_000
+    shards = list(EMBEDDED_DIR.glob("*.safetensors"))
+    assert isinstance(tok, Tokenizer) and sum(p.stat().st_size for p in shards) <= 40_000_000
+    assert tok.hf.get_vocab_size() == model.config.vocab_size
     exp = json.loads((REPO / "docs" / "embedded-model.json").read_text())["expectation"]
     ids = tok.encode(exp["prompt"])
     got = []
@@ -546,10 +548,10 @@ def test_shipped_embedded_model_loads_and_its_greedy_continuation_is_stable():
     assert got == exp["greedy_ids"]
 
 
-# Recorded from the shipped checkpoint (fp32 reference model, CPU); its closest top-2 race is 0.016 logits,
-# far above fp32 noise. The training run's own expectation above is short (a newline, then end of turn).
+# Recorded from the shipped checkpoint (fp32 reference model, CPU); its closest top-2 race is 0.012 logits,
+# far above fp32 noise. (The model comments before it writes the function: a 16.6M-parameter model.)
 LONGER_PROMPT = "import os\n\n\ndef list_files(path):\n"
-LONGER_GREEDY = [350, 357, 1640, 80, 821, 25, 529, 328, 279, 358, 721, 31, 529, 31, 974, 25, 529, 29, 699, 26, 216]
+LONGER_GREEDY = [20, 949, 841, 363, 1758, 377, 316, 841, 320, 316, 841, 31, 216, 20, 949, 841, 363, 1758, 377, 316, 841]
 
 
 @pytest.mark.skipif(not has_embedded(), reason="python/mk/embedded/ has not been trained yet")
@@ -559,4 +561,4 @@ def test_shipped_model_greedy_continuation_of_a_longer_prompt_is_stable():
     for _ in LONGER_GREEDY:
         got.append(int(model.logits(ids + got)[-1].argmax()))
     assert got == LONGER_GREEDY, tok.decode(got)
-    assert tok.decode(got).startswith("def _find_dir(path):\n    return os.path.join(")
+    assert tok.decode(got).startswith("# This file is part of the file")

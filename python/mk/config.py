@@ -170,12 +170,13 @@ class ModelConfig:
         """The model shipped in the package (python/mk/embedded/, trained by scripts/train_embedded.py).
 
         Inside the megakernel's limits (head_dim 128, at most 8 query heads per KV head, hidden a
-        multiple of 32 and at most 8192, at most 512 experts, top-k at most 8) and small: 7.95M
-        parameters, a 15.9 MB bf16 safetensors file (under the device's 16 MiB return limit). Six
-        layers give every layer kind: 0 dense full (RoPE), 1-3 and 5 sliding MoE, 4 full NoPE MoE.
-        The 256-token window is crossed by prompts of a few pages."""
+        multiple of 32 and at most 8192, at most 512 experts, top-k at most 8) and small: 16.65M
+        parameters, 33.3 MB of bf16 safetensors in three shards of at most 15 MiB (what the device
+        machine can return). Six layers give every layer kind: 0 dense full (RoPE), 1-3 and 5 sliding
+        MoE, 4 full NoPE MoE. The 256-token window is crossed by prompts of a few pages; the 16K
+        vocabulary is a code BPE with the Cohere special tokens at their fixed ids."""
         return cls(
-            hidden_size=256,
+            hidden_size=384,
             intermediate_size=64,
             prefix_dense_intermediate_size=768,
             num_hidden_layers=6,
@@ -186,7 +187,7 @@ class ModelConfig:
             num_experts_per_tok=4,
             first_k_dense_replace=1,
             prefix_dense_sliding_window_pattern=1,
-            vocab_size=4096,
+            vocab_size=16384,
             rms_norm_eps=1e-6,
             rope_theta=50000.0,
             sliding_window=256,

@@ -1,10 +1,10 @@
 """The model `python -m mk.server` and `mk.LLM()` serve when given none.
 
 The embedded model: the checkpoint folder `python/mk/embedded/` shipped inside the package (config.json,
-model.safetensors, tokenizer.json, tokenizer_config.json; trained by scripts/train_embedded.py), loaded by
-the same loader as real checkpoints. When that folder is absent (a source tree before its training run), the
-fallback is the tiny geometry with fixed random weights and the built-in tokenizer: the whole serving path
-still runs, but the text is noise, and a warning says so.
+safetensors shards and their index, tokenizer.json, tokenizer_config.json; trained by
+scripts/train_embedded.py), loaded by the same loader as real checkpoints. When that folder is absent (a
+source tree before its training run), the fallback is the tiny geometry with fixed random weights and the
+built-in tokenizer: the whole serving path still runs, but the text is noise, and a warning says so.
 """
 
 from __future__ import annotations

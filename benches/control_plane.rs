@@ -128,8 +128,11 @@ fn thread(steps: u64) -> (Row, f64) {
     let batch = 64;
     let (sched, kv) = config(batch, batch * 9000 + 4000);
     let engine = std::sync::Arc::new(
-        Engine::start(EngineConfig { sched, kv, max_waiting: 1024, check_invariants: false }, NoopBackend::new(17))
-            .unwrap(),
+        Engine::start(
+            EngineConfig { sched, kv, max_waiting: 1024, check_invariants: false, launch_ahead: false },
+            NoopBackend::new(17),
+        )
+        .unwrap(),
     );
     let consumer = {
         let engine = engine.clone();

@@ -337,3 +337,29 @@ def test_many_concurrent_streams_share_one_pump(engine):
     results = run(e, reqs)
     assert all(len(tokens) == 6 and finish == "length" for tokens, finish, _ in results)
     assert e.stats().generated_tokens == 24 * 6
+
+
+def test_launch_ahead_streams_equal_synchronous_steps(model, engine, workload):
+    """Each decode step launched before the previous one's tokens are handed over (a stop id or EOS
+    is then known one step late, and that step's token dropped): the same tokens, finish reasons
+    and logprobs as synchronous steps, the same usage, and the pool comes back whole (the fixture)."""
+    reqs, alone = workload
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    stop_at = reference_greedy(model, prompt(25, 5), 12, ignore_eos=True)[0][4]
+    extra = [
+        (prompt(20, 3), SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)),
+        (prompt(25, 5), dataclasses.replace(greedy, stop_token_ids=[stop_at])),
+        (prompt(30, 6), SamplingParams(max_tokens=9, temperature=0.7, seed=3, logprobs=1)),
+    ]
+    jobs = [(0.004 * (i % 4), p, params) for i, (p, params) in enumerate(reqs + extra)]
+    sync, ahead = engine(max_batch=4), engine(max_batch=4, launch_ahead=True)
+    want, got = run(sync, jobs), run(ahead, jobs)
+    assert [r[0] for r in got[: len(reqs)]] == alone
+    for (w_tokens, w_finish, w_events), (tokens, finish, events) in zip(want, got, strict=True):
+        assert (tokens, finish) == (w_tokens, w_finish)
+        assert [e.logprob for e in events] == pytest.approx([e.logprob for e in w_events], abs=1e-9)
+        assert [[t for t, _ in e.top_logprobs or []] for e in events] == [
+            [t for t, _ in e.top_logprobs or []] for e in w_events
+        ]
+    assert got[len(reqs) + 1][0][-1] == stop_at and got[len(reqs) + 1][1] == "stop"
+    assert ahead.stats().generated_tokens == sync.stats().generated_tokens == sum(len(r[0]) for r in got)

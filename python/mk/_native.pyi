@@ -135,6 +135,7 @@ class Engine:
         noop_token: int = 1,
         backend: str = "reference",
         tokenizer_json: str | None = None,
+        launch_ahead: bool = False,
     ) -> Engine: ...
     def submit(
         self,

@@ -83,6 +83,10 @@ class Engine:
     through the reference model's forward, "auto" (the default) is "fast" on a GPU and "reference" on
     the CPU. Either way prefill is PyTorch, on the decode backend's stream.
 
+    `launch_ahead`: each decode step is launched before the previous step's tokens are handed
+    over (rust/engine/core.rs); the streams are the same. Off by default until the megakernel
+    queues its steps on the device (today every backend still runs a step when it is launched).
+
     KV pool: `kv_blocks` blocks, else `kv_bytes`, else on a GPU `kv_fraction` of the memory free
     after the weights, else (CPU) room for one sequence of `max_context` tokens or `max_batch` of
     up to CPU_BATCH_CONTEXT tokens, whichever is more (a full batch of long contexts would be
@@ -105,6 +109,7 @@ class Engine:
         backend: str = "auto",
         prefill: str = "auto",
         tokenizer_json: str | None = None,
+        launch_ahead: bool = False,
     ) -> None:
         cfg = model.config
         self.backend = choose_backend(model, backend)
@@ -140,6 +145,7 @@ class Engine:
             check_invariants=check_invariants,
             backend=self.backend,
             tokenizer_json=tokenizer_json,
+            launch_ahead=launch_ahead,
         )
         self._streams: dict[int, _Stream] = {}
         self._ids = itertools.count(1)

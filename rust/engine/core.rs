@@ -1,6 +1,14 @@
 //! One loop iteration, synchronous and thread-free (the worker thread wraps it; tests drive it
 //! directly): admit, prefill up to one chunk's worth of tokens, then one decode step of every
 //! decoding sequence.
+//!
+//! Launch-ahead (`Core::launch_ahead`): an iteration without prefill launches decode step n + 1
+//! before it lands step n (hands its tokens to the scheduler), each row's input being the token
+//! step n samples for it, so that a backend that queues steps on a device never waits for the
+//! host between them. A row that finishes with step n's token is in step n + 1 too: that token
+//! is dropped when step n + 1 lands. Prefill, rows under a grammar and blocks that run out fall
+//! back to one synchronous step. The backends run each step when it is launched (none queues
+//! steps yet), so here launch-ahead changes when tokens are handed over, not what they are.
 
 use std::time::Instant;
 
@@ -8,6 +16,12 @@ use super::backend::{Backend, BackendError, DecodeInput, LaunchTimes, PrefillChu
 use crate::grammar::{Constraint, MaskSet, TokenMask, NO_MASKS};
 use crate::sampling::Sampled;
 use crate::sched::{DecodeBatch, Event, PrefillChunk, Scheduler};
+
+/// A decode step launched and not yet landed: its batch and what the backend returned for it.
+struct Flight {
+    batch: DecodeBatch,
+    result: Result<Vec<Sampled>, BackendError>,
+}
 
 /// Where the loop's time goes. Host time is an iteration's wall time minus its backend calls:
 /// the control plane's own cost per step.
@@ -37,6 +51,10 @@ pub struct Core<B> {
     pub metrics: LoopMetrics,
     /// Run `Scheduler::check` after every iteration (tests; O(arena) per step).
     pub check_invariants: bool,
+    /// Launch decode step n + 1 before landing step n (module docs).
+    pub launch_ahead: bool,
+    in_flight: Option<Flight>,
+    previous: Vec<Option<usize>>,
 }
 
 impl<B: Backend> Core<B> {
@@ -50,7 +68,15 @@ impl<B: Backend> Core<B> {
             prefilled: Vec::new(),
             metrics: LoopMetrics::default(),
             check_invariants: false,
+            launch_ahead: false,
+            in_flight: None,
+            previous: Vec::new(),
         }
+    }
+
+    /// Whether an iteration would do anything: a live or waiting request, or a step to land.
+    pub fn busy(&self) -> bool {
+        self.sched.busy() || self.in_flight.is_some()
     }
 
     /// One iteration; events for the clients are appended to `out`.
@@ -70,6 +96,10 @@ impl<B: Backend> Core<B> {
         let mut chunks = std::mem::take(&mut self.chunks);
         self.sched.plan_prefill(self.sched.config().prefill_chunk, &mut chunks, out);
         if !chunks.is_empty() {
+            // The step in flight first: the prefill writes K/V the scheduler has just mapped.
+            if let Some(flight) = self.in_flight.take() {
+                self.land(flight, out);
+            }
             // A prompt's last chunk samples its first token: under a grammar, with its mask, which a
             // helper thread computes while the backend runs the forward pass.
             let (mut lent, masks) = Lent::take(&mut self.sched, chunks.iter().map(|c| c.last.then_some(c.row))).unzip();
@@ -141,49 +171,38 @@ impl<B: Backend> Core<B> {
         if !out.is_empty() {
             between(self, out);
         }
-        self.sched.plan_decode(&mut self.batch, out);
-        if !self.batch.is_empty() {
-            // Constrained rows lend their grammar states to a helper thread that computes their
-            // masks while the backend runs the step; the backend waits for them only where it
-            // samples those rows.
-            let (mut lent, masks) = Lent::take(&mut self.sched, self.batch.rows.iter().map(|&r| Some(r))).unzip();
-            self.sampled.clear();
-            let t = Instant::now();
-            let result = std::thread::scope(|s| {
-                if let (Some(l), Some(masks)) = (&mut lent, &masks) {
-                    s.spawn(move || l.fill(masks));
+        // Launch-ahead: step n + 1 goes out before step n lands.
+        let mut launched = false;
+        if let Some(flight) = self.in_flight.take() {
+            let mut batch = std::mem::take(&mut self.batch);
+            let mut previous = std::mem::take(&mut self.previous);
+            if let Ok(sampled) = &flight.result {
+                if self.sched.plan_ahead(&flight.batch, &mut batch, &mut previous) && !batch.is_empty() {
+                    // The backends run a step when it is launched, so step n's tokens are known.
+                    for (t, p) in batch.tokens.iter_mut().zip(&previous) {
+                        if let Some(s) = p.and_then(|j| sampled.get(j)) {
+                            *t = s.token;
+                        }
+                    }
+                    backend_ns += self.launch(std::mem::take(&mut batch));
+                    launched = true;
                 }
-                let input = DecodeInput {
-                    rows: &self.batch.rows,
-                    tokens: &self.batch.tokens,
-                    positions: &self.batch.positions,
-                    specs: &self.batch.specs,
-                    masks: masks.as_ref().unwrap_or(&NO_MASKS),
-                    table: self.sched.page_table(),
-                    dirty_rows: self.sched.dirty_rows(),
-                };
-                self.backend.decode(&input, &mut self.sampled)
-            });
-            if let Some(l) = lent {
-                l.give_back(&mut self.sched);
             }
-            backend_ns += t.elapsed().as_nanos() as u64;
-            self.sched.clear_dirty();
-            let result = result.and_then(|()| match self.sampled.len() == self.batch.len() {
-                true => Ok(()),
-                false => Err(BackendError(format!(
-                    "decode returned {} tokens for {} rows",
-                    self.sampled.len(),
-                    self.batch.len()
-                ))),
-            });
-            match result {
-                Ok(()) => self.sched.decoded(&self.batch, &self.sampled, out),
-                Err(e) => self.sched.fail_batch(&self.batch, &format!("decode failed: {e}"), out),
+            self.batch = batch;
+            self.previous = previous;
+            self.land(flight, out);
+        }
+        if !launched {
+            self.sched.plan_decode(&mut self.batch, out);
+        }
+        if !launched && !self.batch.is_empty() {
+            let batch = std::mem::take(&mut self.batch);
+            let constrained = batch.rows.iter().any(|&r| self.sched.seq(r).is_some_and(|s| s.constraint.is_some()));
+            if self.launch_ahead && !constrained {
+                backend_ns += self.launch(batch);
+            } else {
+                backend_ns += self.decode_now(batch, out);
             }
-            self.metrics.decode_steps += 1;
-            self.metrics.decode_rows += self.batch.len() as u64;
-            self.metrics.launch = self.backend.launch_times();
         }
 
         let host = (started.elapsed().as_nanos() as u64).saturating_sub(backend_ns);
@@ -196,6 +215,86 @@ impl<B: Backend> Core<B> {
             if let Err(e) = self.sched.check() {
                 panic!("scheduler invariant broken: {e}");
             }
+        }
+    }
+}
+
+impl<B: Backend> Core<B> {
+    /// Runs `batch`'s step (no row under a grammar) and keeps it in flight, to land in the next
+    /// iteration; returns the backend's time in ns.
+    fn launch(&mut self, batch: DecodeBatch) -> u64 {
+        let mut sampled = Vec::new();
+        let t = Instant::now();
+        let input = DecodeInput {
+            rows: &batch.rows,
+            tokens: &batch.tokens,
+            positions: &batch.positions,
+            specs: &batch.specs,
+            masks: &NO_MASKS,
+            table: self.sched.page_table(),
+            dirty_rows: self.sched.dirty_rows(),
+        };
+        let result = self.backend.decode(&input, &mut sampled).map(|()| sampled);
+        let ns = t.elapsed().as_nanos() as u64;
+        self.finish_call(&batch);
+        self.in_flight = Some(Flight { batch, result });
+        ns
+    }
+
+    /// Runs `batch`'s step and lands it; returns the backend's time in ns. Constrained rows lend
+    /// their grammar states to a helper thread that computes their masks while the backend runs
+    /// the step; the backend waits for them only where it samples those rows.
+    fn decode_now(&mut self, batch: DecodeBatch, out: &mut Vec<Event>) -> u64 {
+        let (mut lent, masks) = Lent::take(&mut self.sched, batch.rows.iter().map(|&r| Some(r))).unzip();
+        let mut sampled = std::mem::take(&mut self.sampled);
+        sampled.clear();
+        let t = Instant::now();
+        let result = std::thread::scope(|s| {
+            if let (Some(l), Some(masks)) = (&mut lent, &masks) {
+                s.spawn(move || l.fill(masks));
+            }
+            let input = DecodeInput {
+                rows: &batch.rows,
+                tokens: &batch.tokens,
+                positions: &batch.positions,
+                specs: &batch.specs,
+                masks: masks.as_ref().unwrap_or(&NO_MASKS),
+                table: self.sched.page_table(),
+                dirty_rows: self.sched.dirty_rows(),
+            };
+            self.backend.decode(&input, &mut sampled)
+        });
+        if let Some(l) = lent {
+            l.give_back(&mut self.sched);
+        }
+        let ns = t.elapsed().as_nanos() as u64;
+        self.finish_call(&batch);
+        let flight = Flight { batch, result: result.map(|()| sampled) };
+        self.land(flight, out);
+        ns
+    }
+
+    /// After a decode call: the page-table rows are the backend's, and the step is counted.
+    fn finish_call(&mut self, batch: &DecodeBatch) {
+        self.sched.clear_dirty();
+        self.metrics.decode_steps += 1;
+        self.metrics.decode_rows += batch.len() as u64;
+        self.metrics.launch = self.backend.launch_times();
+    }
+
+    /// Hands a step's tokens to the scheduler (or fails its rows); its buffers are kept for reuse.
+    fn land(&mut self, flight: Flight, out: &mut Vec<Event>) {
+        let Flight { batch, result } = flight;
+        let result = result.and_then(|sampled| match sampled.len() == batch.len() {
+            true => Ok(sampled),
+            false => Err(BackendError(format!("decode returned {} tokens for {} rows", sampled.len(), batch.len()))),
+        });
+        match result {
+            Ok(sampled) => {
+                self.sched.decoded(&batch, &sampled, out);
+                self.sampled = sampled;
+            }
+            Err(e) => self.sched.fail_batch(&batch, &format!("decode failed: {e}"), out),
         }
     }
 }

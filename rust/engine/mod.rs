@@ -40,6 +40,8 @@ pub struct EngineConfig {
     pub max_waiting: usize,
     /// Check every scheduler invariant after every iteration (tests).
     pub check_invariants: bool,
+    /// Launch each decode step before the previous one lands (`core` module docs).
+    pub launch_ahead: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -96,6 +98,7 @@ impl Engine {
         let sched = Scheduler::new(config.sched.clone(), config.kv)?;
         let mut core = Core::new(sched, backend);
         core.check_invariants = config.check_invariants;
+        core.launch_ahead = config.launch_ahead;
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Inbox { commands: Vec::new(), closing: false }),
             wake: Condvar::new(),

@@ -63,11 +63,13 @@ proptest! {
         chunk in 1usize..40,
         spare in 0usize..12,
         cancels in proptest::collection::vec((0..30usize, 0..12u64), 0..3),
+        launch_ahead in any::<bool>(),
     ) {
         let model = MockModel::small();
         let probe = KvManager::new(model.kv_config(1)).unwrap();
         let blocks = probe.prefill_blocks_needed(MAX_CONTEXT, chunk) + spare;
         let mut c = core(&model, blocks, max_batch, chunk, MAX_CONTEXT);
+        c.launch_ahead = launch_ahead;
         let arrivals: Vec<_> = specs.iter().enumerate().map(|(i, s)| (s.arrival, request(i as u64, s))).collect();
         let out = run(&mut c, &arrivals, &cancels);
         prop_assert_eq!(out.finish.len(), arrivals.len());
@@ -79,7 +81,7 @@ proptest! {
                 prop_assert!(cancelled.contains(&r.id));
                 prop_assert!(solo.starts_with(&got), "request {} cancelled off its solo stream", r.id);
             } else {
-                prop_assert_eq!(&got, &solo, "request {}", r.id);
+                prop_assert_eq!(&got, &solo, "request {} ({:?})", r.id, out.errors.get(&r.id));
                 prop_assert_eq!(out.finish[&r.id], reason);
             }
         }
@@ -94,6 +96,7 @@ proptest! {
         long in proptest::collection::vec((0..10usize, 20..44usize), 1..5),
         short in proptest::collection::vec((0..10usize, 1..6usize, 2..20usize), 1..6),
         budget in 1usize..24,
+        launch_ahead in any::<bool>(),
     ) {
         let model = MockModel::small();
         let mut arrivals = Vec::new();
@@ -110,6 +113,7 @@ proptest! {
         let probe = KvManager::new(model.kv_config(1)).unwrap();
         let blocks = arrivals.len() * probe.prefill_blocks_needed(MAX_CONTEXT, budget);
         let mut c = core(&model, blocks, arrivals.len(), budget, MAX_CONTEXT);
+        c.launch_ahead = launch_ahead;
         let out = run(&mut c, &arrivals, &[]);
         prop_assert!(c.backend.prefill_tokens.iter().all(|&t| t <= budget), "{:?}", c.backend.prefill_tokens);
         for (_, r) in &arrivals {

@@ -74,7 +74,7 @@ pub(crate) fn run(core: &mut Core<MockBackend>, arrivals: &[(usize, Request)], c
     let mut events = Vec::new();
     let last = arrivals.iter().map(|a| a.0).chain(cancels.iter().map(|c| c.0)).max().unwrap_or(0);
     let mut it = 0;
-    while it <= last || core.sched.busy() {
+    while it <= last || core.busy() {
         for (_, req) in arrivals.iter().filter(|a| a.0 == it) {
             core.sched.submit(req.clone(), 1234).unwrap();
         }
@@ -337,6 +337,7 @@ fn engine_config_and_submission_errors() {
         kv: model.kv_config(blocks),
         max_waiting: 2,
         check_invariants: true,
+        launch_ahead: false,
     };
     // 64 tokens need 16 pages on the full layer + 2 × 4 on sliding ones... with a 64-token chunk
     // the sliding transient is the whole chunk: 48 blocks.
@@ -362,6 +363,7 @@ fn the_loop_thread_serves_concurrent_clients() {
         kv: model.kv_config(300),
         max_waiting: 100,
         check_invariants: true,
+        launch_ahead: true,
     };
     let engine = std::sync::Arc::new(Engine::start(config, MockBackend::new(model.clone(), 300)).unwrap());
     let arrivals = mixed_workload(24);
@@ -422,6 +424,7 @@ fn shutdown_cancels_everything_in_flight() {
         kv: model.kv_config(300),
         max_waiting: 100,
         check_invariants: false,
+        launch_ahead: false,
     };
     let engine = Engine::start(config, MockBackend::new(model, 300)).unwrap();
     for i in 0..6 {
@@ -444,6 +447,7 @@ fn queue_limit_counts_only_unadmitted_requests() {
         kv: model.kv_config(300),
         max_waiting: 2,
         check_invariants: false,
+        launch_ahead: false,
     };
     let engine = Engine::start(config, NoopBackend::new(5)).unwrap();
     let mut accepted = 0;
@@ -489,8 +493,9 @@ fn constrained_requests_follow_their_grammar_beside_free_ones() {
         (1, constrained(3, "(ab|cd)+e", seeded.clone())),
         (2, constrained(4, "[a-u]*", SamplingParams { ignore_eos: true, ..SamplingParams::greedy(6) })),
     ];
-    for max_batch in [1, 4] {
+    for (max_batch, ahead) in [(1, false), (4, false), (4, true)] {
         let mut c = core(&model, 64, max_batch, 4, 64);
+        c.launch_ahead = ahead; // rows under a grammar always step synchronously
         let out = run(&mut c, &arrivals, &[]);
         for (_, r) in &arrivals {
             let (want, finish) = model.solo_request(r.clone(), 1234, 64);
@@ -505,4 +510,89 @@ fn constrained_requests_follow_their_grammar_beside_free_ones() {
         let t4 = text(&out.tokens[&4]);
         assert!(t4.chars().all(|c| c.is_ascii_lowercase()) && out.tokens[&4].len() <= 6, "{t4}");
     }
+}
+
+/// `core` with launch-ahead on.
+fn core_ahead(
+    model: &MockModel,
+    blocks: usize,
+    max_batch: usize,
+    chunk: usize,
+    max_context: usize,
+) -> Core<MockBackend> {
+    let mut c = core(model, blocks, max_batch, chunk, max_context);
+    c.launch_ahead = true;
+    c
+}
+
+#[test]
+fn launch_ahead_changes_no_stream_finish_or_count() {
+    let model = MockModel::small();
+    let arrivals = mixed_workload(12);
+    let cancels = [(6, 3), (9, 7)];
+    for max_batch in [1, 3, 8] {
+        let mut sync = core(&model, 400, max_batch, 16, 80);
+        let want = run(&mut sync, &arrivals, &cancels);
+        let mut ahead = core_ahead(&model, 400, max_batch, 16, 80);
+        let got = run(&mut ahead, &arrivals, &cancels);
+        for (_, r) in &arrivals {
+            let (solo, reason) = model.solo(&r.prompt, &r.params, 1234, 80);
+            let tokens = got.tokens.get(&r.id).cloned().unwrap_or_default();
+            if got.finish[&r.id] == FinishReason::Cancelled {
+                assert!(solo.starts_with(&tokens), "request {} cancelled off its solo stream", r.id);
+            } else {
+                assert_eq!((&tokens, got.finish[&r.id]), (&solo, reason), "request {} at batch {max_batch}", r.id);
+                assert_eq!(want.tokens.get(&r.id), Some(&tokens));
+            }
+        }
+        let (s, a) = (sync.sched.stats(), ahead.sched.stats());
+        let emitted: usize = got.tokens.values().map(Vec::len).sum();
+        assert_eq!(a.generated_tokens as usize, emitted, "a dropped token was counted");
+        assert_eq!((a.finished, a.prompt_tokens), (s.finished, s.prompt_tokens));
+        assert_eq!(got.queued.len(), want.queued.len(), "every admitted request reports its queue time once");
+    }
+}
+
+#[test]
+fn launch_ahead_lands_a_step_one_iteration_later_and_drops_the_token_after_a_stop() {
+    let model = MockModel::small();
+    let request = |params: &SamplingParams| req(1, 6, params.clone());
+    let greedy = SamplingParams::greedy(8).with_ignore_eos();
+    let (stream, _) = model.solo(&request(&greedy).prompt, &greedy, 1234, 64);
+    // A stop id first seen at token k + 1 (k >= 2) of this stream.
+    let k = (2..stream.len()).find(|&k| !stream[..k].contains(&stream[k])).unwrap();
+    let stop = SamplingParams { stop_token_ids: vec![stream[k]], ..greedy.clone() };
+    // max_tokens: one step per token after the prefill's, none wasted (the last is known ahead);
+    // a stop: the step launched behind the stopping token's is wasted and its token dropped.
+    for (params, steps) in [(SamplingParams { max_tokens: 5, ..greedy.clone() }, 4), (stop, k + 1)] {
+        let mut c = core_ahead(&model, 200, 4, 64, 64);
+        let mut events = Vec::new();
+        c.sched.submit(request(&params), 1234).unwrap();
+        c.step(&mut events); // the prefill's token; the first decode step launched, not landed
+        assert_eq!((events.len(), c.backend.decode_calls), (1, 1));
+        c.step(&mut events); // the second launched, the first landed
+        assert_eq!((events.len(), c.backend.decode_calls), (2, 2));
+        let mut out = Outcome::default();
+        out.absorb(&mut events);
+        let rest = run(&mut c, &[], &[]);
+        let mut got = out.tokens[&1].clone();
+        got.extend(rest.tokens.get(&1).cloned().unwrap_or_default());
+        let (solo, reason) = model.solo(&request(&params).prompt, &params, 1234, 64);
+        assert_eq!((got, rest.finish[&1]), (solo, reason));
+        assert_eq!(c.backend.decode_calls, steps);
+        assert_eq!(c.sched.stats().generated_tokens as usize, out.tokens[&1].len() + rest.tokens[&1].len());
+        assert!(!c.busy());
+    }
+}
+
+#[test]
+fn launch_ahead_falls_back_to_synchronous_steps_for_preemption() {
+    let model = MockModel::small();
+    let arrivals: Vec<_> =
+        (0..8).map(|i| (0, req(i, 6 + i as usize, SamplingParams::greedy(30).with_ignore_eos()))).collect();
+    let mut c = core_ahead(&model, 40, 8, 16, 64);
+    let out = run(&mut c, &arrivals, &[]);
+    assert_solo(&model, &arrivals, &out, 64);
+    assert!(c.sched.stats().preemptions > 0, "no preemption happened");
+    assert_eq!(c.sched.stats().generated_tokens, 8 * 30);
 }

@@ -38,7 +38,7 @@ fn serve<B: Backend>(shared: &Shared, core: &mut Core<B>, out: &mut Vec<Event>) 
     loop {
         let closing = {
             let mut inbox = shared.inbox.lock().unwrap_or_else(|p| p.into_inner());
-            while inbox.commands.is_empty() && !inbox.closing && !core.sched.busy() {
+            while inbox.commands.is_empty() && !inbox.closing && !core.busy() {
                 inbox = shared.wake.wait(inbox).unwrap_or_else(|p| p.into_inner());
             }
             std::mem::swap(&mut commands, &mut inbox.commands);
@@ -62,7 +62,7 @@ fn serve<B: Backend>(shared: &Shared, core: &mut Core<B>, out: &mut Vec<Event>) 
         }
         if closing {
             core.sched.end_all(FinishReason::Cancelled, None, out);
-        } else if core.sched.busy() {
+        } else if core.busy() {
             core.step_with(out, |core, out| {
                 publish_stats(shared, core);
                 shared.events.push_all(out);

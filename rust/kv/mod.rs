@@ -151,6 +151,11 @@ impl KvManager {
         if new_len < len {
             return Err(KvError::Shrink { seq, len, new_len });
         }
+        // Nothing new: the pages out of the window of a query at `len` are not out of reach yet
+        // (launch-ahead grows a row before its step lands, and the fallback asks again).
+        if new_len == len {
+            return Ok(false);
+        }
         if table.extend_in_place(geom, new_len) {
             return Ok(false);
         }

@@ -62,12 +62,13 @@ impl PyEngine {
     /// `noop_token` every step; for control-plane benchmarks). `backend`: "reference" (the
     /// runner prefills and decodes) or "megakernel" (the runner prefills, the megakernel decodes).
     /// `tokenizer_json`: the text of the tokenizer's `tokenizer.json`, which constrained requests
-    /// need (their grammars compile against its vocabulary).
+    /// need (their grammars compile against its vocabulary). `launch_ahead`: each decode step is
+    /// launched before the previous one's tokens are handed over (rust/engine/core.rs).
     #[new]
     #[pyo3(signature = (
         runner, *, sliding, window, num_blocks, vocab_size, eos_token_id=None, max_batch=8,
         max_context=4096, prefill_chunk=512, max_waiting=1024, salt=Vec::new(), check_invariants=false,
-        noop_token=1, backend="reference", tokenizer_json=None
+        noop_token=1, backend="reference", tokenizer_json=None, launch_ahead=false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -87,6 +88,7 @@ impl PyEngine {
         noop_token: u32,
         backend: &str,
         tokenizer_json: Option<String>,
+        launch_ahead: bool,
     ) -> PyResult<Self> {
         let grammars = match (&tokenizer_json, eos_token_id) {
             (None, _) => None,
@@ -101,6 +103,7 @@ impl PyEngine {
             kv: KvConfig { sliding, window, page_size: crate::kv::PAGE_SIZE, num_blocks, salt },
             max_waiting,
             check_invariants,
+            launch_ahead,
         };
         let engine = match (runner, backend) {
             (Some(r), "reference") => Engine::start(cfg, reference_backend(r, vocab_size)),

@@ -31,7 +31,7 @@ impl Scheduler {
             let len = self.kv.len(seq.id).map_err(|e| e.to_string())?;
             let ok = match seq.phase {
                 Phase::Prefill { target } => len == seq.computed && seq.computed < target,
-                Phase::Decode => len == seq.computed && seq.computed + 1 == seq.tokens.len(),
+                Phase::Decode => len == seq.computed + seq.in_flight && seq.computed + 1 == seq.tokens.len(),
                 Phase::Waiting => false,
             };
             if !ok {

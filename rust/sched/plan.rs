@@ -18,10 +18,11 @@ pub struct PrefillChunk {
     pub spec: SampleSpec,
 }
 
-/// The rows of one decode step, ascending, with each row's input token and its position.
+/// The rows of one decode step, ascending, with each row's request, input token and position.
 #[derive(Debug, Clone, Default)]
 pub struct DecodeBatch {
     pub rows: Vec<usize>,
+    pub ids: Vec<RequestId>,
     pub tokens: Vec<u32>,
     pub positions: Vec<u32>,
     pub specs: Vec<SampleSpec>,
@@ -38,6 +39,7 @@ impl DecodeBatch {
 
     fn clear(&mut self) {
         self.rows.clear();
+        self.ids.clear();
         self.tokens.clear();
         self.positions.clear();
         self.specs.clear();
@@ -118,28 +120,86 @@ impl Scheduler {
         for (row, slot) in self.rows.iter_mut().enumerate() {
             let Some(seq) = slot.as_mut().filter(|s| s.planned) else { continue };
             seq.planned = false;
+            seq.in_flight += 1;
             batch.rows.push(row);
+            batch.ids.push(seq.id);
             batch.tokens.push(*seq.tokens.last().expect("a decoding sequence has tokens"));
             batch.positions.push((seq.tokens.len() - 1) as u32);
             batch.specs.push(seq.spec());
         }
     }
 
-    /// The backend decoded `batch`; `sampled[i]` is the token of `batch.rows[i]`.
+    /// Launch-ahead: the step after `flight` (launched, not yet `decoded`), planned before its
+    /// tokens are known. A row of `flight` that still decodes feeds the token `flight` samples
+    /// for it (`previous[i] = Some(j)`: entry j of `flight`) one position further, sampled as its
+    /// next generation step; one whose pending token is its last (`max_tokens`, the context
+    /// limit) gets no entry. Any other decoding row feeds its last token, as in `plan_decode`.
+    /// Maps every position without preempting; false when the blocks are not there, or a row
+    /// samples under a grammar (whose mask needs the pending token): the caller then lands
+    /// `flight` and plans with `plan_decode`. Rows that finish with the pending token (EOS, a
+    /// stop id) are in the step too; `decoded` drops their tokens.
+    pub fn plan_ahead(
+        &mut self,
+        flight: &DecodeBatch,
+        batch: &mut DecodeBatch,
+        previous: &mut Vec<Option<usize>>,
+    ) -> bool {
+        batch.clear();
+        previous.clear();
+        let max_context = self.cfg.max_context;
+        for row in 0..self.rows.len() {
+            let Some(seq) = self.rows[row].as_ref().filter(|s| s.phase == Phase::Decode) else { continue };
+            if seq.constraint.is_some() || seq.constraint_error.is_some() {
+                return false;
+            }
+            let pending = (0..flight.len()).find(|&j| flight.rows[j] == row && flight.ids[j] == seq.id);
+            let len = seq.tokens.len() + usize::from(pending.is_some());
+            if pending.is_some() && (seq.generated() + 1 >= seq.params.max_tokens || len >= max_context) {
+                continue;
+            }
+            let mut spec = seq.spec();
+            spec.index += u32::from(pending.is_some());
+            let token = match pending {
+                Some(_) => 0, // on the device: the backend takes it from `flight`'s output
+                None => *seq.tokens.last().expect("a decoding sequence has tokens"),
+            };
+            let id = seq.id;
+            if self.grow(row, len).is_err() {
+                return false;
+            }
+            batch.rows.push(row);
+            batch.ids.push(id);
+            batch.tokens.push(token);
+            batch.positions.push((len - 1) as u32);
+            batch.specs.push(spec);
+            previous.push(pending);
+        }
+        for &row in &batch.rows {
+            self.rows[row].as_mut().expect("planned row is live").in_flight += 1;
+        }
+        true
+    }
+
+    /// The backend decoded `batch`; `sampled[i]` is the token of `batch.rows[i]`. An entry whose
+    /// request has left its row since the step was planned (it finished one step earlier, or was
+    /// cancelled) is dropped: never emitted, never counted.
     pub fn decoded(&mut self, batch: &DecodeBatch, sampled: &[Sampled], out: &mut Vec<Event>) {
         let (eos, max_context) = (self.cfg.eos_token_id, self.cfg.max_context);
-        for (&row, s) in batch.rows.iter().zip(sampled) {
-            let seq = self.rows[row].as_mut().expect("decoded row is live");
+        for ((&row, &id), s) in batch.rows.iter().zip(&batch.ids).zip(sampled) {
+            let Some(seq) = self.rows[row].as_mut().filter(|s| s.id == id) else { continue };
+            seq.in_flight -= 1;
             seq.computed = seq.tokens.len();
             let event = seq.accept(s, eos, max_context);
             self.emit(row, event, out);
         }
     }
 
-    /// Fails every row of `batch` (the backend's step failed).
+    /// Fails every row of `batch` that still holds its request (the backend's step failed).
     pub fn fail_batch(&mut self, batch: &DecodeBatch, error: &str, out: &mut Vec<Event>) {
-        for &row in &batch.rows {
-            self.fail(row, error, out);
+        for (&row, &id) in batch.rows.iter().zip(&batch.ids) {
+            if self.rows[row].as_ref().is_some_and(|s| s.id == id) {
+                self.fail(row, error, out);
+            }
         }
     }
 

@@ -17,6 +17,7 @@ impl Scheduler {
         seq.computed = 0;
         seq.phase = Phase::Waiting;
         seq.planned = false;
+        seq.in_flight = 0;
         seq.preemptions += 1;
         self.stats.preemptions += 1;
         self.hold = Some(self.left);

@@ -161,6 +161,9 @@ pub struct Seq {
     pub preemptions: u32,
     /// Scratch of `plan_decode`: grown for this step.
     pub planned: bool,
+    /// Decode steps launched for this sequence and not yet `decoded` (0 or 1; 2 with
+    /// launch-ahead): its K/V is mapped that many positions past `computed`.
+    pub in_flight: usize,
     /// Where the output is in its grammar; `constraint_error` ends the request at its next token.
     pub constraint: Option<Constraint>,
     pub constraint_error: Option<String>,
@@ -183,6 +186,7 @@ impl Seq {
             queued: None,
             preemptions: 0,
             planned: false,
+            in_flight: 0,
             constraint: req.constraint,
             constraint_error: None,
         }

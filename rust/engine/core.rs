@@ -176,7 +176,7 @@ impl<B: Backend> Core<B> {
         if let Some(flight) = self.in_flight.take() {
             let mut batch = std::mem::take(&mut self.batch);
             let mut previous = std::mem::take(&mut self.previous);
-            if let Ok(sampled) = &flight.result {
+            if let Some(sampled) = flight.result.as_ref().ok().filter(|r| r.len() == flight.batch.len()) {
                 if self.sched.plan_ahead(&flight.batch, &mut batch, &mut previous) && !batch.is_empty() {
                     // The backends run a step when it is launched, so step n's tokens are known.
                     for (t, p) in batch.tokens.iter_mut().zip(&previous) {
@@ -282,7 +282,7 @@ impl<B: Backend> Core<B> {
         self.metrics.launch = self.backend.launch_times();
     }
 
-    /// Hands a step's tokens to the scheduler (or fails its rows); its buffers are kept for reuse.
+    /// Hands a step's tokens to the scheduler (or fails its rows); the tokens' buffer is kept for reuse.
     fn land(&mut self, flight: Flight, out: &mut Vec<Event>) {
         let Flight { batch, result } = flight;
         let result = result.and_then(|sampled| match sampled.len() == batch.len() {

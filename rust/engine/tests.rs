@@ -596,3 +596,25 @@ fn launch_ahead_falls_back_to_synchronous_steps_for_preemption() {
     assert!(c.sched.stats().preemptions > 0, "no preemption happened");
     assert_eq!(c.sched.stats().generated_tokens, 8 * 30);
 }
+
+#[test]
+fn a_request_resubmitted_under_its_id_while_a_step_is_in_flight_gets_none_of_its_tokens() {
+    let model = MockModel::small();
+    let greedy = SamplingParams::greedy(8).with_ignore_eos();
+    let first = req(1, 6, greedy.clone());
+    let (stream, _) = model.solo(&first.prompt, &greedy, 1234, 64);
+    let k = (2..stream.len()).find(|&k| !stream[..k].contains(&stream[k])).unwrap();
+    let stopping = Request { params: SamplingParams { stop_token_ids: vec![stream[k]], ..greedy.clone() }, ..first };
+    let mut c = core_ahead(&model, 200, 4, 64, 64);
+    let mut events = Vec::new();
+    c.sched.submit(stopping, 1234).unwrap();
+    while !events.iter().any(|e: &Event| e.finish.is_some()) {
+        c.step(&mut events);
+    }
+    assert!(c.busy(), "the step launched behind the stopping token is still in flight");
+    // The same id again, into the row just freed, before that step lands.
+    let again = req(1, 9, SamplingParams::greedy(5).with_ignore_eos());
+    let out = run(&mut c, &[(0, again.clone())], &[]);
+    let (solo, reason) = model.solo(&again.prompt, &again.params, 1234, 64);
+    assert_eq!((&out.tokens[&1], out.finish[&1]), (&solo, reason));
+}

@@ -152,7 +152,7 @@ impl Scheduler {
             if seq.constraint.is_some() || seq.constraint_error.is_some() {
                 return false;
             }
-            let pending = (0..flight.len()).find(|&j| flight.rows[j] == row && flight.ids[j] == seq.id);
+            let pending = (0..flight.len()).find(|&j| seq.landing(flight.rows[j] == row, flight.ids[j]));
             let len = seq.tokens.len() + usize::from(pending.is_some());
             if pending.is_some() && (seq.generated() + 1 >= seq.params.max_tokens || len >= max_context) {
                 continue;
@@ -182,11 +182,12 @@ impl Scheduler {
 
     /// The backend decoded `batch`; `sampled[i]` is the token of `batch.rows[i]`. An entry whose
     /// request has left its row since the step was planned (it finished one step earlier, or was
-    /// cancelled) is dropped: never emitted, never counted.
+    /// cancelled; a request resubmitted under its id is not that request) is dropped: never
+    /// emitted, never counted.
     pub fn decoded(&mut self, batch: &DecodeBatch, sampled: &[Sampled], out: &mut Vec<Event>) {
         let (eos, max_context) = (self.cfg.eos_token_id, self.cfg.max_context);
         for ((&row, &id), s) in batch.rows.iter().zip(&batch.ids).zip(sampled) {
-            let Some(seq) = self.rows[row].as_mut().filter(|s| s.id == id) else { continue };
+            let Some(seq) = self.rows[row].as_mut().filter(|s| s.landing(true, id)) else { continue };
             seq.in_flight -= 1;
             seq.computed = seq.tokens.len();
             let event = seq.accept(s, eos, max_context);
@@ -197,7 +198,7 @@ impl Scheduler {
     /// Fails every row of `batch` that still holds its request (the backend's step failed).
     pub fn fail_batch(&mut self, batch: &DecodeBatch, error: &str, out: &mut Vec<Event>) {
         for (&row, &id) in batch.rows.iter().zip(&batch.ids) {
-            if self.rows[row].as_ref().is_some_and(|s| s.id == id) {
+            if self.rows[row].as_ref().is_some_and(|s| s.landing(true, id)) {
                 self.fail(row, error, out);
             }
         }

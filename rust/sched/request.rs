@@ -192,6 +192,14 @@ impl Seq {
         }
     }
 
+    /// Whether a launched step's entry for request `id` (planned in this sequence's row where
+    /// `same_row`) is this sequence's: it decodes and has a step in flight. A request finished or
+    /// cancelled since, or one resubmitted under the same id (prefilling: a step in flight always
+    /// lands before a prefill), is not.
+    pub fn landing(&self, same_row: bool, id: RequestId) -> bool {
+        same_row && self.id == id && self.phase == Phase::Decode && self.in_flight > 0
+    }
+
     pub fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
     }

@@ -199,8 +199,14 @@ WEATHER = {
 
 def test_the_openai_client_works_through_the_public_port(client, parent):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    # Without the thinking section, so that the 12 tokens are the answer's content.
+    no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
     chat = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=12, temperature=0
+        model=MODEL,
+        messages=[{"role": "user", "content": "def add(a, b):"}],
+        max_tokens=12,
+        temperature=0,
+        extra_body=no_thinking,
     )
     assert chat.choices[0].message.content and chat.usage.completion_tokens == 12
     text = client.completions.create(model=MODEL, prompt="import os\n", max_tokens=8, temperature=0)
@@ -212,6 +218,7 @@ def test_the_openai_client_works_through_the_public_port(client, parent):
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body=no_thinking,
     )
     chunks = list(pieces)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

@@ -147,15 +147,19 @@ fn a_tiny_arena_preempts_yet_outputs_are_unchanged() {
     let arrivals: Vec<_> =
         (0..8).map(|i| (0, req(i, 6 + i as usize, SamplingParams::greedy(30).with_ignore_eos()))).collect();
     // A 64-token sequence holds 16 + 2·4 = 24 blocks decoding and 16 + 2·7 = 30 while
-    // prefilling in 16-token chunks; 40 blocks hold one, never eight.
-    let mut c = core(&model, 40, 8, 16, 64);
-    let out = run(&mut c, &arrivals, &[]);
-    assert_solo(&model, &arrivals, &out, 64);
-    let stats = c.sched.stats();
-    assert!(stats.preemptions > 0, "no preemption happened");
-    // Recomputation shows up as extra prefill, never as extra tokens.
-    assert_eq!(stats.generated_tokens, 8 * 30);
-    assert!(stats.prefill_tokens > stats.prompt_tokens);
+    // prefilling in 16-token chunks; 40 blocks hold one, never eight. With launch-ahead, steps
+    // whose blocks run out fall back to synchronous ones (which preempt).
+    for launch_ahead in [false, true] {
+        let mut c = core(&model, 40, 8, 16, 64);
+        c.launch_ahead = launch_ahead;
+        let out = run(&mut c, &arrivals, &[]);
+        assert_solo(&model, &arrivals, &out, 64);
+        let stats = c.sched.stats();
+        assert!(stats.preemptions > 0, "no preemption happened");
+        // Recomputation shows up as extra prefill, never as extra tokens.
+        assert_eq!(stats.generated_tokens, 8 * 30);
+        assert!(stats.prefill_tokens > stats.prompt_tokens);
+    }
 }
 
 #[test]
@@ -512,19 +516,6 @@ fn constrained_requests_follow_their_grammar_beside_free_ones() {
     }
 }
 
-/// `core` with launch-ahead on.
-fn core_ahead(
-    model: &MockModel,
-    blocks: usize,
-    max_batch: usize,
-    chunk: usize,
-    max_context: usize,
-) -> Core<MockBackend> {
-    let mut c = core(model, blocks, max_batch, chunk, max_context);
-    c.launch_ahead = true;
-    c
-}
-
 #[test]
 fn launch_ahead_changes_no_stream_finish_or_count() {
     let model = MockModel::small();
@@ -533,7 +524,8 @@ fn launch_ahead_changes_no_stream_finish_or_count() {
     for max_batch in [1, 3, 8] {
         let mut sync = core(&model, 400, max_batch, 16, 80);
         let want = run(&mut sync, &arrivals, &cancels);
-        let mut ahead = core_ahead(&model, 400, max_batch, 16, 80);
+        let mut ahead = core(&model, 400, max_batch, 16, 80);
+        ahead.launch_ahead = true;
         let got = run(&mut ahead, &arrivals, &cancels);
         for (_, r) in &arrivals {
             let (solo, reason) = model.solo(&r.prompt, &r.params, 1234, 80);
@@ -565,7 +557,8 @@ fn launch_ahead_lands_a_step_one_iteration_later_and_drops_the_token_after_a_sto
     // max_tokens: one step per token after the prefill's, none wasted (the last is known ahead);
     // a stop: the step launched behind the stopping token's is wasted and its token dropped.
     for (params, steps) in [(SamplingParams { max_tokens: 5, ..greedy.clone() }, 4), (stop, k + 1)] {
-        let mut c = core_ahead(&model, 200, 4, 64, 64);
+        let mut c = core(&model, 200, 4, 64, 64);
+        c.launch_ahead = true;
         let mut events = Vec::new();
         c.sched.submit(request(&params), 1234).unwrap();
         c.step(&mut events); // the prefill's token; the first decode step launched, not landed
@@ -586,18 +579,6 @@ fn launch_ahead_lands_a_step_one_iteration_later_and_drops_the_token_after_a_sto
 }
 
 #[test]
-fn launch_ahead_falls_back_to_synchronous_steps_for_preemption() {
-    let model = MockModel::small();
-    let arrivals: Vec<_> =
-        (0..8).map(|i| (0, req(i, 6 + i as usize, SamplingParams::greedy(30).with_ignore_eos()))).collect();
-    let mut c = core_ahead(&model, 40, 8, 16, 64);
-    let out = run(&mut c, &arrivals, &[]);
-    assert_solo(&model, &arrivals, &out, 64);
-    assert!(c.sched.stats().preemptions > 0, "no preemption happened");
-    assert_eq!(c.sched.stats().generated_tokens, 8 * 30);
-}
-
-#[test]
 fn a_request_resubmitted_under_its_id_while_a_step_is_in_flight_gets_none_of_its_tokens() {
     let model = MockModel::small();
     let greedy = SamplingParams::greedy(8).with_ignore_eos();
@@ -605,7 +586,8 @@ fn a_request_resubmitted_under_its_id_while_a_step_is_in_flight_gets_none_of_its
     let (stream, _) = model.solo(&first.prompt, &greedy, 1234, 64);
     let k = (2..stream.len()).find(|&k| !stream[..k].contains(&stream[k])).unwrap();
     let stopping = Request { params: SamplingParams { stop_token_ids: vec![stream[k]], ..greedy.clone() }, ..first };
-    let mut c = core_ahead(&model, 200, 4, 64, 64);
+    let mut c = core(&model, 200, 4, 64, 64);
+    c.launch_ahead = true;
     let mut events = Vec::new();
     c.sched.submit(stopping, 1234).unwrap();
     while !events.iter().any(|e: &Event| e.finish.is_some()) {

@@ -10,14 +10,21 @@
 //! a fresh build with the `Balanced` dealing, and the step time the dealing's cost model predicts
 //! for round-robin and balanced lists (`graph::deal::model`; a model, to be checked on the GPU).
 //!
+//! The launcher's other per-step host work on the same steps: compacting the engine's page table
+//! into the launch's `[layer][row][page]` copy and checking every entry it touches against the
+//! pool (`gpu::compact`), over rows that the KV manager grows one position a step.
+//!
 //! `cargo bench --bench graph_build` prints a table and writes JSON to `$MK_BENCH_JSON`
 //! (default `target/graph_build.json`).
 
 use std::time::Instant;
 
+use mk::gpu::compact::{check_mapped, compact_tables, step_pages};
 use mk::graph::cache::GraphCache;
 use mk::graph::deal::{model, Dealing};
 use mk::graph::{build_step, BuildOptions, Geometry};
+use mk::kv::{KvConfig, KvManager};
+use mk::sched::PageTable;
 
 const STEPS: usize = 200;
 
@@ -49,6 +56,43 @@ struct Row {
     balanced_build_us: f64,
     model_rr_us: f64,
     model_balanced_us: f64,
+    tables_us: f64,
+}
+
+/// Per step: `compact_tables` and `check_mapped` as the launcher runs them, over `batch` rows
+/// that the KV manager grows one position a step from `start` (its page table synced as the
+/// scheduler does).
+fn tables_us(geom: &Geometry, start: &[usize]) -> f64 {
+    let batch = start.len();
+    let max_context = start.iter().max().unwrap() + STEPS + 2;
+    let sliding: Vec<bool> = geom.window.iter().map(Option::is_some).collect();
+    let pages = max_context.div_ceil(64);
+    let num_blocks = batch * geom.window.len() * pages;
+    let mut kv =
+        KvManager::new(KvConfig { sliding, window: 4096, page_size: 64, num_blocks, salt: Vec::new() }).unwrap();
+    let mut table = PageTable::new(geom.window.len(), batch, pages);
+    for (b, &p) in start.iter().enumerate() {
+        kv.admit(b as u64, &[]).unwrap();
+        kv.grow(b as u64, p + 1).unwrap();
+        table.sync(b, kv.block_table(b as u64).unwrap()).unwrap();
+    }
+    let rows: Vec<usize> = (0..batch).collect();
+    let (mut compact, mut spent) = (Vec::new(), 0.0);
+    for i in 1..=STEPS {
+        for (b, &p) in start.iter().enumerate() {
+            if kv.grow(b as u64, p + i + 1).unwrap() {
+                table.sync(b, kv.block_table(b as u64).unwrap()).unwrap();
+            }
+        }
+        let positions: Vec<u32> = start.iter().map(|&p| (p + i) as u32).collect();
+        let t = Instant::now();
+        let pages = step_pages(&positions);
+        compact_tables(&table, &rows, pages, &mut compact);
+        check_mapped(&compact, &positions, pages, &geom.window, num_blocks).unwrap();
+        spent += t.elapsed().as_secs_f64();
+        std::hint::black_box(&compact);
+    }
+    spent * 1e6 / STEPS as f64
 }
 
 fn case(geom: &Geometry, opts: &BuildOptions, batch: usize, context: usize) -> Row {
@@ -80,6 +124,7 @@ fn case(geom: &Geometry, opts: &BuildOptions, batch: usize, context: usize) -> R
     let rr = build_step(geom, &step(0), opts).unwrap();
     let model_rr_us = model(&rr.order, &rr.per_sm, geom, rr.num_counters).makespan_ns / 1e3;
     let model_balanced_us = model(&bal.order, &bal.per_sm, geom, bal.num_counters).makespan_ns / 1e3;
+    let tables_us = tables_us(geom, &start);
     Row {
         batch,
         context,
@@ -92,6 +137,7 @@ fn case(geom: &Geometry, opts: &BuildOptions, batch: usize, context: usize) -> R
         balanced_build_us,
         model_rr_us,
         model_balanced_us,
+        tables_us,
     }
 }
 
@@ -108,7 +154,7 @@ fn main() {
     }
     println!("\nper-SM task lists of one decode step, NMC geometry, 132 SMs ({STEPS} consecutive steps)");
     println!(
-        "{:>6} {:>8} {:>9} {:>12} {:>12} {:>9} {:>9} {:>8} {:>7} {:>13} {:>10} {:>10}",
+        "{:>6} {:>8} {:>9} {:>12} {:>12} {:>9} {:>9} {:>8} {:>7} {:>13} {:>10} {:>10} {:>10}",
         "batch",
         "context",
         "tasks",
@@ -120,11 +166,12 @@ fn main() {
         "reused",
         "balanced µs",
         "model rr",
-        "model bal"
+        "model bal",
+        "tables µs"
     );
     for r in &rows {
         println!(
-            "{:>6} {:>8} {:>9} {:>12.0} {:>12.1} {:>8.0}x {:>9} {:>8} {:>7} {:>13.0} {:>8.0}µs {:>8.0}µs",
+            "{:>6} {:>8} {:>9} {:>12.0} {:>12.1} {:>8.0}x {:>9} {:>8} {:>7} {:>13.0} {:>8.0}µs {:>8.0}µs {:>10.1}",
             r.batch,
             r.context,
             r.tasks,
@@ -136,15 +183,16 @@ fn main() {
             r.reuses,
             r.balanced_build_us,
             r.model_rr_us,
-            r.model_balanced_us
+            r.model_balanced_us,
+            r.tables_us
         );
     }
     let body: Vec<String> = rows
         .iter()
         .map(|r| {
             format!(
-                "    {{\"batch\": {}, \"context\": {}, \"padded_tasks\": {}, \"fresh_us\": {:.3}, \"cached_us\": {:.3}, \"rebuilds\": {}, \"patches\": {}, \"reuses\": {}, \"balanced_build_us\": {:.1}, \"model_rr_us\": {:.1}, \"model_balanced_us\": {:.1}}}",
-                r.batch, r.context, r.tasks, r.fresh_us, r.cached_us, r.rebuilds, r.patches, r.reuses, r.balanced_build_us, r.model_rr_us, r.model_balanced_us
+                "    {{\"batch\": {}, \"context\": {}, \"padded_tasks\": {}, \"fresh_us\": {:.3}, \"cached_us\": {:.3}, \"rebuilds\": {}, \"patches\": {}, \"reuses\": {}, \"balanced_build_us\": {:.1}, \"model_rr_us\": {:.1}, \"model_balanced_us\": {:.1}, \"tables_us\": {:.2}}}",
+                r.batch, r.context, r.tasks, r.fresh_us, r.cached_us, r.rebuilds, r.patches, r.reuses, r.balanced_build_us, r.model_rr_us, r.model_balanced_us, r.tables_us
             )
         })
         .collect();

@@ -16,7 +16,7 @@ Self-contained (torch, tokenizers and the mk package; no network), seeded and re
    prompts it; one chat example per fit training function, rendered with mk's Cohere-format chat template:
    either its signature and docstring as the user turn and its body as the answer, or "Write a Python
    function ..." with its docstring's first line and the whole function in a ```python block as the answer
-   (half of them with a short reasoning block); a few hundred tool-call conversations (tools offered in
+   (half of them with a short reasoning block); 2,000 tool-call conversations (tools offered in
    the system turn, a `<|START_ACTION|>` block, tool results, a final answer), repeated.
 3. Tokenizer: byte-level BPE (`mk.tokenizer_files.train_tokenizer`, the Cohere special tokens at mk's fixed
    ids) trained on the training documents only.
@@ -1066,7 +1066,9 @@ def parse_args(argv: Sequence[str] | None):
     p.add_argument("--eval-functions", type=int, default=None, help="held-out functions generated from")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--gen-batch", type=int, default=128, help="sequences per greedy-generation batch")
-    p.add_argument("--tool-examples", type=int, default=400)
+    p.add_argument(
+        "--tool-examples", type=int, default=2000, help="tool-call conversations (default 2000; 400 until 2026-12-01)"
+    )
     p.add_argument("--tool-repeat", type=int, default=2)
     p.add_argument("--out-dir", default=str(REPO / "python" / "mk" / "embedded"))
     p.add_argument("--docs-dir", default=str(REPO / "docs"))

@@ -8,10 +8,10 @@ buffer starts poisoned (NaN / -7), so anything the kernel forgets to write shows
 from __future__ import annotations
 
 import os
-from unittest import mock
 
 import pytest
 import torch
+from routing import RoutingLog, tie_gap
 
 from mk import _native
 from mk.config import PAGE_SIZE, ModelConfig
@@ -82,19 +82,11 @@ def run_and_compare(
 
 
 def decode_with_routing(model: Model, tokens, positions, kv, tables):
-    """Model.decode's logits, and each MoE layer's (choices [B, top_k], router logits [B, experts])
-    in layer order, as the reference model chose them."""
-    seen = []
-
-    def record(logits, k):
-        idx, scores = select(logits, k)
-        seen.append((idx, logits))
-        return idx, scores
-
-    select = moe.select_experts
-    with mock.patch.object(moe, "select_experts", record):
+    """Model.decode's logits, and its select_experts calls: one per MoE layer, in layer order."""
+    log = RoutingLog()
+    with log.patch(moe):
         logits = model.decode(tokens, positions, kv, tables)
-    return logits, seen
+    return logits, log.calls
 
 
 def first_routing_difference(cfg: ModelConfig, kernel_log: torch.Tensor, reference) -> tuple[int, float] | None:
@@ -107,9 +99,7 @@ def first_routing_difference(cfg: ModelConfig, kernel_log: torch.Tensor, referen
         got = kernel_log[layer].long().sort(dim=-1).values.cpu()
         for b in range(want.shape[0]):
             if not torch.equal(want[b], got[b]):
-                top = logits[b].double().sort(descending=True).values
-                k = idx.shape[1]
-                return layer, (top[k - 1] - top[k]).item()
+                return layer, tie_gap(logits[b], idx.shape[1])
     return None
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 import random
-from unittest import mock
 
 import pytest
 import torch
+from routing import RoutingLog, tie_gap
 
 import mk.model.experts as grouped_moe
 import mk.model.moe as reference_moe
@@ -103,35 +103,19 @@ class Pool:
             assert err < tol, f"seed {SEED} {what}: {name} pages differ by {err:.2e}"
 
 
-class RoutingLog:
-    """Every select_experts call of a module: (choices [rows, k], router logits [rows, experts])."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def patch(self, module):
-        select = module.select_experts
-
-        def record(logits, k):
-            idx, scores = select(logits, k)
-            self.calls.append((idx, logits))
-            return idx, scores
-
-        return mock.patch.object(module, "select_experts", record)
-
-    def by_position(self, chunks: list[list[Span]]) -> dict[tuple[int, int, int], frozenset[int]]:
-        """The fast path's choices per (request, layer, position): its calls go chunk by chunk, one
-        per MoE layer, over the chunk's spans packed in order."""
-        calls, out = iter(self.calls), {}
-        for spans in chunks:
-            for layer in MOE_LAYERS:
-                idx, _ = next(calls)
-                rows = [(sp.request, pos) for sp in spans for pos in range(sp.start, sp.end)]
-                assert len(rows) == idx.shape[0]
-                for (request, pos), choice in zip(rows, idx.tolist(), strict=True):
-                    out[request, layer, pos] = frozenset(choice)
-        assert next(calls, None) is None
-        return out
+def by_position(log: RoutingLog, chunks: list[list[Span]]) -> dict[tuple[int, int, int], frozenset[int]]:
+    """The fast path's choices per (request, layer, position): its calls go chunk by chunk, one per
+    MoE layer, over the chunk's spans packed in order."""
+    calls, out = iter(log.calls), {}
+    for spans in chunks:
+        for layer in MOE_LAYERS:
+            idx, _ = next(calls)
+            rows = [(sp.request, pos) for sp in spans for pos in range(sp.start, sp.end)]
+            assert len(rows) == idx.shape[0]
+            for (request, pos), choice in zip(rows, idx.tolist(), strict=True):
+                out[request, layer, pos] = frozenset(choice)
+    assert next(calls, None) is None
+    return out
 
 
 def tied_flip(fast: dict, request: int, start: int, ref: RoutingLog) -> str | None:
@@ -142,8 +126,7 @@ def tied_flip(fast: dict, request: int, start: int, ref: RoutingLog) -> str | No
     for layer, (idx, logits) in zip(MOE_LAYERS, ref.calls, strict=True):
         for row, choice in enumerate(idx.tolist()):
             if fast[request, layer, start + row] != frozenset(choice):
-                top = logits[row].double().sort(descending=True).values
-                gap = float(top[k - 1] - top[k])
+                gap = tie_gap(logits[row], k)
                 assert gap < ROUTER_TIE, f"seed {SEED}: request {request} layer {layer} routes unlike the reference"
                 return f"layer {layer}, position {start + row} (gap {gap:.1e})"
     return None
@@ -160,7 +143,7 @@ def run_compared(model, pool, requests, chunk, attention, moe, dtype, what):
             requests, pool.kv, return_hidden=True, before_chunk=chunks.append
         )
     assert out.logits.shape == (len(requests), CFG.vocab_size) and out.logits.dtype == dtype
-    fast = fast_log.by_position(chunks) if moe == "grouped" else {}
+    fast = by_position(fast_log, chunks) if moe == "grouped" else {}
     compared = []
     for i, r in enumerate(requests):
         want_logits, want_hidden, ref_log = pool.reference_routed(r.tokens, r.start, r.block_table)

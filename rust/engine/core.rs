@@ -197,7 +197,7 @@ impl<B: Backend> Core<B> {
         }
         if !launched && !self.batch.is_empty() {
             let batch = std::mem::take(&mut self.batch);
-            let constrained = batch.rows.iter().any(|&r| self.sched.seq(r).is_some_and(|s| s.constraint.is_some()));
+            let constrained = batch.rows.iter().any(|&r| self.sched.seq(r).is_some_and(|s| s.constrained()));
             if self.launch_ahead && !constrained {
                 backend_ns += self.launch(batch);
             } else {
@@ -223,7 +223,9 @@ impl<B: Backend> Core<B> {
     /// Runs `batch`'s step (no row under a grammar) and keeps it in flight, to land in the next
     /// iteration; returns the backend's time in ns.
     fn launch(&mut self, batch: DecodeBatch) -> u64 {
-        let mut sampled = Vec::new();
+        // The landing step gives its buffer back (`land`): two alternate, none is allocated per step.
+        let mut sampled = std::mem::take(&mut self.sampled);
+        sampled.clear();
         let t = Instant::now();
         let input = DecodeInput {
             rows: &batch.rows,

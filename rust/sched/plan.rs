@@ -149,7 +149,7 @@ impl Scheduler {
         let max_context = self.cfg.max_context;
         for row in 0..self.rows.len() {
             let Some(seq) = self.rows[row].as_ref().filter(|s| s.phase == Phase::Decode) else { continue };
-            if seq.constraint.is_some() || seq.constraint_error.is_some() {
+            if seq.constrained() {
                 return false;
             }
             let pending = (0..flight.len()).find(|&j| seq.landing(flight.rows[j] == row, flight.ids[j]));

@@ -200,6 +200,12 @@ impl Seq {
         same_row && self.id == id && self.phase == Phase::Decode && self.in_flight > 0
     }
 
+    /// Whether its tokens are sampled under a grammar (whose mask needs every earlier token; one
+    /// that failed keeps its state until the error ends the request).
+    pub fn constrained(&self) -> bool {
+        self.constraint.is_some()
+    }
+
     pub fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
     }

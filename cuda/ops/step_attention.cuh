@@ -21,31 +21,15 @@ static_assert(kKvStages >= 2, "attention keeps at least one page in flight");
 constexpr int kKvPitch = kHeadDim + 8;   // bf16 per smem row: 272 bytes, so 8 rows hit 8 distinct bank groups
 constexpr int kPPitch = kPage + 8;       // bf16 per row of P
 
-#ifndef MK_RING_KV_MAX_BATCH
-#define MK_RING_KV_MAX_BATCH 8
-#endif
-// Up to this batch a split's KV pages come through the weight ring, copied by the producer warp
-// as its walk reaches the split (ring_kv); above it they come through attention's own cp.async
-// stages in the ops' union (AttnSmem), which leaves the ring fewer stages. A tuning knob
-// (-DMK_RING_KV_MAX_BATCH=N; 0: never through the ring).
-__host__ __device__ constexpr bool ring_kv(int batch) { return batch <= MK_RING_KV_MAX_BATCH; }
-
-// A page of K or V in shared memory: kPage rows of kKvPitch bf16.
-typedef bf16 KvTile[kPage][kKvPitch];
-
-// The softmax's cross-warp exchange and the probabilities P (bf16) of one page.
-struct AttnScratch {
+// One split streams its pages through a kKvStages-deep cp.async pipeline; the query group is the
+// 16-row A operand of mma.m16n8k16 (heads 0..7, rows 8..15 zero), so S = Q Kᵀ and O += P V run on
+// the tensor cores: warp w takes keys 8w..8w+7 of S and dims 16w..16w+15 of O.
+struct AttnSmem {
+    bf16 k[kKvStages][kPage][kKvPitch];
+    bf16 v[kKvStages][kPage][kKvPitch];
     bf16 p[kMaxGroup][kPPitch];
     float row_max[kWarps][kMaxGroup];
     float row_sum[kWarps][kMaxGroup];
-};
-
-// Attention's own pipeline (batches above MK_RING_KV_MAX_BATCH): kKvStages pages through
-// cp.async, all but one in flight while one is used.
-struct AttnSmem {
-    KvTile k[kKvStages];
-    KvTile v[kKvStages];
-    AttnScratch x;
 };
 
 __device__ __forceinline__ uint32_t lds32(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
@@ -84,12 +68,6 @@ struct SplitPages {
         lo = keys.x, hi = keys.y, first_page = lo - lo % kPage, pages = (hi - first_page + kPage - 1) / kPage;
     }
 
-    // Row `row` of page i for the split's KV head in the K (which 0) or V pool.
-    __device__ const bf16* row_at(const MkStepArgs& a, int which, int i, int row) const {
-        const size_t block = (size_t)ld_i32(table + (first_page + i * kPage) / kPage);
-        return ptr<const bf16>(which ? a.v_pool : a.k_pool) + ((block * kPage + row) * a.kv_heads + kvh) * kHeadDim;
-    }
-
     // Copies page i into stage i % kKvStages (one cp.async group, empty past the end): rows
     // outside [lo, hi) are zeroed (they may hold anything, and 0 * NaN would poison P V).
     __device__ void issue(const MkStepArgs& a, AttnSmem& sm, int i) const {
@@ -121,16 +99,21 @@ __device__ int attn_prefetch(const MkStepArgs& a, const SplitPages& sp, AttnSmem
     return issued;
 }
 
-// The running state of a split's online softmax, of query head g = lane / 4 (identical in every
-// warp), and the thread's share of its output.
-struct SplitState {
-    uint32_t qa[kHeadDim / 16][2];  // the thread's A fragments of Q (head g; rows g + 8 are zero)
-    float m_run = -INFINITY, l_run = 0.f;
-    float o[2][4] = {};  // O[head g][dims 16w + 8j + 2tq, +1] in o[j][0..1]
+// `issued`: the pages attn_prefetch issued before the task's wait.
+__device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, const SplitPages& sp, AttnSmem& sm,
+                               int issued) {
+    const int b = sp.b, kvh = sp.kvh, split = t.arg[2], lo = sp.lo, hi = sp.hi;
+    const int group = a.heads / a.kv_heads, qw = a.heads * kHeadDim;
+    const float inv_sqrt = rsqrtf((float)kHeadDim);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+    const int first_page = sp.first_page, pages = sp.pages;
+    auto issue = [&](int i) { sp.issue(a, sm, i); };
+    while (issued < kKvStages - 1) issue(issued++);
 
-    __device__ SplitState(const MkStepArgs& a, const SplitPages& sp) {
-        const int group = a.heads / a.kv_heads, g = threadIdx.x % 32 / 4, tq = threadIdx.x % 4;
-        const float* q = ptr<float>(a.q) + (size_t)sp.b * a.heads * kHeadDim + (sp.kvh * group + g) * kHeadDim;
+    // This thread's A fragments of Q (head g; rows g + 8 are zero) for the 8 k-steps of 16 dims.
+    uint32_t qa[kHeadDim / 16][2];
+    {
+        const float* q = ptr<float>(a.q) + (size_t)b * qw + (kvh * group + g) * kHeadDim;
 #pragma unroll
         for (int ks = 0; ks < kHeadDim / 16; ++ks) {
             float2 x0 = make_float2(0.f, 0.f), x1 = x0;
@@ -142,15 +125,17 @@ struct SplitState {
         }
     }
 
-    // One page (keys start.., those outside [lo, hi) masked; their V rows must be finite): S = Q Kᵀ
-    // for keys 8w..8w+7 (warp w), the running max and sum over the block, O += P V for dims
-    // 16w..16w+15 (V's [key][dim] tiles transposed by ldmatrix). Two block barriers.
-    __device__ __forceinline__ void page(const KvTile& k, const KvTile& v, int start, int lo, int hi,
-                                         AttnScratch& x) {
-        const float inv_sqrt = rsqrtf((float)kHeadDim);
-        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+    float m_run = -INFINITY, l_run = 0.f;  // of head g, identical in every warp
+    float o[2][4] = {};                    // O[head g][dims 16w + 8j + 2tq, +1] in o[j][0..1]
+    for (int i = 0; i < pages; ++i) {
+        cp_async_wait_pending<kKvStages - 2>();  // this thread's copies of page i have landed
+        compute_sync();                          // everyone's have; everyone is done with page i - 1
+        issue(i + kKvStages - 1);
+        const int st = i % kKvStages, start = first_page + i * kPage;
+
+        // S for keys 8w + 2tq, + 1 of head g.
         float sc[4] = {0.f, 0.f, 0.f, 0.f};
-        const bf16* krow = &k[8 * warp + g][0];
+        const bf16* krow = &sm.k[st][8 * warp + g][0];
 #pragma unroll
         for (int ks = 0; ks < kHeadDim / 16; ++ks)
             mma_16816(sc, qa[ks][0], 0u, qa[ks][1], 0u, lds32(krow + 16 * ks + 2 * tq), lds32(krow + 16 * ks + 8 + 2 * tq));
@@ -160,45 +145,43 @@ struct SplitState {
         float mx = fmaxf(s0, s1);
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        if (tq == 0) x.row_max[warp][g] = mx;
+        if (tq == 0) sm.row_max[warp][g] = mx;
         compute_sync();
         float page_max = -INFINITY;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) page_max = fmaxf(page_max, x.row_max[w][g]);
+        for (int w = 0; w < kWarps; ++w) page_max = fmaxf(page_max, sm.row_max[w][g]);
         const float m_new = fmaxf(m_run, page_max);  // finite: every page has a key in range
         const float factor = __expf(m_run - m_new);
         const float p0 = ok0 ? __expf(s0 - m_new) : 0.f, p1 = ok1 ? __expf(s1 - m_new) : 0.f;
         float ps = p0 + p1;
         ps += __shfl_xor_sync(0xffffffffu, ps, 1);
         ps += __shfl_xor_sync(0xffffffffu, ps, 2);
-        if (tq == 0) x.row_sum[warp][g] = ps;
-        *reinterpret_cast<uint32_t*>(&x.p[g][8 * warp + 2 * tq]) = pack_bf16(p0, p1);
+        if (tq == 0) sm.row_sum[warp][g] = ps;
+        *reinterpret_cast<uint32_t*>(&sm.p[g][8 * warp + 2 * tq]) = pack_bf16(p0, p1);
         compute_sync();
         float page_sum = 0.f;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) page_sum += x.row_sum[w][g];
+        for (int w = 0; w < kWarps; ++w) page_sum += sm.row_sum[w][g];
         l_run = l_run * factor + page_sum;
         m_run = m_new;
 #pragma unroll
         for (int j = 0; j < 2; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) o[j][e] *= factor;
+
+        // O += P V for dims 16w..16w+15: V's [key][dim] tiles transposed by ldmatrix.
         const int mat = lane / 8;
 #pragma unroll
         for (int ks = 0; ks < kPage / 16; ++ks) {
-            const uint32_t pa0 = lds32(&x.p[g][16 * ks + 2 * tq]), pa2 = lds32(&x.p[g][16 * ks + 8 + 2 * tq]);
+            const uint32_t pa0 = lds32(&sm.p[g][16 * ks + 2 * tq]), pa2 = lds32(&sm.p[g][16 * ks + 8 + 2 * tq]);
             uint32_t v0, v1, v2, v3;
-            ldmatrix_x4_trans(&v[16 * ks + (mat & 1) * 8 + lane % 8][16 * warp + (mat >> 1) * 8], v0, v1, v2, v3);
+            ldmatrix_x4_trans(&sm.v[st][16 * ks + (mat & 1) * 8 + lane % 8][16 * warp + (mat >> 1) * 8], v0, v1, v2, v3);
             mma_16816(o[0], pa0, 0u, pa2, 0u, v0, v1);
             mma_16816(o[1], pa0, 0u, pa2, 0u, v2, v3);
         }
     }
-
-    // The unnormalised partial and its (max, sum) for the combine.
-    __device__ void store(const MkStepArgs& a, const SplitPages& sp, int split) const {
-        const int group = a.heads / a.kv_heads, warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, tq = threadIdx.x % 4;
-        if (g >= group) return;
-        const size_t slot = ((size_t)sp.b * a.kv_heads + sp.kvh) * a.max_splits + split;
+    if (g < group) {
+        const size_t slot = ((size_t)b * a.kv_heads + kvh) * a.max_splits + split;
         float* out = ptr<float>(a.attn_o) + (slot * group + g) * kHeadDim + 16 * warp + 2 * tq;
 #pragma unroll
         for (int j = 0; j < 2; ++j) *reinterpret_cast<float2*>(out + 8 * j) = make_float2(o[j][0], o[j][1]);
@@ -207,67 +190,6 @@ struct SplitState {
             ml[0] = m_run, ml[1] = l_run;
         }
     }
-};
-
-// `issued`: the pages attn_prefetch issued before the task's wait.
-__device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, const SplitPages& sp, AttnSmem& sm,
-                               int issued) {
-    auto issue = [&](int i) { sp.issue(a, sm, i); };
-    while (issued < kKvStages - 1) issue(issued++);
-    SplitState st(a, sp);
-    for (int i = 0; i < sp.pages; ++i) {
-        cp_async_wait_pending<kKvStages - 2>();  // this thread's copies of page i have landed
-        compute_sync();                          // everyone's have; everyone is done with page i - 1
-        issue(i + kKvStages - 1);
-        st.page(sm.k[i % kKvStages], sm.v[i % kKvStages], sp.first_page + i * kPage, sp.lo, sp.hi, sm.x);
-    }
-    st.store(a, sp, t.arg[2]);
-}
-
-// The producer's copies of one ring stage of a split (ring_kv): page i's K (which 0) or V rows in
-// [lo, hi) except the row at the row's position, which this step's QKV writes (the consumer
-// copies it itself after its wait); the rest of the page is zero-filled.
-struct KvStage {
-    const bf16* row0;  // row 0 of the page for the split's KV head
-    int first, end;    // rows [first, end) of the page in [lo, hi)
-    int skip;          // the row at the position, or -1
-};
-
-__device__ __forceinline__ KvStage kv_stage(const MkStepArgs& a, const SplitPages& sp, int i, int which) {
-    const int start = sp.first_page + i * kPage;
-    return {sp.row_at(a, which, i, 0), max(sp.lo - start, 0), min(sp.hi - start, kPage),
-            sp.pos >= start && sp.pos < start + kPage ? sp.pos - start : -1};
-}
-
-// A split whose pages came through the ring (ring_kv): stage n + 2i holds page i's K, n + 2i + 1
-// its V, rows outside [lo, hi) zero. On the page holding the row's position, the new key and value
-// (written by this step's QKV, which the task waited for) are copied in once the stages are full.
-// Before a stage is released, a proxy fence orders this block's generic-proxy accesses of it
-// (the cp.async copies, the new row) before the copy engine's next writes into it.
-__device__ void run_attn_split_ring(const MkStepArgs& a, const MkTask& t, const SplitPages& sp, AttnScratch& x,
-                                    const Ring& r, uint32_t& n) {
-    SplitState st(a, sp);
-    constexpr int kRowVecs = kHeadDim / 8;  // 16-byte pieces of a row
-    for (int i = 0; i < sp.pages; ++i, n += 2) {
-        const int start = sp.first_page + i * kPage;
-        mbar_wait(r.full_of(n), r.parity(n));
-        mbar_wait(r.full_of(n + 1), r.parity(n + 1));
-        KvTile& k = *reinterpret_cast<KvTile*>(r.stage(n));
-        KvTile& v = *reinterpret_cast<KvTile*>(r.stage(n + 1));
-        const int own = sp.pos - start;  // the new token's row, if it is in this page and split
-        if (own < kPage && sp.pos < sp.hi) {
-            if (threadIdx.x < 2 * kRowVecs) {
-                const int col = threadIdx.x % kRowVecs, which = threadIdx.x / kRowVecs;
-                *reinterpret_cast<uint4*>(&(which ? v : k)[own][8 * col]) = ld_activations(sp.row_at(a, which, i, own) + 8 * col);
-            }
-            compute_sync();
-        }
-        st.page(k, v, start, sp.lo, sp.hi, x);
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        __syncwarp();
-        if (threadIdx.x % 32 == 0) mbar_arrive(r.empty_of(n)), mbar_arrive(r.empty_of(n + 1));
-    }
-    st.store(a, sp, t.arg[2]);
 }
 
 // Warp g merges query head g's splits in rounds of 32: lane l holds split 32r + l's weight

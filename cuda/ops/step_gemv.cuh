@@ -1,7 +1,6 @@
 // The GEMV task: 16 * groups output rows of one weight matrix for the whole batch, with the
 // matrix's epilogue (RoPE and the paged K/V write for QKV, silu·up for gate/up pairs, ...).
 #pragma once
-#include "step_attention.cuh"
 #include "step_common.cuh"
 #include "step_stream.cuh"
 
@@ -11,35 +10,17 @@ constexpr int kMaxBatch = MK_STEP_MAX_BATCH;
 constexpr int kMaxK = MK_STEP_MAX_K;
 // Bytes per activation row in shared memory: 64 mod 128, so the 8 threads of a quarter-warp
 // reading rows g and g + 1 at one column hit 32 distinct banks.
-__host__ __device__ constexpr int act_pitch(int k) { return (2 * k + 127) / 128 * 128 + 64; }
+__device__ __forceinline__ int act_pitch(int k) { return (2 * k + 127) / 128 * 128 + 64; }
+constexpr int kActBytes = kMaxBatch * ((2 * kMaxK + 127) / 128 * 128 + 64);
 
 constexpr int kMaxGroups = MK_GEMV_MAX_GROUPS;
 
-// Shared memory of a GEMV task (outside the weight ring), sized by the launch's batch so that a
-// small batch leaves the ring more stages: the activations [batch][act_pitch(k)], the per-warp
-// partial sums [group][warp][batch][16 rows] (only the batch's columns of each mma tile), the
-// outputs [group][16 rows][kMaxBatch] and an expert tile's routed rows.
+// Shared memory of a GEMV task (outside the weight ring).
 struct GemvSmem {
-    unsigned char* act;
-    float* partial;
-    float (*out)[16][kMaxBatch];
-    int* has_row;  // [kMaxBatch]: which batch rows routed to an expert tile's slot
-
-    __host__ __device__ static constexpr size_t act_bytes(int batch) { return (size_t)batch * act_pitch(kMaxK); }
-    __host__ __device__ static constexpr size_t partial_bytes(int batch) {
-#ifdef MK_EXP_OLD_PARTIALS
-        batch = kMaxBatch;
-#endif
-        return (size_t)kMaxGroups * kWarps * batch * 16 * sizeof(float);
-    }
-    __host__ __device__ static constexpr size_t out_bytes() { return (size_t)kMaxGroups * 16 * kMaxBatch * sizeof(float); }
-    __host__ __device__ static constexpr size_t bytes(int batch) {
-        return act_bytes(batch) + partial_bytes(batch) + out_bytes() + kMaxBatch * sizeof(int);
-    }
-    __device__ GemvSmem(unsigned char* base, int batch)
-        : act(base), partial(reinterpret_cast<float*>(base + act_bytes(batch))),
-          out(reinterpret_cast<float(*)[16][kMaxBatch]>(base + act_bytes(batch) + partial_bytes(batch))),
-          has_row(reinterpret_cast<int*>(base + act_bytes(batch) + partial_bytes(batch) + out_bytes())) {}
+    alignas(16) unsigned char act[kActBytes];  // the task's activations, [kMaxBatch][act_pitch(k)]
+    float partial[kMaxGroups][kWarps][4][32];  // [group][warp][fragment][lane]
+    float out[kMaxGroups][16][8];              // [group][row][batch]
+    int has_row[kMaxBatch];                    // expert tiles: which batch rows routed to the slot's expert
 };
 
 // What a task multiplies, from its words and the step's dimensions alone (no loads): `groups`
@@ -132,26 +113,21 @@ __device__ __forceinline__ MkTask claimed_tile(const MkTask& claim, int i) {
     return t;
 }
 
-// The producer warp's walk: every stage of every GEMV task of the block's list, and (ring_kv)
-// every page of every attention split, K then V, in list order: the stage sequence gemv_compute
-// and run_attn_split_ring consume. Lane 0 walks; the list is read kListBatch tasks at a time into
-// a window of shared memory (loads in flight together instead of one task's latency per task).
+// The producer warp's walk: every stage of every GEMV task of the block's list, in list order,
+// the stage sequence gemv_compute consumes. Lane 0 walks; the list is read kListBatch tasks at a
+// time into a window of shared memory (loads in flight together instead of one task's latency per
+// task).
 constexpr int kListBatch = 32;
 
 struct StageWalk {
     const MkTask* list;
     int per_sm;
     MkTask* window;  // [kListBatch]: tasks [base, base + kListBatch) of the list (past its end: unread)
-    bool kv_ring;    // attention splits' pages come through the ring (ring_kv of the batch)
     int base = -kListBatch;
     int j = -1;  // the task whose stages are being walked, -1 before the first
     GemvShape s{};
     GemvMaps maps{};
     int g = 0, c = 0, box = 0, kc = 0;
-    // The split being walked (kv): its pages, the next page and which of K (0) and V (1).
-    bool kv = false;
-    SplitPages split{};
-    int page = 0, which = 0;
     int slots_layer = -1, slots = 0;  // the layer whose used-slot count `slots` is
     bool end = false;
     // The expert queue being claimed (MK_OP_EXPERT_CLAIM): the claim task, its head counter and
@@ -178,7 +154,7 @@ struct StageWalk {
 
     // Starts walking the stages of GEMV task (or claimed tile) t; false if it has none.
     __device__ bool start(const MkStepArgs& a, const MkTask& t) {
-        s = gemv_shape(a, t), maps = gemv_maps(a, t), kv = false;
+        s = gemv_shape(a, t), maps = gemv_maps(a, t);
         box = box_cols(s.k), kc = box * kStageBoxes, g = 0, c = 0;
         while (g < s.groups && s.group_valid(g) <= 0) ++g;
         return g < s.groups;
@@ -195,9 +171,9 @@ struct StageWalk {
     }
 
     // Moves to the next run of stages: the next tile of the queue being claimed, or the next GEMV
-    // task with weights or split in the list (a claim task opens its queue). kQueueEnd: the queue
-    // being claimed is empty (the walk then reports one marker stage).
-    enum Next { kEnd, kStages, kMarker, kKv };
+    // task with weights in the list (a claim task opens its queue). kQueueEnd: the queue being
+    // claimed is empty (the walk then reports one marker stage).
+    enum Next { kEnd, kStages, kMarker };
     __device__ Next advance(const MkStepArgs& a, uint32_t* counters) {
         for (;;) {
             if (claiming) {
@@ -217,33 +193,21 @@ struct StageWalk {
                 queue_head = counters + t.layer * MK_COUNTERS_PER_LAYER + head;
                 continue;
             }
-            if (t.op == MK_OP_ATTN_SPLIT && kv_ring) {
-                split = SplitPages(a, t), kv = true, page = 0, which = 0;
-                if (split.pages > 0) return kKv;
-                continue;
-            }
             if (t.op != MK_OP_GEMV) continue;
             if (is_expert(t) && t.arg[3] >= slot_count(a, counters, t.layer)) continue;
             if (start(a, t)) return kStages;
         }
     }
 
-    // The next stage: a weight stage (kStages: its matrix, first column and row and boxes), a
-    // split's page (kKv: `kvs`), and `tag` (Ring::tag); kEnd at the end of the list, kMarker for
-    // a queue's end marker (no copies).
-    __device__ Next next(const MkStepArgs& a, uint32_t* counters, const void*& map, int& col, int& row, int& boxes,
-                         KvStage& kvs) {
+    // The next stage: its matrix, first column and row and boxes, and `tag` (Ring::tag); kEnd at
+    // the end of the list, kMarker for a queue's end marker (no copies).
+    __device__ Next next(const MkStepArgs& a, uint32_t* counters, const void*& map, int& col, int& row, int& boxes) {
         tag = kNoTag;
         if (end) return kEnd;
-        if (j < 0 || (kv ? page >= split.pages : g >= s.groups)) {
+        if (j < 0 || g >= s.groups) {
             const Next n = advance(a, counters);
             if (n == kEnd) end = true;
-            if (n == kEnd || n == kMarker) return tag = kQueueEnd, n;
-        }
-        if (kv) {
-            kvs = kv_stage(a, split, page, which);
-            if (++which == 2) which = 0, ++page;
-            return kKv;
+            if (n != kStages) return tag = kQueueEnd, n;
         }
         map = maps.of(s, g), col = c, row = s.group_first(g);
         boxes = min(kStageBoxes, (s.k - c + box - 1) / box);
@@ -257,30 +221,13 @@ struct StageWalk {
     }
 };
 
-// 16 bytes global -> shared, or 16 zero bytes where `copy` is false (cp.async's source size 0).
-__device__ __forceinline__ void cp_async16_or_zero(void* dst, const void* src, bool copy) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(copy ? 16 : 0)
-                 : "memory");
-}
-
-// The mbarrier `bar` receives one arrival once every cp.async this thread issued so far has landed
-// (its pending count is raised by one first, so the arrival is in addition to the expected ones).
-__device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
-    asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-
-// The producer warp's loop: as soon as a ring slot is free, lane 0 issues a weight stage's bulk
-// tensor copies (one per box), or the whole warp a split page's rows by cp.async (KvStage: rows
-// outside [first, end) and the new token's row are zero-filled; the stage's "full" barrier
-// completes when every lane's copies have landed and lane 0 has arrived). Per-row bulk copies
-// kept the copy engine busy with small requests: a split ran twice as long. (Prefetching the
-// stages beyond the ring into L2 while it waits was slower: docs/PERF.md.)
-#ifdef MK_EXP_LANE0_PRODUCER
+// The producer warp's loop: one bulk tensor copy per box of every stage, as soon as a ring slot
+// is free. (Prefetching the stages beyond the ring into L2 while it waits was slower: docs/PERF.md.)
 __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t* counters, const Ring& r,
                                MkTask* window) {
     if (threadIdx.x % 32 != 0) return;
     const uint64_t policy = evict_first_policy();
-    StageWalk copy{list, a.per_sm, window, false};
+    StageWalk copy{list, a.per_sm, window};
     uint32_t n = 0;  // stages issued
     // The trace's producer fields of the task being streamed (`traced`).
     MkTraceEntry* trace = a.trace ? ptr<MkTraceEntry>(a.trace) + (size_t)blockIdx.x * a.per_sm : nullptr;
@@ -288,10 +235,9 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t
     uint32_t ring_wait = 0;
     const void* map;
     int col, row, boxes;
-    KvStage kvs{};
     for (;;) {
         const long long t0 = trace ? clock64() : 0;
-        const StageWalk::Next kind = copy.next(a, counters, map, col, row, boxes, kvs);
+        const StageWalk::Next kind = copy.next(a, counters, map, col, row, boxes);
         if (kind == StageWalk::kEnd) break;
         const bool first = trace && copy.j != traced;
         if (first) {
@@ -320,76 +266,6 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t
     }
     if (traced >= 0) trace[traced].ring_wait_cycles = ring_wait;
 }
-#else
-__device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t* counters, const Ring& r,
-                               MkTask* window) {
-    const int lane = threadIdx.x % 32;
-    const uint64_t policy = evict_first_policy();
-    StageWalk copy{list, a.per_sm, window, ring_kv(a.batch)};
-    uint32_t n = 0;  // stages issued
-    // The trace's producer fields of the task being streamed (`traced`).
-    MkTraceEntry* trace = a.trace ? ptr<MkTraceEntry>(a.trace) + (size_t)blockIdx.x * a.per_sm : nullptr;
-    int traced = -1;
-    uint32_t ring_wait = 0;
-    const void* map;
-    int col, row, boxes;
-    for (;; ++n) {
-        int kind = StageWalk::kEnd;
-        KvStage kvs{};
-        if (lane == 0) {
-            const long long t0 = trace ? clock64() : 0;
-            kind = copy.next(a, counters, map, col, row, boxes, kvs);
-            if (kind != StageWalk::kEnd) {
-                const bool first = trace && copy.j != traced;
-                if (first) {
-                    if (traced >= 0) trace[traced].ring_wait_cycles = ring_wait;
-                    trace[copy.j].topk_wait_cycles = (uint32_t)(clock64() - t0);
-                    traced = copy.j, ring_wait = 0;
-                }
-                if (n >= (uint32_t)r.count && !mbar_test_wait(r.empty_of(n), r.parity(n) ^ 1u)) {
-                    const long long w0 = trace ? clock64() : 0;
-                    mbar_wait(r.empty_of(n), r.parity(n) ^ 1u);
-                    if (trace) ring_wait += (uint32_t)(clock64() - w0);
-                }
-                r.set_tag(n, copy.tag);  // published by the arrival below
-                uint64_t* full = r.full_of(n);
-                if (kind == StageWalk::kMarker) {
-                    mbar_arrive(full);  // no bytes: the phase completes at once
-                } else if (kind == StageWalk::kKv) {
-                    // lane 0 arrives once the warp's copies are tracked (below)
-                } else {
-                    const int box = copy.box;
-                    // Whole boxes count, rows past the matrix's end too (the copy zero-fills them).
-                    mbar_arrive_expect_tx(full, (uint32_t)(boxes * kStageRows * box * 2));
-                    for (int b = 0; b < boxes; ++b)
-                        tensor_copy_2d(r.stage(n) + b * kStageRows * box * 2, map, col + b * box, row, full, policy);
-                }
-                if (first) trace[copy.j].stream_ns = global_ns();
-            }
-        }
-        kind = __shfl_sync(0xffffffffu, kind, 0);
-        if (kind == StageWalk::kEnd) break;
-        if (kind != StageWalk::kKv) continue;
-        const uint64_t src = __shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(kvs.row0), 0);
-        const int first = __shfl_sync(0xffffffffu, kvs.first, 0), end = __shfl_sync(0xffffffffu, kvs.end, 0);
-        const int skip = __shfl_sync(0xffffffffu, kvs.skip, 0);
-        const size_t pitch = (size_t)a.kv_heads * kHeadDim;  // between a page's rows in the pool
-        constexpr int kRowVecs = kHeadDim / 8;
-        unsigned char* stage = r.stage(n);
-#pragma unroll 4
-        for (int c = lane; c < kPage * kRowVecs; c += 32) {
-            const int rw = c / kRowVecs, col = c % kRowVecs;
-            cp_async16_or_zero(stage + (rw * kKvPitch + 8 * col) * sizeof(bf16), ptr<const bf16>(src) + rw * pitch + 8 * col,
-                               rw >= first && rw < end && rw != skip);
-        }
-        cp_async_arrive(r.full_of(n));
-        __syncwarp();
-        if (lane == 0) mbar_arrive(r.full_of(n));
-    }
-    if (lane == 0 && traced >= 0) trace[traced].ring_wait_cycles = ring_wait;
-}
-
-#endif
 
 // Fills has_row[b] for an expert tile's slot (visible after the next barrier).
 __device__ __forceinline__ void load_slot_rows(const MkStepArgs& a, int slot, int* has_row) {
@@ -401,18 +277,20 @@ __device__ __forceinline__ void load_slot_rows(const MkStepArgs& a, int slot, in
     }
 }
 
-// Starts copying the task's activations [batch][k] into shared memory, unless the previous GEMV
-// task of this block already did: `key` names what the buffer holds (the source address and
-// layer; activation buffers are rewritten only after every reader of the layer has finished), 0
-// when another op has reused the memory. The copies are asynchronous, so the loads an expert tile
-// still has to make go out with them; finish_activations waits for them.
+// Starts copying the task's activations [batch][k] into shared memory (rows batch..7 zero), unless
+// the previous GEMV task of this block already did: `key` names what the buffer holds (the source
+// address and layer; activation buffers are rewritten only after every reader of the layer has
+// finished), 0 when another op has reused the memory. The copies are asynchronous, so the loads
+// an expert tile still has to make go out with them; finish_activations waits for them.
 __device__ bool start_activations(const GemvShape& p, int batch, int layer, GemvSmem& s, uint64_t& key) {
     const uint64_t want = reinterpret_cast<uint64_t>(p.act) ^ ((uint64_t)layer << 56);
     if (key == want) return false;
     const int vecs = p.k / 8, pitch = act_pitch(p.k);
-    for (int i = threadIdx.x; i < batch * vecs; i += kThreads) {
+    for (int i = threadIdx.x; i < kMaxBatch * vecs; i += kThreads) {
         const int b = i / vecs, v = i % vecs;
-        cp_async16(s.act + b * pitch + 16 * v, p.act + (size_t)b * p.k + 8 * v);
+        unsigned char* dst = s.act + b * pitch + 16 * v;
+        if (b < batch) cp_async16(dst, p.act + (size_t)b * p.k + 8 * v);
+        else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
     }
     key = want;  // true once every thread has waited for its copies (the next barrier)
     return true;
@@ -428,15 +306,14 @@ __device__ __forceinline__ void finish_activations(bool started) {
 // ring's stages. Warp w takes 32-column chunks w, w + 8, ... of each stage: thread (g = lane / 4,
 // t = lane % 4) reads 16 bytes of weight rows g and g + 8 and of activation row g at column
 // 8t of the chunk. The weights are the 16-row A operand and the batch the 8 columns of B ("swap
-// AB": every weight byte is read once whatever the batch; columns past the batch read row
-// batch - 1 again and are dropped), and the k index inside each 32-wide chunk is permuted the same
-// way for A and B, so each thread fills its fragments from one 16-byte load per row; the dot
-// products do not depend on the order of k.
-__device__ void gemv_compute(const GemvShape& p, GemvSmem& s, const Ring& r, uint32_t& n, int batch) {
+// AB": every weight byte is read once whatever the batch), and the k index inside each 32-wide
+// chunk is permuted the same way for A and B, so each thread fills its fragments from one 16-byte
+// load per row; the dot products do not depend on the order of k.
+__device__ void gemv_compute(const GemvShape& p, GemvSmem& s, const Ring& r, uint32_t& n) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
     const int box = box_cols(p.k), kc = box * kStageBoxes, pitch = act_pitch(p.k);
     const int box_chunks = box / 32, box_bytes = kStageRows * box * 2;
-    const unsigned char* act_row = s.act + min(gi, batch - 1) * pitch + 16 * ti;
+    const unsigned char* act_row = s.act + gi * pitch + 16 * ti;
     for (int g = 0; g < p.groups; ++g) {
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         if (p.group_valid(g) > 0) {
@@ -456,38 +333,16 @@ __device__ void gemv_compute(const GemvShape& p, GemvSmem& s, const Ring& r, uin
                 if (lane == 0) mbar_arrive(r.empty_of(n));
             }
         }
-#ifdef MK_EXP_OLD_PARTIALS
 #pragma unroll
-        for (int i = 0; i < 4; ++i) s.partial[((g * kWarps + warp) * 4 + i) * 32 + lane] = acc[i];
+        for (int i = 0; i < 4; ++i) s.partial[g][warp][i][lane] = acc[i];
     }
     compute_sync();
     for (int idx = threadIdx.x; idx < p.groups * 128; idx += kThreads) {
         const int grp = idx / 128, i = (idx / 32) % 4, l = idx % 32;
         float sum = 0.f;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) sum += s.partial[((grp * kWarps + w) * 4 + i) * 32 + l];
+        for (int w = 0; w < kWarps; ++w) sum += s.partial[grp][w][i][l];
         const int row = l / 4 + (i >= 2 ? 8 : 0), b = 2 * (l % 4) + (i & 1);
-        s.out[grp][row][b] = sum;
-    }
-    compute_sync();
-    return;
-#else
-        // acc[i] is (row gi + 8 (i >= 2), column 2 ti + (i & 1)) of the group's 16 x 8 tile.
-        float* part = s.partial + (size_t)(g * kWarps + warp) * batch * 16;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int b = 2 * ti + (i & 1);
-            if (b < batch) part[b * 16 + gi + (i >= 2 ? 8 : 0)] = acc[i];
-        }
-    }
-    compute_sync();
-#endif
-    for (int idx = threadIdx.x; idx < p.groups * batch * 16; idx += kThreads) {
-        const int grp = idx / (batch * 16), b = (idx / 16) % batch, row = idx % 16;
-        const float* part = s.partial + (size_t)grp * kWarps * batch * 16 + b * 16 + row;
-        float sum = 0.f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) sum += part[w * batch * 16];
         s.out[grp][row][b] = sum;
     }
     compute_sync();
@@ -574,7 +429,7 @@ __device__ void run_gemv(const MkStepArgs& a, const MkTask& t, GemvSmem& s, cons
         }
     }
     finish_activations(started);
-    gemv_compute(p, s, r, n, a.batch);  // its barriers publish has_row
+    gemv_compute(p, s, r, n);  // its barriers publish has_row
     gemv_epilogue(a, t, p, s);
 }
 

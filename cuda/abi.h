@@ -7,7 +7,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MK_ABI_VERSION 9
+#define MK_ABI_VERSION 10
 
 // ---- The decode megakernel's task graph (docs/MEGAKERNEL.md) ------------------------------------
 // A step is a list of tasks per SM, built by the host (rust/graph). Each block runs its list in
@@ -163,6 +163,10 @@ typedef struct MkStepArgs {
     uint64_t expert_maps;   // [layers][experts][3]: gate, up, down
     uint64_t embed_map;     // the LM head (embed)
     uint64_t rope;          // fp32 [batch][head_dim / 2][2]: (cos, sin) at each row's position (EMBED writes it)
+    // [2] CUtensorMaps of k_pool and v_pool as [blocks * MK_PAGE_SIZE rows][kv_heads * head_dim]
+    // bf16, boxes of MK_PAGE_SIZE rows x MK_KV_BOX_COLS columns with 128-byte swizzle: the weight
+    // producer copies a split's pages with them (one page of one KV head is two boxes).
+    uint64_t kv_maps;
 } MkStepArgs;
 
 // One stage of the weight ring: a tile of MK_STAGE_ROWS weight rows by MK_STAGE_COLS columns
@@ -170,6 +174,8 @@ typedef struct MkStepArgs {
 #define MK_STAGE_ROWS 16
 #define MK_STAGE_COLS 256
 #define MK_TENSOR_MAP_BYTES 128
+// Columns of a KV tensor map's box (128 bytes: the widest box the 128-byte swizzle takes).
+#define MK_KV_BOX_COLS 64
 
 // One executed task, written when MkStepArgs.trace is set: by thread 0 of its block, and for the
 // tasks whose weights were streamed (GEMV and expert-claim tasks), by the weight producer (fields

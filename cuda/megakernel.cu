@@ -10,9 +10,9 @@
 
 namespace mk {
 
+// The ops' shared memory besides the GEMV's and attention's, whose sizes depend on the batch.
 union StepSmem {
-    GemvSmem gemv;
-    AttnSmem attn;
+    AttnScratch attn;  // (a split's pages are ring stages)
     struct {
         float row[MK_STEP_MAX_K];  // one fp32 residual row (hidden <= MK_STEP_MAX_K, checked by the host)
         float scratch[kWarps];
@@ -29,27 +29,45 @@ union StepSmem {
     } sample;
 };
 
-// Dynamic shared memory: the ops' union, the ring's barriers, then as many stages as fit.
+// Dynamic shared memory: the ring's barriers and tags, the done word and the list window, then
+// the ops' union (StepSmem and the GEMV's, sized for the launch's batch), then as many ring stages
+// as fit: 8 of 24 KB at batch 1 and 2, 7 at 4, 5 at 8.
 constexpr int kMaxRingStages = 32;
-constexpr size_t kBarrierOffset = (sizeof(StepSmem) + 127) / 128 * 128;
+__host__ __device__ constexpr size_t align_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+constexpr size_t kBarrierOffset = 0;
 constexpr size_t kTagOffset = kBarrierOffset + 2 * kMaxRingStages * sizeof(uint64_t);
 constexpr size_t kDoneOffset = kTagOffset + kMaxRingStages * sizeof(int);  // the tasks done (signal_done)
-constexpr size_t kListOffset = (kDoneOffset + sizeof(uint32_t) + 15) / 16 * 16;
-constexpr size_t kStagesOffset = (kListOffset + kListBatch * sizeof(MkTask) + 127) / 128 * 128;
-constexpr int kRingStages = (int)((MK_STEP_SMEM_BYTES - kStagesOffset) / kStageBytes);
-static_assert(kRingStages >= 4, "raise MK_STEP_SMEM_BYTES: the weight ring needs at least 4 stages");
-static_assert(kRingStages <= kMaxRingStages, "more stages than barriers");
+constexpr size_t kListOffset = align_up(kDoneOffset + sizeof(uint32_t), 16);
+constexpr size_t kUnionOffset = align_up(kListOffset + kListBatch * sizeof(MkTask), 128);
+// The ring's stages start at a multiple of 1024 bytes (the 128-byte swizzle of the KV boxes needs
+// it; kStageBytes is a multiple of 1024, and so is the dynamic shared memory's address, checked).
+constexpr size_t kStageAlign = 1024;
+static_assert(kStageBytes % kStageAlign == 0, "every stage must start at a multiple of 1024 bytes");
+
+__host__ __device__ constexpr size_t union_bytes(int batch) {
+    return align_up(sizeof(StepSmem) > GemvSmem::bytes(batch) ? sizeof(StepSmem) : GemvSmem::bytes(batch), 128);
+}
+__host__ __device__ constexpr size_t stages_offset(int batch) {
+    return align_up(kUnionOffset + union_bytes(batch), kStageAlign);
+}
+__host__ __device__ constexpr int ring_stages(int batch) {
+    const int fit = (int)((MK_STEP_SMEM_BYTES - stages_offset(batch)) / kStageBytes);
+    return fit < kMaxRingStages ? fit : kMaxRingStages;
+}
+static_assert(ring_stages(MK_STEP_MAX_BATCH) >= 4, "the weight ring needs at least 4 stages at every batch");
 static_assert(kBlockThreads == MK_STEP_THREADS, "block size is part of the ABI");
 
 }  // namespace mk
 
 extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_step(const MkStepArgs a) {
     using namespace mk;
-    extern __shared__ __align__(128) unsigned char smem_raw[];
-    StepSmem& sm = *reinterpret_cast<StepSmem*>(smem_raw);
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* ops = smem_raw + kUnionOffset;
+    StepSmem& sm = *reinterpret_cast<StepSmem*>(ops);
     uint64_t* barriers = reinterpret_cast<uint64_t*>(smem_raw + kBarrierOffset);
     int* tags = reinterpret_cast<int*>(smem_raw + kTagOffset);
-    const Ring ring{smem_raw + kStagesOffset, barriers, barriers + kMaxRingStages, tags, kRingStages};
+    const Ring ring{smem_raw + stages_offset(a.batch), barriers, barriers + kMaxRingStages, tags, ring_stages(a.batch)};
+    if (smem_addr(smem_raw) % kStageAlign != 0) __trap();  // a launch error, not wrong results
     uint32_t* done = reinterpret_cast<uint32_t*>(smem_raw + kDoneOffset);
     if (threadIdx.x == 0) ring_init(ring), *done = 0;
     __syncthreads();  // the last barrier the producer and signal warps join
@@ -66,8 +84,9 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
     uint32_t* next = ptr<uint32_t>(a.counters) + (size_t)(1 - a.parity) * a.num_counters;
     for (int i = blockIdx.x * kThreads + threadIdx.x; i < a.num_counters; i += gridDim.x * kThreads) next[i] = 0;
 
-    uint32_t stage = 0;     // the ring stage the next GEMV task starts at (the producer's order)
+    uint32_t stage = 0;     // the ring stage the next GEMV task or split starts at (the producer's order)
     uint64_t act_key = 0;   // what the GEMV activation buffer holds (stage_activations)
+    GemvSmem gemv(ops, a.batch);
     MkTraceEntry* trace = a.trace ? ptr<MkTraceEntry>(a.trace) + (size_t)blockIdx.x * a.per_sm : nullptr;
     MkTask upcoming = list[0];  // per_sm > 0 (checked by the host)
     for (int i = 0; i < a.per_sm; ++i) {
@@ -77,16 +96,15 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
         uint64_t start_ns = 0;
         long long c0 = 0, c1 = 0;
         if (trace && threadIdx.x == 0) start_ns = global_ns(), c0 = clock64();
-        // A split's cached pages do not depend on the step: they load while it waits.
+        // A split's position and page table (its pages come through the ring) load while it waits.
         const SplitPages split = t.op == MK_OP_ATTN_SPLIT ? SplitPages(a, t) : SplitPages();
-        const int kv_issued = t.op == MK_OP_ATTN_SPLIT ? attn_prefetch(a, split, sm.attn) : 0;
         wait_for(t, counters, t.op != MK_OP_RESIDUAL_NORM);  // a norm waits for its FFN itself
         if (trace && threadIdx.x == 0) c1 = clock64();
         switch (t.op) {
             case MK_OP_EMBED: run_embed(a, t, sm.norm.row, sm.norm.scratch); break;
-            case MK_OP_GEMV: run_gemv(a, t, sm.gemv, ring, stage, act_key); break;
-            case MK_OP_EXPERT_CLAIM: run_expert_claim(a, t, sm.gemv, ring, stage, act_key); break;
-            case MK_OP_ATTN_SPLIT: run_attn_split(a, t, split, sm.attn, kv_issued); break;
+            case MK_OP_GEMV: run_gemv(a, t, gemv, ring, stage, act_key); break;
+            case MK_OP_EXPERT_CLAIM: run_expert_claim(a, t, gemv, ring, stage, act_key); break;
+            case MK_OP_ATTN_SPLIT: run_attn_split(a, t, split, sm.attn, ring, stage); break;
             case MK_OP_ATTN_COMBINE: run_attn_combine(a, t); break;
             case MK_OP_TOPK: run_topk(a, t, sm.topk.chosen, sm.topk.slot_of); break;
             case MK_OP_RESIDUAL_NORM:

@@ -252,14 +252,17 @@ def test_dealing_order_trace_and_spare_splits_change_no_output():
             assert (trace[~real] == 0).all(), "a NOP was traced"
             starts = torch.where(real, trace[..., 0], torch.iinfo(torch.int64).max)
             assert (starts[:, 1:] >= starts[:, :-1]).all(), "a block's tasks ran out of order"
-            # The weight producer traced every GEMV task it streamed: all of them but expert
-            # tiles of unused slots; no other task.
+            # The producer traced every task it streamed: every GEMV task but expert tiles of
+            # unused slots, and every attention split (its pages come through the ring); no
+            # other task.
             words = torch.from_numpy(g.tasks.copy()).to(trace.device)
             gemv, claim = words[..., 0] == Op.GEMV, words[..., 0] == Op.EXPERT_CLAIM
+            split = words[..., 0] == Op.ATTN_SPLIT
             expert = gemv & ((words[..., ARG] == Matrix.EXPERT_GATE_UP) | (words[..., ARG] == Matrix.EXPERT_DOWN))
             streamed = trace[..., 2] != 0
             assert streamed[(gemv & ~expert) | claim].all(), "the producer left a streamed task out"
-            assert not streamed[~(gemv | claim)].any(), "the producer traced a task it does not stream"
+            assert streamed[split].all(), "the producer left a split out"
+            assert not streamed[~(gemv | claim | split)].any(), "the producer traced a task it does not stream"
             assert streamed[expert].any() or claim.any()
             print(
                 f"trace: {int(real.sum())} tasks, mean wait {wait[real].float().mean():.0f} cycles, "

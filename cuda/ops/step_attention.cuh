@@ -11,22 +11,27 @@ constexpr int kHeadDim = MK_STEP_HEAD_DIM;
 constexpr int kMaxGroup = MK_STEP_MAX_GROUP;
 constexpr int kPage = MK_PAGE_SIZE;
 
-#ifndef MK_KV_STAGES
-#define MK_KV_STAGES 3
-#endif
-// Pages in shared memory: all but one in flight while one is used (a tuning knob,
-// -DMK_KV_STAGES=N: fewer leave the weight ring more stages).
-constexpr int kKvStages = MK_KV_STAGES;
-static_assert(kKvStages >= 2, "attention keeps at least one page in flight");
-constexpr int kKvPitch = kHeadDim + 8;   // bf16 per smem row: 272 bytes, so 8 rows hit 8 distinct bank groups
-constexpr int kPPitch = kPage + 8;       // bf16 per row of P
+constexpr int kPPitch = kPage + 8;  // bf16 per row of P
 
-// One split streams its pages through a kKvStages-deep cp.async pipeline; the query group is the
-// 16-row A operand of mma.m16n8k16 (heads 0..7, rows 8..15 zero), so S = Q Kᵀ and O += P V run on
-// the tensor cores: warp w takes keys 8w..8w+7 of S and dims 16w..16w+15 of O.
-struct AttnSmem {
-    bf16 k[kKvStages][kPage][kKvPitch];
-    bf16 v[kKvStages][kPage][kKvPitch];
+// A page of K or V of one KV head in a ring stage, as the producer's two bulk tensor copies write
+// it: two boxes of kPage rows x MK_KV_BOX_COLS columns (128 bytes) with the copy engine's 128-byte
+// swizzle, the 16-byte piece p of row r at piece p ^ (r % 8) of the row, so that 8 rows read at
+// one column hit 8 distinct bank groups. A box must start at a multiple of 1024 bytes.
+constexpr int kKvBoxCols = MK_KV_BOX_COLS;
+constexpr int kKvBoxBytes = kPage * kKvBoxCols * 2;
+static_assert(kKvBoxCols * 2 == 128 && kHeadDim == 2 * kKvBoxCols, "a page row is two 128-byte swizzled rows");
+
+struct SwizzledKv {
+    unsigned char* base;
+    // Byte address of dims d, d + 1, ... of a row (up to the end of d's 16-byte piece).
+    __device__ unsigned char* at(int row, int d) const {
+        const int c = d % kKvBoxCols;
+        return base + (d / kKvBoxCols) * kKvBoxBytes + row * 128 + (((c / 8) ^ (row % 8)) * 16) + (c % 8) * 2;
+    }
+};
+
+// The softmax's cross-warp exchange and the probabilities P (bf16) of one page.
+struct AttnScratch {
     bf16 p[kMaxGroup][kPPitch];
     float row_max[kWarps][kMaxGroup];
     float row_sum[kWarps][kMaxGroup];
@@ -68,52 +73,23 @@ struct SplitPages {
         lo = keys.x, hi = keys.y, first_page = lo - lo % kPage, pages = (hi - first_page + kPage - 1) / kPage;
     }
 
-    // Copies page i into stage i % kKvStages (one cp.async group, empty past the end): rows
-    // outside [lo, hi) are zeroed (they may hold anything, and 0 * NaN would poison P V).
-    __device__ void issue(const MkStepArgs& a, AttnSmem& sm, int i) const {
-        if (i < pages) {
-            const int start = first_page + i * kPage, st = i % kKvStages;
-            const size_t block = (size_t)ld_i32(table + start / kPage);
-            for (int c = threadIdx.x; c < 2 * kPage * (kHeadDim / 8); c += kThreads) {
-                const int which = c / (kPage * (kHeadDim / 8)), row = (c / (kHeadDim / 8)) % kPage, col = c % (kHeadDim / 8);
-                bf16* dst = (which ? &sm.v[st][row][0] : &sm.k[st][row][0]) + 8 * col;
-                if (start + row >= lo && start + row < hi) {
-                    const size_t off = ((block * kPage + row) * a.kv_heads + kvh) * kHeadDim + 8 * col;
-                    cp_async16(dst, ptr<bf16>(which ? a.v_pool : a.k_pool) + off);
-                } else {
-                    *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-                }
-            }
-        }
-        cp_async_commit();
+    // Row `row` of page i for the split's KV head in the K (which 0) or V pool.
+    __device__ const bf16* row_at(const MkStepArgs& a, int which, int i, int row) const {
+        const size_t block = (size_t)ld_i32(table + (first_page + i * kPage) / kPage);
+        return ptr<const bf16>(which ? a.v_pool : a.k_pool) + ((block * kPage + row) * a.kv_heads + kvh) * kHeadDim;
     }
 };
 
-// Before the split waits for this step's QKV: issues the first pages (up to the kKvStages - 1
-// the loop keeps in flight) whose keys all precede the row's position, which this step's QKV
-// writes; the cache holds every earlier key since the step began. Returns how many it issued.
-__device__ int attn_prefetch(const MkStepArgs& a, const SplitPages& sp, AttnSmem& sm) {
-    int issued = 0;
-    while (issued < kKvStages - 1 && issued < sp.pages && min(sp.hi, sp.first_page + (issued + 1) * kPage) <= sp.pos)
-        sp.issue(a, sm, issued++);
-    return issued;
-}
+// The running state of a split's online softmax, of query head g = lane / 4 (identical in every
+// warp), and the thread's share of its output.
+struct SplitState {
+    uint32_t qa[kHeadDim / 16][2];  // the thread's A fragments of Q (head g; rows g + 8 are zero)
+    float m_run = -INFINITY, l_run = 0.f;
+    float o[2][4] = {};  // O[head g][dims 16w + 8j + 2tq, +1] in o[j][0..1]
 
-// `issued`: the pages attn_prefetch issued before the task's wait.
-__device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, const SplitPages& sp, AttnSmem& sm,
-                               int issued) {
-    const int b = sp.b, kvh = sp.kvh, split = t.arg[2], lo = sp.lo, hi = sp.hi;
-    const int group = a.heads / a.kv_heads, qw = a.heads * kHeadDim;
-    const float inv_sqrt = rsqrtf((float)kHeadDim);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
-    const int first_page = sp.first_page, pages = sp.pages;
-    auto issue = [&](int i) { sp.issue(a, sm, i); };
-    while (issued < kKvStages - 1) issue(issued++);
-
-    // This thread's A fragments of Q (head g; rows g + 8 are zero) for the 8 k-steps of 16 dims.
-    uint32_t qa[kHeadDim / 16][2];
-    {
-        const float* q = ptr<float>(a.q) + (size_t)b * qw + (kvh * group + g) * kHeadDim;
+    __device__ SplitState(const MkStepArgs& a, const SplitPages& sp) {
+        const int group = a.heads / a.kv_heads, g = threadIdx.x % 32 / 4, tq = threadIdx.x % 4;
+        const float* q = ptr<float>(a.q) + (size_t)sp.b * a.heads * kHeadDim + (sp.kvh * group + g) * kHeadDim;
 #pragma unroll
         for (int ks = 0; ks < kHeadDim / 16; ++ks) {
             float2 x0 = make_float2(0.f, 0.f), x1 = x0;
@@ -125,63 +101,63 @@ __device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, const Split
         }
     }
 
-    float m_run = -INFINITY, l_run = 0.f;  // of head g, identical in every warp
-    float o[2][4] = {};                    // O[head g][dims 16w + 8j + 2tq, +1] in o[j][0..1]
-    for (int i = 0; i < pages; ++i) {
-        cp_async_wait_pending<kKvStages - 2>();  // this thread's copies of page i have landed
-        compute_sync();                          // everyone's have; everyone is done with page i - 1
-        issue(i + kKvStages - 1);
-        const int st = i % kKvStages, start = first_page + i * kPage;
-
-        // S for keys 8w + 2tq, + 1 of head g.
+    // One page (keys start.., those outside [lo, hi) masked; their V rows must be finite): S = Q Kᵀ
+    // for keys 8w..8w+7 (warp w), the running max and sum over the block, O += P V for dims
+    // 16w..16w+15 (V's [key][dim] tiles transposed by ldmatrix). Two block barriers.
+    __device__ __forceinline__ void page(SwizzledKv k, SwizzledKv v, int start, int lo, int hi, AttnScratch& x) {
+        const float inv_sqrt = rsqrtf((float)kHeadDim);
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
         float sc[4] = {0.f, 0.f, 0.f, 0.f};
-        const bf16* krow = &sm.k[st][8 * warp + g][0];
+        const int krow = 8 * warp + g;
 #pragma unroll
         for (int ks = 0; ks < kHeadDim / 16; ++ks)
-            mma_16816(sc, qa[ks][0], 0u, qa[ks][1], 0u, lds32(krow + 16 * ks + 2 * tq), lds32(krow + 16 * ks + 8 + 2 * tq));
+            mma_16816(sc, qa[ks][0], 0u, qa[ks][1], 0u, lds32(k.at(krow, 16 * ks + 2 * tq)),
+                      lds32(k.at(krow, 16 * ks + 8 + 2 * tq)));
         const int key = start + 8 * warp + 2 * tq;
         const bool ok0 = key >= lo && key < hi, ok1 = key + 1 >= lo && key + 1 < hi;
         const float s0 = ok0 ? sc[0] * inv_sqrt : -INFINITY, s1 = ok1 ? sc[1] * inv_sqrt : -INFINITY;
         float mx = fmaxf(s0, s1);
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        if (tq == 0) sm.row_max[warp][g] = mx;
+        if (tq == 0) x.row_max[warp][g] = mx;
         compute_sync();
         float page_max = -INFINITY;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) page_max = fmaxf(page_max, sm.row_max[w][g]);
+        for (int w = 0; w < kWarps; ++w) page_max = fmaxf(page_max, x.row_max[w][g]);
         const float m_new = fmaxf(m_run, page_max);  // finite: every page has a key in range
         const float factor = __expf(m_run - m_new);
         const float p0 = ok0 ? __expf(s0 - m_new) : 0.f, p1 = ok1 ? __expf(s1 - m_new) : 0.f;
         float ps = p0 + p1;
         ps += __shfl_xor_sync(0xffffffffu, ps, 1);
         ps += __shfl_xor_sync(0xffffffffu, ps, 2);
-        if (tq == 0) sm.row_sum[warp][g] = ps;
-        *reinterpret_cast<uint32_t*>(&sm.p[g][8 * warp + 2 * tq]) = pack_bf16(p0, p1);
+        if (tq == 0) x.row_sum[warp][g] = ps;
+        *reinterpret_cast<uint32_t*>(&x.p[g][8 * warp + 2 * tq]) = pack_bf16(p0, p1);
         compute_sync();
         float page_sum = 0.f;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) page_sum += sm.row_sum[w][g];
+        for (int w = 0; w < kWarps; ++w) page_sum += x.row_sum[w][g];
         l_run = l_run * factor + page_sum;
         m_run = m_new;
 #pragma unroll
         for (int j = 0; j < 2; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) o[j][e] *= factor;
-
-        // O += P V for dims 16w..16w+15: V's [key][dim] tiles transposed by ldmatrix.
         const int mat = lane / 8;
 #pragma unroll
         for (int ks = 0; ks < kPage / 16; ++ks) {
-            const uint32_t pa0 = lds32(&sm.p[g][16 * ks + 2 * tq]), pa2 = lds32(&sm.p[g][16 * ks + 8 + 2 * tq]);
+            const uint32_t pa0 = lds32(&x.p[g][16 * ks + 2 * tq]), pa2 = lds32(&x.p[g][16 * ks + 8 + 2 * tq]);
             uint32_t v0, v1, v2, v3;
-            ldmatrix_x4_trans(&sm.v[st][16 * ks + (mat & 1) * 8 + lane % 8][16 * warp + (mat >> 1) * 8], v0, v1, v2, v3);
+            ldmatrix_x4_trans(v.at(16 * ks + (mat & 1) * 8 + lane % 8, 16 * warp + (mat >> 1) * 8), v0, v1, v2, v3);
             mma_16816(o[0], pa0, 0u, pa2, 0u, v0, v1);
             mma_16816(o[1], pa0, 0u, pa2, 0u, v2, v3);
         }
     }
-    if (g < group) {
-        const size_t slot = ((size_t)b * a.kv_heads + kvh) * a.max_splits + split;
+
+    // The unnormalised partial and its (max, sum) for the combine.
+    __device__ void store(const MkStepArgs& a, const SplitPages& sp, int split) const {
+        const int group = a.heads / a.kv_heads, warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, tq = threadIdx.x % 4;
+        if (g >= group) return;
+        const size_t slot = ((size_t)sp.b * a.kv_heads + sp.kvh) * a.max_splits + split;
         float* out = ptr<float>(a.attn_o) + (slot * group + g) * kHeadDim + 16 * warp + 2 * tq;
 #pragma unroll
         for (int j = 0; j < 2; ++j) *reinterpret_cast<float2*>(out + 8 * j) = make_float2(o[j][0], o[j][1]);
@@ -190,6 +166,46 @@ __device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, const Split
             ml[0] = m_run, ml[1] = l_run;
         }
     }
+};
+
+// A split: its pages come through the weight ring, copied by the producer warp as its walk reaches
+// the split (often during earlier tasks): stage n + 2i holds page i's K, n + 2i + 1 its V, whole
+// pages of the pool. Once both are full, the rows the split must not see from the
+// pool are fixed: V's rows outside [lo, hi) are zeroed (they may hold anything, and 0 * NaN would
+// poison P V; K's are masked out of S), and on the page holding the row's position, the new key
+// and value (written by this step's QKV, which the task waited for) are copied in. Such writes
+// are fenced against the copy engine's next writes into the stage.
+__device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, const SplitPages& sp, AttnScratch& x,
+                                    const Ring& r, uint32_t& n) {
+    SplitState st(a, sp);
+    constexpr int kRowPieces = kHeadDim / 8;  // 16-byte pieces of a row
+    for (int i = 0; i < sp.pages; ++i, n += 2) {
+        const int start = sp.first_page + i * kPage;
+        mbar_wait(r.full_of(n), r.parity(n));
+        mbar_wait(r.full_of(n + 1), r.parity(n + 1));
+        const SwizzledKv ks{r.stage(n)}, vs{r.stage(n + 1)};
+        const int first = max(sp.lo - start, 0), end = min(sp.hi - start, kPage);
+        const int own = sp.hi == sp.pos + 1 ? sp.pos - start : -1;  // the new token's row, if in this page
+        if (first > 0 || end < kPage || (own >= 0 && own < kPage)) {
+            for (int c = threadIdx.x; c < kPage * kRowPieces; c += kThreads) {
+                const int row = c / kRowPieces, d = 8 * (c % kRowPieces);
+                if (row < first || row >= end) {
+                    *reinterpret_cast<uint4*>(vs.at(row, d)) = make_uint4(0, 0, 0, 0);
+                } else if (row == own) {
+                    *reinterpret_cast<uint4*>(ks.at(row, d)) =
+                        ld_activations(sp.row_at(a, 0, i, row) + d);
+                    *reinterpret_cast<uint4*>(vs.at(row, d)) =
+                        ld_activations(sp.row_at(a, 1, i, row) + d);
+                }
+            }
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            compute_sync();
+        }
+        st.page(ks, vs, start, sp.lo, sp.hi, x);
+        __syncwarp();
+        if (threadIdx.x % 32 == 0) mbar_arrive(r.empty_of(n)), mbar_arrive(r.empty_of(n + 1));
+    }
+    st.store(a, sp, t.arg[2]);
 }
 
 // Warp g merges query head g's splits in rounds of 32: lane l holds split 32r + l's weight

@@ -1,6 +1,7 @@
 // The GEMV task: 16 * groups output rows of one weight matrix for the whole batch, with the
 // matrix's epilogue (RoPE and the paged K/V write for QKV, silu·up for gate/up pairs, ...).
 #pragma once
+#include "step_attention.cuh"
 #include "step_common.cuh"
 #include "step_stream.cuh"
 
@@ -10,17 +11,32 @@ constexpr int kMaxBatch = MK_STEP_MAX_BATCH;
 constexpr int kMaxK = MK_STEP_MAX_K;
 // Bytes per activation row in shared memory: 64 mod 128, so the 8 threads of a quarter-warp
 // reading rows g and g + 1 at one column hit 32 distinct banks.
-__device__ __forceinline__ int act_pitch(int k) { return (2 * k + 127) / 128 * 128 + 64; }
-constexpr int kActBytes = kMaxBatch * ((2 * kMaxK + 127) / 128 * 128 + 64);
+__host__ __device__ constexpr int act_pitch(int k) { return (2 * k + 127) / 128 * 128 + 64; }
 
 constexpr int kMaxGroups = MK_GEMV_MAX_GROUPS;
 
-// Shared memory of a GEMV task (outside the weight ring).
+// Shared memory of a GEMV task (outside the weight ring), sized by the launch's batch so that a
+// small batch leaves the ring more stages: the activations [batch][act_pitch(k)], the per-warp
+// partial sums [group][warp][batch][16] (only the batch's columns of each mma tile), the
+// outputs [group][16 rows][kMaxBatch] and an expert tile's routed rows.
 struct GemvSmem {
-    alignas(16) unsigned char act[kActBytes];  // the task's activations, [kMaxBatch][act_pitch(k)]
-    float partial[kMaxGroups][kWarps][4][32];  // [group][warp][fragment][lane]
-    float out[kMaxGroups][16][8];              // [group][row][batch]
-    int has_row[kMaxBatch];                    // expert tiles: which batch rows routed to the slot's expert
+    unsigned char* act;
+    float* partial;
+    float (*out)[16][kMaxBatch];
+    int* has_row;  // [kMaxBatch]: which batch rows routed to an expert tile's slot
+
+    __host__ __device__ static constexpr size_t act_bytes(int batch) { return (size_t)batch * act_pitch(kMaxK); }
+    __host__ __device__ static constexpr size_t partial_bytes(int batch) {
+        return (size_t)kMaxGroups * kWarps * batch * 16 * sizeof(float);
+    }
+    __host__ __device__ static constexpr size_t out_bytes() { return (size_t)kMaxGroups * 16 * kMaxBatch * sizeof(float); }
+    __host__ __device__ static constexpr size_t bytes(int batch) {
+        return act_bytes(batch) + partial_bytes(batch) + out_bytes() + kMaxBatch * sizeof(int);
+    }
+    __device__ GemvSmem(unsigned char* base, int batch)
+        : act(base), partial(reinterpret_cast<float*>(base + act_bytes(batch))),
+          out(reinterpret_cast<float(*)[16][kMaxBatch]>(base + act_bytes(batch) + partial_bytes(batch))),
+          has_row(reinterpret_cast<int*>(base + act_bytes(batch) + partial_bytes(batch) + out_bytes())) {}
 };
 
 // What a task multiplies, from its words and the step's dimensions alone (no loads): `groups`
@@ -113,10 +129,10 @@ __device__ __forceinline__ MkTask claimed_tile(const MkTask& claim, int i) {
     return t;
 }
 
-// The producer warp's walk: every stage of every GEMV task of the block's list, in list order,
-// the stage sequence gemv_compute consumes. Lane 0 walks; the list is read kListBatch tasks at a
-// time into a window of shared memory (loads in flight together instead of one task's latency per
-// task).
+// The producer warp's walk: every stage of every GEMV task of the block's list, and every page of
+// every attention split, K then V, in list order: the stage sequence gemv_compute
+// and run_attn_split_ring consume. Lane 0 walks; the list is read kListBatch tasks at a time into
+// a window of shared memory (loads in flight together instead of one task's latency per task).
 constexpr int kListBatch = 32;
 
 struct StageWalk {
@@ -128,6 +144,11 @@ struct StageWalk {
     GemvShape s{};
     GemvMaps maps{};
     int g = 0, c = 0, box = 0, kc = 0;
+    // The split being walked (kv): its pages, the next page and which of K (0) and V (1), and the
+    // pool blocks of that page and the one after (loaded a stage ahead of its use).
+    bool kv = false;
+    SplitPages split{};
+    int page = 0, which = 0, block = 0, block_next = 0;
     int slots_layer = -1, slots = 0;  // the layer whose used-slot count `slots` is
     bool end = false;
     // The expert queue being claimed (MK_OP_EXPERT_CLAIM): the claim task, its head counter and
@@ -154,7 +175,7 @@ struct StageWalk {
 
     // Starts walking the stages of GEMV task (or claimed tile) t; false if it has none.
     __device__ bool start(const MkStepArgs& a, const MkTask& t) {
-        s = gemv_shape(a, t), maps = gemv_maps(a, t);
+        s = gemv_shape(a, t), maps = gemv_maps(a, t), kv = false;
         box = box_cols(s.k), kc = box * kStageBoxes, g = 0, c = 0;
         while (g < s.groups && s.group_valid(g) <= 0) ++g;
         return g < s.groups;
@@ -171,9 +192,9 @@ struct StageWalk {
     }
 
     // Moves to the next run of stages: the next tile of the queue being claimed, or the next GEMV
-    // task with weights in the list (a claim task opens its queue). kQueueEnd: the queue being
-    // claimed is empty (the walk then reports one marker stage).
-    enum Next { kEnd, kStages, kMarker };
+    // task with weights or split in the list (a claim task opens its queue). kQueueEnd: the queue
+    // being claimed is empty (the walk then reports one marker stage).
+    enum Next { kEnd, kStages, kMarker, kKv };
     __device__ Next advance(const MkStepArgs& a, uint32_t* counters) {
         for (;;) {
             if (claiming) {
@@ -193,21 +214,35 @@ struct StageWalk {
                 queue_head = counters + t.layer * MK_COUNTERS_PER_LAYER + head;
                 continue;
             }
+            if (t.op == MK_OP_ATTN_SPLIT) {
+                split = SplitPages(a, t), kv = true, page = 0, which = 0;
+                if (split.pages <= 0) continue;
+                block = split.table[split.first_page / kPage];  // the host's table: no .cg needed
+                return kKv;
+            }
             if (t.op != MK_OP_GEMV) continue;
             if (is_expert(t) && t.arg[3] >= slot_count(a, counters, t.layer)) continue;
             if (start(a, t)) return kStages;
         }
     }
 
-    // The next stage: its matrix, first column and row and boxes, and `tag` (Ring::tag); kEnd at
-    // the end of the list, kMarker for a queue's end marker (no copies).
+    // The next stage: a weight stage (kStages) or a split page's K or V (kKv): its tensor map,
+    // first column and row and boxes, and `tag` (Ring::tag); kEnd at the end of the list, kMarker
+    // for a queue's end marker (no copies).
     __device__ Next next(const MkStepArgs& a, uint32_t* counters, const void*& map, int& col, int& row, int& boxes) {
         tag = kNoTag;
         if (end) return kEnd;
-        if (j < 0 || g >= s.groups) {
+        if (j < 0 || (kv ? page >= split.pages : g >= s.groups)) {
             const Next n = advance(a, counters);
             if (n == kEnd) end = true;
-            if (n != kStages) return tag = kQueueEnd, n;
+            if (n == kEnd || n == kMarker) return tag = kQueueEnd, n;
+        }
+        if (kv) {
+            map = ptr<const unsigned char>(a.kv_maps) + which * MK_TENSOR_MAP_BYTES;
+            col = split.kvh * kHeadDim, row = block * kPage, boxes = 2;
+            if (which == 0 && page + 1 < split.pages) block_next = split.table[split.first_page / kPage + page + 1];
+            if (++which == 2) which = 0, ++page, block = block_next;
+            return kKv;
         }
         map = maps.of(s, g), col = c, row = s.group_first(g);
         boxes = min(kStageBoxes, (s.k - c + box - 1) / box);
@@ -221,8 +256,10 @@ struct StageWalk {
     }
 };
 
-// The producer warp's loop: one bulk tensor copy per box of every stage, as soon as a ring slot
-// is free. (Prefetching the stages beyond the ring into L2 while it waits was slower: docs/PERF.md.)
+// The producer warp's loop (lane 0): as soon as a ring slot is free, one bulk tensor copy per box
+// of a weight stage, or the two of a split page's K or V. (Prefetching the stages beyond the ring
+// into L2 while it waits was slower, and so was the whole warp copying a split's pages with
+// cp.async: docs/PERF.md.)
 __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t* counters, const Ring& r,
                                MkTask* window) {
     if (threadIdx.x % 32 != 0) return;
@@ -235,7 +272,7 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t
     uint32_t ring_wait = 0;
     const void* map;
     int col, row, boxes;
-    for (;;) {
+    for (;; ++n) {
         const long long t0 = trace ? clock64() : 0;
         const StageWalk::Next kind = copy.next(a, counters, map, col, row, boxes);
         if (kind == StageWalk::kEnd) break;
@@ -254,6 +291,10 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t
         uint64_t* full = r.full_of(n);
         if (kind == StageWalk::kMarker) {
             mbar_arrive(full);  // no bytes: the phase completes at once
+        } else if (kind == StageWalk::kKv) {
+            mbar_arrive_expect_tx(full, (uint32_t)(2 * kKvBoxBytes));
+            for (int h = 0; h < 2; ++h)
+                tensor_copy_2d(r.stage(n) + h * kKvBoxBytes, map, col + h * kKvBoxCols, row, full, policy);
         } else {
             const int box = copy.box;
             // Whole boxes count, rows past the matrix's end too (the copy zero-fills them).
@@ -262,7 +303,6 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t
                 tensor_copy_2d(r.stage(n) + b * kStageRows * box * 2, map, col + b * box, row, full, policy);
         }
         if (first) trace[copy.j].stream_ns = global_ns();
-        ++n;
     }
     if (traced >= 0) trace[traced].ring_wait_cycles = ring_wait;
 }
@@ -277,20 +317,18 @@ __device__ __forceinline__ void load_slot_rows(const MkStepArgs& a, int slot, in
     }
 }
 
-// Starts copying the task's activations [batch][k] into shared memory (rows batch..7 zero), unless
-// the previous GEMV task of this block already did: `key` names what the buffer holds (the source
-// address and layer; activation buffers are rewritten only after every reader of the layer has
-// finished), 0 when another op has reused the memory. The copies are asynchronous, so the loads
-// an expert tile still has to make go out with them; finish_activations waits for them.
+// Starts copying the task's activations [batch][k] into shared memory, unless the previous GEMV
+// task of this block already did: `key` names what the buffer holds (the source address and
+// layer; activation buffers are rewritten only after every reader of the layer has finished), 0
+// when another op has reused the memory. The copies are asynchronous, so the loads an expert tile
+// still has to make go out with them; finish_activations waits for them.
 __device__ bool start_activations(const GemvShape& p, int batch, int layer, GemvSmem& s, uint64_t& key) {
     const uint64_t want = reinterpret_cast<uint64_t>(p.act) ^ ((uint64_t)layer << 56);
     if (key == want) return false;
     const int vecs = p.k / 8, pitch = act_pitch(p.k);
-    for (int i = threadIdx.x; i < kMaxBatch * vecs; i += kThreads) {
+    for (int i = threadIdx.x; i < batch * vecs; i += kThreads) {
         const int b = i / vecs, v = i % vecs;
-        unsigned char* dst = s.act + b * pitch + 16 * v;
-        if (b < batch) cp_async16(dst, p.act + (size_t)b * p.k + 8 * v);
-        else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+        cp_async16(s.act + b * pitch + 16 * v, p.act + (size_t)b * p.k + 8 * v);
     }
     key = want;  // true once every thread has waited for its copies (the next barrier)
     return true;
@@ -306,14 +344,15 @@ __device__ __forceinline__ void finish_activations(bool started) {
 // ring's stages. Warp w takes 32-column chunks w, w + 8, ... of each stage: thread (g = lane / 4,
 // t = lane % 4) reads 16 bytes of weight rows g and g + 8 and of activation row g at column
 // 8t of the chunk. The weights are the 16-row A operand and the batch the 8 columns of B ("swap
-// AB": every weight byte is read once whatever the batch), and the k index inside each 32-wide
-// chunk is permuted the same way for A and B, so each thread fills its fragments from one 16-byte
-// load per row; the dot products do not depend on the order of k.
-__device__ void gemv_compute(const GemvShape& p, GemvSmem& s, const Ring& r, uint32_t& n) {
+// AB": every weight byte is read once whatever the batch; columns past the batch read row
+// batch - 1 again and are dropped), and the k index inside each 32-wide chunk is permuted the same
+// way for A and B, so each thread fills its fragments from one 16-byte load per row; the dot
+// products do not depend on the order of k.
+__device__ void gemv_compute(const GemvShape& p, GemvSmem& s, const Ring& r, uint32_t& n, int batch) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
     const int box = box_cols(p.k), kc = box * kStageBoxes, pitch = act_pitch(p.k);
     const int box_chunks = box / 32, box_bytes = kStageRows * box * 2;
-    const unsigned char* act_row = s.act + gi * pitch + 16 * ti;
+    const unsigned char* act_row = s.act + min(gi, batch - 1) * pitch + 16 * ti;
     for (int g = 0; g < p.groups; ++g) {
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         if (p.group_valid(g) > 0) {
@@ -333,16 +372,23 @@ __device__ void gemv_compute(const GemvShape& p, GemvSmem& s, const Ring& r, uin
                 if (lane == 0) mbar_arrive(r.empty_of(n));
             }
         }
+        // acc[i] is (row gi + 8 (i >= 2), column 2 ti + (i & 1)) of the group's 16 x 8 tile.
+        float* part = s.partial + (size_t)(g * kWarps + warp) * batch * 16;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) s.partial[g][warp][i][lane] = acc[i];
+        for (int i = 0; i < 4; ++i) {
+            const int b = 2 * ti + (i & 1);
+            if (b < batch) part[b * 16 + gi + (i >= 2 ? 8 : 0)] = acc[i];
+        }
     }
     compute_sync();
-    for (int idx = threadIdx.x; idx < p.groups * 128; idx += kThreads) {
-        const int grp = idx / 128, i = (idx / 32) % 4, l = idx % 32;
+    // One (group, column, row) sum per thread and group: batch * 16 <= 128 < kThreads.
+    for (int grp = 0; grp < p.groups; ++grp) {
+        const int b = threadIdx.x / 16, row = threadIdx.x % 16;
+        if (b >= batch) break;
+        const float* part = s.partial + (size_t)grp * kWarps * batch * 16 + threadIdx.x;
         float sum = 0.f;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) sum += s.partial[grp][w][i][l];
-        const int row = l / 4 + (i >= 2 ? 8 : 0), b = 2 * (l % 4) + (i & 1);
+        for (int w = 0; w < kWarps; ++w) sum += part[w * batch * 16];
         s.out[grp][row][b] = sum;
     }
     compute_sync();
@@ -429,7 +475,7 @@ __device__ void run_gemv(const MkStepArgs& a, const MkTask& t, GemvSmem& s, cons
         }
     }
     finish_activations(started);
-    gemv_compute(p, s, r, n);  // its barriers publish has_row
+    gemv_compute(p, s, r, n, a.batch);  // its barriers publish has_row
     gemv_epilogue(a, t, p, s);
 }
 

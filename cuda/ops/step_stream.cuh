@@ -38,14 +38,9 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 }
 
 // 16 bytes global -> shared without registers, read at L2 (.cg: another SM may have written them
-// in this launch). Per-thread groups: commit, then wait for all but the newest or for all.
+// in this launch); cp_async_wait_all waits for the thread's copies.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int Pending>  // all but the newest Pending groups
-__device__ __forceinline__ void cp_async_wait_pending() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(Pending) : "memory");
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
@@ -121,18 +116,25 @@ struct Ring {
     // compute warps read it once the stage is full): the claimed tile's index at its first
     // stage, kQueueEnd for the marker that ends a claim task's tiles, kNoTag otherwise.
     int* tag;
-    int count;
+    int count;       // stages (set for the launch's batch: not a compile-time constant)
+    uint32_t magic;  // ceil(2^32 / count): n / count = umulhi(n, magic), exact for n < 2^27
 
-    __device__ unsigned char* stage(uint32_t n) const { return stages + (size_t)(n % count) * kStageBytes; }
-    __device__ uint64_t* full_of(uint32_t n) const { return full + n % count; }
-    __device__ uint64_t* empty_of(uint32_t n) const { return empty + n % count; }
+    __device__ Ring(unsigned char* stages, uint64_t* full, uint64_t* empty, int* tag, int count)
+        : stages(stages), full(full), empty(empty), tag(tag), count(count), magic(0xffffffffu / count + 1) {}
+    // The n-th stage's use of the ring: which round and which slot (a multiply, not a division).
+    __device__ uint32_t round(uint32_t n) const { return __umulhi(n, magic); }
+    __device__ uint32_t slot(uint32_t n) const { return n - round(n) * count; }
+
+    __device__ unsigned char* stage(uint32_t n) const { return stages + (size_t)slot(n) * kStageBytes; }
+    __device__ uint64_t* full_of(uint32_t n) const { return full + slot(n); }
+    __device__ uint64_t* empty_of(uint32_t n) const { return empty + slot(n); }
     // Atomic accesses: ordered by the stage's mbarriers alone, which racecheck does not see (its
     // probe, scripts/racecheck_probe.cu, reports a plain value handed over that way), and it
     // does not report atomics.
-    __device__ int tag_of(uint32_t n) const { return atomicAdd(tag + n % count, 0); }
-    __device__ void set_tag(uint32_t n, int value) const { atomicExch(tag + n % count, value); }
+    __device__ int tag_of(uint32_t n) const { return atomicAdd(tag + slot(n), 0); }
+    __device__ void set_tag(uint32_t n, int value) const { atomicExch(tag + slot(n), value); }
     // Parity of the n-th use's phase of its slot.
-    __device__ uint32_t parity(uint32_t n) const { return (n / count) & 1u; }
+    __device__ uint32_t parity(uint32_t n) const { return round(n) & 1u; }
 };
 
 constexpr int kNoTag = -2;

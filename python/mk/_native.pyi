@@ -36,6 +36,7 @@ def build_info() -> dict[str, Any]:
     """nvcc, gencode, cubins {name: bytes}, abi_version."""
 
 def weight_maps(matrices: list[tuple[int, int, int]]) -> bytes: ...
+def kv_maps(k: int, v: int, rows: int, cols: int) -> bytes: ...
 
 # ---- decode-step task graph (rust/python/graph.rs) ---------------------------------------------
 

@@ -87,6 +87,7 @@ abi_struct! {
         expert_maps: u64,
         embed_map: u64,
         rope: u64,
+        kv_maps: u64,
     }
 }
 
@@ -121,6 +122,8 @@ pub const STEP_MAX_EXPERTS: usize = 512;
 pub const STAGE_ROWS: u32 = 16;
 pub const STAGE_COLS: u32 = 256;
 pub const TENSOR_MAP_BYTES: usize = 128;
+/// `MK_KV_BOX_COLS`: the columns of a KV tensor map's box (`MkStepArgs.kv_maps`); its rows are a page.
+pub const KV_BOX_COLS: u32 = 64;
 /// `MK_LW_COUNT`: entries per layer of the weight tables (`MkStepArgs.layer_weights`, `layer_maps`),
 /// and their names in `MkLayerWeight` order (`MK_LW_<name>` is the index).
 pub const LAYER_WEIGHT_COUNT: usize = 9;
@@ -131,7 +134,7 @@ pub const LAYER_WEIGHTS: [&str; LAYER_WEIGHT_COUNT] = ["NORM", "Q", "K", "V", "O
 pub const TRACE_ENTRY_BYTES: usize = 32;
 
 /// Must equal `MK_ABI_VERSION` in cuda/abi.h.
-pub const ABI_VERSION: u64 = 9;
+pub const ABI_VERSION: u64 = 10;
 
 /// The values `mk_abi_layout` in cuda/abi_probe.cu holds, in its order, computed on the Rust side.
 pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
@@ -156,6 +159,7 @@ pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
     out.push(("MK_STAGE_ROWS", STAGE_ROWS as u64));
     out.push(("MK_STAGE_COLS", STAGE_COLS as u64));
     out.push(("MK_TENSOR_MAP_BYTES", TENSOR_MAP_BYTES as u64));
+    out.push(("MK_KV_BOX_COLS", KV_BOX_COLS as u64));
     out.push(("MK_LW_COUNT", LAYER_WEIGHT_COUNT as u64));
     out.extend(LAYER_WEIGHTS.iter().enumerate().map(|(i, name)| (*name, i as u64)));
     use crate::graph::task::{Matrix, Op, COUNTERS_PER_LAYER, TASK_WORDS};

@@ -402,6 +402,7 @@ fn validate(s: &StepSetup) -> Result<(), GpuError> {
         ("layer_maps", a.layer_maps),
         ("expert_maps", a.expert_maps),
         ("embed_map", a.embed_map),
+        ("kv_maps", a.kv_maps),
         ("layer_window", a.layer_window),
         ("layer_rope", a.layer_rope),
         ("embed", a.embed),

@@ -1,10 +1,11 @@
-//! Bulk-tensor-copy descriptors (CUtensorMap) of the weight matrices: the megakernel's producer
-//! warp copies one MK_STAGE_ROWS x MK_STAGE_COLS tile of a matrix per ring stage with one
-//! instruction, which needs the matrix described to the copy engine once, on the host.
+//! Bulk-tensor-copy descriptors (CUtensorMap) of the weight matrices and the KV pools: the
+//! megakernel's producer warp copies one MK_STAGE_ROWS x MK_STAGE_COLS tile of a matrix per ring
+//! stage with one instruction, and a page of one KV head with two, which needs each tensor
+//! described to the copy engine once, on the host.
 
 use cudarc::driver::sys;
 
-use super::abi::{STAGE_COLS, STAGE_ROWS, TENSOR_MAP_BYTES};
+use super::abi::{KV_BOX_COLS, STAGE_COLS, STAGE_ROWS, TENSOR_MAP_BYTES};
 use super::GpuError;
 
 /// One weight matrix to describe: the device address of a row-major bf16 [rows, cols] tensor
@@ -35,50 +36,75 @@ fn check(m: &MatrixSpec) -> Result<(), GpuError> {
     Ok(())
 }
 
-/// The encoded maps of `matrices`, TENSOR_MAP_BYTES each, in order (zeros for address 0).
-/// Needs the CUDA driver, not a context.
+/// The encoded maps of `matrices`, TENSOR_MAP_BYTES each, in order (zeros for address 0), with
+/// boxes of one ring stage (MK_STAGE_ROWS rows). Needs the CUDA driver, not a context.
 pub fn encode(matrices: &[MatrixSpec]) -> Result<Vec<u8>, GpuError> {
+    let mut out = vec![0u8; matrices.len() * TENSOR_MAP_BYTES];
+    for (m, bytes) in matrices.iter().zip(out.chunks_exact_mut(TENSOR_MAP_BYTES)) {
+        if m.address != 0 {
+            check(m)?;
+            let boxes = [stage_cols(m.cols), STAGE_ROWS];
+            encode_one(m, boxes, sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE, bytes)?;
+        }
+    }
+    Ok(out)
+}
+
+/// The maps of the K and V pools (`MkStepArgs.kv_maps`), each `rows` (blocks x page) by `cols`
+/// (kv_heads x head_dim) bf16: boxes of one page's rows by MK_KV_BOX_COLS columns, 128-byte
+/// swizzled (the kernel's `SwizzledKv` reads that layout).
+pub fn encode_kv(k: u64, v: u64, rows: u64, cols: u64) -> Result<Vec<u8>, GpuError> {
+    let mut out = vec![0u8; 2 * TENSOR_MAP_BYTES];
+    for (address, bytes) in [k, v].into_iter().zip(out.chunks_exact_mut(TENSOR_MAP_BYTES)) {
+        let m = MatrixSpec { address, rows, cols };
+        check(&m)?;
+        if cols % KV_BOX_COLS as u64 != 0 || rows % crate::kv::PAGE_SIZE as u64 != 0 {
+            return Err(GpuError::InvalidArgument(format!(
+                "KV pool map of {m:?}: cols must be a multiple of {KV_BOX_COLS} and rows of the page size"
+            )));
+        }
+        let boxes = [KV_BOX_COLS, crate::kv::PAGE_SIZE as u32];
+        encode_one(&m, boxes, sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B, bytes)?;
+    }
+    Ok(out)
+}
+
+/// Encodes the map of the row-major bf16 matrix `m` with boxes of `boxes` (columns, rows) into
+/// `bytes`.
+fn encode_one(m: &MatrixSpec, boxes: [u32; 2], swizzle: sys::CUtensorMapSwizzle, bytes: &mut [u8]) -> Result<(), GpuError> {
     // SAFETY: only tries to dlopen libcuda.
     if !unsafe { sys::is_culib_present() } {
         return Err(GpuError::NoDriver);
     }
-    let mut out = vec![0u8; matrices.len() * TENSOR_MAP_BYTES];
-    for (m, bytes) in matrices.iter().zip(out.chunks_exact_mut(TENSOR_MAP_BYTES)) {
-        if m.address == 0 {
-            continue;
-        }
-        check(m)?;
-        let mut map = sys::CUtensorMap { opaque: [0; 16] };
-        let dims = [m.cols, m.rows];
-        let strides = [m.cols * 2];
-        let boxes = [stage_cols(m.cols), STAGE_ROWS];
-        let element_strides = [1u32, 1];
-        // SAFETY: every pointer is to a live local array of the rank the call is told; the
-        // address is only recorded in the map, never dereferenced here.
-        let status = unsafe {
-            sys::cuTensorMapEncodeTiled(
-                &mut map,
-                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                2,
-                m.address as *mut std::ffi::c_void,
-                dims.as_ptr(),
-                strides.as_ptr(),
-                boxes.as_ptr(),
-                element_strides.as_ptr(),
-                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
-                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-            )
-        };
-        if status != sys::CUresult::CUDA_SUCCESS {
-            return Err(GpuError::InvalidArgument(format!("cuTensorMapEncodeTiled({m:?}) failed: {status:?}")));
-        }
-        for (i, word) in map.opaque.iter().enumerate() {
-            bytes[8 * i..8 * i + 8].copy_from_slice(&word.to_le_bytes());
-        }
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    let dims = [m.cols, m.rows];
+    let strides = [m.cols * 2];
+    let element_strides = [1u32, 1];
+    // SAFETY: every pointer is to a live local array of the rank the call is told; the address
+    // is only recorded in the map, never dereferenced here.
+    let status = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            2,
+            m.address as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            element_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            swizzle,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if status != sys::CUresult::CUDA_SUCCESS {
+        return Err(GpuError::InvalidArgument(format!("cuTensorMapEncodeTiled({m:?}) failed: {status:?}")));
     }
-    Ok(out)
+    for (i, word) in map.opaque.iter().enumerate() {
+        bytes[8 * i..8 * i + 8].copy_from_slice(&word.to_le_bytes());
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -106,11 +132,21 @@ mod tests {
     }
 
     #[test]
-    fn empty_entries_encode_to_zeros_and_need_no_driver_call() {
-        if !unsafe { sys::is_culib_present() } {
-            assert!(matches!(encode(&[]), Err(GpuError::NoDriver)));
-            return;
+    fn kv_pools_of_a_wrong_shape_are_refused() {
+        let (k, v) = (1 << 20, 1 << 21);
+        for (rows, cols) in [(64, 96), (100, 512), (0, 512)] {
+            assert!(encode_kv(k, v, rows, cols).is_err(), "{rows} x {cols}");
         }
+        assert!(encode_kv(8, v, 64, 512).is_err(), "a misaligned pool");
+        if unsafe { sys::is_culib_present() } {
+            let maps = encode_kv(k, v, 64 * 10, 512).unwrap();
+            assert_eq!(maps.len(), 2 * TENSOR_MAP_BYTES);
+            assert_ne!(maps[..TENSOR_MAP_BYTES], maps[TENSOR_MAP_BYTES..], "K and V maps differ");
+        }
+    }
+
+    #[test]
+    fn empty_entries_encode_to_zeros_and_need_no_driver_call() {
         let out = encode(&[MatrixSpec { address: 0, rows: 0, cols: 0 }]).unwrap();
         assert_eq!(out, vec![0u8; TENSOR_MAP_BYTES]);
     }

@@ -44,6 +44,15 @@ fn weight_maps<'py>(py: Python<'py>, matrices: Vec<(u64, u64, u64)>) -> PyResult
     Ok(pyo3::types::PyBytes::new(py, &bytes))
 }
 
+/// Bulk-copy descriptors of the K and V pools for the megakernel (`MkStepArgs.kv_maps`): their
+/// addresses and shape as `rows` (blocks x page size) by `cols` (kv_heads x head_dim) bf16;
+/// returns 2 x MK_TENSOR_MAP_BYTES bytes (K's map, then V's), to be uploaded 64-byte aligned.
+#[pyfunction]
+fn kv_maps<'py>(py: Python<'py>, k: u64, v: u64, rows: u64, cols: u64) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+    let bytes = py.detach(|| gpu::tensor_map::encode_kv(k, v, rows, cols)).map_err(errors::to_py)?;
+    Ok(pyo3::types::PyBytes::new(py, &bytes))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("GpuError", m.py().get_type::<errors::GpuError>())?;
@@ -60,6 +69,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gpu_available, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(weight_maps, m)?)?;
+    m.add_function(wrap_pyfunction!(kv_maps, m)?)?;
     m.add("TENSOR_MAP_BYTES", gpu::abi::TENSOR_MAP_BYTES)?;
     m.add("TRACE_ENTRY_BYTES", gpu::abi::TRACE_ENTRY_BYTES)?;
     m.add("LAYER_WEIGHT_COUNT", gpu::abi::LAYER_WEIGHT_COUNT)?;

@@ -7,6 +7,7 @@ tables of their device addresses, so nothing is repacked or copied.
 from __future__ import annotations
 
 import struct
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +115,24 @@ class ModelTables:
         return cls(*(t.to(model.device) for t in tensors))
 
 
+_KV_MAPS: weakref.WeakKeyDictionary[PagedKV, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def kv_maps(kv: PagedKV) -> torch.Tensor:
+    """The bulk-copy descriptors of `kv`'s K and V pools (MkStepArgs.kv_maps: uint8 [2][TENSOR_MAP_BYTES]
+    on the pools' device), encoded once per cache; zeros for a cache off the GPU."""
+    maps = _KV_MAPS.get(kv)
+    if maps is None:
+        blocks, page, heads, dim = kv.k.shape
+        if kv.device.type != "cuda":
+            maps = torch.zeros(2, _native.TENSOR_MAP_BYTES, dtype=torch.uint8)
+        else:
+            raw = _native.kv_maps(kv.k.data_ptr(), kv.v.data_ptr(), blocks * page, heads * dim)
+            maps = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(2, -1).to(kv.device)
+        _KV_MAPS[kv] = maps
+    return maps
+
+
 def fixed_step_args(model: Model, kv: PagedKV, tables: ModelTables, buf: StepBuffers) -> dict[str, int | float]:
     """The MkStepArgs fields that stay the same from step to step: the model's dimensions and the
     addresses of its weights, tables, KV pools and `buf` (empty tensors: 0; tracing off). The
@@ -133,6 +152,7 @@ def fixed_step_args(model: Model, kv: PagedKV, tables: ModelTables, buf: StepBuf
         final_norm=model.weights["model.norm.weight"].data_ptr(),
         k_pool=kv.k.data_ptr(),
         v_pool=kv.v.data_ptr(),
+        kv_maps=kv_maps(kv).data_ptr(),
         layers=cfg.num_hidden_layers,
         hidden=cfg.hidden_size,
         heads=cfg.num_attention_heads,

@@ -216,10 +216,15 @@ def test_gpu_test_geometry_with_routing(prefill):
     for i, (t, tb) in enumerate(zip(prompts, tables, strict=True)):
         bf, fp = pools.references(t, 0, tb)
         got = out.logits[i]
-        # The bf16 reference itself may flip a near-tied expert (seen on the H200: 0.9999 to fp32,
-        # 0.946 to bf16), so the fp32 reference is the bar and the bf16 one a looser sanity check.
-        assert torch.isfinite(got).all() and cosine(got, fp) > 0.95 and cosine(got, bf) > 0.85, (
-            f"seed {SEED}: prompt {i} logits cosine {cosine(got, fp):.4f} to fp32, {cosine(got, bf):.4f} to bf16"
+        # bf16 numerics flip near-tied experts, in this path and in the bf16 reference alike, and
+        # with random weights one flip moves the logits far: seen on the H200, 0.9999 to fp32 and
+        # 0.946 to bf16 (this path flipped), and 0.771 to fp32 and 1.0000 to bf16 (both flipped the
+        # same way, seed 1443948167). So the bar is the bf16 reference's own distance from fp32:
+        # this path must be no further from fp32 than it (or within 0.95), and near it.
+        bar = min(0.95, cosine(bf, fp) - 0.02)
+        assert torch.isfinite(got).all() and cosine(got, fp) > bar and cosine(got, bf) > 0.85, (
+            f"seed {SEED}: prompt {i} logits cosine {cosine(got, fp):.4f} to fp32 (bar {bar:.4f}), "
+            f"{cosine(got, bf):.4f} to bf16"
         )
     pools.check_pages(tables, "gpu_test geometry")
 

@@ -178,8 +178,8 @@ typedef struct MkStepArgs {
 #define MK_KV_BOX_COLS 64
 
 // One executed task, written when MkStepArgs.trace is set: by thread 0 of its block, and for the
-// tasks whose weights were streamed (GEMV and expert-claim tasks), by the weight producer (fields
-// stream_ns on; 0 otherwise).
+// tasks whose bytes were streamed (GEMV, expert-claim and attention split tasks), by the weight
+// producer (fields stream_ns on; 0 otherwise).
 typedef struct MkTraceEntry {
     uint64_t start_ns;     // %globaltimer when the block reached the task (before its wait)
     uint32_t wait_cycles;  // clock64 cycles spent waiting on its counters (a norm: the first only)

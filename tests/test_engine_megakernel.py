@@ -17,7 +17,7 @@ from mk.config import ModelConfig
 from mk.engine import Engine
 from mk.megakernel import support
 from mk.megakernel.buffers import StepBuffers
-from mk.megakernel.launch import ModelTables
+from mk.megakernel.launch import ModelTables, kv_maps
 from mk.megakernel.runner import PER_STEP_FIELDS, MegakernelRunner, step_template
 from mk.megakernel.support import MegakernelUnavailable, choose_backend, geometry_unsupported
 from mk.model import synthetic_weights
@@ -113,6 +113,11 @@ def test_the_template_holds_every_address_python_owns(tiny):
     for name in ("x", "h", "attn_o", "expert_act", "logits", "sampled", "routing_log"):
         assert v[name] == getattr(buf, name).data_ptr(), name
     assert (v["k_pool"], v["v_pool"]) == (kv.k.data_ptr(), kv.v.data_ptr())
+    # The pools' tensor maps: encoded once per cache (zeros off the GPU), kept alive with it.
+    maps = kv_maps(kv)
+    assert v["kv_maps"] == maps.data_ptr() and kv_maps(kv) is maps
+    assert maps.shape == (2, _native.TENSOR_MAP_BYTES) and not maps.any()
+    assert kv_maps(tiny.new_kv(32)) is not maps
     assert v["embed"] == tiny.weights["model.embed_tokens.weight"].data_ptr()
     assert v["final_norm"] == tiny.weights["model.norm.weight"].data_ptr()
     assert v["layer_weights"] == tables.layer_weights.data_ptr()

@@ -71,7 +71,12 @@ pub fn encode_kv(k: u64, v: u64, rows: u64, cols: u64) -> Result<Vec<u8>, GpuErr
 
 /// Encodes the map of the row-major bf16 matrix `m` with boxes of `boxes` (columns, rows) into
 /// `bytes`.
-fn encode_one(m: &MatrixSpec, boxes: [u32; 2], swizzle: sys::CUtensorMapSwizzle, bytes: &mut [u8]) -> Result<(), GpuError> {
+fn encode_one(
+    m: &MatrixSpec,
+    boxes: [u32; 2],
+    swizzle: sys::CUtensorMapSwizzle,
+    bytes: &mut [u8],
+) -> Result<(), GpuError> {
     // SAFETY: only tries to dlopen libcuda.
     if !unsafe { sys::is_culib_present() } {
         return Err(GpuError::NoDriver);

@@ -1,8 +1,8 @@
 """Where a decode step's time goes, from the kernel's task trace (`MegakernelStep.run(trace=...)`).
 
 Each executed task left: the %globaltimer time its block reached it, the clock cycles it waited on
-its counters and the cycles it ran; a task whose weights were streamed (GEMV and expert-claim
-tasks) also when the block's weight producer issued its first copy, and the cycles the producer
+its counters and the cycles it ran; a task whose bytes were streamed (GEMV, expert-claim and
+attention split tasks) also when the block's weight producer issued its first copy, and the cycles the producer
 waited for free ring stages (the compute warps were behind) and for the layer's top-k (expert
 tiles). The SM clock is estimated from the trace itself (a block's consecutive tasks start
 `wait + run` cycles apart), so no clock query is needed.
@@ -27,7 +27,7 @@ class Family:
     wait_us: float  # mean per task
     run_us: float  # mean per task
     run_sm_us: float  # total: SM-time it kept blocks busy
-    streamed: int  # tasks whose weights the producer streamed (GEMV tasks with weights, claim tasks)
+    streamed: int  # tasks whose bytes the producer streamed (GEMV tasks with weights, claim tasks, splits)
     ring_wait_us: float  # mean per streamed task: the producer waiting for free ring stages
     topk_wait_us: float  # mean per streamed task: the producer waiting for the layer's top-k
     lead_us: float  # mean per streamed task: first copy issued to the compute warps' start of work

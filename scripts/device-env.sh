@@ -6,11 +6,15 @@ OUT=${OUT:-$PWD/bench-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-# The server's packages, where a folder of wheels for this Python was carried (.whl/server-py312:
-# pip download --only-binary=:all: --python-version 3.12 ... ; the GPU tests of the server skip
-# without them).
+# Once per set of carried wheels (the scripts source this file in turn within one call).
+stamp=/tmp/site/.installed-$(cat .whl/*.whl | md5sum | cut -c1-16)
+if [ ! -f "$stamp" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "wheel install failed"; exit 1; }
+    touch "$stamp"
+fi
+# The server's packages, where a folder of wheels for this Python was carried (.whl/server-py312,
+# made here by scripts/server-wheels.sh; the server's GPU test skips without them).
 server_wheels=.whl/server-py$(python3 -c 'import sys; print("%d%d" % sys.version_info[:2])')
 if [ -d "$server_wheels" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \

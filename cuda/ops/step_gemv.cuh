@@ -131,7 +131,7 @@ __device__ __forceinline__ MkTask claimed_tile(const MkTask& claim, int i) {
 
 // The producer warp's walk: every stage of every GEMV task of the block's list, and every page of
 // every attention split, K then V, in list order: the stage sequence gemv_compute
-// and run_attn_split_ring consume. Lane 0 walks; the list is read kListBatch tasks at a time into
+// and run_attn_split consume. Lane 0 walks; the list is read kListBatch tasks at a time into
 // a window of shared memory (loads in flight together instead of one task's latency per task).
 constexpr int kListBatch = 32;
 
@@ -255,6 +255,8 @@ struct StageWalk {
         return kStages;
     }
 };
+
+static_assert(kStageBytes >= 2 * kKvBoxBytes, "a ring stage holds a KV page's two boxes");
 
 // The producer warp's loop (lane 0): as soon as a ring slot is free, one bulk tensor copy per box
 // of a weight stage, or the two of a split page's K or V. (Prefetching the stages beyond the ring

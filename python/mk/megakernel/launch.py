@@ -115,21 +115,26 @@ class ModelTables:
         return cls(*(t.to(model.device) for t in tensors))
 
 
-_KV_MAPS: weakref.WeakKeyDictionary[PagedKV, torch.Tensor] = weakref.WeakKeyDictionary()
+# Per cache: the pools' addresses its maps describe, and the maps.
+_KV_MAPS: weakref.WeakKeyDictionary[PagedKV, tuple[tuple[int, int], torch.Tensor]] = weakref.WeakKeyDictionary()
 
 
 def kv_maps(kv: PagedKV) -> torch.Tensor:
     """The bulk-copy descriptors of `kv`'s K and V pools (MkStepArgs.kv_maps: uint8 [2][TENSOR_MAP_BYTES]
-    on the pools' device), encoded once per cache; zeros for a cache off the GPU."""
-    maps = _KV_MAPS.get(kv)
-    if maps is None:
-        blocks, page, heads, dim = kv.k.shape
-        if kv.device.type != "cuda":
-            maps = torch.zeros(2, _native.TENSOR_MAP_BYTES, dtype=torch.uint8)
-        else:
-            raw = _native.kv_maps(kv.k.data_ptr(), kv.v.data_ptr(), blocks * page, heads * dim)
-            maps = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(2, -1).to(kv.device)
-        _KV_MAPS[kv] = maps
+    on the pools' device), encoded once per cache and pools; zeros for a cache off the GPU."""
+    pools = (kv.k.data_ptr(), kv.v.data_ptr())
+    cached = _KV_MAPS.get(kv)
+    if cached is not None and cached[0] == pools:
+        return cached[1]
+    blocks, page, heads, dim = kv.k.shape
+    if kv.device.type != "cuda":
+        maps = torch.zeros(2, _native.TENSOR_MAP_BYTES, dtype=torch.uint8)
+    else:
+        if kv.dtype != torch.bfloat16 or kv.v.dtype != kv.k.dtype or kv.v.shape != kv.k.shape:
+            raise ValueError("the megakernel reads bf16 K and V pools of one shape")
+        raw = _native.kv_maps(*pools, blocks * page, heads * dim)
+        maps = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(2, -1).to(kv.device)
+    _KV_MAPS[kv] = (pools, maps)
     return maps
 
 

@@ -16,8 +16,9 @@ Rows:
 - admit: one stream decoding at 8K while a 32K prompt arrives: the stream's longest and median gap
   between tokens while the long prompt is admitted, and the long prompt's time to first token.
 The engine runs with the server's defaults (`python -m mk.server`: prefill chunk 1024, max batch 8)
-except its KV share of memory (0.6, leaving room for the kernel-only measurement).
-Usage: python benches/engine.py [--json out.json] [--quick]
+except its KV share of memory (0.6, leaving room for the kernel-only measurement); `--launch-ahead`
+turns launch-ahead on (the megakernel then queues each greedy step behind the one before).
+Usage: python benches/engine.py [--json out.json] [--quick] [--launch-ahead]
 """
 
 from __future__ import annotations
@@ -188,6 +189,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default="bench-out/engine.json")
     parser.add_argument("--quick", action="store_true", help="batch 1 and 8 at 8K, 512- and 8K-token prompts")
+    parser.add_argument("--launch-ahead", action="store_true", help="Engine(launch_ahead=True)")
     args = parser.parse_args()
     cfg = ModelConfig.real()
     model = Model(cfg, synthetic_weights(cfg, seed=0, device="cuda", dtype=torch.bfloat16, std=0.01))
@@ -201,6 +203,7 @@ def main() -> None:
         max_context=32768 + 512,
         prefill_chunk=SERVER_PREFILL_CHUNK,
         kv_fraction=0.6,
+        launch_ahead=args.launch_ahead,
     )
     rows = []
     try:

@@ -51,7 +51,14 @@ def model() -> Model:
 
 
 @contextlib.contextmanager
-def engine(model, backend: str, max_batch: int = 8, prefill_chunk: int = 512, tokenizer_json: str | None = None):
+def engine(
+    model,
+    backend: str,
+    max_batch: int = 8,
+    prefill_chunk: int = 512,
+    tokenizer_json: str | None = None,
+    launch_ahead: bool = False,
+):
     """A fresh engine (no prefix cache shared between the runs compared), checked for leaks."""
     e = Engine(
         model,
@@ -62,6 +69,7 @@ def engine(model, backend: str, max_batch: int = 8, prefill_chunk: int = 512, to
         kv_blocks=4096,
         check_invariants=True,
         tokenizer_json=tokenizer_json,
+        launch_ahead=launch_ahead,
     )
     assert e.backend == backend and e.prefill == "fast"  # mk.prefill on the GPU, by default
     try:
@@ -164,6 +172,25 @@ def test_a_batch_of_ten_runs_as_two_launches(model):
     assert s["decode_rows"] == 230 and 8 * s["decode_steps"] < s["decode_rows"], s
     agreed = compare("ten rows", mk, ref, requests)
     assert agreed >= 10
+
+
+@pytest.mark.parametrize("rows", [6, 10])
+def test_launch_ahead_changes_no_token(model, rows):
+    """With launch-ahead the megakernel backend queues each greedy step of up to one launch's rows
+    behind the step before on the GPU, its tokens forwarded on the device (6 rows); a batch of two
+    launches steps one at a time (10 rows). One prefill chunk takes every prompt in both runs, and
+    a row's arithmetic does not depend on its neighbours, so every token equals the synchronous
+    run's, the rows that end early (their last token known a step ahead) included."""
+    requests = [
+        (0.0, prompt(20 + 37 * i, 70 + i), SamplingParams(max_tokens=30 + 5 * i, temperature=0.0, ignore_eos=True))
+        for i in range(rows)
+    ]
+    runs = []
+    for ahead in (False, True):
+        with engine(model, "megakernel", max_batch=rows, prefill_chunk=2048, launch_ahead=ahead) as e:
+            runs.append(run(e, requests))
+    for i, (sync, ahead) in enumerate(zip(*runs, strict=True)):
+        assert (tokens_of(ahead), ahead[1]) == (tokens_of(sync), sync[1]), f"request {i} of {rows}"
 
 
 def test_seeded_sampling_reproduces(model):

@@ -84,8 +84,9 @@ class Engine:
     the CPU. Either way prefill is PyTorch, on the decode backend's stream.
 
     `launch_ahead`: each decode step is launched before the previous step's tokens are handed
-    over (rust/engine/core.rs); the streams are the same. Off by default until the megakernel
-    queues its steps on the device (today every backend still runs a step when it is launched).
+    over (rust/engine/core.rs); the streams are the same. The megakernel backend then queues greedy
+    steps of up to one launch's rows on the GPU, each behind the one before; the other backends run
+    a step when it is launched. Off by default until the GPU path has been measured.
 
     KV pool: `kv_blocks` blocks, else `kv_bytes`, else on a GPU `kv_fraction` of the memory free
     after the weights, else (CPU) room for one sequence of `max_context` tokens or `max_batch` of

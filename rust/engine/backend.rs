@@ -111,6 +111,25 @@ pub trait Backend: Send {
     /// Runs one decode step; `out` receives one `Sampled` per row, in row order.
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError>;
 
+    /// Whether `queue` takes this step (no row under a grammar: the loop never queues those). A
+    /// backend that runs steps when they are called takes none.
+    fn can_queue(&self, _input: &DecodeInput<'_>) -> bool {
+        false
+    }
+
+    /// Queues one decode step behind the steps queued before it and returns before it has run: row
+    /// i feeds `input.tokens[i]`, or, where `previous[i]` is `Some(j)`, the token the step queued
+    /// just before this one samples for its row j, which the host has not seen yet (it stays on
+    /// the device). `collect` returns each queued step's tokens, oldest first.
+    fn queue(&mut self, _input: &DecodeInput<'_>, _previous: &[Option<usize>]) -> Result<(), BackendError> {
+        Err(BackendError("this backend does not queue decode steps".into()))
+    }
+
+    /// Waits for the oldest queued step; `out` receives one `Sampled` per row, in row order.
+    fn collect(&mut self, _out: &mut Vec<Sampled>) -> Result<(), BackendError> {
+        Err(BackendError("this backend does not queue decode steps".into()))
+    }
+
     /// Where the decode calls' host time went so far (zeros where the backend does not measure).
     fn launch_times(&self) -> LaunchTimes {
         LaunchTimes::default()
@@ -124,6 +143,18 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
 
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
         (**self).decode(input, out)
+    }
+
+    fn can_queue(&self, input: &DecodeInput<'_>) -> bool {
+        (**self).can_queue(input)
+    }
+
+    fn queue(&mut self, input: &DecodeInput<'_>, previous: &[Option<usize>]) -> Result<(), BackendError> {
+        (**self).queue(input, previous)
+    }
+
+    fn collect(&mut self, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
+        (**self).collect(out)
     }
 
     fn launch_times(&self) -> LaunchTimes {

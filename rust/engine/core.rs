@@ -7,8 +7,11 @@
 //! step n samples for it, so that a backend that queues steps on a device never waits for the
 //! host between them. A row that finishes with step n's token is in step n + 1 too: that token
 //! is dropped when step n + 1 lands. Prefill, rows under a grammar and blocks that run out fall
-//! back to one synchronous step. The backends run each step when it is launched (none queues
-//! steps yet), so here launch-ahead changes when tokens are handed over, not what they are.
+//! back to one synchronous step. A backend that can queue the step (`Backend::can_queue`) gets it
+//! with, for each row, which of step n's rows samples its token (the token stays on the device),
+//! and the step lands through `Backend::collect`; others run each step when it is launched, and
+//! the loop fills in the tokens, so launch-ahead changes when tokens are handed over, never what
+//! they are.
 
 use std::time::Instant;
 
@@ -17,10 +20,17 @@ use crate::grammar::{Constraint, MaskSet, TokenMask, NO_MASKS};
 use crate::sampling::Sampled;
 use crate::sched::{DecodeBatch, Event, PrefillChunk, Scheduler};
 
-/// A decode step launched and not yet landed: its batch and what the backend returned for it.
+/// A decode step launched and not yet landed: its batch and what it gives when it lands.
 struct Flight {
     batch: DecodeBatch,
-    result: Result<Vec<Sampled>, BackendError>,
+    landing: Landing,
+}
+
+/// A launched step's tokens: known (the backend ran it when it was launched, or it failed), or
+/// still on the device (queued: `Backend::collect` waits for them).
+enum Landing {
+    Ran(Result<Vec<Sampled>, BackendError>),
+    Queued,
 }
 
 /// Where the loop's time goes. Host time is an iteration's wall time minus its backend calls:
@@ -98,7 +108,7 @@ impl<B: Backend> Core<B> {
         if !chunks.is_empty() {
             // The step in flight first: the prefill writes K/V the scheduler has just mapped.
             if let Some(flight) = self.in_flight.take() {
-                self.land(flight, out);
+                backend_ns += self.land(flight, out);
             }
             // A prompt's last chunk samples its first token: under a grammar, with its mask, which a
             // helper thread computes while the backend runs the forward pass.
@@ -173,24 +183,41 @@ impl<B: Backend> Core<B> {
         }
         // Launch-ahead: step n + 1 goes out before step n lands.
         let mut launched = false;
-        if let Some(flight) = self.in_flight.take() {
+        if let Some(mut flight) = self.in_flight.take() {
             let mut batch = std::mem::take(&mut self.batch);
             let mut previous = std::mem::take(&mut self.previous);
-            if let Some(sampled) = flight.result.as_ref().ok().filter(|r| r.len() == flight.batch.len()) {
-                if self.sched.plan_ahead(&flight.batch, &mut batch, &mut previous) && !batch.is_empty() {
-                    // The backends run a step when it is launched, so step n's tokens are known.
-                    for (t, p) in batch.tokens.iter_mut().zip(&previous) {
-                        if let Some(s) = p.and_then(|j| sampled.get(j)) {
-                            *t = s.token;
-                        }
+            let usable = match &flight.landing {
+                Landing::Ran(Ok(sampled)) => sampled.len() == flight.batch.len(),
+                Landing::Ran(Err(_)) => false,
+                Landing::Queued => true,
+            };
+            if usable && self.sched.plan_ahead(&flight.batch, &mut batch, &mut previous) && !batch.is_empty() {
+                if matches!(flight.landing, Landing::Queued)
+                    && !self.backend.can_queue(&unmasked_input(&self.sched, &batch))
+                {
+                    // Step n's tokens are on the device and this step cannot follow them there.
+                    backend_ns += self.collect(&mut flight);
+                }
+                match &flight.landing {
+                    Landing::Queued => {
+                        backend_ns += self.launch(std::mem::take(&mut batch), &previous);
+                        launched = true;
                     }
-                    backend_ns += self.launch(std::mem::take(&mut batch));
-                    launched = true;
+                    Landing::Ran(Ok(sampled)) if sampled.len() == flight.batch.len() => {
+                        for (t, p) in batch.tokens.iter_mut().zip(&previous) {
+                            if let Some(s) = p.and_then(|j| sampled.get(j)) {
+                                *t = s.token;
+                            }
+                        }
+                        backend_ns += self.launch(std::mem::take(&mut batch), &[]);
+                        launched = true;
+                    }
+                    Landing::Ran(_) => {} // step n failed: its rows fail as it lands
                 }
             }
             self.batch = batch;
             self.previous = previous;
-            self.land(flight, out);
+            backend_ns += self.land(flight, out);
         }
         if !launched {
             self.sched.plan_decode(&mut self.batch, out);
@@ -199,7 +226,7 @@ impl<B: Backend> Core<B> {
             let batch = std::mem::take(&mut self.batch);
             let constrained = batch.rows.iter().any(|&r| self.sched.seq(r).is_some_and(|s| s.constrained()));
             if self.launch_ahead && !constrained {
-                backend_ns += self.launch(batch);
+                backend_ns += self.launch(batch, &[]);
             } else {
                 backend_ns += self.decode_now(batch, out);
             }
@@ -220,27 +247,41 @@ impl<B: Backend> Core<B> {
 }
 
 impl<B: Backend> Core<B> {
-    /// Runs `batch`'s step (no row under a grammar) and keeps it in flight, to land in the next
-    /// iteration; returns the backend's time in ns.
-    fn launch(&mut self, batch: DecodeBatch) -> u64 {
-        // The landing step gives its buffer back (`land`): two alternate, none is allocated per step.
-        let mut sampled = std::mem::take(&mut self.sampled);
-        sampled.clear();
+    /// Queues `batch`'s step where the backend can (`previous`: for each row, the row of the step
+    /// in flight whose token it feeds, or nothing where `batch.tokens` holds it), else runs it
+    /// (its tokens are all known then), and keeps it in flight, to land in the next iteration;
+    /// returns the backend's time in ns.
+    fn launch(&mut self, batch: DecodeBatch, previous: &[Option<usize>]) -> u64 {
         let t = Instant::now();
-        let input = DecodeInput {
-            rows: &batch.rows,
-            tokens: &batch.tokens,
-            positions: &batch.positions,
-            specs: &batch.specs,
-            masks: &NO_MASKS,
-            table: self.sched.page_table(),
-            dirty_rows: self.sched.dirty_rows(),
+        let input = unmasked_input(&self.sched, &batch);
+        let landing = if self.backend.can_queue(&input) {
+            match self.backend.queue(&input, previous) {
+                Ok(()) => Landing::Queued,
+                Err(e) => Landing::Ran(Err(e)),
+            }
+        } else {
+            debug_assert!(previous.iter().all(Option::is_none), "the tokens of a step not queued are known");
+            // The landing step gives its buffer back (`land`): two alternate, none is allocated per step.
+            let mut sampled = std::mem::take(&mut self.sampled);
+            sampled.clear();
+            Landing::Ran(self.backend.decode(&input, &mut sampled).map(|()| sampled))
         };
-        let result = self.backend.decode(&input, &mut sampled).map(|()| sampled);
         let ns = t.elapsed().as_nanos() as u64;
         self.finish_call(&batch);
-        self.in_flight = Some(Flight { batch, result });
+        self.in_flight = Some(Flight { batch, landing });
         ns
+    }
+
+    /// Waits for a queued step's tokens; returns the backend's time in ns.
+    fn collect(&mut self, flight: &mut Flight) -> u64 {
+        if !matches!(flight.landing, Landing::Queued) {
+            return 0;
+        }
+        let t = Instant::now();
+        let mut sampled = std::mem::take(&mut self.sampled);
+        sampled.clear();
+        flight.landing = Landing::Ran(self.backend.collect(&mut sampled).map(|()| sampled));
+        t.elapsed().as_nanos() as u64
     }
 
     /// Runs `batch`'s step and lands it; returns the backend's time in ns. Constrained rows lend
@@ -271,9 +312,8 @@ impl<B: Backend> Core<B> {
         }
         let ns = t.elapsed().as_nanos() as u64;
         self.finish_call(&batch);
-        let flight = Flight { batch, result: result.map(|()| sampled) };
-        self.land(flight, out);
-        ns
+        let flight = Flight { batch, landing: Landing::Ran(result.map(|()| sampled)) };
+        ns + self.land(flight, out)
     }
 
     /// After a decode call: the page-table rows are the backend's, and the step is counted.
@@ -284,9 +324,12 @@ impl<B: Backend> Core<B> {
         self.metrics.launch = self.backend.launch_times();
     }
 
-    /// Hands a step's tokens to the scheduler (or fails its rows); the tokens' buffer is kept for reuse.
-    fn land(&mut self, flight: Flight, out: &mut Vec<Event>) {
-        let Flight { batch, result } = flight;
+    /// Hands a step's tokens to the scheduler (or fails its rows), waiting for them if the step is
+    /// queued; the tokens' buffer is kept for reuse. Returns the backend's time in ns.
+    fn land(&mut self, mut flight: Flight, out: &mut Vec<Event>) -> u64 {
+        let ns = self.collect(&mut flight);
+        let Flight { batch, landing } = flight;
+        let Landing::Ran(result) = landing else { unreachable!("collected above") };
         let result = result.and_then(|sampled| match sampled.len() == batch.len() {
             true => Ok(sampled),
             false => Err(BackendError(format!("decode returned {} tokens for {} rows", sampled.len(), batch.len()))),
@@ -298,6 +341,20 @@ impl<B: Backend> Core<B> {
             }
             Err(e) => self.sched.fail_batch(&batch, &format!("decode failed: {e}"), out),
         }
+        ns
+    }
+}
+
+/// `batch` as a backend call's input, without masks (no row under a grammar).
+fn unmasked_input<'a>(sched: &'a Scheduler, batch: &'a DecodeBatch) -> DecodeInput<'a> {
+    DecodeInput {
+        rows: &batch.rows,
+        tokens: &batch.tokens,
+        positions: &batch.positions,
+        specs: &batch.specs,
+        masks: &NO_MASKS,
+        table: sched.page_table(),
+        dirty_rows: sched.dirty_rows(),
     }
 }
 

@@ -24,6 +24,14 @@ pub trait StepLauncher {
         logits: &mut Vec<f32>,
     ) -> Result<(), BackendError>;
 
+    /// Queues one launch behind those before it and returns once it is launched: a row with
+    /// `previous[i] = Some(j)` takes the token the launch queued just before samples for its row
+    /// j (copied on the device). Greedy tokens only, no logits; `collect` returns them.
+    fn queue(&mut self, step: &StepRows<'_>, previous: &[Option<usize>]) -> Result<(), BackendError>;
+
+    /// Waits for the oldest queued launch; `sampled` gets its rows' tokens.
+    fn collect(&mut self, sampled: &mut Vec<u32>) -> Result<(), BackendError>;
+
     /// Where the launches' host time went so far.
     fn launch_times(&self) -> LaunchTimes {
         LaunchTimes::default()
@@ -48,6 +56,14 @@ impl StepLauncher for GpuLauncher {
         self.run(step, sampled, logits).map_err(|e| BackendError(format!("megakernel step: {e}")))
     }
 
+    fn queue(&mut self, step: &StepRows<'_>, previous: &[Option<usize>]) -> Result<(), BackendError> {
+        GpuLauncher::queue(self, step, previous).map_err(|e| BackendError(format!("megakernel step: {e}")))
+    }
+
+    fn collect(&mut self, sampled: &mut Vec<u32>) -> Result<(), BackendError> {
+        GpuLauncher::collect(self, sampled).map_err(|e| BackendError(format!("megakernel step: {e}")))
+    }
+
     fn launch_times(&self) -> LaunchTimes {
         GpuLauncher::launch_times(self)
     }
@@ -64,11 +80,69 @@ pub struct MegakernelDecoder<L> {
     want: Vec<bool>,
     sampled: Vec<u32>,
     logits: Vec<f32>,
+    /// The rows of each queued step, oldest first.
+    queued: std::collections::VecDeque<Vec<usize>>,
 }
 
 impl<L: StepLauncher> MegakernelDecoder<L> {
     pub fn new(launcher: L) -> Self {
-        Self { launcher, sampler: Sampler::new(), want: Vec::new(), sampled: Vec::new(), logits: Vec::new() }
+        Self {
+            launcher,
+            sampler: Sampler::new(),
+            want: Vec::new(),
+            sampled: Vec::new(),
+            logits: Vec::new(),
+            queued: std::collections::VecDeque::new(),
+        }
+    }
+
+    /// Whether `queue` takes this step: one launch's rows at most, every token sampled on the GPU
+    /// (greedy, no logprobs) and no row under a grammar.
+    pub fn can_queue(&self, input: &DecodeInput<'_>) -> bool {
+        input.len() <= self.launcher.max_rows()
+            && (0..input.len()).all(|i| !needs_logits(&input.specs[i]) && !input.is_constrained(i))
+    }
+
+    /// Queues the step as one launch (`Backend::queue`).
+    pub fn queue(&mut self, input: &DecodeInput<'_>, previous: &[Option<usize>]) -> Result<(), BackendError> {
+        if !self.can_queue(input) {
+            return Err(BackendError("this step cannot be queued".into()));
+        }
+        self.want.clear();
+        self.want.resize(input.len(), false);
+        let step = StepRows {
+            rows: input.rows,
+            tokens: input.tokens,
+            positions: input.positions,
+            table: input.table,
+            want_logits: &self.want,
+            launch: 0,
+        };
+        self.launcher.queue(&step, previous)?;
+        self.queued.push_back(input.rows.to_vec());
+        Ok(())
+    }
+
+    /// The oldest queued step's tokens (`Backend::collect`).
+    pub fn collect(&mut self, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
+        let rows = self.queued.pop_front().ok_or_else(|| BackendError("no step is queued".into()))?;
+        self.sampled.clear();
+        self.launcher.collect(&mut self.sampled)?;
+        if self.sampled.len() != rows.len() {
+            return Err(BackendError("the launch returned the wrong number of tokens".into()));
+        }
+        self.tokens_of(&rows, out)
+    }
+
+    /// `self.sampled` as the tokens of `rows` (the kernel writes `vocab` for a row without a finite logit).
+    fn tokens_of(&self, rows: &[usize], out: &mut Vec<Sampled>) -> Result<(), BackendError> {
+        for (&row, &t) in rows.iter().zip(&self.sampled) {
+            if t as usize >= self.launcher.vocab() {
+                return Err(BackendError(format!("row {row}: the logits row has no finite value")));
+            }
+            out.push(Sampled::token(t));
+        }
+        Ok(())
     }
 
     /// Where the launches' host time went so far.
@@ -135,6 +209,8 @@ mod tests {
         max_rows: usize,
         vocab: usize,
         launches: Vec<Vec<usize>>,
+        /// Tokens of the queued launches not yet collected, oldest first.
+        queued: Vec<Vec<u32>>,
     }
 
     impl StepLauncher for Mock {
@@ -160,6 +236,23 @@ mod tests {
                     logits.extend_from_slice(&l);
                 }
             }
+            Ok(())
+        }
+        fn queue(&mut self, s: &StepRows<'_>, previous: &[Option<usize>]) -> Result<(), BackendError> {
+            let mut tokens = s.tokens.to_vec();
+            for (t, p) in tokens.iter_mut().zip(previous) {
+                if let Some(j) = p {
+                    *t = self.queued.last().expect("a queued launch to follow")[*j];
+                }
+            }
+            let (mut sampled, mut logits) = (Vec::new(), Vec::new());
+            self.launch(&StepRows { tokens: &tokens, launch: self.launches.len(), ..*s }, &mut sampled, &mut logits)?;
+            assert!(logits.is_empty(), "a queued launch returns no logits");
+            self.queued.push(sampled);
+            Ok(())
+        }
+        fn collect(&mut self, sampled: &mut Vec<u32>) -> Result<(), BackendError> {
+            sampled.extend(self.queued.remove(0));
             Ok(())
         }
     }
@@ -192,7 +285,7 @@ mod tests {
             table: &table,
             dirty_rows: &[],
         };
-        let mut dec = MegakernelDecoder::new(Mock { max_rows: 4, vocab, launches: Vec::new() });
+        let mut dec = MegakernelDecoder::new(Mock { max_rows: 4, vocab, launches: Vec::new(), queued: Vec::new() });
         let mut out = Vec::new();
         dec.decode(&input, &mut out).unwrap();
         assert_eq!(dec.launcher.launches, vec![vec![0, 2, 3, 5], vec![8, 9, 11, 15], vec![16, 20]]);
@@ -216,9 +309,45 @@ mod tests {
             table: &table,
             dirty_rows: &[],
         };
-        let mut dec = MegakernelDecoder::new(Mock { max_rows: 8, vocab: 16, launches: Vec::new() });
+        let mut dec = MegakernelDecoder::new(Mock { max_rows: 8, vocab: 16, launches: Vec::new(), queued: Vec::new() });
         let err = dec.decode(&input, &mut Vec::new()).unwrap_err();
         assert!(err.0.contains("row 1"), "{err}");
+    }
+
+    #[test]
+    fn a_queued_step_follows_the_tokens_of_the_one_before_on_the_device() {
+        let (vocab, table) = (64, PageTable::new(1, 8, 4));
+        let specs: Vec<SampleSpec> = (0..3).map(SampleSpec::greedy).collect();
+        let input = |tokens: &'static [u32], positions: &'static [u32]| DecodeInput {
+            rows: &[1, 4, 6],
+            tokens,
+            positions,
+            specs: &specs,
+            masks: &crate::grammar::NO_MASKS,
+            table: &table,
+            dirty_rows: &[],
+        };
+        let mut dec = MegakernelDecoder::new(Mock { max_rows: 4, vocab, launches: Vec::new(), queued: Vec::new() });
+        let first = input(&[5, 9, 13], &[10, 20, 30]);
+        assert!(dec.can_queue(&first));
+        dec.queue(&first, &[None; 3]).unwrap();
+        // The second step's rows feed the first's tokens, crossed (its tokens here are ignored).
+        dec.queue(&input(&[0, 0, 0], &[11, 21, 31]), &[Some(2), Some(0), Some(1)]).unwrap();
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        dec.collect(&mut a).unwrap();
+        dec.collect(&mut b).unwrap();
+        let greedy = |t: u32, p: u32| argmax(&fake_logits(t, p, vocab));
+        let want_a: Vec<u32> = [(5, 10), (9, 20), (13, 30)].iter().map(|&(t, p)| greedy(t, p)).collect();
+        assert_eq!(a.iter().map(|s| s.token).collect::<Vec<_>>(), want_a);
+        let crossed = [(want_a[2], 11), (want_a[0], 21), (want_a[1], 31)];
+        assert_eq!(b.iter().map(|s| s.token).collect::<Vec<_>>(), crossed.map(|(t, p)| greedy(t, p)));
+        assert!(dec.collect(&mut a).is_err(), "nothing is queued");
+        // Rows sampled on the host, or more rows than one launch, are not queued.
+        let seeded_specs = [seeded(0), SampleSpec::greedy(1), SampleSpec::greedy(2)];
+        assert!(!dec.can_queue(&DecodeInput { specs: &seeded_specs, ..first }));
+        let five: Vec<SampleSpec> = (0..5).map(SampleSpec::greedy).collect();
+        let wide = DecodeInput { rows: &[0, 1, 2, 3, 4], tokens: &[1; 5], positions: &[1; 5], specs: &five, ..first };
+        assert!(!dec.can_queue(&wide) && dec.queue(&wide, &[None; 5]).is_err());
     }
 
     #[test]

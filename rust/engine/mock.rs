@@ -116,6 +116,15 @@ pub struct MockBackend {
     pub decode_calls: usize,
     /// Largest decode batch seen.
     pub max_rows: usize,
+    /// Take decode steps into a queue, as a device would (`Backend::queue`): each step runs when
+    /// it is queued, reading the tokens it follows from the step queued before (which the loop
+    /// has not seen), and its tokens wait for `collect`.
+    pub queueing: bool,
+    /// Steps queued so far.
+    pub queued_steps: usize,
+    queued: std::collections::VecDeque<Result<Vec<Sampled>, BackendError>>,
+    /// The tokens of the last queued step (None where it failed): the device's copy.
+    last_queued: Option<Vec<u32>>,
 }
 
 impl MockBackend {
@@ -133,6 +142,10 @@ impl MockBackend {
             prefill_tokens: Vec::new(),
             decode_calls: 0,
             max_rows: 0,
+            queueing: false,
+            queued_steps: 0,
+            queued: std::collections::VecDeque::new(),
+            last_queued: None,
         }
     }
 
@@ -217,6 +230,38 @@ impl Backend for MockBackend {
             let (row, pos) = (input.rows[i], input.positions[i] as usize);
             out.push(self.next(input.table, row, pos, &input.specs[i], input.allowed(i)).map_err(BackendError)?);
         }
+        Ok(())
+    }
+
+    fn can_queue(&self, input: &DecodeInput<'_>) -> bool {
+        self.queueing && (0..input.len()).all(|i| !input.is_constrained(i))
+    }
+
+    fn queue(&mut self, input: &DecodeInput<'_>, previous: &[Option<usize>]) -> Result<(), BackendError> {
+        assert!(self.queued.len() < 2, "the loop keeps at most one step queued behind another");
+        self.queued_steps += 1;
+        let mut tokens = input.tokens.to_vec();
+        let mut followed = true;
+        for (i, p) in previous.iter().enumerate() {
+            if let Some(j) = *p {
+                match self.last_queued.as_ref().and_then(|last| last.get(j)) {
+                    Some(&t) => tokens[i] = t,
+                    None => followed = false,
+                }
+            }
+        }
+        let mut out = Vec::new();
+        let result = match followed {
+            true => self.decode(&DecodeInput { tokens: &tokens, ..*input }, &mut out).map(|()| out),
+            false => Err(BackendError("the step this one follows failed".into())),
+        };
+        self.last_queued = result.as_ref().ok().map(|s| s.iter().map(|s| s.token).collect());
+        self.queued.push_back(result);
+        Ok(())
+    }
+
+    fn collect(&mut self, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
+        out.extend(self.queued.pop_front().expect("collect follows queue")?);
         Ok(())
     }
 

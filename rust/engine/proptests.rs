@@ -63,13 +63,15 @@ proptest! {
         chunk in 1usize..40,
         spare in 0usize..12,
         cancels in proptest::collection::vec((0..30usize, 0..12u64), 0..3),
-        launch_ahead in any::<bool>(),
+        // 0: off; 1: on, each step run when launched; 2: on, steps queued as on a device.
+        launch_ahead in 0u8..3,
     ) {
         let model = MockModel::small();
         let probe = KvManager::new(model.kv_config(1)).unwrap();
         let blocks = probe.prefill_blocks_needed(MAX_CONTEXT, chunk) + spare;
         let mut c = core(&model, blocks, max_batch, chunk, MAX_CONTEXT);
-        c.launch_ahead = launch_ahead;
+        c.launch_ahead = launch_ahead > 0;
+        c.backend.queueing = launch_ahead == 2;
         let arrivals: Vec<_> = specs.iter().enumerate().map(|(i, s)| (s.arrival, request(i as u64, s))).collect();
         let out = run(&mut c, &arrivals, &cancels);
         prop_assert_eq!(out.finish.len(), arrivals.len());
@@ -96,7 +98,8 @@ proptest! {
         long in proptest::collection::vec((0..10usize, 20..44usize), 1..5),
         short in proptest::collection::vec((0..10usize, 1..6usize, 2..20usize), 1..6),
         budget in 1usize..24,
-        launch_ahead in any::<bool>(),
+        // 0: off; 1: on, each step run when launched; 2: on, steps queued as on a device.
+        launch_ahead in 0u8..3,
     ) {
         let model = MockModel::small();
         let mut arrivals = Vec::new();
@@ -113,7 +116,8 @@ proptest! {
         let probe = KvManager::new(model.kv_config(1)).unwrap();
         let blocks = arrivals.len() * probe.prefill_blocks_needed(MAX_CONTEXT, budget);
         let mut c = core(&model, blocks, arrivals.len(), budget, MAX_CONTEXT);
-        c.launch_ahead = launch_ahead;
+        c.launch_ahead = launch_ahead > 0;
+        c.backend.queueing = launch_ahead == 2;
         let out = run(&mut c, &arrivals, &[]);
         prop_assert!(c.backend.prefill_tokens.iter().all(|&t| t <= budget), "{:?}", c.backend.prefill_tokens);
         for (_, r) in &arrivals {

@@ -149,9 +149,10 @@ fn a_tiny_arena_preempts_yet_outputs_are_unchanged() {
     // A 64-token sequence holds 16 + 2·4 = 24 blocks decoding and 16 + 2·7 = 30 while
     // prefilling in 16-token chunks; 40 blocks hold one, never eight. With launch-ahead, steps
     // whose blocks run out fall back to synchronous ones (which preempt).
-    for launch_ahead in [false, true] {
+    for (launch_ahead, queueing) in [(false, false), (true, false), (true, true)] {
         let mut c = core(&model, 40, 8, 16, 64);
         c.launch_ahead = launch_ahead;
+        c.backend.queueing = queueing;
         let out = run(&mut c, &arrivals, &[]);
         assert_solo(&model, &arrivals, &out, 64);
         let stats = c.sched.stats();
@@ -310,6 +311,39 @@ fn backend_failures_end_only_the_requests_they_touch() {
     let later = [(0, req(6, 9, SamplingParams::greedy(4)))];
     let out = run(&mut c, &later, &[]);
     assert_solo(&model, &later, &out, 64);
+}
+
+#[test]
+fn a_failed_queued_step_fails_its_rows_and_the_step_queued_behind_it() {
+    let model = MockModel::small();
+    let mut c = core(&model, 200, 4, 64, 64);
+    c.launch_ahead = true;
+    c.backend.queueing = true;
+    let arrivals: Vec<_> = (1..=2).map(|i| (0, req(i, 8, SamplingParams::greedy(12).with_ignore_eos()))).collect();
+    let mut events = Vec::new();
+    for (_, r) in &arrivals {
+        c.sched.submit(r.clone(), 1234).unwrap();
+    }
+    c.step(&mut events); // prefill (a token each), then step 0 queued
+    c.backend.fail_decode_call = Some(c.backend.decode_calls + 1); // step 2 fails, step 3 follows it
+    let mut first = Outcome::default();
+    first.absorb(&mut events);
+    let out = run(&mut c, &[], &[]);
+    for (_, r) in &arrivals {
+        assert_eq!(out.finish[&r.id], FinishReason::Error);
+        // The prefill's token and those of steps 0 and 1, as the request alone has them.
+        let mut got = first.tokens[&r.id].clone();
+        got.extend(out.tokens.get(&r.id).cloned().unwrap_or_default());
+        let (solo, _) = model.solo(&r.prompt, &r.params, 1234, 64);
+        assert_eq!(got, solo[..3], "request {}", r.id);
+    }
+    assert_eq!(c.sched.stats().generated_tokens, 2 * 3, "a token of a failed step was counted");
+    // The engine then serves new requests normally, still queueing.
+    let later = [(0, req(6, 9, SamplingParams::greedy(6).with_ignore_eos()))];
+    let queued = c.backend.queued_steps;
+    let out = run(&mut c, &later, &[]);
+    assert_solo(&model, &later, &out, 64);
+    assert!(c.backend.queued_steps > queued);
 }
 
 #[test]
@@ -521,12 +555,14 @@ fn launch_ahead_changes_no_stream_finish_or_count() {
     let model = MockModel::small();
     let arrivals = mixed_workload(12);
     let cancels = [(6, 3), (9, 7)];
-    for max_batch in [1, 3, 8] {
+    for (max_batch, queueing) in [(1, false), (3, false), (8, false), (1, true), (3, true), (8, true)] {
         let mut sync = core(&model, 400, max_batch, 16, 80);
         let want = run(&mut sync, &arrivals, &cancels);
         let mut ahead = core(&model, 400, max_batch, 16, 80);
         ahead.launch_ahead = true;
+        ahead.backend.queueing = queueing;
         let got = run(&mut ahead, &arrivals, &cancels);
+        assert_eq!(ahead.backend.queued_steps > 0, queueing, "steps were queued only where the backend queues");
         for (_, r) in &arrivals {
             let (solo, reason) = model.solo(&r.prompt, &r.params, 1234, 80);
             let tokens = got.tokens.get(&r.id).cloned().unwrap_or_default();
@@ -556,9 +592,11 @@ fn launch_ahead_lands_a_step_one_iteration_later_and_drops_the_token_after_a_sto
     let stop = SamplingParams { stop_token_ids: vec![stream[k]], ..greedy.clone() };
     // max_tokens: one step per token after the prefill's, none wasted (the last is known ahead);
     // a stop: the step launched behind the stopping token's is wasted and its token dropped.
-    for (params, steps) in [(SamplingParams { max_tokens: 5, ..greedy.clone() }, 4), (stop, k + 1)] {
+    let cases = [(SamplingParams { max_tokens: 5, ..greedy.clone() }, 4), (stop, k + 1)];
+    for ((params, steps), queueing) in cases.iter().flat_map(|c| [(c.clone(), false), (c.clone(), true)]) {
         let mut c = core(&model, 200, 4, 64, 64);
         c.launch_ahead = true;
+        c.backend.queueing = queueing;
         let mut events = Vec::new();
         c.sched.submit(request(&params), 1234).unwrap();
         c.step(&mut events); // the prefill's token; the first decode step launched, not landed
@@ -586,17 +624,20 @@ fn a_request_resubmitted_under_its_id_while_a_step_is_in_flight_gets_none_of_its
     let (stream, _) = model.solo(&first.prompt, &greedy, 1234, 64);
     let k = (2..stream.len()).find(|&k| !stream[..k].contains(&stream[k])).unwrap();
     let stopping = Request { params: SamplingParams { stop_token_ids: vec![stream[k]], ..greedy.clone() }, ..first };
-    let mut c = core(&model, 200, 4, 64, 64);
-    c.launch_ahead = true;
-    let mut events = Vec::new();
-    c.sched.submit(stopping, 1234).unwrap();
-    while !events.iter().any(|e: &Event| e.finish.is_some()) {
-        c.step(&mut events);
+    for queueing in [false, true] {
+        let mut c = core(&model, 200, 4, 64, 64);
+        c.launch_ahead = true;
+        c.backend.queueing = queueing;
+        let mut events = Vec::new();
+        c.sched.submit(stopping.clone(), 1234).unwrap();
+        while !events.iter().any(|e: &Event| e.finish.is_some()) {
+            c.step(&mut events);
+        }
+        assert!(c.busy(), "the step launched behind the stopping token is still in flight");
+        // The same id again, into the row just freed, before that step lands.
+        let again = req(1, 9, SamplingParams::greedy(5).with_ignore_eos());
+        let out = run(&mut c, &[(0, again.clone())], &[]);
+        let (solo, reason) = model.solo(&again.prompt, &again.params, 1234, 64);
+        assert_eq!((&out.tokens[&1], out.finish[&1]), (&solo, reason));
     }
-    assert!(c.busy(), "the step launched behind the stopping token is still in flight");
-    // The same id again, into the row just freed, before that step lands.
-    let again = req(1, 9, SamplingParams::greedy(5).with_ignore_eos());
-    let out = run(&mut c, &[(0, again.clone())], &[]);
-    let (solo, reason) = model.solo(&again.prompt, &again.params, 1234, 64);
-    assert_eq!((&out.tokens[&1], out.finish[&1]), (&solo, reason));
 }

@@ -6,10 +6,11 @@
 //! hands their addresses over once, packed as an `MkStepArgs` template; this side owns the
 //! per-step indices (tasks, tokens, positions, tables) and the dependency counters.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::{result, sys, CudaSlice, CudaStream, DevicePtr, DriverError};
+use cudarc::driver::{result, sys, CudaEvent, CudaSlice, CudaStream, DevicePtr, DriverError, PinnedHostSlice};
 
 use super::compact::{check_mapped, compact_tables, step_pages};
 use super::{Gpu, GpuError, MkStepArgs};
@@ -113,6 +114,23 @@ pub struct GpuLauncher {
     device_tables: Vec<i32>,
     tables_held: bool,
     times: LaunchTimes,
+    /// Launches queued and not yet collected (`queue`), oldest first: the slot of `pinned` their
+    /// tokens come back to, and their rows.
+    pending: VecDeque<(usize, usize)>,
+    /// Launches queued so far (slots alternate).
+    queued: u64,
+    /// Two page-locked buffers of `rows` tokens, and per slot the event after its copy
+    /// (allocated with the first queued launch).
+    pinned: Vec<(PinnedHostSlice<i32>, CudaEvent)>,
+}
+
+impl Drop for GpuLauncher {
+    /// A queued launch still copies its tokens into page-locked memory that drops with this.
+    fn drop(&mut self) {
+        if !self.pending.is_empty() {
+            let _ = self.stream.synchronize();
+        }
+    }
 }
 
 fn invalid(msg: String) -> GpuError {
@@ -160,6 +178,9 @@ impl GpuLauncher {
             device_tables: Vec::new(),
             tables_held: false,
             times: LaunchTimes::default(),
+            pending: VecDeque::new(),
+            queued: 0,
+            pinned: Vec::new(),
         })
     }
 
@@ -180,6 +201,72 @@ impl GpuLauncher {
     /// kernel's greedy token of every row; `logits` the `vocab` logits of each row with
     /// `want_logits`, in row order.
     pub fn run(&mut self, step: &StepRows<'_>, sampled: &mut Vec<u32>, logits: &mut Vec<f32>) -> Result<(), GpuError> {
+        if !self.pending.is_empty() {
+            return Err(invalid("a queued launch has not been collected".into()));
+        }
+        self.launch(step, &[])?;
+        let launched = Instant::now();
+        self.download(step, sampled, logits)?;
+        self.times.wait_ns += launched.elapsed().as_nanos() as u64;
+        Ok(())
+    }
+
+    /// Queues one step over `step` behind the launches before it and returns once it is launched
+    /// (at most two are queued): a row with `previous[i] = Some(j)` takes as its token the one
+    /// the launch queued just before samples for its row j, copied on the device (the host has
+    /// not seen it). No logits come back; `collect` returns the tokens, in queue order.
+    pub fn queue(&mut self, step: &StepRows<'_>, previous: &[Option<usize>]) -> Result<(), GpuError> {
+        if previous.len() != step.rows.len() || step.want_logits.iter().any(|&w| w) {
+            return Err(invalid("a queued launch names a source for every row and wants no logits".into()));
+        }
+        if self.pending.len() >= 2 {
+            return Err(invalid("two launches are queued already".into()));
+        }
+        let before = self.pending.back().map_or(0, |&(_, rows)| rows);
+        if let Some(j) = previous.iter().flatten().find(|&&j| j >= before) {
+            return Err(invalid(format!("row {j} of the launch before does not exist (it had {before} rows)")));
+        }
+        self.launch(step, previous)?;
+        if self.pinned.is_empty() {
+            for _ in 0..2 {
+                let ctx = self.stream.context();
+                // SAFETY: only ever read after a copy into it has completed (its event).
+                let buf =
+                    unsafe { ctx.alloc_pinned::<i32>(self.setup.rows) }.map_err(driver("allocate pinned memory"))?;
+                self.pinned.push((buf, ctx.new_event(None).map_err(driver("create an event"))?));
+            }
+        }
+        let slot = (self.queued % 2) as usize;
+        let b = step.rows.len();
+        self.stream.context().bind_to_thread().map_err(driver("bind the context"))?;
+        let (buf, event) = &mut self.pinned[slot];
+        let host = buf.as_mut_slice().map_err(driver("reuse pinned memory"))?;
+        // SAFETY: `sampled` is int32 [rows] of Python's buffers, written by the launch just queued
+        // on this stream; the page-locked destination outlives the copy, and is read only after
+        // its event (`collect`), which waits for it.
+        unsafe { result::memcpy_dtoh_async(&mut host[..b], self.setup.args.sampled, self.stream.cu_stream()) }
+            .map_err(driver("copy back the sampled tokens"))?;
+        event.record(&self.stream).map_err(driver("record an event"))?;
+        self.queued += 1;
+        self.pending.push_back((slot, b));
+        Ok(())
+    }
+
+    /// Waits for the oldest queued launch; `sampled` receives its rows' greedy tokens.
+    pub fn collect(&mut self, sampled: &mut Vec<u32>) -> Result<(), GpuError> {
+        let (slot, b) = self.pending.pop_front().ok_or_else(|| invalid("no launch is queued".into()))?;
+        let waited = Instant::now();
+        let (buf, event) = &self.pinned[slot];
+        event.synchronize().map_err(driver("run the decode step"))?;
+        let host = buf.as_slice().map_err(driver("read pinned memory"))?;
+        sampled.extend(host[..b].iter().map(|&t| t as u32));
+        self.times.wait_ns += waited.elapsed().as_nanos() as u64;
+        Ok(())
+    }
+
+    /// Uploads and launches one step on the stream (`previous`: see `queue`; empty: the tokens
+    /// are `step.tokens`).
+    fn launch(&mut self, step: &StepRows<'_>, previous: &[Option<usize>]) -> Result<(), GpuError> {
         let started = Instant::now();
         let b = step.rows.len();
         if b == 0 || b > self.setup.rows {
@@ -239,6 +326,7 @@ impl GpuLauncher {
         let version = graph.version;
         let same_tables = std::mem::take(&mut self.tables_held) && self.device_tables == self.host_tables;
         self.upload(step, !same_tables)?;
+        self.forward_tokens(previous)?;
         if !same_tables {
             std::mem::swap(&mut self.host_tables, &mut self.device_tables);
         }
@@ -264,15 +352,39 @@ impl GpuLauncher {
         self.tables_held = true;
         self.parity ^= 1;
         self.launches[step.launch].uploaded = Some(version);
-        let launched = Instant::now();
-        self.download(step, sampled, logits)?;
         let ns = |a: Instant, b: Instant| b.duration_since(a).as_nanos() as u64;
         let t = &mut self.times;
         t.launches += 1;
         t.prepare_ns += ns(started, prepared);
         t.upload_ns += ns(prepared, uploaded);
-        t.call_ns += ns(uploaded, launched);
-        t.wait_ns += ns(launched, Instant::now());
+        t.call_ns += uploaded.elapsed().as_nanos() as u64;
+        Ok(())
+    }
+
+    /// After the tokens' upload: each row with `previous[i] = Some(j)` gets, on the device, the
+    /// token the launch before sampled for its row j (still in `sampled`: nothing else wrote it
+    /// in between on this stream), one copy when the rows map one to one.
+    fn forward_tokens(&self, previous: &[Option<usize>]) -> Result<(), GpuError> {
+        if previous.iter().all(Option::is_none) {
+            return Ok(());
+        }
+        const W: u64 = size_of::<i32>() as u64;
+        let (s, sampled, tokens) = (self.stream.cu_stream(), self.setup.args.sampled, ptr(&self.tokens, &self.stream));
+        let copy = |dst: u64, src: u64, bytes: u64| {
+            // SAFETY: both are int32 [rows] device buffers (the launcher's tokens, Python's
+            // sampled) and the indices were checked against the rows; ordered on the stream.
+            unsafe { result::memcpy_dtod_async(dst, src, bytes as usize, s) }
+                .map_err(driver("forward the sampled tokens"))
+        };
+        self.stream.context().bind_to_thread().map_err(driver("bind the context"))?;
+        if previous.iter().enumerate().all(|(i, p)| *p == Some(i)) {
+            return copy(tokens, sampled, previous.len() as u64 * W);
+        }
+        for (i, p) in previous.iter().enumerate() {
+            if let Some(j) = *p {
+                copy(tokens + i as u64 * W, sampled + j as u64 * W, W)?;
+            }
+        }
         Ok(())
     }
 

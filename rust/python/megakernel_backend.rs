@@ -101,6 +101,19 @@ impl Backend for MegakernelBackend {
         self.decoder.decode(input, out)
     }
 
+    fn can_queue(&self, input: &DecodeInput<'_>) -> bool {
+        self.decoder.can_queue(input)
+    }
+
+    fn queue(&mut self, input: &DecodeInput<'_>, previous: &[Option<usize>]) -> Result<(), BackendError> {
+        self.unseen.note(input.table.rows(), input.dirty_rows);
+        self.decoder.queue(input, previous)
+    }
+
+    fn collect(&mut self, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
+        self.decoder.collect(out)
+    }
+
     fn launch_times(&self) -> LaunchTimes {
         self.decoder.launch_times()
     }

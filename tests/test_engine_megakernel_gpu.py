@@ -178,9 +178,10 @@ def test_a_batch_of_ten_runs_as_two_launches(model):
 def test_launch_ahead_changes_no_token(model, rows):
     """With launch-ahead the megakernel backend queues each greedy step of up to one launch's rows
     behind the step before on the GPU, its tokens forwarded on the device (6 rows); a batch of two
-    launches steps one at a time (10 rows). One prefill chunk takes every prompt in both runs, and
-    a row's arithmetic does not depend on its neighbours, so every token equals the synchronous
-    run's, the rows that end early (their last token known a step ahead) included."""
+    launches steps one at a time until no more than 8 rows are left, then queues (10 rows). One
+    prefill chunk takes every prompt in both runs, and a row's arithmetic does not depend on its
+    neighbours, so every token equals the synchronous run's, the rows that end early (their last
+    token known a step ahead) included."""
     requests = [
         (0.0, prompt(20 + 37 * i, 70 + i), SamplingParams(max_tokens=30 + 5 * i, temperature=0.0, ignore_eos=True))
         for i in range(rows)

@@ -120,7 +120,8 @@ pub trait Backend: Send {
     /// Queues one decode step behind the steps queued before it and returns before it has run: row
     /// i feeds `input.tokens[i]`, or, where `previous[i]` is `Some(j)`, the token the step queued
     /// just before this one samples for its row j, which the host has not seen yet (it stays on
-    /// the device). `collect` returns each queued step's tokens, oldest first.
+    /// the device). `previous` has one entry per row, or none (every token is in `input`).
+    /// `collect` returns each queued step's tokens, oldest first.
     fn queue(&mut self, _input: &DecodeInput<'_>, _previous: &[Option<usize>]) -> Result<(), BackendError> {
         Err(BackendError("this backend does not queue decode steps".into()))
     }

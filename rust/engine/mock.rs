@@ -200,6 +200,24 @@ impl MockBackend {
         let last = c.start + c.tokens.len() - 1;
         self.next(table, c.row, last, &c.spec, input.allowed(c)).map(Some).map_err(BackendError)
     }
+
+    /// One decode step over `input`, as `decode` runs it (counted, failing where injected).
+    fn step(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
+        self.decode_calls += 1;
+        if self.fail_decode_call == Some(self.decode_calls - 1) {
+            return Err(BackendError("injected failure".into()));
+        }
+        self.max_rows = self.max_rows.max(input.len());
+        for i in 0..input.len() {
+            let (row, pos) = (input.rows[i], input.positions[i] as usize);
+            self.write(input.table, row, input.tokens[i], pos).map_err(BackendError)?;
+        }
+        for i in 0..input.len() {
+            let (row, pos) = (input.rows[i], input.positions[i] as usize);
+            out.push(self.next(input.table, row, pos, &input.specs[i], input.allowed(i)).map_err(BackendError)?);
+        }
+        Ok(())
+    }
 }
 
 impl Backend for MockBackend {
@@ -217,20 +235,8 @@ impl Backend for MockBackend {
     }
 
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
-        self.decode_calls += 1;
-        if self.fail_decode_call == Some(self.decode_calls - 1) {
-            return Err(BackendError("injected failure".into()));
-        }
-        self.max_rows = self.max_rows.max(input.len());
-        for i in 0..input.len() {
-            let (row, pos) = (input.rows[i], input.positions[i] as usize);
-            self.write(input.table, row, input.tokens[i], pos).map_err(BackendError)?;
-        }
-        for i in 0..input.len() {
-            let (row, pos) = (input.rows[i], input.positions[i] as usize);
-            out.push(self.next(input.table, row, pos, &input.specs[i], input.allowed(i)).map_err(BackendError)?);
-        }
-        Ok(())
+        self.last_queued = None; // a step run now replaces the device's tokens (`queue` follows it)
+        self.step(input, out)
     }
 
     fn can_queue(&self, input: &DecodeInput<'_>) -> bool {
@@ -239,6 +245,7 @@ impl Backend for MockBackend {
 
     fn queue(&mut self, input: &DecodeInput<'_>, previous: &[Option<usize>]) -> Result<(), BackendError> {
         assert!(self.queued.len() < 2, "the loop keeps at most one step queued behind another");
+        assert!(previous.is_empty() || previous.len() == input.len(), "one source per row, or none");
         self.queued_steps += 1;
         let mut tokens = input.tokens.to_vec();
         let mut followed = true;
@@ -252,7 +259,7 @@ impl Backend for MockBackend {
         }
         let mut out = Vec::new();
         let result = match followed {
-            true => self.decode(&DecodeInput { tokens: &tokens, ..*input }, &mut out).map(|()| out),
+            true => self.step(&DecodeInput { tokens: &tokens, ..*input }, &mut out).map(|()| out),
             false => Err(BackendError("the step this one follows failed".into())),
         };
         self.last_queued = result.as_ref().ok().map(|s| s.iter().map(|s| s.token).collect());

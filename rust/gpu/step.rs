@@ -214,10 +214,14 @@ impl GpuLauncher {
     /// Queues one step over `step` behind the launches before it and returns once it is launched
     /// (at most two are queued): a row with `previous[i] = Some(j)` takes as its token the one
     /// the launch queued just before samples for its row j, copied on the device (the host has
-    /// not seen it). No logits come back; `collect` returns the tokens, in queue order.
+    /// not seen it; `previous` empty: every token is in `step`). No logits come back; `collect`
+    /// returns the tokens, in queue order. (A row without a finite logit gets `vocab` as its
+    /// token, which the host refuses when it collects the step, but a step queued behind it has
+    /// already read that embedding row, one past the table: the kernel should clamp it before
+    /// launch-ahead becomes the default.)
     pub fn queue(&mut self, step: &StepRows<'_>, previous: &[Option<usize>]) -> Result<(), GpuError> {
-        if previous.len() != step.rows.len() || step.want_logits.iter().any(|&w| w) {
-            return Err(invalid("a queued launch names a source for every row and wants no logits".into()));
+        if !(previous.is_empty() || previous.len() == step.rows.len()) || step.want_logits.iter().any(|&w| w) {
+            return Err(invalid("a queued launch names a source for every row or none, and wants no logits".into()));
         }
         if self.pending.len() >= 2 {
             return Err(invalid("two launches are queued already".into()));
@@ -230,9 +234,10 @@ impl GpuLauncher {
         if self.pinned.is_empty() {
             for _ in 0..2 {
                 let ctx = self.stream.context();
-                // SAFETY: only ever read after a copy into it has completed (its event).
-                let buf =
-                    unsafe { ctx.alloc_pinned::<i32>(self.setup.rows) }.map_err(driver("allocate pinned memory"))?;
+                // SAFETY: only ever read after a copy into it has completed (its event). Not
+                // write-combined (cudarc's default): the host reads it.
+                let buf = unsafe { ctx.alloc_pinned_with_flags::<i32>(self.setup.rows, 0) }
+                    .map_err(driver("allocate pinned memory"))?;
                 self.pinned.push((buf, ctx.new_event(None).map_err(driver("create an event"))?));
             }
         }

@@ -74,6 +74,14 @@ pub fn needs_logits(spec: &SampleSpec) -> bool {
     !spec.is_greedy() || spec.logprobs.is_some()
 }
 
+/// The kernel's greedy token of `row`: `vocab` says the kernel found no finite logit.
+fn kernel_token(row: usize, token: u32, vocab: usize) -> Result<Sampled, BackendError> {
+    match (token as usize) < vocab {
+        true => Ok(Sampled::token(token)),
+        false => Err(BackendError(format!("row {row}: the logits row has no finite value"))),
+    }
+}
+
 pub struct MegakernelDecoder<L> {
     pub launcher: L,
     sampler: Sampler,
@@ -131,16 +139,9 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
         if self.sampled.len() != rows.len() {
             return Err(BackendError("the launch returned the wrong number of tokens".into()));
         }
-        self.tokens_of(&rows, out)
-    }
-
-    /// `self.sampled` as the tokens of `rows` (the kernel writes `vocab` for a row without a finite logit).
-    fn tokens_of(&self, rows: &[usize], out: &mut Vec<Sampled>) -> Result<(), BackendError> {
+        let vocab = self.launcher.vocab();
         for (&row, &t) in rows.iter().zip(&self.sampled) {
-            if t as usize >= self.launcher.vocab() {
-                return Err(BackendError(format!("row {row}: the logits row has no finite value")));
-            }
-            out.push(Sampled::token(t));
+            out.push(kernel_token(row, t, vocab)?);
         }
         Ok(())
     }
@@ -182,11 +183,8 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
                     let l = logits.next().expect("counted above");
                     let sampled = self.sampler.sample_allowed(l, spec, input.allowed(start + i));
                     out.push(sampled.map_err(|e| BackendError(format!("row {row}: {e}")))?);
-                } else if (self.sampled[i] as usize) < vocab {
-                    out.push(Sampled::token(self.sampled[i]));
                 } else {
-                    // The kernel found no finite logit (it writes `vocab` then).
-                    return Err(BackendError(format!("row {row}: the logits row has no finite value")));
+                    out.push(kernel_token(row, self.sampled[i], vocab)?);
                 }
             }
         }

@@ -36,10 +36,13 @@ fmt: $(VENV)/.installed
 	$(BIN)/ruff format $(PY_SOURCES)
 	$(BIN)/ruff check --fix $(PY_SOURCES)
 
-# The wheel carried to the GPU machine (abi3: installs on its Python 3.12).
+# The wheel carried to the GPU machine (abi3: installs on its Python 3.12), without the built-in
+# model's weights: a device call carries at most 64 MiB, and the working tree there has them
+# (scripts/device-env.sh puts them beside the installed package).
 wheel: $(VENV)/.installed
 	rm -rf .whl/mk-*.whl
 	$(BIN)/maturin build --release --quiet --compatibility linux -o .whl
+	zip -q -d .whl/mk-*.whl 'mk/embedded/*.safetensors'
 
 clean:
 	cargo clean

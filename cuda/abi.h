@@ -185,6 +185,10 @@ typedef struct MkTraceEntry {
     uint32_t wait_cycles;  // clock64 cycles spent waiting on its counters (a norm: the first only)
     uint32_t run_cycles;   // cycles from the end of the wait to its "done" (the signal warp then publishes it)
     uint64_t stream_ns;    // %globaltimer when the producer issued the task's first weight copy
-    uint32_t ring_wait_cycles;  // cycles the producer waited for free ring stages for the task's copies
-    uint32_t topk_wait_cycles;  // cycles it waited for the layer's top-k before them (expert tiles)
+    // A streamed task: the cycles the producer waited for free ring stages for its copies, and for
+    // the layer's top-k before them (expert tiles). A task that streams nothing, in a kernel built
+    // with -DMK_TRACE_MARKS=1 (a diagnostic build): the cycles from the end of its wait to the two
+    // points its op marks (PhaseMarks), 0 where it marks none.
+    uint32_t ring_wait_cycles;
+    uint32_t topk_wait_cycles;
 } MkTraceEntry;

@@ -353,6 +353,7 @@ def test_launch_ahead_streams_equal_synchronous_steps(model, engine, workload):
     ]
     jobs = [(0.004 * (i % 4), p, params) for i, (p, params) in enumerate(reqs + extra)]
     sync, ahead = engine(max_batch=4), engine(max_batch=4, launch_ahead=True)
+    assert not sync.launch_ahead and ahead.launch_ahead  # the default is off with the reference backend
     want, got = run(sync, jobs), run(ahead, jobs)
     assert [r[0] for r in got[: len(reqs)]] == alone
     for (w_tokens, w_finish, w_events), (tokens, finish, events) in zip(want, got, strict=True):

@@ -57,7 +57,7 @@ def engine(
     max_batch: int = 8,
     prefill_chunk: int = 512,
     tokenizer_json: str | None = None,
-    launch_ahead: bool = False,
+    launch_ahead: bool | None = None,  # the engine's default: on with this backend
 ):
     """A fresh engine (no prefix cache shared between the runs compared), checked for leaks."""
     e = Engine(

@@ -13,6 +13,7 @@ EPOCH_NS = 1_700_000_000_000_000_000  # a real %globaltimer counts ns since an e
 
 STREAM_LEAD_NS = 1000  # the producer's first copy, before the block reaches a gemv task
 RING_WAIT, TOPK_WAIT = 300, 100  # the producer's cycles per gemv task
+MARK1, MARK2 = 450, 900  # a diagnostic kernel's marks in the top-k tasks (cycles after their wait)
 
 
 def synthetic_trace(g: mkgraph.StepGraph, hz: float, rng: np.random.Generator) -> np.ndarray:
@@ -31,6 +32,8 @@ def synthetic_trace(g: mkgraph.StepGraph, hz: float, rng: np.random.Generator) -
             if g.tasks[s, i, 0] == Op.GEMV:
                 trace[s, i, 2] = EPOCH_NS + int(t) - STREAM_LEAD_NS
                 trace[s, i, 3] = RING_WAIT | (TOPK_WAIT << 32)
+            elif g.tasks[s, i, 0] == Op.TOPK:
+                trace[s, i, 3] = MARK1 | (MARK2 << 32)
             t += (wait + run) / hz * 1e9
     return trace
 
@@ -71,6 +74,17 @@ def test_summary_reports_the_weight_producer_for_streamed_tasks_only():
         assert (r["stream_us"] is not None) == r["name"].startswith("gemv:")
         if r["stream_us"] is not None:
             assert r["stream_us"] < r["arrive_us"]
+
+
+def test_summary_reports_marks_of_tasks_that_stream_nothing():
+    g = mkgraph.build(ModelConfig.tiny(), [5, 130, 300], num_sms=7)
+    s = summarize(g, synthetic_trace(g, 1.5e9, np.random.default_rng(3)))
+    by_name = {f["name"]: f for f in s["families"]}
+    assert by_name["topk"]["mark1_us"] == pytest.approx(MARK1 / 1.5e9 * 1e6, rel=1e-3)
+    assert by_name["topk"]["mark2_us"] == pytest.approx(MARK2 / 1.5e9 * 1e6, rel=1e-3)
+    for name, f in by_name.items():
+        if name != "topk":  # gemv tasks' word 3 is the producer's, not marks
+            assert f["mark1_us"] == 0 and f["mark2_us"] == 0
 
 
 def test_a_trace_without_timed_tasks_is_refused():

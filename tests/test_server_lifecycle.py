@@ -33,6 +33,7 @@ from mk.tokenizer import Tokenizer
         (["--api-key", ""], "--api-key"),
         (["--model", ".", "--synthetic"], "--synthetic"),
         (["--prefill", "flash"], "--prefill"),
+        (["--launch-ahead", "maybe"], "--launch-ahead"),
     ],
 )
 def test_bad_flags_are_refused_with_one_line(argv, flag, capsys):
@@ -48,7 +49,7 @@ def test_help_documents_every_flag():
     assert out.returncode == 0
     for flag in ("--host", "--port", "--model", "--synthetic", "--served-model-name", "--max-batch", "--max-context",
                  "--kv-fraction", "--prefill-chunk", "--api-key", "--log-level", "--drain-timeout", "--backend",
-                 "--prefill"):  # fmt: skip
+                 "--prefill", "--launch-ahead"):  # fmt: skip
         assert flag in out.stdout
 
 
@@ -79,7 +80,7 @@ def test_fast_prefill_serves_on_the_cpu_too():
         assert out["usage"]["completion_tokens"] == 8 and out["choices"][0]["text"]
     finally:
         assert server.stop() == 0
-    assert "reference decode, fast prefill" in server.output()
+    assert "reference decode, fast prefill, launch-ahead off" in server.output()  # auto: off on this backend
 
 
 def test_serves_a_checkpoint_folder_and_drains_on_sigterm(checkpoint):

@@ -211,7 +211,8 @@ __device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, const Split
 // Warp g merges query head g's splits in rounds of 32: lane l holds split 32r + l's weight
 // exp(m_s - m) (one load of every split's (max, sum) per round, not a dependent load per split),
 // then every lane adds all the round's weighted partials for its dims 4l..4l+3.
-__device__ void run_attn_combine(const MkStepArgs& a, const MkTask& t) {
+// Marks: the splits' (max, sum) loaded; their outputs summed.
+__device__ void run_attn_combine(const MkStepArgs& a, const MkTask& t, PhaseMarks& marks) {
     const int b = t.arg[0], kvh = t.arg[1], splits = t.arg[2];
     const int group = a.heads / a.kv_heads;
     const int g = threadIdx.x / 32, lane = threadIdx.x % 32, d0 = 4 * lane;
@@ -226,6 +227,7 @@ __device__ void run_attn_combine(const MkStepArgs& a, const MkTask& t) {
     float m = first.x;
     for (int s = lane + 32; s < splits; s += 32) m = fmaxf(m, ml_of(s).x);
     m = warp_max(m);
+    marks.mark(0);
     float l = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
     for (int base = 0; base < splits; base += 32) {
         const float2 ms = base == 0 ? first : ml_of(base + lane);
@@ -240,6 +242,7 @@ __device__ void run_attn_combine(const MkStepArgs& a, const MkTask& t) {
         }
     }
     l = warp_sum(l);
+    marks.mark(1);
     bf16* out = ptr<bf16>(a.attn_out) + (size_t)b * a.heads * kHeadDim + (kvh * group + g) * kHeadDim + d0;
 #pragma unroll
     for (int i = 0; i < 4; ++i) out[i] = __float2bfloat16(acc[i] / l);

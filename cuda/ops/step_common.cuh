@@ -91,6 +91,19 @@ __device__ __forceinline__ uint64_t global_ns() {
     return t;
 }
 
+#ifndef MK_TRACE_MARKS
+#define MK_TRACE_MARKS 0
+#endif
+// Two points inside a task that streams nothing, for the trace of a diagnostic build
+// (-DMK_TRACE_MARKS=1): thread 0's clock at mark k, written to the task's trace entry as cycles
+// since its wait ended (MkTraceEntry). Compiles to nothing otherwise.
+struct PhaseMarks {
+    long long at[2] = {0, 0};
+    __device__ __forceinline__ void mark(int k) {
+        if (MK_TRACE_MARKS && threadIdx.x == 0) at[k] = clock64();
+    }
+};
+
 // A counter that never reaches its target means a broken graph: trap (the host then sees a
 // launch error) instead of hanging the GPU.
 constexpr uint64_t kWaitLimitNs = 2000000000ull;

@@ -86,7 +86,9 @@ __device__ void fill_rope_row(const MkStepArgs& a, int b) {
 __device__ void run_embed(const MkStepArgs& a, const MkTask& t, float* v, float* scratch) {
     const int b = t.arg[0];
     fill_rope_row(a, b);
-    const int token = ld_i32(ptr<int32_t>(a.tokens) + b);
+    // A step queued behind one whose row had no finite logit reads that step's token `vocab` (the
+    // host fails the row): clamped so the read stays inside the table.
+    const int token = min(max(ld_i32(ptr<int32_t>(a.tokens) + b), 0), a.vocab - 1);
     const bf16* row = ptr<const bf16>(a.embed) + (size_t)token * a.hidden;
     for (int i0 = kVec * threadIdx.x; i0 < a.hidden; i0 += kVec * kThreads) {
         float e[kVec];
@@ -102,9 +104,10 @@ __device__ void run_embed(const MkStepArgs& a, const MkTask& t, float* v, float*
 // only for the O projection (wait0): what does not depend on the FFN (x + y_attn, and warp 0's
 // loads of the row's choices, which it orders by slot in registers, once the top-k has run) is
 // done before the task waits for the FFN (wait1), so that one L2 round trip, the expert outputs'
-// loads, follows the last down tile (-1% at batch 1, docs/PERF.md).
+// loads, follows the last down tile (-1% at batch 1, docs/PERF.md). Marks: the FFN's wait over;
+// the FFN's outputs added.
 __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, const uint32_t* counters, float* v,
-                                  float* scratch, int* slots, float* scores) {
+                                  float* scratch, int* slots, float* scores, PhaseMarks& marks) {
     const int b = t.arg[0], layer = t.layer;
     const bool moe = ptr<uint64_t>(a.layer_weights)[(size_t)layer * MK_LW_COUNT + MK_LW_ROUTER] != 0;
     if (moe && threadIdx.x < 32) {
@@ -130,14 +133,25 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, const ui
     }
     if (threadIdx.x == 0 && t.wait1 >= 0) spin_until(counters + t.wait1, (uint32_t)t.target1);
     compute_sync();  // the FFN's outputs are visible (and the sorted choices)
+    marks.mark(0);
     for (int i0 = kVec * threadIdx.x; i0 < a.hidden; i0 += kVec * kThreads) {
         float ffn[kVec] = {};
         if (!moe) {
             load8_f32(ptr<float>(a.ffn_out) + (size_t)b * a.hidden + i0, ffn);
+        } else if (a.top_k == kMaxTopK) {
+            // The model's top-k: no `break` test, so the eight parts' loads go out together (one
+            // round trip instead of eight: -1.5% at batch 1, docs/PERF.md); the sum keeps slot order.
+            float part[kMaxTopK][kVec];
+#pragma unroll
+            for (int k = 0; k < kMaxTopK; ++k)
+                load8_f32(ptr<float>(a.expert_out) + ((size_t)slots[k] * a.batch + b) * a.hidden + i0, part[k]);
+#pragma unroll
+            for (int k = 0; k < kMaxTopK; ++k)
+#pragma unroll
+                for (int j = 0; j < kVec; ++j) ffn[j] += part[k][j] * scores[k];
         } else {
-            // top_k <= kMaxTopK. The loads do not all go out at once: each waits for its `break`
-            // test; predicated loads of all eight need registers the kernel does not have (168 a
-            // thread), and copying them into shared memory with cp.async was slower (docs/PERF.md).
+            // A smaller top-k: each load waits for its `break` test (copying the parts into shared
+            // memory with cp.async was slower, docs/PERF.md).
 #pragma unroll
             for (int k = 0; k < kMaxTopK; ++k) {
                 if (k >= a.top_k) break;
@@ -151,6 +165,7 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, const ui
         for (int j = 0; j < kVec; ++j) v[i0 + j] += ffn[j];
     }
     compute_sync();
+    marks.mark(1);
     store_normed(a, b, v, norm_weight(a, layer + 1), scratch, layer);
 }
 
@@ -170,10 +185,10 @@ __device__ __forceinline__ float topk_logit(uint32_t key) {
 // Top-k of every row's router logits (ties -> lower expert), sigmoid scores, and the slots:
 // the distinct chosen experts in ascending order. This task is on every MoE layer's critical
 // path: one warp per row, each lane keeping its experts' keys in registers, one redux.sync max
-// per choice.
+// per choice. Marks: the choices made (the logits' loads included); the slots numbered.
 constexpr int kTopkPerLane = MK_STEP_MAX_EXPERTS / 32;  // experts per lane of the selecting warp
 __device__ void run_topk(const MkStepArgs& a, const MkTask& t, int* chosen /* [batch * kMaxTopK] */,
-                         int* slot_of /* [experts] */) {
+                         int* slot_of /* [experts] */, PhaseMarks& marks) {
     for (int e = threadIdx.x; e < a.experts; e += kThreads) slot_of[e] = -1;
     compute_sync();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -202,6 +217,7 @@ __device__ void run_topk(const MkStepArgs& a, const MkTask& t, int* chosen /* [b
         }
     }
     compute_sync();
+    marks.mark(0);
     if (warp == 0) {
         // Slots in ascending expert order: a ballot per 32 experts, ranks by prefix popcount.
         int count = 0;
@@ -219,6 +235,7 @@ __device__ void run_topk(const MkStepArgs& a, const MkTask& t, int* chosen /* [b
         if (lane == 0) ptr<int32_t>(a.slot_count)[0] = count;
     }
     compute_sync();
+    marks.mark(1);
     for (int i = threadIdx.x; i < a.batch * a.top_k; i += kThreads)
         ptr<int32_t>(a.topk_slot)[i] = slot_of[chosen[(i / a.top_k) * kMaxTopK + i % a.top_k]];
 }

@@ -85,8 +85,9 @@ class Engine:
 
     `launch_ahead`: each decode step is launched before the previous step's tokens are handed
     over (rust/engine/core.rs); the streams are the same. The megakernel backend then queues greedy
-    steps of up to one launch's rows on the GPU, each behind the one before; the other backends run
-    a step when it is launched. Off by default until the GPU path has been measured.
+    steps of up to one launch's rows on the GPU, each behind the one before (+2-3% decode tok/s at
+    batch 1 and 8 on the H200, docs/PERF.md); the other backends run a step when it is launched, so
+    there it only delays each token by a step. None (the default): on with the megakernel backend.
 
     KV pool: `kv_blocks` blocks, else `kv_bytes`, else on a GPU `kv_fraction` of the memory free
     after the weights, else (CPU) room for one sequence of `max_context` tokens or `max_batch` of
@@ -110,12 +111,13 @@ class Engine:
         backend: str = "auto",
         prefill: str = "auto",
         tokenizer_json: str | None = None,
-        launch_ahead: bool = False,
+        launch_ahead: bool | None = None,
     ) -> None:
         cfg = model.config
         self.backend = choose_backend(model, backend)
         fast = _fast_prefill(model, prefill, prefill_chunk)
         self.prefill = "reference" if fast is None else "fast"
+        self.launch_ahead = self.backend == "megakernel" if launch_ahead is None else launch_ahead
         self.config = cfg
         self.max_batch = max_batch
         self.max_context = max_context
@@ -146,7 +148,7 @@ class Engine:
             check_invariants=check_invariants,
             backend=self.backend,
             tokenizer_json=tokenizer_json,
-            launch_ahead=launch_ahead,
+            launch_ahead=self.launch_ahead,
         )
         self._streams: dict[int, _Stream] = {}
         self._ids = itertools.count(1)

@@ -31,6 +31,10 @@ class Family:
     ring_wait_us: float  # mean per streamed task: the producer waiting for free ring stages
     topk_wait_us: float  # mean per streamed task: the producer waiting for the layer's top-k
     lead_us: float  # mean per streamed task: first copy issued to the compute warps' start of work
+    # A kernel built with -DMK_TRACE_MARKS=1: mean per task that streams nothing and marked its
+    # points (PhaseMarks in cuda/ops/step_common.cuh), µs from the end of its wait; 0 without marks.
+    mark1_us: float = 0.0
+    mark2_us: float = 0.0
 
 
 def cycles(trace, word: int = 1):
@@ -80,6 +84,10 @@ def summarize(g: StepGraph, trace: np.ndarray) -> dict:
         def mean_us(v, st=st):
             return float(v[st].mean() / 1e3) if st.any() else 0.0
 
+        # Word 3 of a task that streams nothing holds its marks (0 where it marks none).
+        marked = ~st & (ring_wait[idx] != 0)
+        mark1, mark2 = (float(v[marked].mean() / hz * 1e6) if marked.any() else 0.0 for v in cycles(trace[idx], 3))
+
         rows.append(
             Family(
                 name=name,
@@ -91,6 +99,8 @@ def summarize(g: StepGraph, trace: np.ndarray) -> dict:
                 ring_wait_us=mean_us(ring_wait[idx] / hz * 1e9),
                 topk_wait_us=mean_us(topk_wait[idx] / hz * 1e9),
                 lead_us=mean_us(work_start - stream[idx]),
+                mark1_us=mark1,
+                mark2_us=mark2,
             )
         )
     layers = g.tasks[..., 1]
@@ -222,6 +232,11 @@ def print_summary(title: str, summary: dict, top: int = 12) -> None:
             f"{f['name']:>22} {f['count']:>7} {f['wait_us']:>9.2f} {f['run_us']:>8.2f} {f['run_sm_us']:>9.0f} "
             f"{f['ring_wait_us']:>6.1f} {f['topk_wait_us']:>6.1f} {f['lead_us']:>6.1f}"
         )
+    marked = [f for f in summary["families"] if f.get("mark1_us")]
+    if marked:
+        print("marks (a -DMK_TRACE_MARKS=1 kernel): µs from the end of a task's wait to its op's two points")
+        for f in marked:
+            print(f"{f['name']:>22}  mark1 {f['mark1_us']:6.2f}  mark2 {f['mark2_us']:6.2f}  run {f['run_us']:6.2f}")
     phases = summary.get("layer_phases_us", {})
     if phases.get("layers"):
         ends = ", ".join(f"{k} {v:.1f}" for k, v in phases.items() if k != "layers" and v is not None)

@@ -116,6 +116,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the CPU (default: %(default)s)",
     )
     p.add_argument(
+        "--launch-ahead",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="launch each decode step before the previous step's tokens reach the host, so the GPU runs steps "
+        "back to back (greedy rows without logprobs or a grammar; others run one step at a time); auto = on "
+        "with the megakernel backend, off with the reference one (default: %(default)s)",
+    )
+    p.add_argument(
         "--max-batch", type=_at_least(1), default=8, help="most sequences decoded together (default: %(default)s)"
     )
     p.add_argument(
@@ -268,12 +276,14 @@ def build_state(args: argparse.Namespace) -> ServerState:
         backend=args.backend,
         prefill=args.prefill,
         tokenizer_json=tokenizer.hf.to_str(),  # constrained requests compile against its vocabulary
+        launch_ahead={"auto": None, "on": True, "off": False}[args.launch_ahead],
     )
     log.info(
-        "engine ready: %s, %s decode, %s prefill, max batch %d, context %d tokens",
+        "engine ready: %s, %s decode, %s prefill, launch-ahead %s, max batch %d, context %d tokens",
         name,
         engine.backend,
         engine.prefill,
+        "on" if engine.launch_ahead else "off",
         args.max_batch,
         max_context,
     )

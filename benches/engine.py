@@ -15,10 +15,11 @@ Rows:
   and the prompt tokens per second that implies.
 - admit: one stream decoding at 8K while a 32K prompt arrives: the stream's longest and median gap
   between tokens while the long prompt is admitted, and the long prompt's time to first token.
-The engine runs with the server's defaults (`python -m mk.server`: prefill chunk 1024, max batch 8)
-except its KV share of memory (0.6, leaving room for the kernel-only measurement); `--launch-ahead`
-turns launch-ahead on (the megakernel then queues each greedy step behind the one before).
-Usage: python benches/engine.py [--json out.json] [--quick] [--launch-ahead]
+The engine runs with the server's defaults (`python -m mk.server`: prefill chunk
+mk.engine_api.PREFILL_CHUNK, max batch 8, launch-ahead on) except its KV share of memory (0.6,
+leaving room for the kernel-only measurement); `--launch-ahead off` runs one step at a time,
+`--prefill-chunk N` another chunk.
+Usage: python benches/engine.py [--json out.json] [--quick] [--launch-ahead auto|on|off] [--prefill-chunk N]
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ from common import print_table, write_json
 from decode import kv_for, time_events
 from mk.config import ModelConfig
 from mk.engine import Engine
+from mk.engine_api import LAUNCH_AHEAD, PREFILL_CHUNK
 from mk.megakernel.launch import MegakernelStep
 from mk.model import synthetic_weights
 from mk.model.reference import Model
 from mk.sampling import SamplingParams
 
 NEW_TOKENS = 64
-SERVER_PREFILL_CHUNK = 1024  # python -m mk.server's --prefill-chunk default
 
 
 class Timed:
@@ -189,7 +190,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default="bench-out/engine.json")
     parser.add_argument("--quick", action="store_true", help="batch 1 and 8 at 8K, 512- and 8K-token prompts")
-    parser.add_argument("--launch-ahead", action="store_true", help="Engine(launch_ahead=True)")
+    parser.add_argument(
+        "--launch-ahead", choices=list(LAUNCH_AHEAD), default="auto", help="Engine(launch_ahead=...); auto: on"
+    )
+    parser.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="Engine(prefill_chunk=...)")
     args = parser.parse_args()
     cfg = ModelConfig.real()
     model = Model(cfg, synthetic_weights(cfg, seed=0, device="cuda", dtype=torch.bfloat16, std=0.01))
@@ -201,9 +205,9 @@ def main() -> None:
         backend="megakernel",
         max_batch=8,
         max_context=32768 + 512,
-        prefill_chunk=SERVER_PREFILL_CHUNK,
+        prefill_chunk=args.prefill_chunk,
         kv_fraction=0.6,
-        launch_ahead=args.launch_ahead,
+        launch_ahead=LAUNCH_AHEAD[args.launch_ahead],
     )
     rows = []
     try:

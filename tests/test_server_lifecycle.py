@@ -44,6 +44,18 @@ def test_bad_flags_are_refused_with_one_line(argv, flag, capsys):
     assert err.count("\n") == 1 and flag in err
 
 
+def test_server_and_engine_share_their_defaults():
+    import inspect
+
+    from mk.engine import Engine
+    from mk.engine_api import LAUNCH_AHEAD, PREFILL_CHUNK
+
+    args = parse_args([])
+    engine_defaults = inspect.signature(Engine).parameters
+    assert args.prefill_chunk == engine_defaults["prefill_chunk"].default == PREFILL_CHUNK
+    assert LAUNCH_AHEAD[args.launch_ahead] is engine_defaults["launch_ahead"].default is None
+
+
 def test_help_documents_every_flag():
     out = subprocess.run([sys.executable, "-m", "mk.server", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 import torch
 
 from mk import _native
-from mk.engine_api import EngineClosed, EngineFull, EngineStats, PromptTooLong
+from mk.engine_api import PREFILL_CHUNK, EngineClosed, EngineFull, EngineStats, PromptTooLong
 from mk.megakernel.runner import MegakernelRunner
 from mk.megakernel.support import choose_backend
 from mk.model.reference import Model
@@ -101,7 +101,7 @@ class Engine:
         *,
         max_batch: int = 8,
         max_context: int = 4096,
-        prefill_chunk: int = 512,
+        prefill_chunk: int = PREFILL_CHUNK,
         max_waiting: int = 1024,
         kv_blocks: int | None = None,
         kv_bytes: int | None = None,

@@ -21,6 +21,7 @@ from typing import NoReturn
 
 import torch
 
+from mk.engine_api import LAUNCH_AHEAD, PREFILL_CHUNK
 from mk.server.app import App
 from mk.server.serve import check_port, serve
 from mk.server.state import ServerState
@@ -117,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--launch-ahead",
-        choices=["auto", "on", "off"],
+        choices=list(LAUNCH_AHEAD),
         default="auto",
         help="launch each decode step before the previous step's tokens reach the host, so the GPU runs steps "
         "back to back (greedy rows without logprobs or a grammar; others run one step at a time); auto = on "
@@ -141,8 +142,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--prefill-chunk",
         type=_at_least(16),
-        default=1024,
-        help="prompt tokens prefilled per step, so long prompts do not stall decoding (default: %(default)s)",
+        default=PREFILL_CHUNK,
+        help="most prompt tokens prefilled per engine iteration: larger gives long prompts a sooner first token, "
+        "smaller makes running streams wait less while a long prompt is admitted (default: %(default)s)",
     )
     p.add_argument(
         "--max-waiting",
@@ -276,7 +278,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         backend=args.backend,
         prefill=args.prefill,
         tokenizer_json=tokenizer.hf.to_str(),  # constrained requests compile against its vocabulary
-        launch_ahead={"auto": None, "on": True, "off": False}[args.launch_ahead],
+        launch_ahead=LAUNCH_AHEAD[args.launch_ahead],
     )
     log.info(
         "engine ready: %s, %s decode, %s prefill, launch-ahead %s, max batch %d, context %d tokens",

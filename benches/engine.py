@@ -12,7 +12,8 @@ Rows:
   `launch_call_us`, `launch_wait_us` the wait for the step and its copies back, which holds the
   kernel) and outside it (`loop_host_us` per loop iteration).
 - ttft: one prompt alone (512, 2K, 8K, 32K tokens), one new token: submission to first token,
-  and the prompt tokens per second that implies.
+  the prompt tokens per second that implies, the prefill chunks it took, and how much of it the
+  backend's calls took (the rest: the control plane and the hand-over).
 - admit: one stream decoding at 8K while a 32K prompt arrives: the stream's longest and median gap
   between tokens while the long prompt is admitted, and the long prompt's time to first token.
 The engine runs with the server's defaults (`python -m mk.server`: prefill chunk
@@ -161,10 +162,23 @@ def launch_phases(before: dict, after: dict) -> dict:
 
 
 def ttft_row(engine: Engine, cfg: ModelConfig, n: int, gen: torch.Generator) -> dict:
+    """Also splits the time: the backend's calls (the prefill chunks, mostly) and the rest (the
+    control plane, the hand-over of the token), from the loop's own counters over the request."""
+    before = engine.native_stats()
     t, start = submit(engine, random_prompt(cfg, n, gen), 1)
     wait([t])
     seconds = t.times[0] - start
-    return {"row": "ttft", "prompt": n, "ttft_ms": seconds * 1e3, "prompt_tok_s": n / seconds}
+    after = engine.native_stats()
+    backend_ms = (after["backend_ns"] - before["backend_ns"]) / 1e6
+    return {
+        "row": "ttft",
+        "prompt": n,
+        "ttft_ms": seconds * 1e3,
+        "prompt_tok_s": n / seconds,
+        "prefill_chunks": after["prefill_chunks"] - before["prefill_chunks"],
+        "backend_ms": backend_ms,
+        "outside_backend_ms": seconds * 1e3 - backend_ms,
+    }
 
 
 def admit_row(engine: Engine, cfg: ModelConfig, gen: torch.Generator) -> dict:
@@ -231,7 +245,8 @@ def main() -> None:
     phases = ["launch_prepare_us", "launch_upload_us", "launch_call_us", "launch_wait_us", "loop_host_us"]
     print_table("host time of a decode step (µs)", decode, ["batch", "ctx", *phases])
     other = [r for r in rows if r["row"] != "decode"]
-    cols = ["row", "prompt", "ttft_ms", "prompt_tok_s", "longest_gap_ms", "median_gap_ms"]
+    cols = ["row", "prompt", "ttft_ms", "prompt_tok_s", "prefill_chunks", "backend_ms", "outside_backend_ms"]
+    cols += ["longest_gap_ms", "median_gap_ms"]
     print_table("time to first token", other, cols)
     write_json(args.json, "engine", rows)
 

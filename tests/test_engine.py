@@ -339,6 +339,17 @@ def test_many_concurrent_streams_share_one_pump(engine):
     assert e.stats().generated_tokens == 24 * 6
 
 
+def test_cpu_defaults_prefill_in_small_chunks_one_step_at_a_time(model):
+    from mk.engine_api import CPU_PREFILL_CHUNK
+
+    e = Engine(model, max_context=MAX_CONTEXT)
+    try:
+        assert e.prefill_chunk == CPU_PREFILL_CHUNK and not e.launch_ahead and e.backend == "reference"
+        assert e.native_stats()["kv_blocks_free"] > 0
+    finally:
+        e.close()
+
+
 def test_launch_ahead_streams_equal_synchronous_steps(model, engine, workload):
     """Each decode step launched before the previous one's tokens are handed over (a stop id or EOS
     is then known one step late, and that step's token dropped): the same tokens, finish reasons

@@ -48,11 +48,11 @@ def test_server_and_engine_share_their_defaults():
     import inspect
 
     from mk.engine import Engine
-    from mk.engine_api import LAUNCH_AHEAD, PREFILL_CHUNK
+    from mk.engine_api import LAUNCH_AHEAD
 
-    args = parse_args([])
+    args = parse_args([])  # None: the engine chooses (by device, by backend)
     engine_defaults = inspect.signature(Engine).parameters
-    assert args.prefill_chunk == engine_defaults["prefill_chunk"].default == PREFILL_CHUNK
+    assert args.prefill_chunk is engine_defaults["prefill_chunk"].default is None
     assert LAUNCH_AHEAD[args.launch_ahead] is engine_defaults["launch_ahead"].default is None
 
 
@@ -92,7 +92,8 @@ def test_fast_prefill_serves_on_the_cpu_too():
         assert out["usage"]["completion_tokens"] == 8 and out["choices"][0]["text"]
     finally:
         assert server.stop() == 0
-    assert "reference decode, fast prefill, launch-ahead off" in server.output()  # auto: off on this backend
+    # auto: launch-ahead off on this backend; the CPU's prefill chunk
+    assert "reference decode, fast prefill (chunks of 512 tokens), launch-ahead off" in server.output()
 
 
 def test_serves_a_checkpoint_folder_and_drains_on_sigterm(checkpoint):

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 import torch
 
 from mk import _native
-from mk.engine_api import PREFILL_CHUNK, EngineClosed, EngineFull, EngineStats, PromptTooLong
+from mk.engine_api import CPU_PREFILL_CHUNK, PREFILL_CHUNK, EngineClosed, EngineFull, EngineStats, PromptTooLong
 from mk.megakernel.runner import MegakernelRunner
 from mk.megakernel.support import choose_backend
 from mk.model.reference import Model
@@ -83,6 +83,9 @@ class Engine:
     through the reference model's forward, "auto" (the default) is "fast" on a GPU and "reference" on
     the CPU. Either way prefill is PyTorch, on the decode backend's stream.
 
+    `prefill_chunk`: most prompt tokens one loop iteration prefills; None (the default):
+    mk.engine_api.PREFILL_CHUNK on a GPU, CPU_PREFILL_CHUNK on the CPU (`self.prefill_chunk`).
+
     `launch_ahead`: each decode step is launched before the previous step's tokens are handed
     over (rust/engine/core.rs); the streams are the same. The megakernel backend then queues greedy
     steps of up to one launch's rows on the GPU, each behind the one before (+2-3% decode tok/s at
@@ -101,7 +104,7 @@ class Engine:
         *,
         max_batch: int = 8,
         max_context: int = 4096,
-        prefill_chunk: int = PREFILL_CHUNK,
+        prefill_chunk: int | None = None,
         max_waiting: int = 1024,
         kv_blocks: int | None = None,
         kv_bytes: int | None = None,
@@ -114,6 +117,9 @@ class Engine:
         launch_ahead: bool | None = None,
     ) -> None:
         cfg = model.config
+        if prefill_chunk is None:
+            prefill_chunk = PREFILL_CHUNK if model.device.type == "cuda" else CPU_PREFILL_CHUNK
+        self.prefill_chunk = prefill_chunk
         self.backend = choose_backend(model, backend)
         fast = _fast_prefill(model, prefill, prefill_chunk)
         self.prefill = "reference" if fast is None else "fast"

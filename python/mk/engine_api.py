@@ -15,11 +15,14 @@ from mk.config import ModelConfig
 from mk.outputs import TokenEvent
 from mk.sampling import SamplingParams
 
-# Prompt tokens one loop iteration prefills, unless told otherwise (the engine's and the server's
-# default). Each prefill call costs a fixed ~100 ms on the H200 today, so fewer, larger chunks win:
-# an 8K prompt takes 245 ms in one chunk and 855 ms in 1K chunks (docs/PERF.md, "Prefill"); the
-# price is that a decoding stream waits up to one chunk's time while a long prompt is admitted.
+# Prompt tokens one loop iteration prefills on a GPU, unless told otherwise (the engine's and the
+# server's default). Each prefill call costs a fixed ~100 ms on the H200 today, so fewer, larger
+# chunks win: an 8K prompt takes 245 ms in one chunk and 855 ms in 1K chunks (docs/PERF.md,
+# "Prefill"); the price is that a decoding stream waits up to one chunk's time while a long prompt
+# is admitted.
 PREFILL_CHUNK = 8192
+# On the CPU: the reference model's attention holds a chunk's [heads, chunk, keys] fp32 scores.
+CPU_PREFILL_CHUNK = 512
 
 # The values of a `--launch-ahead` flag (the server's, the benchmarks'): Engine(launch_ahead=...),
 # where None is "on with the megakernel backend".

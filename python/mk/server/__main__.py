@@ -21,7 +21,7 @@ from typing import NoReturn
 
 import torch
 
-from mk.engine_api import LAUNCH_AHEAD, PREFILL_CHUNK
+from mk.engine_api import CPU_PREFILL_CHUNK, LAUNCH_AHEAD, PREFILL_CHUNK
 from mk.server.app import App
 from mk.server.serve import check_port, serve
 from mk.server.state import ServerState
@@ -142,9 +142,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--prefill-chunk",
         type=_at_least(16),
-        default=PREFILL_CHUNK,
+        default=None,
         help="most prompt tokens prefilled per engine iteration: larger gives long prompts a sooner first token, "
-        "smaller makes running streams wait less while a long prompt is admitted (default: %(default)s)",
+        f"smaller makes running streams wait less while a long prompt is admitted (default: {PREFILL_CHUNK} on a "
+        f"GPU, {CPU_PREFILL_CHUNK} on the CPU)",
     )
     p.add_argument(
         "--max-waiting",
@@ -281,10 +282,12 @@ def build_state(args: argparse.Namespace) -> ServerState:
         launch_ahead=LAUNCH_AHEAD[args.launch_ahead],
     )
     log.info(
-        "engine ready: %s, %s decode, %s prefill, launch-ahead %s, max batch %d, context %d tokens",
+        "engine ready: %s, %s decode, %s prefill (chunks of %d tokens), launch-ahead %s, max batch %d, "
+        "context %d tokens",
         name,
         engine.backend,
         engine.prefill,
+        engine.prefill_chunk,
         "on" if engine.launch_ahead else "off",
         args.max_batch,
         max_context,

@@ -186,9 +186,10 @@ typedef struct MkTraceEntry {
     uint32_t run_cycles;   // cycles from the end of the wait to its "done" (the signal warp then publishes it)
     uint64_t stream_ns;    // %globaltimer when the producer issued the task's first weight copy
     // A streamed task: the cycles the producer waited for free ring stages for its copies, and for
-    // the layer's top-k before them (expert tiles). A task that streams nothing, in a kernel built
-    // with -DMK_TRACE_MARKS=1 (a diagnostic build): the cycles from the end of its wait to the two
-    // points its op marks (PhaseMarks), 0 where it marks none.
+    // the layer's top-k before them (expert tiles). A kernel built with -DMK_TRACE_MARKS=1 (a
+    // diagnostic build): for a task that streams nothing, the cycles from the end of its wait to
+    // the two points its op marks (PhaseMarks), 0 where it marks none; for the first task the
+    // producer walks after waiting for a top-k, the second word counts from the top-k seen done.
     uint32_t ring_wait_cycles;
     uint32_t topk_wait_cycles;
 } MkTraceEntry;

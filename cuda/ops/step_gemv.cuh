@@ -150,6 +150,7 @@ struct StageWalk {
     SplitPages split{};
     int page = 0, which = 0, block = 0, block_next = 0;
     int slots_layer = -1, slots = 0;  // the layer whose used-slot count `slots` is
+    long long topk_seen = 0;  // a marks build: the clock when the walk saw the last top-k done
     bool end = false;
     // The expert queue being claimed (MK_OP_EXPERT_CLAIM): the claim task, its head counter and
     // its tiles; `tag` is what the stage next() returned carries.
@@ -186,6 +187,7 @@ struct StageWalk {
     __device__ int slot_count(const MkStepArgs& a, const uint32_t* counters, int layer) {
         if (layer != slots_layer) {
             spin_until(counters + layer * MK_COUNTERS_PER_LAYER + MK_CTR_TOPK, 1);
+            if (MK_TRACE_MARKS) topk_seen = clock64();
             slots = ld_i32(ptr<int32_t>(a.slot_count)), slots_layer = layer;
         }
         return slots;
@@ -281,7 +283,11 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t
         const bool first = trace && copy.j != traced;
         if (first) {
             if (traced >= 0) trace[traced].ring_wait_cycles = ring_wait;
-            trace[copy.j].topk_wait_cycles = (uint32_t)(clock64() - t0);
+            // A marks build: the first task walked after a top-k wait records the cycles from
+            // the top-k seen to its first stage known (the slot loads), not the whole wait.
+            long long from = t0;
+            if (MK_TRACE_MARKS && copy.topk_seen != 0) from = copy.topk_seen, copy.topk_seen = 0;
+            trace[copy.j].topk_wait_cycles = (uint32_t)(clock64() - from);
             traced = copy.j, ring_wait = 0;
         }
         if (n >= (uint32_t)r.count && !mbar_test_wait(r.empty_of(n), r.parity(n) ^ 1u)) {

@@ -161,6 +161,18 @@ def launch_phases(before: dict, after: dict) -> dict:
     return out
 
 
+def settled_stats(engine: Engine) -> dict:
+    """The loop's counters once its iteration has ended (a token is handed over before the
+    iteration that made it adds its backend time): read until two reads 20 ms apart agree."""
+    stats = engine.native_stats()
+    while True:
+        time.sleep(0.02)
+        again = engine.native_stats()
+        if again["iterations"] == stats["iterations"]:
+            return again
+        stats = again
+
+
 def ttft_row(engine: Engine, cfg: ModelConfig, n: int, gen: torch.Generator) -> dict:
     """Also splits the time: the backend's calls (the prefill chunks, mostly) and the rest (the
     control plane, the hand-over of the token), from the loop's own counters over the request."""
@@ -168,7 +180,7 @@ def ttft_row(engine: Engine, cfg: ModelConfig, n: int, gen: torch.Generator) -> 
     t, start = submit(engine, random_prompt(cfg, n, gen), 1)
     wait([t])
     seconds = t.times[0] - start
-    after = engine.native_stats()
+    after = settled_stats(engine)
     backend_ms = (after["backend_ns"] - before["backend_ns"]) / 1e6
     return {
         "row": "ttft",

@@ -179,7 +179,7 @@ typedef struct MkStepArgs {
 
 // One executed task, written when MkStepArgs.trace is set: by thread 0 of its block, and for the
 // tasks whose bytes were streamed (GEMV, expert-claim and attention split tasks), by the weight
-// producer (fields stream_ns on; 0 otherwise).
+// producer (fields stream_ns on; 0 otherwise, except the marks of a -DMK_TRACE_MARKS=1 build).
 typedef struct MkTraceEntry {
     uint64_t start_ns;     // %globaltimer when the block reached the task (before its wait)
     uint32_t wait_cycles;  // clock64 cycles spent waiting on its counters (a norm: the first only)

@@ -12,7 +12,7 @@ if [ ! -f "$stamp" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || { echo "wheel install failed"; exit 1; }
     # `make wheel` leaves the built-in model's weights out (the carry limit): the tree's copy.
-    cp -n python/mk/embedded/*.safetensors /tmp/site/mk/embedded/
+    cp python/mk/embedded/*.safetensors /tmp/site/mk/embedded/ || { echo "built-in weights copy failed"; exit 1; }
     touch "$stamp"
 fi
 # The server's packages, where a folder of wheels for this Python was carried (.whl/server-py312,

@@ -351,9 +351,10 @@ def test_cpu_defaults_prefill_in_small_chunks_one_step_at_a_time(model):
 
 
 def test_launch_ahead_streams_equal_synchronous_steps(model, engine, workload):
-    """Each decode step launched before the previous one's tokens are handed over (a stop id or EOS
-    is then known one step late, and that step's token dropped): the same tokens, finish reasons
-    and logprobs as synchronous steps, the same usage, and the pool comes back whole (the fixture)."""
+    """Launch-ahead asked of the reference backend, which cannot queue a step, so each step runs at
+    once (rust/engine/tests.rs runs the queued path over a mock that queues): the same tokens,
+    finish reasons and logprobs as synchronous steps, the same usage, and the pool comes back whole
+    (the fixture)."""
     reqs, alone = workload
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     stop_at = reference_greedy(model, prompt(25, 5), 12, ignore_eos=True)[0][4]

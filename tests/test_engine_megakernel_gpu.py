@@ -176,7 +176,7 @@ def test_a_batch_of_ten_runs_as_two_launches(model):
 
 
 @pytest.mark.parametrize("rows", [6, 10])
-def test_launch_ahead_changes_no_token(model, rows):
+def test_launch_ahead_agrees_with_synchronous_steps(model, rows):
     """With launch-ahead the megakernel backend queues each greedy step of up to one launch's rows
     behind the step before on the GPU, its tokens forwarded on the device (6 rows); a batch of two
     launches steps one at a time until no more than 8 rows are left, then queues (10 rows). Against

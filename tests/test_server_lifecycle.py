@@ -13,6 +13,7 @@ import torch
 from server_util import ServerProcess
 
 from mk.config import ModelConfig
+from mk.engine_api import CPU_PREFILL_CHUNK
 from mk.model import synthetic_weights, write_checkpoint
 from mk.model.reference import Model
 from mk.server.__main__ import parse_args
@@ -93,7 +94,8 @@ def test_fast_prefill_serves_on_the_cpu_too():
     finally:
         assert server.stop() == 0
     # auto: launch-ahead off on this backend; the CPU's prefill chunk
-    assert "reference decode, fast prefill (chunks of 512 tokens), launch-ahead off" in server.output()
+    chunks = f"chunks of {CPU_PREFILL_CHUNK} tokens"
+    assert f"reference decode, fast prefill ({chunks}), launch-ahead off" in server.output()
 
 
 def test_serves_a_checkpoint_folder_and_drains_on_sigterm(checkpoint):

@@ -89,8 +89,9 @@ class Engine:
     `launch_ahead`: each decode step is launched before the previous step's tokens are handed
     over (rust/engine/core.rs); the streams are the same. The megakernel backend then queues greedy
     steps of up to one launch's rows on the GPU, each behind the one before (+2-3% decode tok/s at
-    batch 1 and 8 on the H200, docs/PERF.md); the other backends run a step when it is launched, so
-    there it only delays each token by a step. None (the default): on with the megakernel backend.
+    batch 1 and 8 on the H200, docs/PERF.md); a step it cannot queue (rows that sample on the host,
+    more rows than one launch, another backend) runs at once, as without launch-ahead. None (the
+    default): on with the megakernel backend.
 
     KV pool: `kv_blocks` blocks, else `kv_bytes`, else on a GPU `kv_fraction` of the memory free
     after the weights, else (CPU) room for one sequence of `max_context` tokens or `max_batch` of

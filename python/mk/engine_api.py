@@ -21,7 +21,7 @@ from mk.sampling import SamplingParams
 # "Prefill"); the price is that a decoding stream waits up to one chunk's time while a long prompt
 # is admitted.
 PREFILL_CHUNK = 8192
-# On the CPU: the reference model's attention holds a chunk's [heads, chunk, keys] fp32 scores.
+# On the CPU, where a chunk takes far longer and a decoding stream waits for it: smaller.
 CPU_PREFILL_CHUNK = 512
 
 # The values of a `--launch-ahead` flag (the server's, the benchmarks'): Engine(launch_ahead=...),

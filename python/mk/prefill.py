@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from mk.config import ModelConfig
+from mk.engine_api import PREFILL_CHUNK
 from mk.model.experts import combine, copy_stacks, expert_names, moe_grouped, stack_experts, stacked_experts, swiglu_act
 from mk.model.moe import moe_ffn, swiglu
 from mk.model.paged import PagedKV
@@ -59,9 +60,10 @@ from mk.model.varlen import (
     pack_keys,
 )
 
-# Tokens per chunk by default: large enough that a chunk is compute bound on an H200 (each chunk
-# re-reads all ~60 GB of expert weights), small enough that activations stay a few GB.
-DEFAULT_CHUNK = 8192
+# Tokens per chunk by default (the engine's prefill chunk on a GPU, which it passes here): large
+# enough that a chunk is compute bound on an H200 (each chunk re-reads all ~60 GB of expert
+# weights), small enough that activations stay a few GB.
+DEFAULT_CHUNK = PREFILL_CHUNK
 
 
 @dataclass(frozen=True, slots=True)

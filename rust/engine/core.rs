@@ -183,6 +183,7 @@ impl<B: Backend> Core<B> {
         }
         // Launch-ahead: step n + 1 goes out before step n lands.
         let mut launched = false;
+        let mut run_now = None; // step n + 1 when it cannot be queued behind step n
         if let Some(mut flight) = self.in_flight.take() {
             let mut batch = std::mem::take(&mut self.batch);
             let mut previous = std::mem::take(&mut self.previous);
@@ -204,12 +205,14 @@ impl<B: Backend> Core<B> {
                         launched = true;
                     }
                     Landing::Ran(Ok(sampled)) if sampled.len() == flight.batch.len() => {
+                        // Collected above: this step cannot be queued. It runs once step n has
+                        // landed, in this iteration, so that no token waits a step to be handed over.
                         for (t, p) in batch.tokens.iter_mut().zip(&previous) {
                             if let Some(s) = p.and_then(|j| sampled.get(j)) {
                                 *t = s.token;
                             }
                         }
-                        backend_ns += self.launch(std::mem::take(&mut batch), &[]);
+                        run_now = Some(std::mem::take(&mut batch));
                         launched = true;
                     }
                     Landing::Ran(_) => {} // step n failed: its rows fail as it lands
@@ -218,6 +221,9 @@ impl<B: Backend> Core<B> {
             self.batch = batch;
             self.previous = previous;
             backend_ns += self.land(flight, out);
+            if let Some(batch) = run_now {
+                backend_ns += self.decode_now(batch, out);
+            }
         }
         if !launched {
             self.sched.plan_decode(&mut self.batch, out);
@@ -225,7 +231,9 @@ impl<B: Backend> Core<B> {
         if !launched && !self.batch.is_empty() {
             let batch = std::mem::take(&mut self.batch);
             let constrained = batch.rows.iter().any(|&r| self.sched.seq(r).is_some_and(|s| s.constrained()));
-            if self.launch_ahead && !constrained {
+            // Only a step the backend can queue goes out ahead: one it would run at once would
+            // hand its tokens over an iteration late (a step's time added to every token).
+            if self.launch_ahead && !constrained && self.backend.can_queue(&unmasked_input(&self.sched, &batch)) {
                 backend_ns += self.launch(batch, &[]);
             } else {
                 backend_ns += self.decode_now(batch, out);

@@ -592,11 +592,10 @@ fn launch_ahead_lands_a_step_one_iteration_later_and_drops_the_token_after_a_sto
     let stop = SamplingParams { stop_token_ids: vec![stream[k]], ..greedy.clone() };
     // max_tokens: one step per token after the prefill's, none wasted (the last is known ahead);
     // a stop: the step launched behind the stopping token's is wasted and its token dropped.
-    let cases = [(SamplingParams { max_tokens: 5, ..greedy.clone() }, 4), (stop, k + 1)];
-    for ((params, steps), queueing) in cases.iter().flat_map(|c| [(c.clone(), false), (c.clone(), true)]) {
+    for (params, steps) in [(SamplingParams { max_tokens: 5, ..greedy.clone() }, 4), (stop, k + 1)] {
         let mut c = core(&model, 200, 4, 64, 64);
         c.launch_ahead = true;
-        c.backend.queueing = queueing;
+        c.backend.queueing = true;
         let mut events = Vec::new();
         c.sched.submit(request(&params), 1234).unwrap();
         c.step(&mut events); // the prefill's token; the first decode step launched, not landed
@@ -617,6 +616,28 @@ fn launch_ahead_lands_a_step_one_iteration_later_and_drops_the_token_after_a_sto
 }
 
 #[test]
+fn launch_ahead_runs_a_step_the_backend_cannot_queue_at_once() {
+    // Iteration by iteration, launch-ahead over a backend that cannot queue emits what synchronous
+    // steps emit: no token waits an iteration to be handed over.
+    let model = MockModel::small();
+    let params = SamplingParams::greedy(7).with_ignore_eos();
+    let (mut sync, mut ahead) = (core(&model, 200, 4, 64, 64), core(&model, 200, 4, 64, 64));
+    ahead.launch_ahead = true;
+    for c in [&mut sync, &mut ahead] {
+        c.sched.submit(req(1, 6, params.clone()), 1234).unwrap();
+        c.sched.submit(req(2, 9, params.clone()), 1234).unwrap();
+    }
+    let (mut want, mut got) = (Vec::new(), Vec::new());
+    while sync.busy() || ahead.busy() {
+        sync.step(&mut want);
+        ahead.step(&mut got);
+        let tokens = |events: &[Event]| events.iter().map(|e| (e.id, e.token, e.finish)).collect::<Vec<_>>();
+        assert_eq!(tokens(&got), tokens(&want));
+    }
+    assert_eq!(ahead.backend.decode_calls, sync.backend.decode_calls);
+}
+
+#[test]
 fn a_request_resubmitted_under_its_id_while_a_step_is_in_flight_gets_none_of_its_tokens() {
     let model = MockModel::small();
     let greedy = SamplingParams::greedy(8).with_ignore_eos();
@@ -624,10 +645,10 @@ fn a_request_resubmitted_under_its_id_while_a_step_is_in_flight_gets_none_of_its
     let (stream, _) = model.solo(&first.prompt, &greedy, 1234, 64);
     let k = (2..stream.len()).find(|&k| !stream[..k].contains(&stream[k])).unwrap();
     let stopping = Request { params: SamplingParams { stop_token_ids: vec![stream[k]], ..greedy.clone() }, ..first };
-    for queueing in [false, true] {
+    {
         let mut c = core(&model, 200, 4, 64, 64);
         c.launch_ahead = true;
-        c.backend.queueing = queueing;
+        c.backend.queueing = true;
         let mut events = Vec::new();
         c.sched.submit(stopping.clone(), 1234).unwrap();
         while !events.iter().any(|e: &Event| e.finish.is_some()) {

@@ -216,8 +216,8 @@ impl GpuLauncher {
     /// the launch queued just before samples for its row j, copied on the device (the host has
     /// not seen it; `previous` empty: every token is in `step`). No logits come back; `collect`
     /// returns the tokens, in queue order. (A row without a finite logit gets `vocab` as its
-    /// token, which the host refuses when it collects the step; a step queued behind it reads the
-    /// embedding row the kernel clamps it to, and its row fails with it.)
+    /// token, which the host refuses when it collects the step, failing its rows; a step queued
+    /// behind it reads the embedding row the kernel clamps that token to.)
     pub fn queue(&mut self, step: &StepRows<'_>, previous: &[Option<usize>]) -> Result<(), GpuError> {
         if !(previous.is_empty() || previous.len() == step.rows.len()) || step.want_logits.iter().any(|&w| w) {
             return Err(invalid("a queued launch names a source for every row or none, and wants no logits".into()));

@@ -299,6 +299,7 @@ def trace_buffer(g: mkgraph.StepGraph, device: torch.device) -> torch.Tensor:
     """A zeroed MkTraceEntry [num_sms][per_sm] array for `MegakernelStep.run(trace=...)`, as int64
     words (mk.megakernel.trace reads them): [..., 0] the %globaltimer ns when the block reached the
     task, [..., 1] its wait and run cycles; for tasks whose weights were streamed (GEMV and
-    expert-claim tasks), [..., 2] when the producer issued the first copy and [..., 3] its ring and
-    top-k wait cycles. Entries of NOPs stay 0."""
+    expert-claim tasks, attention splits), [..., 2] when the producer issued the first copy and
+    [..., 3] its ring and top-k wait cycles (a -DMK_TRACE_MARKS=1 kernel: also the marks of tasks
+    that stream nothing, see cuda/abi.h). Entries of NOPs stay 0."""
     return torch.zeros(*g.tasks.shape[:2], TRACE_WORDS, dtype=torch.int64, device=device)

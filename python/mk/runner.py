@@ -40,8 +40,9 @@ class PrefillRunner:
 
     def warm_up(self) -> None:
         """Run the fast prefill on scratch pages before serving, so its first-call compilation (tens of
-        seconds on a GPU) does not land on the first request. Uses blocks 0 .. 2 x layers - 1, which
-        nothing holds yet and every later prefill overwrites before reading."""
+        seconds on a GPU) does not land on the first request, and on a GPU one whole chunk, so that
+        neither does the allocation of a full chunk's activations (a few GB). Uses blocks from 0 on,
+        which nothing holds yet and every later prefill overwrites before reading."""
         if self.fast_prefill is None or self.kv.num_blocks < self.layers:
             return
         started = time.perf_counter()
@@ -55,6 +56,12 @@ class PrefillRunner:
             other = table.clone()
             other[:, 0] += self.layers
             self.fast_prefill([PrefillRequest([0] * 16, 0, table), PrefillRequest([0] * 32, 0, other)], self.kv)
+        n = min(self.fast_prefill.chunk, self.max_pages * PAGE_SIZE)
+        pages = -(-n // PAGE_SIZE)
+        if self.model.device.type == "cuda" and self.kv.num_blocks >= self.layers * pages:
+            table = torch.arange(self.layers * pages, dtype=torch.int32).view(self.layers, pages)
+            table = torch.nn.functional.pad(table, (0, self.max_pages - pages), value=-1)
+            self.fast_prefill([PrefillRequest([0] * n, 0, table)], self.kv)
         log.info("prefill warm-up done in %.1f s", time.perf_counter() - started)
 
     def _sync(self, dirty: list[tuple[int, bytes]]) -> None:

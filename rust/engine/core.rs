@@ -183,7 +183,6 @@ impl<B: Backend> Core<B> {
         }
         // Launch-ahead: step n + 1 goes out before step n lands.
         let mut launched = false;
-        let mut run_now = None; // step n + 1 when it cannot be queued behind step n
         if let Some(mut flight) = self.in_flight.take() {
             let mut batch = std::mem::take(&mut self.batch);
             let mut previous = std::mem::take(&mut self.previous);
@@ -205,14 +204,15 @@ impl<B: Backend> Core<B> {
                         launched = true;
                     }
                     Landing::Ran(Ok(sampled)) if sampled.len() == flight.batch.len() => {
-                        // Collected above: this step cannot be queued. It runs once step n has
-                        // landed, in this iteration, so that no token waits a step to be handed over.
+                        // Collected above: this step cannot be queued, so `launch` runs it now,
+                        // while every row it was planned with still holds its pages; it lands
+                        // right after step n, below, so that none of its tokens waits an iteration.
                         for (t, p) in batch.tokens.iter_mut().zip(&previous) {
                             if let Some(s) = p.and_then(|j| sampled.get(j)) {
                                 *t = s.token;
                             }
                         }
-                        run_now = Some(std::mem::take(&mut batch));
+                        backend_ns += self.launch(std::mem::take(&mut batch), &[]);
                         launched = true;
                     }
                     Landing::Ran(_) => {} // step n failed: its rows fail as it lands
@@ -221,8 +221,8 @@ impl<B: Backend> Core<B> {
             self.batch = batch;
             self.previous = previous;
             backend_ns += self.land(flight, out);
-            if let Some(batch) = run_now {
-                backend_ns += self.decode_now(batch, out);
+            if let Some(ran) = self.in_flight.take_if(|f| matches!(f.landing, Landing::Ran(_))) {
+                backend_ns += self.land(ran, out);
             }
         }
         if !launched {

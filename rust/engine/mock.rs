@@ -122,6 +122,8 @@ pub struct MockBackend {
     pub queueing: bool,
     /// Steps queued so far.
     pub queued_steps: usize,
+    /// Queue at most this many steps, then refuse (a batch that stops being queueable).
+    pub queue_limit: Option<usize>,
     queued: std::collections::VecDeque<Result<Vec<Sampled>, BackendError>>,
     /// The tokens of the last queued step (None where it failed): the device's copy.
     last_queued: Option<Vec<u32>>,
@@ -144,6 +146,7 @@ impl MockBackend {
             max_rows: 0,
             queueing: false,
             queued_steps: 0,
+            queue_limit: None,
             queued: std::collections::VecDeque::new(),
             last_queued: None,
         }
@@ -240,7 +243,9 @@ impl Backend for MockBackend {
     }
 
     fn can_queue(&self, input: &DecodeInput<'_>) -> bool {
-        self.queueing && (0..input.len()).all(|i| !input.is_constrained(i))
+        self.queueing
+            && self.queue_limit.is_none_or(|limit| self.queued_steps < limit)
+            && (0..input.len()).all(|i| !input.is_constrained(i))
     }
 
     fn queue(&mut self, input: &DecodeInput<'_>, previous: &[Option<usize>]) -> Result<(), BackendError> {

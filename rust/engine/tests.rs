@@ -638,6 +638,31 @@ fn launch_ahead_runs_a_step_the_backend_cannot_queue_at_once() {
 }
 
 #[test]
+fn a_queued_step_followed_by_one_that_cannot_be_queued_gives_the_same_streams() {
+    // Step n + 1 planned behind a queued step n but refused by the backend runs at once and
+    // lands right after step n, rows that stop at step n included (their entries dropped).
+    let model = MockModel::small();
+    let greedy = SamplingParams::greedy(9).with_ignore_eos();
+    let first = req(1, 6, greedy.clone());
+    let (stream, _) = model.solo(&first.prompt, &greedy, 1234, 64);
+    let stopping = Request { params: SamplingParams { stop_token_ids: vec![stream[3]], ..greedy.clone() }, ..first };
+    let requests = [stopping, req(2, 9, greedy.clone()), req(3, 4, greedy.clone())];
+    for limit in 1..6 {
+        let mut c = core(&model, 200, 4, 64, 64);
+        c.launch_ahead = true;
+        c.backend.queueing = true;
+        c.backend.queue_limit = Some(limit);
+        let out = run(&mut c, &requests.iter().map(|r| (0, r.clone())).collect::<Vec<_>>(), &[]);
+        for r in &requests {
+            let (solo, reason) = model.solo(&r.prompt, &r.params, 1234, 64);
+            assert_eq!((&out.tokens[&r.id], out.finish[&r.id]), (&solo, reason), "limit {limit}, request {}", r.id);
+        }
+        assert_eq!(c.backend.queued_steps, limit);
+        assert!(!c.busy());
+    }
+}
+
+#[test]
 fn a_request_resubmitted_under_its_id_while_a_step_is_in_flight_gets_none_of_its_tokens() {
     let model = MockModel::small();
     let greedy = SamplingParams::greedy(8).with_ignore_eos();

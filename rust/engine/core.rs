@@ -9,9 +9,10 @@
 //! is dropped when step n + 1 lands. Prefill, rows under a grammar and blocks that run out fall
 //! back to one synchronous step. A backend that can queue the step (`Backend::can_queue`) gets it
 //! with, for each row, which of step n's rows samples its token (the token stays on the device),
-//! and the step lands through `Backend::collect`; others run each step when it is launched, and
-//! the loop fills in the tokens, so launch-ahead changes when tokens are handed over, never what
-//! they are.
+//! and the step lands through `Backend::collect`. A step the backend cannot queue is not launched
+//! ahead: it runs synchronously (one planned behind a queued step runs before that step lands,
+//! while its rows still hold their pages, and lands right after it), so no token is handed over
+//! an iteration late. Launch-ahead changes when tokens are handed over, never what they are.
 
 use std::time::Instant;
 
@@ -200,7 +201,7 @@ impl<B: Backend> Core<B> {
                 }
                 match &flight.landing {
                     Landing::Queued => {
-                        backend_ns += self.launch(std::mem::take(&mut batch), &previous);
+                        backend_ns += self.launch(std::mem::take(&mut batch), &previous, true);
                         launched = true;
                     }
                     Landing::Ran(Ok(sampled)) if sampled.len() == flight.batch.len() => {
@@ -212,7 +213,7 @@ impl<B: Backend> Core<B> {
                                 *t = s.token;
                             }
                         }
-                        backend_ns += self.launch(std::mem::take(&mut batch), &[]);
+                        backend_ns += self.launch(std::mem::take(&mut batch), &[], false);
                         launched = true;
                     }
                     Landing::Ran(_) => {} // step n failed: its rows fail as it lands
@@ -221,9 +222,7 @@ impl<B: Backend> Core<B> {
             self.batch = batch;
             self.previous = previous;
             backend_ns += self.land(flight, out);
-            if let Some(ran) = self.in_flight.take_if(|f| matches!(f.landing, Landing::Ran(_))) {
-                backend_ns += self.land(ran, out);
-            }
+            backend_ns += self.land_if_ran(out);
         }
         if !launched {
             self.sched.plan_decode(&mut self.batch, out);
@@ -234,7 +233,8 @@ impl<B: Backend> Core<B> {
             // Only a step the backend can queue goes out ahead: one it would run at once would
             // hand its tokens over an iteration late (a step's time added to every token).
             if self.launch_ahead && !constrained && self.backend.can_queue(&unmasked_input(&self.sched, &batch)) {
-                backend_ns += self.launch(batch, &[]);
+                backend_ns += self.launch(batch, &[], true);
+                backend_ns += self.land_if_ran(out); // the queue refused it: its rows fail now
             } else {
                 backend_ns += self.decode_now(batch, out);
             }
@@ -255,14 +255,14 @@ impl<B: Backend> Core<B> {
 }
 
 impl<B: Backend> Core<B> {
-    /// Queues `batch`'s step where the backend can (`previous`: for each row, the row of the step
-    /// in flight whose token it feeds, or nothing where `batch.tokens` holds it), else runs it
-    /// (its tokens are all known then), and keeps it in flight, to land in the next iteration;
-    /// returns the backend's time in ns.
-    fn launch(&mut self, batch: DecodeBatch, previous: &[Option<usize>]) -> u64 {
+    /// Queues `batch`'s step where `queue` and the backend allow (`previous`: for each row, the
+    /// row of the step in flight whose token it feeds, or nothing where `batch.tokens` holds it),
+    /// else runs it (its tokens are all known then), and keeps it in flight: a queued step lands
+    /// in the next iteration, one that ran through `land_if_ran`. Returns the backend's time in ns.
+    fn launch(&mut self, batch: DecodeBatch, previous: &[Option<usize>], queue: bool) -> u64 {
         let t = Instant::now();
         let input = unmasked_input(&self.sched, &batch);
-        let landing = if self.backend.can_queue(&input) {
+        let landing = if queue && self.backend.can_queue(&input) {
             match self.backend.queue(&input, previous) {
                 Ok(()) => Landing::Queued,
                 Err(e) => Landing::Ran(Err(e)),
@@ -278,6 +278,15 @@ impl<B: Backend> Core<B> {
         self.finish_call(&batch);
         self.in_flight = Some(Flight { batch, landing });
         ns
+    }
+
+    /// Lands the step in flight if it has run (or failed to queue): its tokens wait for no later
+    /// iteration. Returns the backend's time in ns.
+    fn land_if_ran(&mut self, out: &mut Vec<Event>) -> u64 {
+        match self.in_flight.take_if(|f| matches!(f.landing, Landing::Ran(_))) {
+            Some(ran) => self.land(ran, out),
+            None => 0,
+        }
     }
 
     /// Waits for a queued step's tokens; returns the backend's time in ns.

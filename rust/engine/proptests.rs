@@ -63,8 +63,11 @@ proptest! {
         chunk in 1usize..40,
         spare in 0usize..12,
         cancels in proptest::collection::vec((0..30usize, 0..12u64), 0..3),
-        // 0: off; 1: on, each step run when launched; 2: on, steps queued as on a device.
+        // 0: off; 1: on over a backend that cannot queue (so: synchronous steps); 2: on, steps queued as on a device.
         launch_ahead in 0u8..3,
+        // With queueing: the backend refuses every step after this many (a batch that stops
+        // being queueable, mid-run).
+        queue_limit in proptest::option::of(0usize..30),
     ) {
         let model = MockModel::small();
         let probe = KvManager::new(model.kv_config(1)).unwrap();
@@ -72,6 +75,7 @@ proptest! {
         let mut c = core(&model, blocks, max_batch, chunk, MAX_CONTEXT);
         c.launch_ahead = launch_ahead > 0;
         c.backend.queueing = launch_ahead == 2;
+        c.backend.queue_limit = queue_limit;
         let arrivals: Vec<_> = specs.iter().enumerate().map(|(i, s)| (s.arrival, request(i as u64, s))).collect();
         let out = run(&mut c, &arrivals, &cancels);
         prop_assert_eq!(out.finish.len(), arrivals.len());
@@ -98,7 +102,7 @@ proptest! {
         long in proptest::collection::vec((0..10usize, 20..44usize), 1..5),
         short in proptest::collection::vec((0..10usize, 1..6usize, 2..20usize), 1..6),
         budget in 1usize..24,
-        // 0: off; 1: on, each step run when launched; 2: on, steps queued as on a device.
+        // 0: off; 1: on over a backend that cannot queue (so: synchronous steps); 2: on, steps queued as on a device.
         launch_ahead in 0u8..3,
     ) {
         let model = MockModel::small();

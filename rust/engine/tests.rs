@@ -659,6 +659,9 @@ fn a_queued_step_followed_by_one_that_cannot_be_queued_gives_the_same_streams() 
         }
         assert_eq!(c.backend.queued_steps, limit);
         assert!(!c.busy());
+        // The iteration that found the step refused handed over two of request 2's tokens: the
+        // queued step's and the refused one's (an iteration late, it would be one each time).
+        assert!(out.per_iteration.iter().any(|m| m.get(&2) == Some(&2)), "limit {limit}: {:?}", out.per_iteration);
     }
 }
 

@@ -10,7 +10,7 @@
 
 use super::backend::{BackendError, DecodeInput, LaunchTimes};
 use crate::gpu::step::{GpuLauncher, StepRows};
-use crate::sampling::{SampleSpec, Sampled, Sampler};
+use crate::sampling::{sample_rows, Job, SampleError, SampleSpec, Sampled, Sampler};
 
 /// Runs one launch (the GPU's `GpuLauncher`; a mock in tests).
 pub trait StepLauncher {
@@ -84,7 +84,9 @@ fn kernel_token(row: usize, token: u32, vocab: usize) -> Result<Sampled, Backend
 
 pub struct MegakernelDecoder<L> {
     pub launcher: L,
-    sampler: Sampler,
+    /// The host sampler's scratch, one per thread `sample_rows` uses.
+    samplers: Vec<Sampler>,
+    host_sampled: Vec<Result<Sampled, SampleError>>,
     want: Vec<bool>,
     sampled: Vec<u32>,
     logits: Vec<f32>,
@@ -96,7 +98,8 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
     pub fn new(launcher: L) -> Self {
         Self {
             launcher,
-            sampler: Sampler::new(),
+            samplers: Vec::new(),
+            host_sampled: Vec::new(),
             want: Vec::new(),
             sampled: Vec::new(),
             logits: Vec::new(),
@@ -176,12 +179,22 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
             {
                 return Err(BackendError("the launch returned the wrong number of tokens or logits".into()));
             }
+            // The rows the kernel did not sample, together (on several threads where they are many).
             let mut logits = self.logits.chunks_exact(vocab);
-            for (i, spec) in specs.iter().enumerate() {
+            let jobs: Vec<Job<'_>> = (0..specs.len())
+                .filter(|&i| self.want[i])
+                .map(|i| Job {
+                    logits: logits.next().expect("counted above"),
+                    spec: &specs[i],
+                    allowed: input.allowed(start + i),
+                })
+                .collect();
+            sample_rows(&mut self.samplers, &jobs, &mut self.host_sampled);
+            let mut host = self.host_sampled.drain(..);
+            for i in 0..specs.len() {
                 let row = input.rows[start + i];
                 if self.want[i] {
-                    let l = logits.next().expect("counted above");
-                    let sampled = self.sampler.sample_allowed(l, spec, input.allowed(start + i));
+                    let sampled = host.next().expect("one result per job");
                     out.push(sampled.map_err(|e| BackendError(format!("row {row}: {e}")))?);
                 } else {
                     out.push(kernel_token(row, self.sampled[i], vocab)?);

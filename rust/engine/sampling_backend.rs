@@ -3,7 +3,7 @@
 //! the same rules the megakernel follows on the GPU.
 
 use super::backend::{Backend, BackendError, DecodeInput, PrefillInput, PrefillResult};
-use crate::sampling::{Sampled, Sampler};
+use crate::sampling::{sample_rows, Job, SampleError, Sampled, Sampler};
 
 /// What computes logits: the model part of a [`SamplingBackend`].
 pub trait LogitsModel: Send {
@@ -22,12 +22,15 @@ pub trait LogitsModel: Send {
 pub struct SamplingBackend<M> {
     model: M,
     sampler: Sampler,
+    /// A decode step's scratch: one sampler per thread of `sample_rows`, and its results.
+    samplers: Vec<Sampler>,
+    sampled: Vec<Result<Sampled, SampleError>>,
     logits: Vec<f32>,
 }
 
 impl<M: LogitsModel> SamplingBackend<M> {
     pub fn new(model: M) -> Self {
-        Self { model, sampler: Sampler::new(), logits: Vec::new() }
+        Self { model, sampler: Sampler::new(), samplers: Vec::new(), sampled: Vec::new(), logits: Vec::new() }
     }
 }
 
@@ -59,8 +62,13 @@ impl<M: LogitsModel> Backend for SamplingBackend<M> {
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
         self.model.decode(input, &mut self.logits)?;
         let rows = rows(&self.logits, self.model.vocab(), input.len())?;
-        for (i, ((logits, spec), row)) in rows.zip(input.specs).zip(input.rows).enumerate() {
-            let sampled = self.sampler.sample_allowed(logits, spec, input.allowed(i));
+        let jobs: Vec<Job<'_>> = rows
+            .zip(input.specs)
+            .enumerate()
+            .map(|(i, (logits, spec))| Job { logits, spec, allowed: input.allowed(i) })
+            .collect();
+        sample_rows(&mut self.samplers, &jobs, &mut self.sampled);
+        for (sampled, row) in self.sampled.drain(..).zip(input.rows) {
             out.push(sampled.map_err(|e| BackendError(format!("row {row}: {e}")))?);
         }
         Ok(())

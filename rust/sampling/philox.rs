@@ -40,7 +40,17 @@ pub fn uniform(bits: u32) -> f32 {
 
 /// Standard Gumbel noise −ln(−ln u) of `token_bits(seed, index, vocab_id)`.
 pub fn gumbel(seed: u64, index: u32, vocab_id: u32) -> f32 {
-    -(-uniform(token_bits(seed, index, vocab_id)).ln()).ln()
+    gumbel_of(uniform(token_bits(seed, index, vocab_id)))
+}
+
+fn gumbel_of(u: f32) -> f32 {
+    -(-u.ln()).ln()
+}
+
+/// At least any `gumbel` value: the noise of the largest uniform (both logarithms are
+/// non-decreasing), with a margin for a logarithm that is not correctly rounded.
+pub fn gumbel_bound() -> f32 {
+    gumbel_of(uniform(u32::MAX)) + 1e-3
 }
 
 #[cfg(test)]

@@ -21,6 +21,7 @@ mk.engine_api.PREFILL_CHUNK, max batch 8, launch-ahead on) except its KV share o
 leaving room for the kernel-only measurement); `--launch-ahead off` runs one step at a time,
 `--prefill-chunk N` another chunk.
 Usage: python benches/engine.py [--json out.json] [--quick] [--launch-ahead auto|on|off] [--prefill-chunk N]
+       [--temperature T]
 """
 
 from __future__ import annotations
@@ -62,12 +63,13 @@ class Timed:
             self.done.set()
 
 
-def submit(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[Timed, float]:
+def submit(engine: Engine, prompt: list[int], max_tokens: int, temperature: float = 0.0) -> tuple[Timed, float]:
+    """Greedy by default; a temperature > 0 samples on the host (the rows the kernel does not sample)."""
     t = Timed()
     start = time.perf_counter()
-    t.stream = engine.submit_callback(
-        prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), t
-    )
+    seed = 7 if temperature else None
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True)
+    t.stream = engine.submit_callback(prompt, params, t)
     return t, start
 
 
@@ -98,10 +100,12 @@ def kernel_step_ms(model: Model, batch: int, ctx: int) -> float:
     return time_events(lambda: step.run(g, buf, tasks), 20) * 1e3
 
 
-def decode_row(engine: Engine, model: Model, batch: int, ctx: int, gen: torch.Generator) -> dict:
+def decode_row(
+    engine: Engine, model: Model, batch: int, ctx: int, gen: torch.Generator, temperature: float = 0.0
+) -> dict:
     cfg = model.config
     budget = 512 - 8  # new tokens a stream may make (max_context leaves 512 past the prompt)
-    runs = [submit(engine, random_prompt(cfg, ctx, gen), budget)[0] for _ in range(batch)]
+    runs = [submit(engine, random_prompt(cfg, ctx, gen), budget, temperature)[0] for _ in range(batch)]
     deadline = time.perf_counter() + 600
     while not all(r.times for r in runs):  # every stream admitted and decoding
         if time.perf_counter() > deadline or any(r.done.is_set() for r in runs):
@@ -138,6 +142,7 @@ def decode_row(engine: Engine, model: Model, batch: int, ctx: int, gen: torch.Ge
         "row": "decode",
         "batch": batch,
         "ctx": ctx,
+        "temperature": temperature,
         "stream_tok_s": statistics.median(per_stream),
         "aggregate_tok_s": aggregate,
         "engine_ms_per_step": stream_ms,
@@ -220,6 +225,12 @@ def main() -> None:
         "--launch-ahead", choices=list(LAUNCH_AHEAD), default="auto", help="Engine(launch_ahead=...); auto: on"
     )
     parser.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="Engine(prefill_chunk=...)")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="decode rows' sampling temperature (0: greedy, sampled by the kernel; > 0: seeded, sampled on the host)",
+    )
     args = parser.parse_args()
     cfg = ModelConfig.real()
     model = Model(cfg, synthetic_weights(cfg, seed=0, device="cuda", dtype=torch.bfloat16, std=0.01))
@@ -243,7 +254,7 @@ def main() -> None:
             rows.append(ttft_row(engine, cfg, n, gen))
             print(rows[-1], flush=True)
         for b, c in points:
-            rows.append(decode_row(engine, model, b, c, gen))
+            rows.append(decode_row(engine, model, b, c, gen, args.temperature))
             print(rows[-1], flush=True)
         if not args.quick:
             rows.append(admit_row(engine, cfg, gen))
@@ -251,7 +262,8 @@ def main() -> None:
     finally:
         engine.close()
     decode = [r for r in rows if r["row"] == "decode"]
-    cols = ["batch", "ctx", "stream_tok_s", "aggregate_tok_s", "engine_ms_per_step", "kernel_ms_per_step"]
+    cols = ["batch", "ctx", "temperature", "stream_tok_s", "aggregate_tok_s"]
+    cols += ["engine_ms_per_step", "kernel_ms_per_step"]
     title = "engine decode (megakernel backend, real geometry, synthetic weights)"
     print_table(title, decode, cols + ["host_ms_per_step"])
     phases = ["launch_prepare_us", "launch_upload_us", "launch_call_us", "launch_wait_us", "loop_host_us"]

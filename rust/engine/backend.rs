@@ -5,7 +5,8 @@
 //! ids. Before each call the engine has mapped every position the call writes, and it lists the
 //! batch rows whose page-table entries changed since the previous call (of either kind), so a
 //! backend re-uploads only those rows. Sampling is the backend's: one that ends in logits uses
-//! `crate::sampling::Sampler`, the megakernel samples on the GPU by the same rules.
+//! `crate::sampling::Sampler`; the megakernel samples greedy rows on the GPU by the same argmax rule
+//! and hands the others to that sampler.
 
 use crate::grammar::{MaskSet, TokenMask};
 use crate::sampling::{SampleSpec, Sampled};

@@ -1,6 +1,6 @@
 //! A backend for models that end in logits (the PyTorch reference, through Python): the model
-//! computes logits for the engine's calls, and this module samples them with the shared sampler,
-//! the same rules the megakernel follows on the GPU.
+//! computes logits for the engine's calls, and this module samples them with the shared sampler
+//! (the megakernel samples its greedy rows on the GPU by the same argmax rule).
 
 use super::backend::{Backend, BackendError, DecodeInput, PrefillInput, PrefillResult};
 use crate::sampling::{sample_rows, Job, SampleError, Sampled, Sampler};

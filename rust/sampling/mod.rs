@@ -1,6 +1,8 @@
 //! Token selection from one row of logits, shared by every decode backend that returns logits
-//! (the megakernel samples on the GPU with the same rules):
-//! - greedy when temperature is 0 or top_k is 1: argmax, ties to the lowest token id;
+//! (the megakernel samples greedy rows on the GPU by the same argmax rule and hands every other
+//! row back to this module):
+//! - greedy when temperature is 0 or top_k is 1 (or so small that 1 / T is not finite): argmax,
+//!   ties to the lowest token id;
 //! - otherwise filter (top-k, then top-p over softmax(logits / T)), then Gumbel-max over what is
 //!   left: argmax of logit / T + g, with g drawn by [`philox`] from (seed, index, token id), so a
 //!   request's tokens depend on its seed and nothing else in the batch;
@@ -71,7 +73,8 @@ fn key(x: f32) -> f32 {
     }
 }
 
-/// Higher logit first, then lower id: the one order used for argmax ties, top-k and top-p.
+/// Higher logit first, then lower id: the order of top-k and top-p, and of argmax ties (`argmax`
+/// differs only in taking -0.0 and +0.0 as equal).
 fn better(logits: &[f32], a: u32, b: u32) -> Ordering {
     key(logits[b as usize]).total_cmp(&key(logits[a as usize])).then(a.cmp(&b))
 }
@@ -94,10 +97,16 @@ pub struct Job<'a> {
 /// of `samplers` (grown as needed, kept for the next call).
 pub fn sample_rows(samplers: &mut Vec<Sampler>, jobs: &[Job<'_>], out: &mut Vec<Result<Sampled, SampleError>>) {
     out.clear();
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = cores.min(jobs.len());
     let one = |s: &mut Sampler, j: &Job<'_>| s.sample_allowed(j.logits, j.spec, j.allowed);
-    if threads <= 1 || jobs.iter().all(|j| j.logits.len() < PARALLEL_MIN_LOGITS) {
+    let long = jobs.iter().filter(|j| j.logits.len() >= PARALLEL_MIN_LOGITS).count();
+    // The core count is read once (the standard library reads it from the OS on every call).
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let threads = if long < 2 {
+        1
+    } else {
+        (*CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))).min(jobs.len())
+    };
+    if threads <= 1 {
         if samplers.is_empty() {
             samplers.push(Sampler::new());
         }
@@ -165,6 +174,9 @@ impl Sampler {
     /// Filter, then Gumbel-max over the survivors.
     fn draw(&mut self, logits: &[f32], spec: &SampleSpec) -> Result<u32, SampleError> {
         let inv_t = 1.0 / spec.temperature;
+        if !inv_t.is_finite() {
+            return argmax(logits); // a temperature too small for f32: the limit, greedy
+        }
         if spec.top_k == 0 && spec.top_p >= 1.0 {
             // Nothing filtered: one pass over the row, no list of ids.
             let first = argmax(logits)?;
@@ -220,15 +232,17 @@ fn nucleus(logits: &[f32], ids: &mut Vec<u32>, t: f64, top_p: f32) {
     let top = f64::from(ids.iter().map(|&i| key(logits[i as usize])).fold(f32::NEG_INFINITY, f32::max));
     let weight = |i: u32| ((f64::from(key(logits[i as usize])) - top) / t).exp();
     let goal = f64::from(top_p) * ids.iter().map(|&i| weight(i)).sum::<f64>();
+    // ids[..sorted] holds the best ids in order, and `mass` their weight summed best first.
+    let (mut sorted, mut mass) = (0, 0.0);
     let mut head = NUCLEUS_HEAD.min(ids.len());
     loop {
-        if head < ids.len() {
-            ids.select_nth_unstable_by(head - 1, |&a, &b| better(logits, a, b));
+        let rest = &mut ids[sorted..];
+        if head - sorted < rest.len() {
+            rest.select_nth_unstable_by(head - sorted - 1, |&a, &b| better(logits, a, b));
         }
-        ids[..head].sort_unstable_by(|&a, &b| better(logits, a, b));
-        let mut mass = 0.0;
-        for (j, &i) in ids[..head].iter().enumerate() {
-            mass += weight(i);
+        ids[sorted..head].sort_unstable_by(|&a, &b| better(logits, a, b));
+        for j in sorted..head {
+            mass += weight(ids[j]);
             if mass >= goal {
                 ids.truncate(j + 1);
                 return;
@@ -237,6 +251,7 @@ fn nucleus(logits: &[f32], ids: &mut Vec<u32>, t: f64, top_p: f32) {
         if head == ids.len() {
             return; // rounding kept the mass under the goal: every id stays
         }
+        sorted = head;
         head = (head * 4).min(ids.len());
     }
 }
@@ -492,6 +507,15 @@ mod tests {
         assert!(together.iter().all(Result::is_ok));
         if std::thread::available_parallelism().map_or(1, |c| c.get()) > 1 {
             assert!(samplers.len() > 1, "the rows were not spread over threads");
+        }
+    }
+
+    #[test]
+    fn a_temperature_too_small_for_f32_is_greedy() {
+        let logits = [0.0f32, 3.0, -1.0, 3.0, 40.0, 39.5];
+        for t in [1e-40f32, f32::MIN_POSITIVE / 4.0] {
+            assert!((1.0 / t).is_infinite());
+            assert_eq!(Sampler::new().sample(&logits, &spec(t, 0.9, 3, 5, 1)).unwrap().token, 4);
         }
     }
 }

@@ -201,6 +201,7 @@ impl<B: Backend> Core<B> {
                 }
                 match &flight.landing {
                     Landing::Queued => {
+                        // (The backend can queue it: otherwise step n was collected above.)
                         backend_ns += self.launch(std::mem::take(&mut batch), &previous, true);
                         launched = true;
                     }
@@ -255,14 +256,15 @@ impl<B: Backend> Core<B> {
 }
 
 impl<B: Backend> Core<B> {
-    /// Queues `batch`'s step where `queue` and the backend allow (`previous`: for each row, the
-    /// row of the step in flight whose token it feeds, or nothing where `batch.tokens` holds it),
-    /// else runs it (its tokens are all known then), and keeps it in flight: a queued step lands
-    /// in the next iteration, one that ran through `land_if_ran`. Returns the backend's time in ns.
+    /// Queues `batch`'s step where `queue` says (the caller has asked `Backend::can_queue`;
+    /// `previous`: for each row, the row of the step in flight whose token it feeds, or nothing
+    /// where `batch.tokens` holds it), else runs it (its tokens are all known then), and keeps it
+    /// in flight: a queued step lands in the next iteration, one that ran through `land_if_ran`.
+    /// Returns the backend's time in ns.
     fn launch(&mut self, batch: DecodeBatch, previous: &[Option<usize>], queue: bool) -> u64 {
         let t = Instant::now();
         let input = unmasked_input(&self.sched, &batch);
-        let landing = if queue && self.backend.can_queue(&input) {
+        let landing = if queue {
             match self.backend.queue(&input, previous) {
                 Ok(()) => Landing::Queued,
                 Err(e) => Landing::Ran(Err(e)),

@@ -581,15 +581,22 @@ fn launch_ahead_changes_no_stream_finish_or_count() {
     }
 }
 
+/// `request` with a stop id that its stream (alone, seed 1234) first samples at token k + 1,
+/// k >= 2; returns it and k.
+fn stopping_early(model: &MockModel, request: Request) -> (Request, usize) {
+    let (stream, _) = model.solo(&request.prompt, &request.params, 1234, 64);
+    let k = (2..stream.len()).find(|&k| !stream[..k].contains(&stream[k])).unwrap();
+    let params = SamplingParams { stop_token_ids: vec![stream[k]], ..request.params.clone() };
+    (Request { params, ..request }, k)
+}
+
 #[test]
 fn launch_ahead_lands_a_step_one_iteration_later_and_drops_the_token_after_a_stop() {
     let model = MockModel::small();
     let request = |params: &SamplingParams| req(1, 6, params.clone());
     let greedy = SamplingParams::greedy(8).with_ignore_eos();
-    let (stream, _) = model.solo(&request(&greedy).prompt, &greedy, 1234, 64);
-    // A stop id first seen at token k + 1 (k >= 2) of this stream.
-    let k = (2..stream.len()).find(|&k| !stream[..k].contains(&stream[k])).unwrap();
-    let stop = SamplingParams { stop_token_ids: vec![stream[k]], ..greedy.clone() };
+    let (stopping, k) = stopping_early(&model, request(&greedy));
+    let stop = stopping.params;
     // max_tokens: one step per token after the prefill's, none wasted (the last is known ahead);
     // a stop: the step launched behind the stopping token's is wasted and its token dropped.
     for (params, steps) in [(SamplingParams { max_tokens: 5, ..greedy.clone() }, 4), (stop, k + 1)] {
@@ -643,9 +650,7 @@ fn a_queued_step_followed_by_one_that_cannot_be_queued_gives_the_same_streams() 
     // lands right after step n, rows that stop at step n included (their entries dropped).
     let model = MockModel::small();
     let greedy = SamplingParams::greedy(9).with_ignore_eos();
-    let first = req(1, 6, greedy.clone());
-    let (stream, _) = model.solo(&first.prompt, &greedy, 1234, 64);
-    let stopping = Request { params: SamplingParams { stop_token_ids: vec![stream[3]], ..greedy.clone() }, ..first };
+    let (stopping, _) = stopping_early(&model, req(1, 6, greedy.clone()));
     let requests = [stopping, req(2, 9, greedy.clone()), req(3, 4, greedy.clone())];
     for limit in 1..6 {
         let mut c = core(&model, 200, 4, 64, 64);
@@ -668,25 +673,19 @@ fn a_queued_step_followed_by_one_that_cannot_be_queued_gives_the_same_streams() 
 #[test]
 fn a_request_resubmitted_under_its_id_while_a_step_is_in_flight_gets_none_of_its_tokens() {
     let model = MockModel::small();
-    let greedy = SamplingParams::greedy(8).with_ignore_eos();
-    let first = req(1, 6, greedy.clone());
-    let (stream, _) = model.solo(&first.prompt, &greedy, 1234, 64);
-    let k = (2..stream.len()).find(|&k| !stream[..k].contains(&stream[k])).unwrap();
-    let stopping = Request { params: SamplingParams { stop_token_ids: vec![stream[k]], ..greedy.clone() }, ..first };
-    {
-        let mut c = core(&model, 200, 4, 64, 64);
-        c.launch_ahead = true;
-        c.backend.queueing = true;
-        let mut events = Vec::new();
-        c.sched.submit(stopping.clone(), 1234).unwrap();
-        while !events.iter().any(|e: &Event| e.finish.is_some()) {
-            c.step(&mut events);
-        }
-        assert!(c.busy(), "the step launched behind the stopping token is still in flight");
-        // The same id again, into the row just freed, before that step lands.
-        let again = req(1, 9, SamplingParams::greedy(5).with_ignore_eos());
-        let out = run(&mut c, &[(0, again.clone())], &[]);
-        let (solo, reason) = model.solo(&again.prompt, &again.params, 1234, 64);
-        assert_eq!((&out.tokens[&1], out.finish[&1]), (&solo, reason));
+    let (stopping, _) = stopping_early(&model, req(1, 6, SamplingParams::greedy(8).with_ignore_eos()));
+    let mut c = core(&model, 200, 4, 64, 64);
+    c.launch_ahead = true;
+    c.backend.queueing = true;
+    let mut events = Vec::new();
+    c.sched.submit(stopping, 1234).unwrap();
+    while !events.iter().any(|e: &Event| e.finish.is_some()) {
+        c.step(&mut events);
     }
+    assert!(c.busy(), "the step launched behind the stopping token is still in flight");
+    // The same id again, into the row just freed, before that step lands.
+    let again = req(1, 9, SamplingParams::greedy(5).with_ignore_eos());
+    let out = run(&mut c, &[(0, again.clone())], &[]);
+    let (solo, reason) = model.solo(&again.prompt, &again.params, 1234, 64);
+    assert_eq!((&out.tokens[&1], out.finish[&1]), (&solo, reason));
 }

@@ -177,15 +177,15 @@ impl Sampler {
         if !inv_t.is_finite() {
             return argmax(logits); // a temperature too small for f32: the limit, greedy
         }
+        let finite = (0..logits.len() as u32).filter(|&i| key(logits[i as usize]) > f32::NEG_INFINITY);
         if spec.top_k == 0 && spec.top_p >= 1.0 {
             // Nothing filtered: one pass over the row, no list of ids.
             let first = argmax(logits)?;
-            let finite = (0..logits.len() as u32).filter(|&i| key(logits[i as usize]) > f32::NEG_INFINITY);
             return Ok(gumbel_max(logits, finite, first, inv_t, spec.seed, spec.index));
         }
         let ids = &mut self.ids;
         ids.clear();
-        ids.extend((0..logits.len() as u32).filter(|&i| key(logits[i as usize]) > f32::NEG_INFINITY));
+        ids.extend(finite);
         if ids.is_empty() {
             return Err(SampleError::NoFiniteLogit);
         }

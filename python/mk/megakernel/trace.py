@@ -86,7 +86,8 @@ def summarize(g: StepGraph, trace: np.ndarray) -> dict:
 
         # Word 3 of a task that streams nothing holds its marks (0 where it marks none).
         marked = ~st & (ring_wait[idx] != 0)
-        mark1, mark2 = (float(v[marked].mean() / hz * 1e6) if marked.any() else 0.0 for v in cycles(trace[idx], 3))
+        marks = (ring_wait[idx][marked], topk_wait[idx][marked])
+        mark1, mark2 = (float(v.mean() / hz * 1e6) if marked.any() else 0.0 for v in marks)
 
         rows.append(
             Family(

@@ -19,9 +19,11 @@ Rows:
 The engine runs with the server's defaults (`python -m mk.server`: prefill chunk
 mk.engine_api.PREFILL_CHUNK, max batch 8, launch-ahead on) except its KV share of memory (0.6,
 leaving room for the kernel-only measurement); `--launch-ahead off` runs one step at a time,
-`--prefill-chunk N` another chunk.
+`--prefill-chunk N` another chunk. `--temperature T` makes the decode streams seeded draws at T,
+which the kernel draws itself (Gumbel noise in its sample tasks); with `--top-p P` below 1 as well
+they come back to the host sampler.
 Usage: python benches/engine.py [--json out.json] [--quick] [--launch-ahead auto|on|off] [--prefill-chunk N]
-       [--temperature T]
+       [--temperature T] [--top-p P]
 """
 
 from __future__ import annotations
@@ -63,12 +65,14 @@ class Timed:
             self.done.set()
 
 
-def submit(engine: Engine, prompt: list[int], max_tokens: int, temperature: float = 0.0) -> tuple[Timed, float]:
-    """Greedy by default; a temperature > 0 samples on the host (the rows the kernel does not sample)."""
+def submit(
+    engine: Engine, prompt: list[int], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0
+) -> tuple[Timed, float]:
+    """Greedy by default; a temperature > 0 draws seeded tokens (on the GPU unless top_p < 1)."""
     t = Timed()
     start = time.perf_counter()
     seed = 7 if temperature else None
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=True)
     t.stream = engine.submit_callback(prompt, params, t)
     return t, start
 
@@ -101,11 +105,17 @@ def kernel_step_ms(model: Model, batch: int, ctx: int) -> float:
 
 
 def decode_row(
-    engine: Engine, model: Model, batch: int, ctx: int, gen: torch.Generator, temperature: float = 0.0
+    engine: Engine,
+    model: Model,
+    batch: int,
+    ctx: int,
+    gen: torch.Generator,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
 ) -> dict:
     cfg = model.config
     budget = 512 - 8  # new tokens a stream may make (max_context leaves 512 past the prompt)
-    runs = [submit(engine, random_prompt(cfg, ctx, gen), budget, temperature)[0] for _ in range(batch)]
+    runs = [submit(engine, random_prompt(cfg, ctx, gen), budget, temperature, top_p)[0] for _ in range(batch)]
     deadline = time.perf_counter() + 600
     while not all(r.times for r in runs):  # every stream admitted and decoding
         if time.perf_counter() > deadline or any(r.done.is_set() for r in runs):
@@ -143,6 +153,7 @@ def decode_row(
         "batch": batch,
         "ctx": ctx,
         "temperature": temperature,
+        "top_p": top_p,
         "stream_tok_s": statistics.median(per_stream),
         "aggregate_tok_s": aggregate,
         "engine_ms_per_step": stream_ms,
@@ -229,8 +240,9 @@ def main() -> None:
         "--temperature",
         type=float,
         default=0.0,
-        help="decode rows' sampling temperature (0: greedy, sampled by the kernel; > 0: seeded, sampled on the host)",
+        help="decode rows' sampling temperature (0: greedy; > 0: seeded draws, by the kernel unless --top-p < 1)",
     )
+    parser.add_argument("--top-p", type=float, default=1.0, help="decode rows' top_p (< 1: sampled on the host)")
     args = parser.parse_args()
     cfg = ModelConfig.real()
     model = Model(cfg, synthetic_weights(cfg, seed=0, device="cuda", dtype=torch.bfloat16, std=0.01))
@@ -254,7 +266,7 @@ def main() -> None:
             rows.append(ttft_row(engine, cfg, n, gen))
             print(rows[-1], flush=True)
         for b, c in points:
-            rows.append(decode_row(engine, model, b, c, gen, args.temperature))
+            rows.append(decode_row(engine, model, b, c, gen, args.temperature, args.top_p))
             print(rows[-1], flush=True)
         if not args.quick:
             rows.append(admit_row(engine, cfg, gen))
@@ -262,7 +274,7 @@ def main() -> None:
     finally:
         engine.close()
     decode = [r for r in rows if r["row"] == "decode"]
-    cols = ["batch", "ctx", "temperature", "stream_tok_s", "aggregate_tok_s"]
+    cols = ["batch", "ctx", "temperature", "top_p", "stream_tok_s", "aggregate_tok_s"]
     cols += ["engine_ms_per_step", "kernel_ms_per_step"]
     title = "engine decode (megakernel backend, real geometry, synthetic weights)"
     print_table(title, decode, cols + ["host_ms_per_step"])

@@ -7,7 +7,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MK_ABI_VERSION 10
+#define MK_ABI_VERSION 11
 
 // ---- The decode megakernel's task graph (docs/MEGAKERNEL.md) ------------------------------------
 // A step is a list of tasks per SM, built by the host (rust/graph). Each block runs its list in
@@ -167,7 +167,17 @@ typedef struct MkStepArgs {
     // bf16, boxes of MK_PAGE_SIZE rows x MK_KV_BOX_COLS columns with 128-byte swizzle: the weight
     // producer copies a split's pages with them (one page of one KV head is two boxes).
     uint64_t kv_maps;
+    uint64_t row_samples;   // MkRowSample [batch]: how each row's token is drawn, or 0 (every row greedy)
 } MkStepArgs;
+
+// How the sample tasks pick row b's token: inv_temperature 0 takes the largest logit (ties to the
+// lowest id); > 0 the largest key(logit) * inv_temperature + Gumbel noise of Philox4x32-10 at
+// (seed, index, token id), as rust/sampling defines it bit for bit.
+typedef struct MkRowSample {
+    float inv_temperature;
+    uint32_t seed_lo, seed_hi;
+    uint32_t index;  // the request's generation step
+} MkRowSample;
 
 // One stage of the weight ring: a tile of MK_STAGE_ROWS weight rows by MK_STAGE_COLS columns
 // (fewer where k is shorter), one bulk tensor copy.

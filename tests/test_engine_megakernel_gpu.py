@@ -195,6 +195,29 @@ def test_launch_ahead_agrees_with_synchronous_steps(model, rows):
     assert compare(f"launch-ahead, {rows} rows", ahead, sync, requests) >= 10 * rows
 
 
+def test_temperature_rows_draw_on_the_gpu_as_the_host_sampler_would(model):
+    """Rows with a temperature alone (no top-k or top-p, no logprobs) are drawn by the kernel's
+    sample tasks and queue with launch-ahead; asking for logprobs sends the same rows back to the
+    host sampler, synchronously. The draw is the same function of the logits on both sides, so the
+    tokens are equal wherever the logits are: one request at a time (a batch's composition and a
+    prompt's prefill chunks change the logits by bf16 roundings, and a seeded draw at these flat
+    logits flips on such a change within a few tokens, as a first try with six rows together did)."""
+    hot = [SamplingParams(max_tokens=40, temperature=0.5 + 0.3 * i, seed=1000 + i, ignore_eos=True) for i in range(6)]
+    prompts = [prompt(20 + 37 * i, 90 + i) for i in range(len(hot))]
+    with engine(model, "megakernel", max_batch=1) as e:
+        kernel = run(e, [(0.0, p, params) for p, params in zip(prompts, hot, strict=True)])
+        queued = e.native_stats()["queued_steps"]
+    with engine(model, "megakernel", max_batch=1) as e:
+        host = run(
+            e, [(0.0, p, dataclasses.replace(params, logprobs=0)) for p, params in zip(prompts, hot, strict=True)]
+        )
+        assert e.native_stats()["queued_steps"] == 0, "rows asking logprobs were queued"
+    assert queued > 0, "no step with temperature rows was queued"
+    for i, params in enumerate(hot):
+        a, b = tokens_of(kernel[i]), tokens_of(host[i])
+        assert a == b, f"request {i} (T = {params.temperature}): first difference at token {common(a, b)}"
+
+
 def test_seeded_sampling_reproduces(model):
     seeded = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
     p = prompt(90, 7)

@@ -8,6 +8,7 @@ buffer starts poisoned (NaN / -7), so anything the kernel forgets to write shows
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from routing import RoutingLog, tie_gap
 from mk import _native
 from mk.config import PAGE_SIZE, ModelConfig
 from mk.megakernel.graph import ARG, Matrix, Op
-from mk.megakernel.launch import MegakernelStep, pack_step_args, trace_buffer
+from mk.megakernel.launch import MegakernelStep, pack_step_args, row_samples_tensor, trace_buffer
 from mk.megakernel.random_cache import random_step_inputs
 from mk.megakernel.trace import cycles as trace_cycles
 from mk.megakernel.vm import run_step
@@ -183,6 +184,42 @@ def test_a_row_with_more_than_32_splits_matches_the_reference(gpu_test_weights):
     out = run_and_compare(cfg, gpu_test_weights, positions, 5000 // PAGE_SIZE + 1, check_graph=True, attn_chunk=64)
     assert out[-1].max_splits > 64
     check_step(*out, positions)
+
+
+@pytest.mark.gpu
+def test_the_kernels_draws_are_the_host_samplers():
+    """Rows with a temperature draw Gumbel-max in the sample tasks: for fresh seeds and steps, the
+    token rust/sampling draws (bit for bit: the same Philox and logarithm) from the kernel's own
+    logits; a greedy row of the same step takes the argmax. High temperatures make the noise
+    decide, so a kernel that ignored it would differ."""
+    cfg = ModelConfig.gpu_test()
+    model = Model(cfg, synthetic_weights(cfg, seed=SEED + 2, device="cuda", dtype=torch.bfloat16, std=0.02))
+    gen = torch.Generator(device="cuda").manual_seed(SEED)
+    positions = [100, 700, 1500, 64, 5, 2000, 333, 4000]
+    kv, tables, tokens = setup_step(model, positions, 64, gen)
+    step = MegakernelStep(model, kv, 64)
+    g = step.graph(positions)
+    rng = random.Random(SEED)
+    temperatures = [0.0, 0.3, 1.0, 1.0, 2.0, 5.0, 50.0, 1000.0]
+    # 1 / T reaches both sides rounded to f32 the same way (struct's "f", PyO3's f32).
+    rules = [(0.0 if t == 0 else 1.0 / t, rng.getrandbits(64), rng.getrandbits(32)) for t in temperatures]
+    buf = step.buffers(g)
+    buf.tokens.copy_(tokens.to(torch.int32))
+    buf.positions.copy_(torch.tensor(positions, dtype=torch.int32))
+    buf.block_tables.copy_(torch.stack(tables, dim=1))
+    step.run(g, buf, row_samples=row_samples_tensor(rules, buf.tokens.device))
+    torch.cuda.synchronize()
+    logits, sampled = buf.logits.cpu(), buf.sampled.cpu().tolist()
+    noisy = 0
+    for b, (inv_t, seed, index) in enumerate(rules):
+        argmax = int(logits[b].argmax())
+        if inv_t == 0:
+            assert sampled[b] == argmax, f"seed {SEED}: greedy row {b}"
+            continue
+        want = _native.gumbel_draw(logits[b].numpy().tobytes(), inv_t, seed, index)
+        assert sampled[b] == want, f"seed {SEED}: row {b} (T = {temperatures[b]}) drew {sampled[b]}, the host {want}"
+        noisy += want != argmax
+    assert noisy >= 2, f"seed {SEED}: the noise changed only {noisy} of the hot rows' tokens"
 
 
 @pytest.mark.gpu

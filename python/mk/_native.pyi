@@ -37,6 +37,8 @@ def build_info() -> dict[str, Any]:
 
 def weight_maps(matrices: list[tuple[int, int, int]]) -> bytes: ...
 def kv_maps(k: int, v: int, rows: int, cols: int) -> bytes: ...
+def gumbel_draw(logits: bytes, inv_temperature: float, seed: int, index: int) -> int:
+    """The token the host sampler draws for a row with a temperature alone (fp32 logits as bytes)."""
 
 # ---- decode-step task graph (rust/python/graph.rs) ---------------------------------------------
 

@@ -42,6 +42,8 @@ pub struct LoopMetrics {
     pub decode_steps: u64,
     /// Rows over all decode steps.
     pub decode_rows: u64,
+    /// Decode steps queued behind the one before (launch-ahead), not run at once.
+    pub queued_steps: u64,
     pub prefill_chunks: u64,
     pub iterations: u64,
     pub host_ns: u64,
@@ -266,7 +268,10 @@ impl<B: Backend> Core<B> {
         let input = unmasked_input(&self.sched, &batch);
         let landing = if queue {
             match self.backend.queue(&input, previous) {
-                Ok(()) => Landing::Queued,
+                Ok(()) => {
+                    self.metrics.queued_steps += 1;
+                    Landing::Queued
+                }
                 Err(e) => Landing::Ran(Err(e)),
             }
         } else {

@@ -2,14 +2,16 @@
 //! `max_rows` rows (the engine's rows are split into consecutive launches when there are more),
 //! then one `Sampled` per row.
 //!
-//! Sampling: the kernel samples greedily (argmax, ties to the lowest id), which is what
-//! `Sampler` does for a greedy spec. Rows that ask for temperature, top-k / top-p or logprobs get
-//! their fp32 logits copied back and go through the shared `Sampler` (the same Philox rule, so a
-//! seed gives the same tokens on every backend). So do rows under a grammar (their mask applies on
-//! the host). That copy is the fallback until the kernel samples with Gumbel noise and masks itself.
+//! Sampling: the kernel draws a row's token itself when its spec is greedy (argmax, ties to the
+//! lowest id) or a temperature alone (Gumbel-max with the same Philox noise and logarithm as
+//! `Sampler`, bit for bit: `kernel_draw`), which is what `Sampler` does for that spec. Rows that ask
+//! for top-k / top-p or logprobs get their fp32 logits copied back and go through the shared
+//! `Sampler`, and so do rows under a grammar (their mask applies on the host). Either way a seed
+//! gives the same tokens on every backend.
 
 use super::backend::{BackendError, DecodeInput, LaunchTimes};
 use crate::gpu::step::{GpuLauncher, StepRows};
+use crate::gpu::MkRowSample;
 use crate::sampling::{sample_rows, Job, SampleError, SampleSpec, Sampled, Sampler};
 
 /// Runs one launch (the GPU's `GpuLauncher`; a mock in tests).
@@ -69,9 +71,27 @@ impl StepLauncher for GpuLauncher {
     }
 }
 
+/// How the kernel draws a row's token, where it can: greedy, or a temperature with nothing else
+/// (no top-k or top-p filter). None: the host sampler must (and so needs the row's logits).
+pub fn kernel_draw(spec: &SampleSpec) -> Option<MkRowSample> {
+    if spec.logprobs.is_some() {
+        return None;
+    }
+    if spec.is_greedy() {
+        return Some(MkRowSample::default());
+    }
+    // `Sampler::draw`'s 1 / T, and its limit: greedy where that is not finite.
+    let inv_t = 1.0 / spec.temperature;
+    match (spec.top_k == 0 && spec.top_p >= 1.0, inv_t.is_finite()) {
+        (false, _) => None,
+        (true, false) => Some(MkRowSample::default()),
+        (true, true) => Some(MkRowSample::draw(inv_t, spec.seed, spec.index)),
+    }
+}
+
 /// Whether a row's token needs the host sampler (and so its logits).
 pub fn needs_logits(spec: &SampleSpec) -> bool {
-    !spec.is_greedy() || spec.logprobs.is_some()
+    kernel_draw(spec).is_none()
 }
 
 /// The kernel's greedy token of `row`: `vocab` says the kernel found no finite logit.
@@ -88,6 +108,8 @@ pub struct MegakernelDecoder<L> {
     samplers: Vec<Sampler>,
     host_sampled: Vec<Result<Sampled, SampleError>>,
     want: Vec<bool>,
+    /// Each row's `kernel_draw` (greedy for the rows the host samples).
+    draws: Vec<MkRowSample>,
     sampled: Vec<u32>,
     logits: Vec<f32>,
     /// The rows of each queued step, oldest first.
@@ -101,14 +123,15 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
             samplers: Vec::new(),
             host_sampled: Vec::new(),
             want: Vec::new(),
+            draws: Vec::new(),
             sampled: Vec::new(),
             logits: Vec::new(),
             queued: std::collections::VecDeque::new(),
         }
     }
 
-    /// Whether `queue` takes this step: one launch's rows at most, every token sampled on the GPU
-    /// (greedy, no logprobs) and no row under a grammar.
+    /// Whether `queue` takes this step: one launch's rows at most, every token drawn on the GPU
+    /// (`kernel_draw`) and no row under a grammar.
     pub fn can_queue(&self, input: &DecodeInput<'_>) -> bool {
         input.len() <= self.launcher.max_rows()
             && (0..input.len()).all(|i| !needs_logits(&input.specs[i]) && !input.is_constrained(i))
@@ -121,12 +144,15 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
         }
         self.want.clear();
         self.want.resize(input.len(), false);
+        self.draws.clear();
+        self.draws.extend(input.specs.iter().map(|s| kernel_draw(s).expect("can_queue checked it")));
         let step = StepRows {
             rows: input.rows,
             tokens: input.tokens,
             positions: input.positions,
             table: input.table,
             want_logits: &self.want,
+            samples: &self.draws,
             launch: 0,
         };
         self.launcher.queue(&step, previous)?;
@@ -163,6 +189,15 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
             let specs = &input.specs[r.clone()];
             self.want.clear();
             self.want.extend(specs.iter().enumerate().map(|(i, s)| needs_logits(s) || input.is_constrained(start + i)));
+            self.draws.clear();
+            let draw = |(s, &host): (&SampleSpec, &bool)| {
+                if host {
+                    MkRowSample::default()
+                } else {
+                    kernel_draw(s).expect("want")
+                }
+            };
+            self.draws.extend(specs.iter().zip(&self.want).map(draw));
             self.sampled.clear();
             self.logits.clear();
             let step = StepRows {
@@ -171,6 +206,7 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
                 positions: &input.positions[r.clone()],
                 table: input.table,
                 want_logits: &self.want,
+                samples: &self.draws,
                 launch: start / per_launch,
             };
             self.launcher.launch(&step, &mut self.sampled, &mut self.logits)?;
@@ -208,6 +244,7 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sampling::gumbel_draw;
     use crate::sched::PageTable;
 
     /// Logits that depend on (token, position): greedy picks (token + position) % vocab.
@@ -222,6 +259,12 @@ mod tests {
         launches: Vec<Vec<usize>>,
         /// Tokens of the queued launches not yet collected, oldest first.
         queued: Vec<Vec<u32>>,
+        /// The rows the kernel drew with noise, in launch order.
+        drawn: Vec<usize>,
+    }
+
+    fn mock(max_rows: usize, vocab: usize) -> Mock {
+        Mock { max_rows, vocab, launches: Vec::new(), queued: Vec::new(), drawn: Vec::new() }
     }
 
     impl StepLauncher for Mock {
@@ -242,7 +285,17 @@ mod tests {
             self.launches.push(s.rows.to_vec());
             for i in 0..s.rows.len() {
                 let l = fake_logits(s.tokens[i], s.positions[i], self.vocab);
-                sampled.push(if s.tokens[i] == 999 { self.vocab as u32 } else { argmax(&l) });
+                // The kernel's rule: greedy, or Gumbel-max as the host sampler defines it.
+                let token = match s.samples.get(i).filter(|d| !d.is_greedy()) {
+                    Some(d) => {
+                        assert!(!s.want_logits[i], "a row the kernel draws needs no logits");
+                        self.drawn.push(s.rows[i]);
+                        let seed = u64::from(d.seed_lo) | (u64::from(d.seed_hi) << 32);
+                        gumbel_draw(&l, d.inv_temperature, seed, d.index).unwrap()
+                    }
+                    None => argmax(&l),
+                };
+                sampled.push(if s.tokens[i] == 999 { self.vocab as u32 } else { token });
                 if s.want_logits[i] {
                     logits.extend_from_slice(&l);
                 }
@@ -276,6 +329,11 @@ mod tests {
         SampleSpec { temperature: 0.8, top_p: 0.9, top_k: 20, seed: 42, index, logprobs: None }
     }
 
+    /// A temperature alone: the kernel draws it (a seed with both halves set).
+    fn heated(index: u32) -> SampleSpec {
+        SampleSpec { temperature: 0.7, top_p: 1.0, top_k: 0, seed: (7 << 40) | 5, index, logprobs: None }
+    }
+
     #[test]
     fn sparse_rows_split_into_launches_and_sample_like_the_host() {
         let vocab = 64;
@@ -286,6 +344,8 @@ mod tests {
         specs[1] = seeded(1);
         specs[4] = SampleSpec { logprobs: Some(3), ..SampleSpec::greedy(4) };
         specs[9] = seeded(9);
+        specs[6] = heated(6);
+        specs[7] = heated(7);
         let table = PageTable::new(2, 21, 4);
         let input = DecodeInput {
             rows: &rows,
@@ -296,7 +356,7 @@ mod tests {
             table: &table,
             dirty_rows: &[],
         };
-        let mut dec = MegakernelDecoder::new(Mock { max_rows: 4, vocab, launches: Vec::new(), queued: Vec::new() });
+        let mut dec = MegakernelDecoder::new(mock(4, vocab));
         let mut out = Vec::new();
         dec.decode(&input, &mut out).unwrap();
         assert_eq!(dec.launcher.launches, vec![vec![0, 2, 3, 5], vec![8, 9, 11, 15], vec![16, 20]]);
@@ -305,6 +365,7 @@ mod tests {
             (0..10).map(|i| sampler.sample(&fake_logits(tokens[i], positions[i], vocab), &specs[i]).unwrap()).collect();
         assert_eq!(out, want);
         assert_eq!(out[4].top.len(), 3);
+        assert_eq!(dec.launcher.drawn, vec![11, 15], "the temperature-only rows are drawn by the kernel");
     }
 
     #[test]
@@ -320,7 +381,7 @@ mod tests {
             table: &table,
             dirty_rows: &[],
         };
-        let mut dec = MegakernelDecoder::new(Mock { max_rows: 8, vocab: 16, launches: Vec::new(), queued: Vec::new() });
+        let mut dec = MegakernelDecoder::new(mock(8, 16));
         let err = dec.decode(&input, &mut Vec::new()).unwrap_err();
         assert!(err.0.contains("row 1"), "{err}");
     }
@@ -338,7 +399,7 @@ mod tests {
             table: &table,
             dirty_rows: &[],
         };
-        let mut dec = MegakernelDecoder::new(Mock { max_rows: 4, vocab, launches: Vec::new(), queued: Vec::new() });
+        let mut dec = MegakernelDecoder::new(mock(4, vocab));
         let first = input(&[5, 9, 13], &[10, 20, 30]);
         assert!(dec.can_queue(&first));
         dec.queue(&first, &[None; 3]).unwrap();
@@ -353,19 +414,36 @@ mod tests {
         let crossed = [(want_a[2], 11), (want_a[0], 21), (want_a[1], 31)];
         assert_eq!(b.iter().map(|s| s.token).collect::<Vec<_>>(), crossed.map(|(t, p)| greedy(t, p)));
         assert!(dec.collect(&mut a).is_err(), "nothing is queued");
-        // Rows sampled on the host, or more rows than one launch, are not queued.
+        // Rows sampled on the host, or more rows than one launch, are not queued; rows the kernel
+        // draws with noise are, and draw as the host would.
         let seeded_specs = [seeded(0), SampleSpec::greedy(1), SampleSpec::greedy(2)];
         assert!(!dec.can_queue(&DecodeInput { specs: &seeded_specs, ..first }));
+        let heated_specs = [heated(0), SampleSpec::greedy(1), heated(2)];
+        let hot = DecodeInput { specs: &heated_specs, ..first };
+        assert!(dec.can_queue(&hot));
+        dec.queue(&hot, &[None; 3]).unwrap();
+        let mut c = Vec::new();
+        dec.collect(&mut c).unwrap();
+        let host =
+            |i: usize, t: u32, p: u32| Sampler::new().sample(&fake_logits(t, p, vocab), &heated_specs[i]).unwrap();
+        assert_eq!(c, vec![host(0, 5, 10), host(1, 9, 20), host(2, 13, 30)]);
         let five: Vec<SampleSpec> = (0..5).map(SampleSpec::greedy).collect();
         let wide = DecodeInput { rows: &[0, 1, 2, 3, 4], tokens: &[1; 5], positions: &[1; 5], specs: &five, ..first };
         assert!(!dec.can_queue(&wide) && dec.queue(&wide, &[None; 5]).is_err());
     }
 
     #[test]
-    fn only_sampled_or_logprob_rows_need_logits() {
-        assert!(!needs_logits(&SampleSpec::greedy(0)));
-        assert!(!needs_logits(&SampleSpec { top_k: 1, ..seeded(0) })); // top-1 is greedy
+    fn the_kernel_draws_greedy_and_temperature_only_rows_and_the_host_the_rest() {
+        assert_eq!(kernel_draw(&SampleSpec::greedy(0)), Some(MkRowSample::default()));
+        assert_eq!(kernel_draw(&SampleSpec { top_k: 1, ..seeded(0) }), Some(MkRowSample::default())); // top-1 is greedy
+        let d = kernel_draw(&heated(9)).unwrap();
+        assert_eq!((d.inv_temperature, d.seed_lo, d.seed_hi, d.index), (1.0 / 0.7, 5, 7 << 8, 9));
+        // 1 / T not finite in f32: the host's limit, greedy.
+        assert_eq!(kernel_draw(&SampleSpec { temperature: 1e-45, ..heated(0) }), Some(MkRowSample::default()));
         assert!(needs_logits(&seeded(0)));
+        assert!(needs_logits(&SampleSpec { top_p: 0.9, ..heated(0) }));
+        assert!(needs_logits(&SampleSpec { top_k: 5, ..heated(0) }));
         assert!(needs_logits(&SampleSpec { logprobs: Some(0), ..SampleSpec::greedy(0) }));
+        assert!(needs_logits(&SampleSpec { logprobs: Some(0), ..heated(0) }));
     }
 }

@@ -160,6 +160,7 @@ fn a_tiny_arena_preempts_yet_outputs_are_unchanged() {
         // Recomputation shows up as extra prefill, never as extra tokens.
         assert_eq!(stats.generated_tokens, 8 * 30);
         assert!(stats.prefill_tokens > stats.prompt_tokens);
+        assert_eq!(c.metrics.queued_steps > 0, queueing, "steps queue only where the backend queues");
     }
 }
 

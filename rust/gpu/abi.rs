@@ -88,8 +88,36 @@ abi_struct! {
         embed_map: u64,
         rope: u64,
         kv_maps: u64,
+        row_samples: u64,
     }
 }
+
+abi_struct! {
+    /// See `MkRowSample` in cuda/abi.h: how the kernel draws one row's token (inv_temperature 0:
+    /// greedy; else Gumbel-max with `crate::sampling::philox`'s noise at (seed, index)).
+    MkRowSample {
+        inv_temperature: f32,
+        seed_lo: u32,
+        seed_hi: u32,
+        index: u32,
+    }
+}
+
+impl MkRowSample {
+    /// Gumbel-max at temperature 1 / inv_temperature, seeded, at generation step `index`.
+    pub fn draw(inv_temperature: f32, seed: u64, index: u32) -> Self {
+        Self { inv_temperature, seed_lo: seed as u32, seed_hi: (seed >> 32) as u32, index }
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.inv_temperature <= 0.0
+    }
+}
+
+// SAFETY: plain-old-data with the C layout of MkRowSample (checked against nvcc); all zeros is
+// a greedy row.
+unsafe impl cudarc::driver::DeviceRepr for MkRowSample {}
+unsafe impl cudarc::driver::ValidAsZeroBits for MkRowSample {}
 
 impl MkStepArgs {
     /// The longest reduction of any GEMV task of the step (hidden, the query width, either FFN
@@ -134,7 +162,7 @@ pub const LAYER_WEIGHTS: [&str; LAYER_WEIGHT_COUNT] = ["NORM", "Q", "K", "V", "O
 pub const TRACE_ENTRY_BYTES: usize = 32;
 
 /// Must equal `MK_ABI_VERSION` in cuda/abi.h.
-pub const ABI_VERSION: u64 = 10;
+pub const ABI_VERSION: u64 = 11;
 
 /// The values `mk_abi_layout` in cuda/abi_probe.cu holds, in its order, computed on the Rust side.
 pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
@@ -149,6 +177,8 @@ pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
     ];
     out.extend(MkStepArgs::layout().into_iter().map(|(name, off, _)| (name, off as u64)));
     out.push(("sizeof(MkTraceEntry)", TRACE_ENTRY_BYTES as u64));
+    out.push(("sizeof(MkRowSample)", size_of::<MkRowSample>() as u64));
+    out.extend(MkRowSample::layout().into_iter().map(|(name, off, _)| (name, off as u64)));
     out.push(("MK_STEP_MAX_K", STEP_MAX_K as u64));
     out.push(("MK_STEP_MAX_BATCH", STEP_MAX_BATCH as u64));
     out.push(("MK_GEMV_MAX_GROUPS", GEMV_MAX_GROUPS as u64));

@@ -237,7 +237,7 @@ impl Gpu {
     }
 }
 
-pub use abi::MkStepArgs;
+pub use abi::{MkRowSample, MkStepArgs};
 
 #[cfg(test)]
 mod tests {

@@ -13,7 +13,7 @@ use std::time::Instant;
 use cudarc::driver::{result, sys, CudaEvent, CudaSlice, CudaStream, DevicePtr, DriverError, PinnedHostSlice};
 
 use super::compact::{check_mapped, compact_tables, step_pages};
-use super::{Gpu, GpuError, MkStepArgs};
+use super::{Gpu, GpuError, MkRowSample, MkStepArgs};
 use crate::engine::LaunchTimes;
 use crate::graph::cache::{GraphCache, StepTasks};
 use crate::graph::task::MkTask;
@@ -25,12 +25,13 @@ pub const MAX_STEP_ROWS: usize = crate::gpu::abi::STEP_MAX_BATCH;
 
 /// The `MkStepArgs` fields `launch` fills in for every step (its buffers, or per-step values); Python
 /// leaves them 0 in the template (`_native.PER_STEP_FIELDS`).
-pub const PER_STEP_FIELDS: [&str; 13] = [
+pub const PER_STEP_FIELDS: [&str; 14] = [
     "tasks",
     "counters",
     "tokens",
     "positions",
     "block_tables",
+    "row_samples",
     "per_sm",
     "num_counters",
     "parity",
@@ -72,6 +73,8 @@ pub struct StepRows<'a> {
     pub table: &'a PageTable,
     /// Rows whose fp32 logits must come back (sampled on the host).
     pub want_logits: &'a [bool],
+    /// How the kernel draws each row's token; empty: every row greedy (nothing is uploaded).
+    pub samples: &'a [MkRowSample],
     /// Which launch of the engine's step this is (0 unless the batch exceeds one launch's rows):
     /// each keeps its own cached task lists.
     pub launch: usize,
@@ -101,6 +104,8 @@ pub struct GpuLauncher {
     tokens: CudaSlice<i32>,
     positions: CudaSlice<i32>,
     tables: CudaSlice<i32>,
+    /// MkRowSample [rows]: uploaded for a step with a row the kernel draws with noise.
+    samples: CudaSlice<MkRowSample>,
     /// uint32 [2][num_counters]; launch s uses set s % 2 and zeroes the other.
     counters: CudaSlice<u32>,
     num_counters: usize,
@@ -159,6 +164,7 @@ impl GpuLauncher {
         let tokens = alloc(setup.rows)?;
         let positions = alloc(setup.rows)?;
         let tables = alloc(layers * setup.rows * setup.max_pages)?;
+        let samples = stream.alloc_zeros::<MkRowSample>(setup.rows.max(1)).map_err(driver("allocate step inputs"))?;
         let counters = stream.alloc_zeros::<u32>(2 * num_counters).map_err(driver("allocate the counters"))?;
         Ok(Self {
             gpu,
@@ -169,6 +175,7 @@ impl GpuLauncher {
             tokens,
             positions,
             tables,
+            samples,
             counters,
             num_counters,
             parity: 0,
@@ -276,8 +283,12 @@ impl GpuLauncher {
         if b == 0 || b > self.setup.rows {
             return Err(invalid(format!("a launch takes 1 to {} rows, got {b}", self.setup.rows)));
         }
-        if step.tokens.len() != b || step.positions.len() != b || step.want_logits.len() != b {
-            return Err(invalid("rows, tokens, positions and want_logits differ in length".into()));
+        if step.tokens.len() != b
+            || step.positions.len() != b
+            || step.want_logits.len() != b
+            || !(step.samples.is_empty() || step.samples.len() == b)
+        {
+            return Err(invalid("rows, tokens, positions, want_logits and samples differ in length".into()));
         }
         let g = &self.setup.geometry;
         if let Some(t) = step.tokens.iter().find(|&&t| t as usize >= g.vocab) {
@@ -341,6 +352,7 @@ impl GpuLauncher {
         args.tokens = ptr(&self.tokens, &self.stream);
         args.positions = ptr(&self.positions, &self.stream);
         args.block_tables = ptr(&self.tables, &self.stream);
+        args.row_samples = self.upload_samples(step.samples)?;
         args.per_sm = per_sm as i32;
         args.num_counters = self.num_counters as i32;
         args.parity = self.parity;
@@ -409,6 +421,18 @@ impl GpuLauncher {
         }
         let n = self.host_tables.len();
         s.memcpy_htod(&self.host_tables[..], &mut self.tables.slice_mut(..n)).map_err(driver("upload the page tables"))
+    }
+
+    /// Uploads the rows' draws where one is not greedy; returns MkStepArgs.row_samples (0: every
+    /// row greedy, nothing uploaded).
+    fn upload_samples(&mut self, samples: &[MkRowSample]) -> Result<u64, GpuError> {
+        if samples.iter().all(MkRowSample::is_greedy) {
+            return Ok(0);
+        }
+        self.stream
+            .memcpy_htod(samples, &mut self.samples.slice_mut(..samples.len()))
+            .map_err(driver("upload the row samples"))?;
+        Ok(ptr(&self.samples, &self.stream))
     }
 
     fn download(&mut self, step: &StepRows<'_>, sampled: &mut Vec<u32>, logits: &mut Vec<f32>) -> Result<(), GpuError> {

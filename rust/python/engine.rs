@@ -200,6 +200,7 @@ impl PyEngine {
             ("iterations", m.iterations),
             ("decode_steps", m.decode_steps),
             ("decode_rows", m.decode_rows),
+            ("queued_steps", m.queued_steps),
             ("prefill_chunks", m.prefill_chunks),
             ("host_ns", m.host_ns),
             ("backend_ns", m.backend_ns),

@@ -53,6 +53,19 @@ fn kv_maps<'py>(py: Python<'py>, k: u64, v: u64, rows: u64, cols: u64) -> PyResu
     Ok(pyo3::types::PyBytes::new(py, &bytes))
 }
 
+/// The token a row with a temperature alone draws (`crate::sampling::gumbel_draw`): its fp32
+/// logits as little-endian bytes, 1 / T, the request's seed and generation step. The megakernel's
+/// sample tasks must draw the same (tests/test_megakernel_gpu.py).
+#[pyfunction]
+fn gumbel_draw(logits: &[u8], inv_temperature: f32, seed: u64, index: u32) -> PyResult<u32> {
+    if logits.len() % 4 != 0 || !(inv_temperature > 0.0 && inv_temperature.is_finite()) {
+        return Err(pyo3::exceptions::PyValueError::new_err("logits are f32 bytes and 1 / T is finite and > 0"));
+    }
+    let row: Vec<f32> = logits.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes"))).collect();
+    crate::sampling::gumbel_draw(&row, inv_temperature, seed, index)
+        .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("GpuError", m.py().get_type::<errors::GpuError>())?;
@@ -70,6 +83,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(weight_maps, m)?)?;
     m.add_function(wrap_pyfunction!(kv_maps, m)?)?;
+    m.add_function(wrap_pyfunction!(gumbel_draw, m)?)?;
     m.add("TENSOR_MAP_BYTES", gpu::abi::TENSOR_MAP_BYTES)?;
     m.add("TRACE_ENTRY_BYTES", gpu::abi::TRACE_ENTRY_BYTES)?;
     m.add("LAYER_WEIGHT_COUNT", gpu::abi::LAYER_WEIGHT_COUNT)?;

@@ -177,15 +177,12 @@ impl Sampler {
         if !inv_t.is_finite() {
             return argmax(logits); // a temperature too small for f32: the limit, greedy
         }
-        let finite = (0..logits.len() as u32).filter(|&i| key(logits[i as usize]) > f32::NEG_INFINITY);
         if spec.top_k == 0 && spec.top_p >= 1.0 {
-            // Nothing filtered: one pass over the row, no list of ids.
-            let first = argmax(logits)?;
-            return Ok(gumbel_max(logits, finite, first, inv_t, spec.seed, spec.index));
+            return gumbel_draw(logits, inv_t, spec.seed, spec.index);
         }
         let ids = &mut self.ids;
         ids.clear();
-        ids.extend(finite);
+        ids.extend(finite_ids(logits));
         if ids.is_empty() {
             return Err(SampleError::NoFiniteLogit);
         }
@@ -282,6 +279,19 @@ fn gumbel_max(logits: &[f32], ids: impl Iterator<Item = u32>, first: u32, inv_t:
         }
     }
     best
+}
+
+/// Gumbel-max over every finite logit at temperature 1 / `inv_t` (finite, > 0), in one pass
+/// without a list of ids: the draw of a spec with a temperature and no filter, and what the
+/// megakernel's sample tasks compute for such a row (cuda/ops/step_misc.cuh), bit for bit.
+pub fn gumbel_draw(logits: &[f32], inv_t: f32, seed: u64, index: u32) -> Result<u32, SampleError> {
+    let first = argmax(logits)?;
+    Ok(gumbel_max(logits, finite_ids(logits), first, inv_t, seed, index))
+}
+
+/// The ids whose logit can be drawn (not NaN, not -inf), in id order.
+fn finite_ids(logits: &[f32]) -> impl Iterator<Item = u32> + '_ {
+    (0..logits.len() as u32).filter(|&i| key(logits[i as usize]) > f32::NEG_INFINITY)
 }
 
 /// Index of the largest logit, lowest id on ties.

@@ -1,6 +1,9 @@
 //! Philox4x32-10 (Salmon et al., SC'11): a counter-based generator, so every random draw is a pure
-//! function of (key, counter). The decode megakernel computes the same function on the GPU; the
-//! known-answer tests below pin the bit-exact definition both sides must follow.
+//! function of (key, counter), and the Gumbel noise made from it. The decode megakernel computes
+//! the same functions on the GPU (cuda/ops/step_misc.cuh) bit for bit: the known-answer tests
+//! below pin the definition both sides follow, and the logarithm is this module's own (separately
+//! rounded f32 products, sums and one quotient, which CUDA's `__fmul_rn`, `__fadd_rn` and
+//! `__fdiv_rn` reproduce exactly), not the C library's or the GPU's, which may round differently.
 
 const M0: u32 = 0xD251_1F53;
 const M1: u32 = 0xCD9E_8D57;
@@ -44,13 +47,35 @@ pub fn gumbel(seed: u64, index: u32, vocab_id: u32) -> f32 {
 }
 
 fn gumbel_of(u: f32) -> f32 {
-    -(-u.ln()).ln()
+    -ln(-ln(u))
 }
 
-/// At least any `gumbel` value: the noise of the largest uniform (both logarithms are
-/// non-decreasing), with a margin for a logarithm that is not correctly rounded.
+/// At least any `gumbel` value: the noise of the largest uniform (the logarithm is non-decreasing
+/// up to its rounding), with a margin far above that rounding.
 pub fn gumbel_bound() -> f32 {
     gumbel_of(uniform(u32::MAX)) + 1e-3
+}
+
+/// ln(2) rounded to f32.
+const LN_2: f32 = std::f32::consts::LN_2;
+
+/// The natural logarithm of a positive normal f32 (what `gumbel_of` takes: 2^-24 to 17), within a
+/// few ulps: x = m · 2^e with m in [√½, √2), and ln m = 2 atanh(s), s = (m − 1) / (m + 1), by its
+/// series to s⁹ (|s| < 0.172, so the next term is below 2^-27 of the sum). Every operation is one
+/// IEEE f32 operation in this order: the GPU's copy computes the same bits.
+pub fn ln(x: f32) -> f32 {
+    let bits = x.to_bits();
+    let mut e = ((bits >> 23) & 0xff) as i32 - 127;
+    let mut m = f32::from_bits((bits & 0x007f_ffff) | 0x3f80_0000); // [1, 2)
+    if m > std::f32::consts::SQRT_2 {
+        m *= 0.5; // exact
+        e += 1;
+    }
+    let f = m - 1.0; // exact (Sterbenz: m is within a factor of 2 of 1)
+    let s = f / (m + 1.0);
+    let z = s * s;
+    let series = z * (2.0 / 3.0 + z * (2.0 / 5.0 + z * (2.0 / 7.0 + z * (2.0 / 9.0))));
+    (e as f32) * LN_2 + (2.0 * s + s * series)
 }
 
 #[cfg(test)]
@@ -81,6 +106,39 @@ mod tests {
         assert_ne!(base, token_bits(1 << 40, 6, 9));
         assert_ne!(base, token_bits(1 << 40, 5, 10));
     }
+
+    #[test]
+    fn ln_is_within_a_few_ulps_of_the_true_logarithm_and_never_decreases() {
+        // Every uniform the noise can see, strided, plus the ends and the √2 switch; and every
+        // −ln(u) those give.
+        let mut xs: Vec<f32> = (0..(1u32 << 23)).step_by(97).map(|b| uniform(b << 9)).collect();
+        xs.extend([uniform(0), uniform(u32::MAX)]);
+        let neg_ln: Vec<f32> = xs.iter().map(|&u| -ln(u)).collect();
+        xs.extend(neg_ln);
+        xs.extend([std::f32::consts::SQRT_2, 1.0, 2.0, 16.7]);
+        for &x in &xs {
+            // (No cancellation: |ln m| <= ln √2 is under half of any nonzero e · ln 2.)
+            let (got, want) = (f64::from(ln(x)), f64::from(x).ln());
+            assert!((got - want).abs() <= 4.0 * f64::from(f32::EPSILON) * want.abs(), "ln({x}) = {got}, want {want}");
+        }
+        xs.sort_by(f32::total_cmp);
+        for w in xs.windows(2) {
+            assert!(ln(w[0]) <= ln(w[1]), "ln({}) > ln({})", w[0], w[1]);
+        }
+    }
+
+    #[test]
+    fn gumbel_known_answers() {
+        // Pinned: a change here changes every seeded stream (and must be made in the kernel's
+        // copy too, which the GPU tests hold to this one).
+        let got: Vec<u32> = [(0u64, 0u32, 0u32), (42, 7, 123_456), (u64::MAX, u32::MAX, 262_143)]
+            .iter()
+            .map(|&(s, i, v)| gumbel(s, i, v).to_bits())
+            .collect();
+        assert_eq!(got, GUMBEL_KNOWN);
+    }
+
+    const GUMBEL_KNOWN: [u32; 3] = [0x3dad_b63f, 0x3fe2_e075, 0x4005_ae11];
 
     #[test]
     fn uniform_is_roughly_uniform() {

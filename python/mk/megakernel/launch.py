@@ -173,6 +173,7 @@ def fixed_step_args(model: Model, kv: PagedKV, tables: ModelTables, buf: StepBuf
         rope_theta=cfg.rope_theta,
         flags=0,
         trace=0,
+        row_samples=0,
     )
     return values
 
@@ -253,12 +254,14 @@ class MegakernelStep:
         tasks: torch.Tensor | None = None,
         trace: torch.Tensor | None = None,
         kernel: int = 0,
+        row_samples: torch.Tensor | None = None,
     ) -> None:
         """Enqueue one step on the current stream. `buf.tokens/positions/block_tables` must be
         filled; `tasks` (g.tasks on the device) may be passed to skip the upload. `trace` (from
         `trace_buffer`) receives when each task waited and ran. `kernel` picks one of the loaded
         megakernel images (`_native.megakernel_count`; 0, the default, unless a benchmark
-        compares several)."""
+        compares several). `row_samples` (`row_samples_tensor`): how each row's token is drawn;
+        None: greedy."""
         if tasks is None:
             tasks = torch.from_numpy(g.tasks.copy()).to(self.device)
         if g.num_counters != self.num_counters or buf.block_tables.shape[2] != self.max_pages:
@@ -278,6 +281,14 @@ class MegakernelStep:
             if trace.dtype != torch.int64 or tuple(trace.shape) != want or trace.device != self.device:
                 raise ValueError(f"trace must be int64 {want} on {self.device} (see trace_buffer)")
             values["trace"] = trace.data_ptr()
+        if row_samples is not None:
+            if (
+                row_samples.dtype != torch.int32
+                or tuple(row_samples.shape) != (g.batch, 4)
+                or row_samples.device != self.device
+            ):
+                raise ValueError(f"row_samples must be int32 ({g.batch}, 4) on {self.device} (see row_samples_tensor)")
+            values["row_samples"] = row_samples.data_ptr()
         values.update(
             tasks=tasks.data_ptr(),
             counters=self.counters.data_ptr(),
@@ -293,6 +304,13 @@ class MegakernelStep:
         stream = torch.cuda.current_stream(self.device).cuda_stream
         _native.decode_step(self.device.index or 0, stream, pack_step_args(values), g.tasks.shape[0], kernel)
         self.parity ^= 1
+
+
+def row_samples_tensor(rules: list[tuple[float, int, int]], device: torch.device) -> torch.Tensor:
+    """MkRowSample [rows] for `MegakernelStep.run(row_samples=...)`, as int32 words, from one
+    (1 / T, seed, index) per row: 1 / T (as float32) 0 draws greedily, > 0 with Gumbel noise."""
+    words = [struct.unpack("<4i", struct.pack("<f3I", t, seed & 0xFFFFFFFF, seed >> 32, i)) for t, seed, i in rules]
+    return torch.tensor(words, dtype=torch.int32, device=device)
 
 
 def trace_buffer(g: mkgraph.StepGraph, device: torch.device) -> torch.Tensor:

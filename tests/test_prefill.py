@@ -23,6 +23,7 @@ from mk.model.paged import UNMAPPED, KVMappingError, PageAllocator
 from mk.model.reference import Model
 from mk.model.varlen import interval_block_mask
 from mk.prefill import Prefill, PrefillRequest, Span, plan_chunks, prefill_flops, stack_experts, stacked_experts
+from mk.prefill_graphs import FreshPrompts
 
 torch.set_num_threads(1)
 
@@ -492,3 +493,42 @@ def test_prefill_writes_only_its_own_positions(weights64):
     pages = torch.arange(MAX_PAGES).repeat(L, 1)[table != UNMAPPED]
     pos = pages[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)[None]
     assert torch.equal(changed, (pos >= 30) & (pos < 90))
+
+
+# ---- a fresh prompt's static pass (mk.prefill_graphs) -----------------------------------------------
+@pytest.mark.parametrize("attention", ["sdpa", "flex_eager"])
+@pytest.mark.parametrize("n", [1, 63, 64, 200, 300])
+def test_a_fresh_prompt_padded_to_a_bucket_matches_the_reference(weights64, attention, n):
+    """The static-shape pass a CUDA graph captures, run eagerly: a fresh prompt padded to a bucket of
+    64 or 256 rows (64 fills one exactly; 200 pads 56 rows past the 96-token window; 300 runs its
+    first 256 tokens so and the rest, which has a cached prefix, the usual way) gives the
+    reference's logits, residual and pages, and writes no slot past its last position."""
+    model = model_of(weights64, torch.float64)
+    pool = Pool(model)
+    toks = tokens_of(n)
+    table = pool.table(n)
+    blocks = table[table != UNMAPPED].long()
+    pool.kv.k[blocks] = float("nan")  # what the prompt does not write must stay so
+    prefill = Prefill(model, chunk=256, attention=attention, moe="loop", graphs=True)
+    prefill.fresh = FreshPrompts(prefill, buckets=(64, 256), capture=False)
+    out = prefill([PrefillRequest(toks, 0, table)], pool.kv, return_hidden=True)
+    assert list(prefill.fresh._buckets) == [64 if n <= 64 else 256], "the fresh chunk took the static pass"
+    check(out, 0, *pool.reference(toks, 0, table), torch.float64, f"{attention} n={n}")
+    written = ~pool.kv.k[blocks].isnan().any(-1).any(-1)  # [blocks, 64]
+    pages = torch.arange(MAX_PAGES).repeat(L, 1)[table != UNMAPPED]
+    pos = pages[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)[None]
+    assert torch.equal(written, pos < n), f"seed {SEED}: slots written beyond the prompt's positions"
+    pool.kv.k[blocks] = torch.where(written[..., None, None], pool.kv.k[blocks], pool.kv_ref.k[blocks])
+    pool.assert_pages_equal([table], 1e-10, f"{attention} n={n}")
+
+
+def test_a_fresh_prompt_with_another_cache_drops_the_static_buffers(weights64):
+    model = model_of(weights64, torch.float64)
+    prefill = Prefill(model, chunk=64, graphs=True)
+    first, second = Pool(model), Pool(model)
+    toks = tokens_of(40)
+    for pool in (first, second, first):
+        table = pool.table(40)
+        out = prefill([PrefillRequest(toks, 0, table)], pool.kv)
+        assert rel_err(out.logits[0], pool.reference(toks, 0, table)[0]) < 1e-10, f"seed {SEED}"
+    assert prefill.fresh._kv() is first.kv

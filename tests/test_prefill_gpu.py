@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import pytest
 import torch
@@ -135,6 +136,38 @@ def test_one_long_prompt_across_the_window(models, prefill, attention):
     pools.check_logits(out.logits[0], *pools.references(toks, 0, table), attention)
     pools.check_pages([table], attention)
     assert p.attention != "sdpa" or attention == "sdpa", "compiled flex fell back to SDPA (see the warning)"
+
+
+def test_fresh_prompts_replay_cuda_graphs_that_match_the_references(models, prefill):
+    """Fresh prompts alone run as CUDA graphs of padded lengths (mk.prefill_graphs): the first of a
+    bucket captures it, the next replays it with other tokens and pages. Each is as close to the
+    references as the eager pass is, writes only its own positions, and the time per prompt is
+    printed beside the eager pass's (run with -s)."""
+    assert prefill.fresh is not None and prefill.fresh.capture
+    eager = Prefill(models[0], chunk=2048, graphs=False)
+    pools = Pools(models, L * 100)
+    tables, times = [], {}
+    for i, n in enumerate([5, 256, 300, 1000, 1500, 2048, 512]):
+        toks = tokens_of(n, salt=i)
+        table = pools.table(n, 40)
+        out = prefill([PrefillRequest(toks, 0, table)], pools.kv)
+        pools.check_logits(out.logits[0], *pools.references(toks, 0, table), f"graph, {n} tokens")
+        tables.append(table)
+    pools.check_pages(tables, "graphs")
+    assert all(b.graph is not None for b in prefill.fresh._buckets.values()), "a bucket fell back to eager"
+    assert sorted(prefill.fresh._buckets) == [256, 512, 1024, 2048]
+    for name, p in (("graph", prefill), ("eager", eager)):
+        scratch = Pools(models, L * 16)
+        table = scratch.table(512, 8)
+        p([PrefillRequest(tokens_of(512), 0, table)], scratch.kv)  # the eager pass's first call compiles
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            p([PrefillRequest(tokens_of(512), 0, table)], scratch.kv)
+        torch.cuda.synchronize()
+        times[name] = (time.perf_counter() - t0) / 5 * 1e3
+    graph, eager_ms = times["graph"], times["eager"]
+    print(f"a 512-token fresh prompt at the GPU-test geometry: {graph:.1f} ms as a graph, {eager_ms:.1f} eager")
 
 
 LENGTHS = [1, 63, 64, 65, 300, 1000, 4500]

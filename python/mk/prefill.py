@@ -19,8 +19,10 @@ fallback if flex fails to compile): `mk.model.varlen`. MoE runs two `torch._grou
 (token, choice) pairs sorted by expert on the device (CUDA bf16; experts stacked per layer, see
 `stack_experts`), or the reference's loop over the experts in use (CPU): `mk.model.experts`.
 On CUDA the elementwise steps (norm, RoPE, SwiGLU activation, combine, residual) run through
-`torch.compile` (dynamic shapes: one compile each per process; eager if compiling fails).
-Nothing needs CUDA graphs: at thousands of tokens per chunk, launches are a small share.
+`torch.compile` (dynamic shapes: one compile each per process; eager if compiling fails). A chunk
+that is one fresh prompt (no cached prefix, the common case of a short prompt) runs as a
+static-shape pass padded to a bucket and, on CUDA, as a CUDA graph replay (`mk.prefill_graphs`):
+its ~1,700 launches and ~300 compiled-region calls otherwise cost 100-200 ms of host time.
 
 Page contract (the caller owns every page; prefill maps, releases and frees nothing). For a chunk
 that computes positions [a, b) of a sequence:
@@ -59,6 +61,7 @@ from mk.model.varlen import (
     fa3_available,
     pack_keys,
 )
+from mk.prefill_graphs import FreshPrompts
 
 # Tokens per chunk by default (the engine's prefill chunk on a GPU, which it passes here): large
 # enough that a chunk is compute bound on an H200 (each chunk re-reads all ~60 GB of expert
@@ -166,7 +169,10 @@ class Prefill:
     chunk: most tokens per chunk, all requests together. attention: "auto" (CUDA: "fa3" if
     importable, else "flex"; CPU: "sdpa"), "flex", "flex_eager" (uncompiled flex: CPU tests of the
     mask), "fa3" or "sdpa". moe: "auto" ("grouped" on CUDA bf16, else "loop"), "grouped" or
-    "loop". compile: compile the elementwise steps ("auto": on CUDA).
+    "loop". compile: compile the elementwise steps ("auto": on CUDA). graphs: a chunk that is a
+    fresh prompt alone (no cached prefix) runs as a static-shape pass padded to a bucket
+    (`mk.prefill_graphs`), captured as a CUDA graph on CUDA ("auto": on CUDA; True on the CPU
+    runs the static pass eagerly, for tests).
 
     Grouped MoE needs each layer's experts stacked: views when they already are (see
     `stack_experts`, which the engine should call once after loading), else a copy per layer
@@ -181,6 +187,7 @@ class Prefill:
         attention: str = "auto",
         moe: str = "auto",
         compile: bool | str = "auto",
+        graphs: bool | str = "auto",
     ) -> None:
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
@@ -214,6 +221,9 @@ class Prefill:
             self._stack_all()
         self._full_layers = [i for i in range(cfg.num_hidden_layers) if cfg.window(i) is None]
         self._sliding_layers = [i for i in range(cfg.num_hidden_layers) if cfg.window(i) is not None]
+        if graphs not in ("auto", True, False):
+            raise ValueError(f"graphs must be 'auto', True or False, got {graphs!r}")
+        self.fresh = FreshPrompts(self) if (cuda if graphs == "auto" else graphs) else None
 
     def _stack_all(self) -> None:
         cfg, w = self.config, self.model.weights
@@ -282,9 +292,9 @@ class Prefill:
     # ---- one chunk -------------------------------------------------------------------------------
     def _chunk(self, tokens: torch.Tensor, pieces: list[Piece], kv: PagedKV) -> torch.Tensor:
         """All layers over one packed chunk; returns the residual at each piece's last row [pieces, D]."""
-        cfg, w = self.config, self.model.weights
-        n = len(tokens)
-        hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        if self.fresh is not None and len(pieces) == 1 and pieces[0].first == 0 and self.fresh.covers(len(tokens)):
+            return self.fresh(tokens, pieces[0].table, kv)
+        cfg = self.config
         positions = torch.cat([torch.arange(p.first, p.first + p.n) for p in pieces]).to(self.device)
         cos, sin = cos_sin(cfg, positions, self.dtype)
         keys: dict[int | None, PackedKeys] = {}
@@ -292,12 +302,53 @@ class Prefill:
             keys[None] = pack_keys(pieces, self._full_layers, None, self.device)
         if self._sliding_layers:
             keys[cfg.sliding_window] = pack_keys(pieces, self._sliding_layers, cfg.sliding_window, self.device)
-        pool_k, pool_v = kv.k.view(-1, hkv, hd), kv.v.view(-1, hkv, hd)
-        # Fused attention kernels take one dtype for Q, K and V: the cache's. On the CPU Q stays
-        # fp32, as in the reference.
-        attn_dtype = kv.dtype if self.device.type == "cuda" else self.acc
+        pool_k, pool_v = self.pools(kv)
+        attn_dtype = self.attn_dtype(kv)
 
-        x = w["model.embed_tokens.weight"][tokens].to(self.acc)
+        def write_and_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            ks = keys[cfg.window(layer)]
+            slots = ks.slots[ks.row_of[layer]]
+            written = slots.index_select(0, ks.write_cols)
+            pool_k.index_copy_(0, written, k)
+            pool_v.index_copy_(0, written, v)
+            kk = pool_k.index_select(0, slots).to(attn_dtype)
+            vv = pool_v.index_select(0, slots).to(attn_dtype)
+            return self._attend(q, kk, vv, ks, pieces)
+
+        x = self.layers(self.embed(tokens), cos, sin, kv.dtype, attn_dtype, write_and_attend)
+        last_rows = torch.tensor([pc.q_off + pc.n - 1 for pc in pieces], device=self.device)
+        return x.index_select(0, last_rows)
+
+    def pools(self, kv: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V pools as [slots, kv_heads, head_dim] (a slot: block * page size + offset)."""
+        cfg = self.config
+        return kv.k.view(-1, cfg.num_key_value_heads, cfg.head_dim), kv.v.view(
+            -1, cfg.num_key_value_heads, cfg.head_dim
+        )
+
+    def attn_dtype(self, kv: PagedKV) -> torch.dtype:
+        """Fused attention kernels take one dtype for Q, K and V: the cache's. On the CPU Q stays
+        fp32, as in the reference."""
+        return kv.dtype if self.device.type == "cuda" else self.acc
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.weights["model.embed_tokens.weight"][tokens].to(self.acc)
+
+    def layers(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_dtype: torch.dtype,
+        attn_dtype: torch.dtype,
+        write_and_attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Every layer over the residual x [n, D] of rows at the positions cos/sin are for.
+        `write_and_attend(layer, q, k, v)` stores the rows' K and V (post-RoPE, in the cache's
+        dtype) and returns their attention output [n, heads * head_dim]."""
+        cfg, w = self.config, self.model.weights
+        n = x.shape[0]
+        hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         for layer in range(cfg.num_hidden_layers):
             p = f"model.layers.{layer}."
             h = self._norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps, self.dtype)
@@ -305,15 +356,8 @@ class Prefill:
             k = (h @ w[p + "self_attn.k_proj.weight"].T).view(n, hkv, hd)
             v = (h @ w[p + "self_attn.v_proj.weight"].T).view(n, hkv, hd)
             if cfg.needs_rope(layer):
-                q, k = self._rope(q, cos, sin, attn_dtype), self._rope(k, cos, sin, kv.dtype)
-            ks = keys[cfg.window(layer)]
-            slots = ks.slots[ks.row_of[layer]]
-            written = slots.index_select(0, ks.write_cols)
-            pool_k.index_copy_(0, written, k.to(kv.dtype))
-            pool_v.index_copy_(0, written, v.to(kv.dtype))
-            kk = pool_k.index_select(0, slots).to(attn_dtype)
-            vv = pool_v.index_select(0, slots).to(attn_dtype)
-            attn = self._attend(q.to(attn_dtype), kk, vv, ks, pieces)
+                q, k = self._rope(q, cos, sin, attn_dtype), self._rope(k, cos, sin, kv_dtype)
+            attn = write_and_attend(layer, q.to(attn_dtype), k.to(kv_dtype), v.to(kv_dtype))
             attn = attn.to(self.dtype) @ w[p + "self_attn.o_proj.weight"].T
             if cfg.is_moe(layer):
                 ffn = self._moe(h, layer)
@@ -321,8 +365,7 @@ class Prefill:
                 m = p + "mlp."
                 ffn = swiglu(h, w[m + "gate_proj.weight"], w[m + "up_proj.weight"], w[m + "down_proj.weight"])
             x = self._residual(x, attn, ffn)
-        last_rows = torch.tensor([pc.q_off + pc.n - 1 for pc in pieces], device=self.device)
-        return x.index_select(0, last_rows)
+        return x
 
     def _attend(self, q, k, v, keys: PackedKeys, pieces: list[Piece]) -> torch.Tensor:
         if self.attention == "fa3":

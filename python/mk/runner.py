@@ -61,7 +61,18 @@ class PrefillRunner:
         if self.model.device.type == "cuda" and self.kv.num_blocks >= self.layers * pages:
             table = torch.arange(self.layers * pages, dtype=torch.int32).view(self.layers, pages)
             table = torch.nn.functional.pad(table, (0, self.max_pages - pages), value=-1)
-            self.fast_prefill([PrefillRequest([0] * n, 0, table)], self.kv)
+            # A whole chunk the usual way (chunks after a cached prefix), then a fresh prompt of
+            # each padded length, which captures its CUDA graph (mk.prefill_graphs).
+            fresh, self.fast_prefill.fresh = self.fast_prefill.fresh, None
+            try:
+                self.fast_prefill([PrefillRequest([0] * n, 0, table)], self.kv)
+            finally:
+                self.fast_prefill.fresh = fresh
+            if fresh is not None:
+                sizes = [b for b in fresh.buckets if b <= n]
+                log.info("capturing the prefill's CUDA graphs for fresh prompts of up to %s tokens", sizes)
+                for size in sizes:
+                    self.fast_prefill([PrefillRequest([0] * size, 0, table)], self.kv)
         log.info("prefill warm-up done in %.1f s", time.perf_counter() - started)
 
     def _sync(self, dirty: list[tuple[int, bytes]]) -> None:

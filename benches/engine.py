@@ -19,11 +19,12 @@ Rows:
 The engine runs with the server's defaults (`python -m mk.server`: prefill chunk
 mk.engine_api.PREFILL_CHUNK, max batch 8, launch-ahead on) except its KV share of memory (0.6,
 leaving room for the kernel-only measurement); `--launch-ahead off` runs one step at a time,
-`--prefill-chunk N` another chunk. `--temperature T` makes the decode streams seeded draws at T,
+`--prefill-chunk N` another chunk, `--prefill-graphs off` prefills fresh prompts without CUDA
+graphs. `--temperature T` makes the decode streams seeded draws at T,
 which the kernel draws itself (Gumbel noise in its sample tasks); with `--top-p P` below 1 as well
 they come back to the host sampler.
 Usage: python benches/engine.py [--json out.json] [--quick] [--launch-ahead auto|on|off] [--prefill-chunk N]
-       [--temperature T] [--top-p P]
+       [--prefill-graphs auto|on|off] [--temperature T] [--top-p P]
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from common import print_table, write_json
 from decode import kv_for, time_events
 from mk.config import ModelConfig
 from mk.engine import Engine
-from mk.engine_api import LAUNCH_AHEAD, PREFILL_CHUNK
+from mk.engine_api import AUTO_ON_OFF, PREFILL_CHUNK
 from mk.megakernel.launch import MegakernelStep
 from mk.model import synthetic_weights
 from mk.model.reference import Model
@@ -233,9 +234,12 @@ def main() -> None:
     parser.add_argument("--json", default="bench-out/engine.json")
     parser.add_argument("--quick", action="store_true", help="batch 1 and 8 at 8K, 512- and 8K-token prompts")
     parser.add_argument(
-        "--launch-ahead", choices=list(LAUNCH_AHEAD), default="auto", help="Engine(launch_ahead=...); auto: on"
+        "--launch-ahead", choices=list(AUTO_ON_OFF), default="auto", help="Engine(launch_ahead=...); auto: on"
     )
     parser.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="Engine(prefill_chunk=...)")
+    parser.add_argument(
+        "--prefill-graphs", choices=list(AUTO_ON_OFF), default="auto", help="Engine(prefill_graphs=...); auto: on"
+    )
     parser.add_argument(
         "--temperature",
         type=float,
@@ -256,7 +260,8 @@ def main() -> None:
         max_context=32768 + 512,
         prefill_chunk=args.prefill_chunk,
         kv_fraction=0.6,
-        launch_ahead=LAUNCH_AHEAD[args.launch_ahead],
+        launch_ahead=AUTO_ON_OFF[args.launch_ahead],
+        prefill_graphs=AUTO_ON_OFF[args.prefill_graphs],
     )
     rows = []
     try:

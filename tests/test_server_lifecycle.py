@@ -49,12 +49,13 @@ def test_server_and_engine_share_their_defaults():
     import inspect
 
     from mk.engine import Engine
-    from mk.engine_api import LAUNCH_AHEAD
+    from mk.engine_api import AUTO_ON_OFF
 
     args = parse_args([])  # None: the engine chooses (by device, by backend)
     engine_defaults = inspect.signature(Engine).parameters
     assert args.prefill_chunk is engine_defaults["prefill_chunk"].default is None
-    assert LAUNCH_AHEAD[args.launch_ahead] is engine_defaults["launch_ahead"].default is None
+    assert AUTO_ON_OFF[args.launch_ahead] is engine_defaults["launch_ahead"].default is None
+    assert AUTO_ON_OFF[args.prefill_graphs] is engine_defaults["prefill_graphs"].default is None
 
 
 def test_help_documents_every_flag():
@@ -93,8 +94,8 @@ def test_fast_prefill_serves_on_the_cpu_too():
         assert out["usage"]["completion_tokens"] == 8 and out["choices"][0]["text"]
     finally:
         assert server.stop() == 0
-    # auto: launch-ahead off on this backend; the CPU's prefill chunk
-    chunks = f"chunks of {CPU_PREFILL_CHUNK} tokens"
+    # auto: launch-ahead off on this backend, no CUDA graphs on the CPU; the CPU's prefill chunk
+    chunks = f"chunks of {CPU_PREFILL_CHUNK} tokens, CUDA graphs off"
     assert f"reference decode, fast prefill ({chunks}), launch-ahead off" in server.output()
 
 

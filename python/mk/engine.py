@@ -87,11 +87,16 @@ class Engine:
     mk.engine_api.PREFILL_CHUNK on a GPU, CPU_PREFILL_CHUNK on the CPU (`self.prefill_chunk`).
 
     `launch_ahead`: each decode step is launched before the previous step's tokens are handed
-    over (rust/engine/core.rs); the streams are the same. The megakernel backend then queues greedy
-    steps of up to one launch's rows on the GPU, each behind the one before (+2-3% decode tok/s at
-    batch 1 and 8 on the H200, docs/PERF.md); a step it cannot queue (rows that sample on the host,
-    more rows than one launch, another backend) runs at once, as without launch-ahead. None (the
-    default): on with the megakernel backend.
+    over (rust/engine/core.rs); the streams are the same. The megakernel backend then queues steps
+    of up to one launch's rows whose tokens the kernel draws itself (greedy, or a temperature alone)
+    on the GPU, each behind the one before (+2-3% decode tok/s at batch 1 and 8 on the H200,
+    docs/PERF.md); a step it cannot queue (rows that sample on the host: top-k/top-p, logprobs, a
+    grammar; more rows than one launch; another backend) runs at once, as without launch-ahead.
+    None (the default): on with the megakernel backend.
+
+    `prefill_graphs`: the fast prefill runs a chunk that is a fresh prompt alone as a CUDA graph of
+    its padded length, captured at start (`mk.prefill_graphs`; a few GB of GPU memory). None (the
+    default): on wherever the fast prefill runs on a GPU.
 
     KV pool: `kv_blocks` blocks, else `kv_bytes`, else on a GPU `kv_fraction` of the memory free
     after the weights, else (CPU) room for one sequence of `max_context` tokens or `max_batch` of
@@ -116,13 +121,14 @@ class Engine:
         prefill: str = "auto",
         tokenizer_json: str | None = None,
         launch_ahead: bool | None = None,
+        prefill_graphs: bool | None = None,
     ) -> None:
         cfg = model.config
         if prefill_chunk is None:
             prefill_chunk = PREFILL_CHUNK if model.device.type == "cuda" else CPU_PREFILL_CHUNK
         self.prefill_chunk = prefill_chunk
         self.backend = choose_backend(model, backend)
-        fast = _fast_prefill(model, prefill, prefill_chunk)
+        fast = _fast_prefill(model, prefill, prefill_chunk, prefill_graphs)
         self.prefill = "reference" if fast is None else "fast"
         self.launch_ahead = self.backend == "megakernel" if launch_ahead is None else launch_ahead
         self.config = cfg
@@ -140,6 +146,8 @@ class Engine:
         else:
             self._runner = ReferenceRunner(model, num_blocks, max_batch, max_context, fast_prefill=fast)
         self._runner.warm_up()
+        # After the warm-up, which captures them (a capture that failed turned them off).
+        self.prefill_graphs = fast is not None and fast.fresh is not None and fast.fresh.capture
         self._native = _native.Engine(
             self._runner,
             sliding=sliding,
@@ -326,7 +334,7 @@ def _put_all(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
         queue.put_nowait(event)
 
 
-def _fast_prefill(model: Model, mode: str, chunk: int) -> Prefill | None:
+def _fast_prefill(model: Model, mode: str, chunk: int, graphs: bool | None) -> Prefill | None:
     """The engine's `mk.prefill` runner, or None for the reference model's forward (see `Engine`)."""
     if mode not in ("auto", "fast", "reference"):
         raise ValueError(f"prefill must be 'auto', 'fast' or 'reference', not {mode!r}")
@@ -336,7 +344,7 @@ def _fast_prefill(model: Model, mode: str, chunk: int) -> Prefill | None:
     if cuda:  # before anything records weight addresses (the megakernel's tables)
         stack_experts(model.weights, model.config)
     # Rust hands over at most `chunk` tokens a call, so each call is one chunk of mk.prefill.
-    return Prefill(model, chunk=chunk)
+    return Prefill(model, chunk=chunk, graphs="auto" if graphs is None else graphs)
 
 
 # On the CPU the default pool fits a full batch of contexts up to this long (Engine's docstring).

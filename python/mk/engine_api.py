@@ -24,9 +24,9 @@ PREFILL_CHUNK = 8192
 # On the CPU, where a chunk takes far longer and a decoding stream waits for it: smaller.
 CPU_PREFILL_CHUNK = 512
 
-# The values of a `--launch-ahead` flag (the server's, the benchmarks'): Engine(launch_ahead=...),
-# where None is "on with the megakernel backend".
-LAUNCH_AHEAD = {"auto": None, "on": True, "off": False}
+# The values of an auto/on/off flag (the server's and the benchmarks' `--launch-ahead` and
+# `--prefill-graphs`): the Engine argument, where None lets the engine choose.
+AUTO_ON_OFF = {"auto": None, "on": True, "off": False}
 
 
 class EngineError(RuntimeError):

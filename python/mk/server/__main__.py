@@ -21,7 +21,7 @@ from typing import NoReturn
 
 import torch
 
-from mk.engine_api import CPU_PREFILL_CHUNK, LAUNCH_AHEAD, PREFILL_CHUNK
+from mk.engine_api import AUTO_ON_OFF, CPU_PREFILL_CHUNK, PREFILL_CHUNK
 from mk.server.app import App
 from mk.server.serve import check_port, serve
 from mk.server.state import ServerState
@@ -118,11 +118,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--launch-ahead",
-        choices=list(LAUNCH_AHEAD),
+        choices=list(AUTO_ON_OFF),
         default="auto",
         help="launch each decode step before the previous step's tokens reach the host, so the GPU runs steps "
-        "back to back (greedy rows without logprobs or a grammar; others run one step at a time); auto = on "
-        "with the megakernel backend, off with the reference one (default: %(default)s)",
+        "back to back (rows the kernel draws itself: greedy, or a temperature without top_k, top_p, logprobs "
+        "or a grammar; others run one step at a time); auto = on with the megakernel backend, off with the "
+        "reference one (default: %(default)s)",
+    )
+    p.add_argument(
+        "--prefill-graphs",
+        choices=list(AUTO_ON_OFF),
+        default="auto",
+        help="prefill a fresh prompt (no cached prefix) of up to one chunk as a CUDA graph replay, captured per "
+        "padded length at start: a short prompt's first token in milliseconds instead of the ~150 ms of host time "
+        "its launches take, for a few GB of GPU memory; auto = on with the fast prefill on a GPU (default: "
+        "%(default)s)",
     )
     p.add_argument(
         "--max-batch", type=_at_least(1), default=8, help="most sequences decoded together (default: %(default)s)"
@@ -279,15 +289,17 @@ def build_state(args: argparse.Namespace) -> ServerState:
         backend=args.backend,
         prefill=args.prefill,
         tokenizer_json=tokenizer.hf.to_str(),  # constrained requests compile against its vocabulary
-        launch_ahead=LAUNCH_AHEAD[args.launch_ahead],
+        launch_ahead=AUTO_ON_OFF[args.launch_ahead],
+        prefill_graphs=AUTO_ON_OFF[args.prefill_graphs],
     )
     log.info(
-        "engine ready: %s, %s decode, %s prefill (chunks of %d tokens), launch-ahead %s, max batch %d, "
-        "context %d tokens",
+        "engine ready: %s, %s decode, %s prefill (chunks of %d tokens, CUDA graphs %s), launch-ahead %s, "
+        "max batch %d, context %d tokens",
         name,
         engine.backend,
         engine.prefill,
         engine.prefill_chunk,
+        "on" if engine.prefill_graphs else "off",
         "on" if engine.launch_ahead else "off",
         args.max_batch,
         max_context,

@@ -129,7 +129,10 @@ def test_fast_prefill_path_gives_the_reference_tokens(model, engine):
     params = dataclasses.replace(GREEDY, logprobs=0)
     fast, calls = e._runner.fast_prefill, []
     e._runner.fast_prefill = lambda requests, kv: calls.append([len(r.tokens) for r in requests]) or fast(requests, kv)
-    results = run(e, [(0, p, params) for p in prompts])
+    try:
+        results = run(e, [(0, p, params) for p in prompts])
+    finally:
+        e._runner.fast_prefill = fast
     # Every prompt token, in calls of at most one chunk (64 tokens) over all sequences; arriving
     # together, the prompts share calls (packed).
     assert sum(map(sum, calls)) == sum(map(len, prompts)) and max(map(sum, calls)) <= 64
@@ -138,6 +141,21 @@ def test_fast_prefill_path_gives_the_reference_tokens(model, engine):
         want, logprobs = reference_greedy(model, p, GREEDY.max_tokens)
         assert tokens == want
         assert [e.logprob for e in events] == pytest.approx(logprobs, abs=1e-5)
+
+
+def test_the_fresh_prompt_pass_gives_the_reference_tokens_and_close_releases_it(model, engine):
+    """`prefill_graphs=True` on the CPU runs a fresh prompt's static, padded pass eagerly (what a
+    GPU captures as a CUDA graph); the tokens are the reference's, and closing the engine drops
+    the pass's buffers (on a GPU: the graphs and the memory they keep)."""
+    e = engine(max_batch=2, prefill="fast", prefill_graphs=True)
+    fresh = e._runner.fast_prefill.fresh
+    assert fresh is not None and not e.prefill_graphs  # nothing to capture on the CPU
+    p = prompt(40, 6)
+    [(tokens, _, _)] = run(e, [(0, p, GREEDY)])
+    assert tokens == reference_greedy(model, p, GREEDY.max_tokens)[0]
+    assert fresh._buckets, "the fresh prompt took the static pass"
+    e.close()
+    assert not fresh._buckets
 
 
 def test_a_failing_prefill_ends_only_its_own_request(model, engine):

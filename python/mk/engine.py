@@ -175,7 +175,7 @@ class Engine:
             target=_pump, args=(self._native, self._streams), name="mk-event-pump", daemon=True
         )
         self._pump.start()
-        self._finalizer = weakref.finalize(self, _native.Engine.close, self._native)
+        self._finalizer = weakref.finalize(self, _shut_down, self._native, self._runner)
 
     # ---- AsyncEngine ------------------------------------------------------------------------
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> _Stream:
@@ -286,6 +286,12 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _shut_down(native: _native.Engine, runner) -> None:
+    """Stop the loop, then free what the prefill's CUDA graphs hold (their memory pools)."""
+    native.close()
+    runner.release_graphs()
 
 
 def _pump(native: _native.Engine, streams: dict[int, _Stream]) -> None:

@@ -171,8 +171,8 @@ class Prefill:
     mask), "fa3" or "sdpa". moe: "auto" ("grouped" on CUDA bf16, else "loop"), "grouped" or
     "loop". compile: compile the elementwise steps ("auto": on CUDA). graphs: a chunk that is a
     fresh prompt alone (no cached prefix) runs as a static-shape pass padded to a bucket
-    (`mk.prefill_graphs`), captured as a CUDA graph on CUDA ("auto": on CUDA; True on the CPU
-    runs the static pass eagerly, for tests).
+    (`mk.prefill_graphs`), captured as a CUDA graph on CUDA ("auto": on CUDA with the grouped MoE;
+    True on the CPU runs the static pass eagerly, for tests).
 
     Grouped MoE needs each layer's experts stacked: views when they already are (see
     `stack_experts`, which the engine should call once after loading), else a copy per layer
@@ -223,7 +223,8 @@ class Prefill:
         self._sliding_layers = [i for i in range(cfg.num_hidden_layers) if cfg.window(i) is not None]
         if graphs not in ("auto", True, False):
             raise ValueError(f"graphs must be 'auto', True or False, got {graphs!r}")
-        self.fresh = FreshPrompts(self) if (cuda if graphs == "auto" else graphs) else None
+        # "auto": where the pass is capturable, which the loop MoE (host-side routing) is not.
+        self.fresh = FreshPrompts(self) if (cuda and moe == "grouped" if graphs == "auto" else graphs) else None
 
     def _stack_all(self) -> None:
         cfg, w = self.config, self.model.weights

@@ -11,7 +11,8 @@ first token). On the CPU the same pass runs eagerly, which is what the CPU tests
 Padding: the pads are token 0 at positions n..N-1, after every real row, so no real query sees
 them (causal). Their K and V rows are replaced by the last real row's before the pool write, which
 sends them to that row's slot: repeated writes of equal values. The graphs hold the addresses of
-one KV cache; a call with another cache drops them.
+one KV cache; a call with another cache drops them, and `release` drops them all (each graph keeps
+its peak activations' memory reserved while it lives).
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ class FreshPrompts:
     `prefill`'s layers, captured as CUDA graphs when `capture` (CUDA only)."""
 
     def __init__(self, prefill: Prefill, buckets: tuple[int, ...] = BUCKETS, capture: bool = True) -> None:
-        self.prefill = prefill
+        # A proxy: `prefill` owns this object, and a cycle would keep the graphs' memory until the
+        # garbage collector's next full pass.
+        self.prefill = weakref.proxy(prefill)
         self.buckets = tuple(sorted(b for b in buckets if b <= prefill.chunk)) or (prefill.chunk,)
         self.capture = capture and prefill.device.type == "cuda"
         self._buckets: dict[int, _Bucket] = {}
@@ -67,6 +70,11 @@ class FreshPrompts:
 
     def covers(self, n: int) -> bool:
         return 0 < n <= self.buckets[-1]
+
+    def release(self) -> None:
+        """Drop every bucket and graph (captured again at their next use)."""
+        self._buckets.clear()
+        self._kv = None
 
     def __call__(self, tokens: torch.Tensor, table: torch.Tensor, kv: PagedKV) -> torch.Tensor:
         """The residual [1, hidden] at the last of `tokens` (positions 0..n-1 of the sequence whose

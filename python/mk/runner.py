@@ -75,6 +75,11 @@ class PrefillRunner:
                     self.fast_prefill([PrefillRequest([0] * size, 0, table)], self.kv)
         log.info("prefill warm-up done in %.1f s", time.perf_counter() - started)
 
+    def release_graphs(self) -> None:
+        """Drop the fast prefill's CUDA graphs and their memory (the engine has stopped)."""
+        if self.fast_prefill is not None and self.fast_prefill.fresh is not None:
+            self.fast_prefill.fresh.release()
+
     def _sync(self, dirty: list[tuple[int, bytes]]) -> None:
         for row, data in dirty:
             self.tables[row] = torch.frombuffer(bytearray(data), dtype=torch.int32).view(self.layers, self.max_pages)

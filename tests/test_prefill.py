@@ -527,8 +527,12 @@ def test_a_fresh_prompt_with_another_cache_drops_the_static_buffers(weights64):
     prefill = Prefill(model, chunk=64, graphs=True)
     first, second = Pool(model), Pool(model)
     toks = tokens_of(40)
-    for pool in (first, second, first):
+    buckets = []
+    for pool in (first, first, second, first):
         table = pool.table(40)
         out = prefill([PrefillRequest(toks, 0, table)], pool.kv)
         assert rel_err(out.logits[0], pool.reference(toks, 0, table)[0]) < 1e-10, f"seed {SEED}"
+        buckets.append(prefill.fresh._buckets[64])
     assert prefill.fresh._kv() is first.kv
+    # Kept while the cache stays (on a GPU: its graph), made anew for every other cache.
+    assert buckets[0] is buckets[1] and buckets[2] is not buckets[1] and buckets[3] is not buckets[2]

@@ -48,7 +48,7 @@ from mk.config import ModelConfig
 from mk.engine_api import PREFILL_CHUNK
 from mk.model.experts import combine, copy_stacks, expert_names, moe_grouped, stack_experts, stacked_experts, swiglu_act
 from mk.model.moe import moe_ffn, swiglu
-from mk.model.paged import PagedKV
+from mk.model.paged import KVMappingError, PagedKV
 from mk.model.reference import Model, rms_norm
 from mk.model.rope import apply_rope, cos_sin
 from mk.model.varlen import (
@@ -294,7 +294,13 @@ class Prefill:
     def _chunk(self, tokens: torch.Tensor, pieces: list[Piece], kv: PagedKV) -> torch.Tensor:
         """All layers over one packed chunk; returns the residual at each piece's last row [pieces, D]."""
         if self.fresh is not None and len(pieces) == 1 and pieces[0].first == 0 and self.fresh.covers(len(tokens)):
-            return self.fresh(tokens, pieces[0].table, kv)
+            try:
+                return self.fresh(tokens, pieces[0].table, kv)
+            except KVMappingError:
+                raise
+            except Exception as e:  # a compile or capture failure must cost speed, not the request
+                warnings.warn(f"the fresh-prompt pass failed ({type(e).__name__}: {e}); the usual path", stacklevel=2)
+                self.fresh = None
         cfg = self.config
         positions = torch.cat([torch.arange(p.first, p.first + p.n) for p in pieces]).to(self.device)
         cos, sin = cos_sin(cfg, positions, self.dtype)

@@ -162,11 +162,15 @@ class FreshPrompts:
             self._pass(b, kv)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.current_stream(device)
         try:
             # Thread-local: the decode loop's launches on other threads go on during a capture.
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 self._pass(b, kv)
         except Exception as e:  # a capture failure must cost speed, not the request
+            # An invalidated capture raises while ending it, before the graph's context gives the
+            # stream back: this thread must not stay on the capture stream.
+            torch.cuda.set_stream(stream)
             warnings.warn(f"capturing the {b.n}-token prefill failed ({type(e).__name__}: {e}); eager", stacklevel=3)
             self.capture = False
             return

@@ -40,39 +40,47 @@ class PrefillRunner:
 
     def warm_up(self) -> None:
         """Run the fast prefill on scratch pages before serving, so its first-call compilation (tens of
-        seconds on a GPU) does not land on the first request, and on a GPU one whole chunk, so that
-        neither does the allocation of a full chunk's activations (a few GB). Uses blocks from 0 on,
-        which nothing holds yet and every later prefill overwrites before reading."""
+        seconds on a GPU) does not land on the first request; on a GPU also capture the CUDA graphs
+        of fresh prompts (mk.prefill_graphs), then run one whole chunk the usual way, so that neither
+        does the allocation of a full chunk's activations (a few GB; a capture empties the cache).
+        Uses blocks from 0 on, which nothing holds yet and every later prefill overwrites before
+        reading."""
         if self.fast_prefill is None or self.kv.num_blocks < self.layers:
             return
         started = time.perf_counter()
-        if self.fast_prefill.compiled:
+        prefill, fresh = self.fast_prefill, self.fast_prefill.fresh
+        if prefill.compiled:
             log.info("compiling the prefill path (torch.compile; the first start takes a while)")
         table = torch.full((self.layers, self.max_pages), -1, dtype=torch.int32)
         table[:, 0] = torch.arange(self.layers, dtype=torch.int32)
-        for n in (16, 48):  # a second length, so dynamic-shape compilation is settled too
-            self.fast_prefill([PrefillRequest([0] * n, 0, table)], self.kv)
-        if self.kv.num_blocks >= 2 * self.layers:  # and a packed call of two sequences
-            other = table.clone()
-            other[:, 0] += self.layers
-            self.fast_prefill([PrefillRequest([0] * 16, 0, table), PrefillRequest([0] * 32, 0, other)], self.kv)
-        n = min(self.fast_prefill.chunk, self.max_pages * PAGE_SIZE)
+        n = min(prefill.chunk, self.max_pages * PAGE_SIZE)
         pages = -(-n // PAGE_SIZE)
-        if self.model.device.type == "cuda" and self.kv.num_blocks >= self.layers * pages:
-            table = torch.arange(self.layers * pages, dtype=torch.int32).view(self.layers, pages)
-            table = torch.nn.functional.pad(table, (0, self.max_pages - pages), value=-1)
-            # A whole chunk the usual way (chunks after a cached prefix), then a fresh prompt of
-            # each padded length, which captures its CUDA graph (mk.prefill_graphs).
-            fresh, self.fast_prefill.fresh = self.fast_prefill.fresh, None
+        whole = self.model.device.type == "cuda" and self.kv.num_blocks >= self.layers * pages
+        if whole:
+            chunk_table = torch.arange(self.layers * pages, dtype=torch.int32).view(self.layers, pages)
+            chunk_table = torch.nn.functional.pad(chunk_table, (0, self.max_pages - pages), value=-1)
+        prefill.fresh = None  # the usual path first, whatever the prompts' shapes
+        try:
+            for m in (16, 48):  # a second length, so dynamic-shape compilation is settled too
+                prefill([PrefillRequest([0] * m, 0, table)], self.kv)
+            if self.kv.num_blocks >= 2 * self.layers:  # and a packed call of two sequences
+                other = table.clone()
+                other[:, 0] += self.layers
+                prefill([PrefillRequest([0] * 16, 0, table), PrefillRequest([0] * 32, 0, other)], self.kv)
+        finally:
+            prefill.fresh = fresh
+        if whole and fresh is not None and fresh.capture:
+            # One fresh prompt per padded length a prompt of up to n tokens can take.
+            sizes = sorted({min(size, n) for size in fresh.buckets})
+            log.info("capturing the prefill's CUDA graphs for fresh prompts of up to %d tokens", sizes[-1])
+            for m in sizes:
+                prefill([PrefillRequest([0] * m, 0, chunk_table)], self.kv)
+        if whole:
+            prefill.fresh = None
             try:
-                self.fast_prefill([PrefillRequest([0] * n, 0, table)], self.kv)
+                prefill([PrefillRequest([0] * n, 0, chunk_table)], self.kv)
             finally:
-                self.fast_prefill.fresh = fresh
-            if fresh is not None:
-                sizes = [b for b in fresh.buckets if b <= n]
-                log.info("capturing the prefill's CUDA graphs for fresh prompts of up to %s tokens", sizes)
-                for size in sizes:
-                    self.fast_prefill([PrefillRequest([0] * size, 0, table)], self.kv)
+                prefill.fresh = fresh
         log.info("prefill warm-up done in %.1f s", time.perf_counter() - started)
 
     def release_graphs(self) -> None:

@@ -12,7 +12,7 @@
 use super::backend::{BackendError, DecodeInput, LaunchTimes};
 use crate::gpu::step::{GpuLauncher, StepRows};
 use crate::gpu::MkRowSample;
-use crate::sampling::{sample_rows, Job, SampleError, SampleSpec, Sampled, Sampler};
+use crate::sampling::{inverse_temperature, sample_rows, Job, SampleError, SampleSpec, Sampled, Sampler};
 
 /// Runs one launch (the GPU's `GpuLauncher`; a mock in tests).
 pub trait StepLauncher {
@@ -80,12 +80,11 @@ pub fn kernel_draw(spec: &SampleSpec) -> Option<MkRowSample> {
     if spec.is_greedy() {
         return Some(MkRowSample::default());
     }
-    // `Sampler::draw`'s 1 / T, and its limit: greedy where that is not finite.
-    let inv_t = 1.0 / spec.temperature;
-    match (spec.top_k == 0 && spec.top_p >= 1.0, inv_t.is_finite()) {
+    // `Sampler::draw`'s rule: greedy where the temperature is too small for noise.
+    match (spec.top_k == 0 && spec.top_p >= 1.0, inverse_temperature(spec.temperature)) {
         (false, _) => None,
-        (true, false) => Some(MkRowSample::default()),
-        (true, true) => Some(MkRowSample::draw(inv_t, spec.seed, spec.index)),
+        (true, None) => Some(MkRowSample::default()),
+        (true, Some(inv_t)) => Some(MkRowSample::draw(inv_t, spec.seed, spec.index)),
     }
 }
 
@@ -438,8 +437,10 @@ mod tests {
         assert_eq!(kernel_draw(&SampleSpec { top_k: 1, ..seeded(0) }), Some(MkRowSample::default())); // top-1 is greedy
         let d = kernel_draw(&heated(9)).unwrap();
         assert_eq!((d.inv_temperature, d.seed_lo, d.seed_hi, d.index), (1.0 / 0.7, 5, 7 << 8, 9));
-        // 1 / T not finite in f32: the host's limit, greedy.
-        assert_eq!(kernel_draw(&SampleSpec { temperature: 1e-45, ..heated(0) }), Some(MkRowSample::default()));
+        // 1 / T not finite in f32, or above 2^32: the host's limit, greedy.
+        for temperature in [1e-45, 1e-12] {
+            assert_eq!(kernel_draw(&SampleSpec { temperature, ..heated(0) }), Some(MkRowSample::default()));
+        }
         assert!(needs_logits(&seeded(0)));
         assert!(needs_logits(&SampleSpec { top_p: 0.9, ..heated(0) }));
         assert!(needs_logits(&SampleSpec { top_k: 5, ..heated(0) }));

@@ -173,10 +173,9 @@ impl Sampler {
 
     /// Filter, then Gumbel-max over the survivors.
     fn draw(&mut self, logits: &[f32], spec: &SampleSpec) -> Result<u32, SampleError> {
-        let inv_t = 1.0 / spec.temperature;
-        if !inv_t.is_finite() {
-            return argmax(logits); // a temperature too small for f32: the limit, greedy
-        }
+        let Some(inv_t) = inverse_temperature(spec.temperature) else {
+            return argmax(logits); // a temperature this small: greedy, its limit
+        };
         if spec.top_k == 0 && spec.top_p >= 1.0 {
             return gumbel_draw(logits, inv_t, spec.seed, spec.index);
         }
@@ -279,6 +278,19 @@ fn gumbel_max(logits: &[f32], ids: impl Iterator<Item = u32>, first: u32, inv_t:
         }
     }
     best
+}
+
+/// The largest 1 / T a draw with noise takes: below T = 2^-32, logits 4e-9 apart already differ
+/// by more than any noise, and scaled keys could overflow to -inf, where the host and the kernel
+/// would settle ties differently.
+const MAX_INVERSE_TEMPERATURE: f32 = 4_294_967_296.0;
+
+/// 1 / T of a draw with noise, or None where temperature `t` (> 0) draws greedily: its inverse
+/// is not finite in f32 or above `MAX_INVERSE_TEMPERATURE`. The one rule of the host sampler and
+/// the kernel's rows (`engine::megakernel::kernel_draw`).
+pub fn inverse_temperature(t: f32) -> Option<f32> {
+    let inv_t = 1.0 / t;
+    (inv_t.is_finite() && inv_t <= MAX_INVERSE_TEMPERATURE).then_some(inv_t)
 }
 
 /// Gumbel-max over every finite logit at temperature 1 / `inv_t` (finite, > 0), in one pass
@@ -483,11 +495,12 @@ mod tests {
 
     #[test]
     fn the_gumbel_bound_holds_for_every_draw_and_is_tight() {
+        // Every distinct draw: the uniform takes the top 23 bits.
         let bound = philox::gumbel_bound();
         let mut most = f32::NEG_INFINITY;
-        for bits in (0..=u32::MAX).step_by(4099).chain([u32::MAX, u32::MAX - 511]) {
-            let g = -(-philox::uniform(bits).ln()).ln();
-            assert!(g <= bound, "bits {bits:#x}: {g} > {bound}");
+        for top in 0..(1u32 << 23) {
+            let g = philox::gumbel_of_bits(top << 9);
+            assert!(g <= bound, "bits {:#x}: {g} > {bound}", top << 9);
             most = most.max(g);
         }
         assert!(bound - most < 0.01 && bound > 16.0, "{bound} against {most}");
@@ -521,11 +534,14 @@ mod tests {
     }
 
     #[test]
-    fn a_temperature_too_small_for_f32_is_greedy() {
+    fn a_temperature_too_small_for_f32_or_below_2_to_the_minus_32_is_greedy() {
         let logits = [0.0f32, 3.0, -1.0, 3.0, 40.0, 39.5];
-        for t in [1e-40f32, f32::MIN_POSITIVE / 4.0] {
-            assert!((1.0 / t).is_infinite());
-            assert_eq!(Sampler::new().sample(&logits, &spec(t, 0.9, 3, 5, 1)).unwrap().token, 4);
+        for t in [1e-40f32, f32::MIN_POSITIVE / 4.0, 1e-12, 2.2e-10] {
+            assert!(inverse_temperature(t).is_none(), "{t}");
+            for (top_p, top_k) in [(0.9, 3), (1.0, 0)] {
+                assert_eq!(Sampler::new().sample(&logits, &spec(t, top_p, top_k, 5, 1)).unwrap().token, 4);
+            }
         }
+        assert_eq!(inverse_temperature(2.4e-10), Some(1.0 / 2.4e-10));
     }
 }

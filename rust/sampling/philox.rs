@@ -43,7 +43,12 @@ pub fn uniform(bits: u32) -> f32 {
 
 /// Standard Gumbel noise −ln(−ln u) of `token_bits(seed, index, vocab_id)`.
 pub fn gumbel(seed: u64, index: u32, vocab_id: u32) -> f32 {
-    gumbel_of(uniform(token_bits(seed, index, vocab_id)))
+    gumbel_of_bits(token_bits(seed, index, vocab_id))
+}
+
+/// The noise of 32 random bits (only the top 23 count): the kernel's `gumbel_of_bits`.
+pub fn gumbel_of_bits(bits: u32) -> f32 {
+    gumbel_of(uniform(bits))
 }
 
 fn gumbel_of(u: f32) -> f32 {
@@ -53,7 +58,7 @@ fn gumbel_of(u: f32) -> f32 {
 /// At least any `gumbel` value: the noise of the largest uniform (the logarithm is non-decreasing
 /// up to its rounding), with a margin far above that rounding.
 pub fn gumbel_bound() -> f32 {
-    gumbel_of(uniform(u32::MAX)) + 1e-3
+    gumbel_of_bits(u32::MAX) + 1e-3
 }
 
 /// ln(2) rounded to f32.

@@ -53,6 +53,37 @@ def test_streamed_completion_equals_the_unstreamed_one(client):
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
 
 
+def test_continuous_usage_stats_make_a_chunk_per_token(client):
+    """stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far and every
+    token makes a chunk, held text or not, so a client counts tokens as they come without asking
+    for logprobs (which would send the rows to the host sampler); the text is unchanged."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    # The built-in model ends this prompt at once (EOS, which has no text), and goes on past it.
+    prompt = 'def one():\n    """Return one."""\n'
+    kwargs = dict(model=NAME, prompt=prompt, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options=options))
+    tokens = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].finish_reason is None]
+    assert tokens == list(range(1, 21))
+    assert all(c.usage.prompt_tokens == whole.usage.prompt_tokens for c in chunks)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    messages = [{"role": "user", "content": "Write a loop."}]
+    chat = list(
+        client.chat.completions.create(
+            model=NAME,
+            messages=messages,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options=options,
+            extra_body={**NO_THINKING, "ignore_eos": True},
+        )
+    )
+    counted = [c.usage.completion_tokens for c in chat if c.choices and c.usage and c.choices[0].finish_reason is None]
+    assert counted == list(range(1, 17))
+
+
 def test_several_prompts_token_ids_echo_and_n(client):
     ids = TOK.encode("x = 1")
     out = client.completions.create(model=NAME, prompt=[ids, ids], max_tokens=4, temperature=0, n=2, logprobs=0)

@@ -85,8 +85,7 @@ async def _stream(
     for run in runs:
         yield chunk(run.index, {"role": "assistant", "content": ""})
     events = [_choice_events(state, req, prompt, run, chunk) for run in runs]
-    include_usage = req.stream_options is not None and req.stream_options.include_usage
-    async for item in stream_choices(events, runs, head, include_usage, len(prompt.token_ids), info):
+    async for item in stream_choices(events, runs, head, req.stream_options, len(prompt.token_ids), info):
         yield item
 
 
@@ -118,6 +117,8 @@ async def _choice_events(
             fields["content"] = delta.content
         if delta.tool_calls:
             fields["tool_calls"] = delta.tool_calls
+        if not fields and run.every_token and piece.tokens and piece.finish_reason is None:
+            fields["content"] = ""  # a token whose text is held or hidden: continuous usage counts it
         if fields:
             yield chunk(run.index, fields, logprobs=chat_logprobs(state.tokenizer, tokens) if req.logprobs else None)
             tokens = []

@@ -94,12 +94,11 @@ async def _stream(
             if req.logprobs is not None:
                 logprobs = completion_logprobs(state.tokenizer, piece.tokens, offset)
             offset += len(piece.text)
-            if piece.text or logprobs:
+            if piece.text or logprobs or (c.run.every_token and piece.tokens):
                 yield chunk(c.run.index, piece.text, None, logprobs)
             if piece.finish_reason is not None:
                 yield chunk(c.run.index, "", piece.finish_reason)
 
-    include_usage = req.stream_options is not None and req.stream_options.include_usage
     runs = [c.run for c in choices]
-    async for item in stream_choices([events(c) for c in choices], runs, head, include_usage, prompt_tokens, info):
+    async for item in stream_choices([events(c) for c in choices], runs, head, req.stream_options, prompt_tokens, info):
         yield item

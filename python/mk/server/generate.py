@@ -73,6 +73,8 @@ class ChoiceRun:
         self.token_ids: list[int] = []
         self.first_token_at: float | None = None
         self.finish_reason: str | None = None
+        # Yield a piece for every token, text or not (continuous usage stats).
+        self.every_token = False
 
     async def pieces(self) -> AsyncIterator[Piece]:
         pending: list[tuple[int, float | None, tuple | None]] = []
@@ -106,9 +108,10 @@ class ChoiceRun:
                     text += self.stops.flush()
                     yield self._end(Piece(text, pending, ABORT if reason == "cancelled" else reason, event.error))
                     return
-                # A client that asked for logprobs gets every token as it comes, even one whose text
-                # the detokenizer still holds (a partial character): its stream counts tokens.
-                if text or (pending and event.logprob is not None):
+                # A client that asked for logprobs or continuous usage gets every token as it comes,
+                # even one whose text the detokenizer still holds (a partial character): its stream
+                # counts tokens.
+                if text or (pending and (event.logprob is not None or self.every_token)):
                     yield Piece(text, pending)
                     pending = []
         finally:
@@ -231,16 +234,33 @@ def note(info: dict, runs: list[ChoiceRun]) -> None:
         info["ttft_ms"] = f"{(min(first) - runs[0].arrival) * 1000:.0f}"
 
 
+def stream_usage(options) -> tuple[bool, bool]:
+    """A request's `stream_options` as (usage chunk at the end, usage in every chunk)."""
+    if options is None:
+        return False, False
+    return options.include_usage, options.continuous_usage_stats
+
+
 async def stream_choices(
-    events: list[AsyncIterator], runs: list[ChoiceRun], head: dict, include_usage: bool, prompt_tokens: int, info: dict
+    events: list[AsyncIterator],
+    runs: list[ChoiceRun],
+    head: dict,
+    options,
+    prompt_tokens: int,
+    info: dict,
 ) -> AsyncIterator[Any]:
     """Every choice's chunks as they come, until one yields an error body (which ends the stream);
-    then the usage chunk when asked for, and [DONE]."""
+    then the usage chunk when asked for, and [DONE]. With continuous usage stats (`options`, the
+    request's stream_options) every chunk carries the usage so far, and every token makes one."""
+    include_usage, continuous = stream_usage(options)
+    for run in runs:
+        run.every_token = continuous
     try:
         async for item in merged(events):
-            yield item
             if "error" in item:
+                yield item
                 break
+            yield {**item, "usage": usage(prompt_tokens, runs)} if continuous else item
     finally:
         note(info, runs)
     if include_usage:

@@ -50,6 +50,9 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM's extension: usage so far in every chunk, and a chunk for every token, even one whose
+    # text is still held (a partial character): a client counts tokens without asking logprobs.
+    continuous_usage_stats: bool = False
 
 
 class _Sampling(_Body):

@@ -197,9 +197,12 @@ typedef struct MkTraceEntry {
     uint64_t stream_ns;    // %globaltimer when the producer issued the task's first weight copy
     // A streamed task: the cycles the producer waited for free ring stages for its copies, and for
     // the layer's top-k before them (expert tiles). A kernel built with -DMK_TRACE_MARKS=1 (a
-    // diagnostic build): for a task that streams nothing, the cycles from the end of its wait to
-    // the two points its op marks (PhaseMarks), 0 where it marks none; for the first task the
+    // diagnostic build): for a task whose op marks two points (PhaseMarks: the top-k, norm and
+    // combine tasks, the attention split), the cycles from the end of its wait to each, the
+    // second or'ed with MK_TRACE_MARKED (and 0 where it marks only one); for the first task the
     // producer walks after waiting for a top-k, the second word counts from the top-k seen done.
     uint32_t ring_wait_cycles;
     uint32_t topk_wait_cycles;
 } MkTraceEntry;
+// Bit 31 of MkTraceEntry.topk_wait_cycles: the two words hold a task's marks (a marks build).
+#define MK_TRACE_MARKED 0x80000000u

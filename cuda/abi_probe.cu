@@ -78,6 +78,7 @@ extern "C" __device__ const unsigned long long mk_abi_layout[] = {
     offsetof(MkStepArgs, kv_maps),
     offsetof(MkStepArgs, row_samples),
     sizeof(MkTraceEntry),
+    MK_TRACE_MARKED,
     sizeof(MkRowSample),
     offsetof(MkRowSample, inv_temperature),
     offsetof(MkRowSample, seed_lo),

@@ -105,7 +105,7 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
             case MK_OP_EMBED: run_embed(a, t, sm.norm.row, sm.norm.scratch); break;
             case MK_OP_GEMV: run_gemv(a, t, gemv, ring, stage, act_key); break;
             case MK_OP_EXPERT_CLAIM: run_expert_claim(a, t, gemv, ring, stage, act_key); break;
-            case MK_OP_ATTN_SPLIT: run_attn_split(a, t, split, sm.attn, ring, stage); break;
+            case MK_OP_ATTN_SPLIT: run_attn_split(a, t, split, sm.attn, ring, stage, marks); break;
             case MK_OP_ATTN_COMBINE: run_attn_combine(a, t, marks); break;
             case MK_OP_TOPK: run_topk(a, t, sm.topk.chosen, sm.topk.slot_of, marks); break;
             case MK_OP_RESIDUAL_NORM:
@@ -121,9 +121,9 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
             trace[i].start_ns = start_ns;
             trace[i].wait_cycles = (uint32_t)(c1 - c0);
             trace[i].run_cycles = (uint32_t)(clock64() - c1);
-            if (MK_TRACE_MARKS && marks.at[0] != 0) {  // (such a task streams nothing: the fields are free)
+            if (MK_TRACE_MARKS && marks.at[0] != 0) {  // (the producer leaves a marked task's fields alone)
                 trace[i].ring_wait_cycles = (uint32_t)(marks.at[0] - c1);
-                trace[i].topk_wait_cycles = marks.at[1] != 0 ? (uint32_t)(marks.at[1] - c1) : 0u;
+                trace[i].topk_wait_cycles = MK_TRACE_MARKED | (marks.at[1] != 0 ? (uint32_t)(marks.at[1] - c1) : 0u);
             }
         }
     }

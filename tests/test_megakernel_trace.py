@@ -6,14 +6,14 @@ import pytest
 from mk.config import ModelConfig
 from mk.megakernel import graph as mkgraph
 from mk.megakernel.graph import Op
-from mk.megakernel.trace import TRACE_WORDS, summarize, task_family
+from mk.megakernel.trace import TRACE_MARKED, TRACE_WORDS, summarize, task_family
 
 EPOCH_NS = 1_700_000_000_000_000_000  # a real %globaltimer counts ns since an epoch: too big for float64 ns
 
 
 STREAM_LEAD_NS = 1000  # the producer's first copy, before the block reaches a gemv task
 RING_WAIT, TOPK_WAIT = 300, 100  # the producer's cycles per gemv task
-MARK1, MARK2 = 450, 900  # a diagnostic kernel's marks in the top-k tasks (cycles after their wait)
+MARK1, MARK2 = 450, 900  # a diagnostic kernel's marks in the top-k tasks and splits (cycles after their wait)
 
 
 def synthetic_trace(g: mkgraph.StepGraph, hz: float, rng: np.random.Generator) -> np.ndarray:
@@ -29,11 +29,13 @@ def synthetic_trace(g: mkgraph.StepGraph, hz: float, rng: np.random.Generator) -
             run = int(rng.integers(1000, 5000))
             trace[s, i, 0] = EPOCH_NS + int(t)
             trace[s, i, 1] = wait | (run << 32)
-            if g.tasks[s, i, 0] == Op.GEMV:
+            if g.tasks[s, i, 0] in (Op.GEMV, Op.ATTN_SPLIT):
                 trace[s, i, 2] = EPOCH_NS + int(t) - STREAM_LEAD_NS
+            if g.tasks[s, i, 0] == Op.GEMV:
                 trace[s, i, 3] = RING_WAIT | (TOPK_WAIT << 32)
-            elif g.tasks[s, i, 0] == Op.TOPK:
-                trace[s, i, 3] = MARK1 | (MARK2 << 32)
+            elif g.tasks[s, i, 0] in (Op.TOPK, Op.ATTN_SPLIT):  # a split streams, and marks in place of the producer
+                # the flag is the word's top bit: as an int64, the word is negative
+                trace[s, i, 3] = (MARK1 | ((MARK2 | TRACE_MARKED) << 32)) - (1 << 64)
             t += (wait + run) / hz * 1e9
     return trace
 
@@ -59,6 +61,10 @@ def test_summary_reports_the_weight_producer_for_streamed_tasks_only():
     g = mkgraph.build(ModelConfig.tiny(), [5, 130, 300], num_sms=7)
     s = summarize(g, synthetic_trace(g, 1.5e9, np.random.default_rng(2)))
     for f in s["families"]:
+        if f["name"] == "attn_split":  # streamed, its producer words taken by its marks
+            assert f["streamed"] == f["count"] and f["ring_wait_us"] == 0 and f["topk_wait_us"] == 0
+            assert f["lead_us"] == pytest.approx((STREAM_LEAD_NS + 500 / 1.5e9 * 1e9) / 1e3, abs=2e-3)
+            continue
         if not f["name"].startswith("gemv:"):
             assert f["streamed"] == 0 and f["ring_wait_us"] == 0 and f["lead_us"] == 0
             continue
@@ -71,19 +77,20 @@ def test_summary_reports_the_weight_producer_for_streamed_tasks_only():
     ring_us = gemv_tasks * RING_WAIT / 1.5e9 * 1e6
     assert s["producer_ring_wait_fraction"] == pytest.approx(ring_us / (7 * s["span_us"]), rel=1e-3)
     for r in s["timeline"]:
-        assert (r["stream_us"] is not None) == r["name"].startswith("gemv:")
+        assert (r["stream_us"] is not None) == (r["name"].startswith("gemv:") or r["name"] == "attn_split")
         if r["stream_us"] is not None:
             assert r["stream_us"] < r["arrive_us"]
 
 
-def test_summary_reports_marks_of_tasks_that_stream_nothing():
+def test_summary_reports_the_marks_of_tasks_that_flag_them():
     g = mkgraph.build(ModelConfig.tiny(), [5, 130, 300], num_sms=7)
     s = summarize(g, synthetic_trace(g, 1.5e9, np.random.default_rng(3)))
     by_name = {f["name"]: f for f in s["families"]}
-    assert by_name["topk"]["mark1_us"] == pytest.approx(MARK1 / 1.5e9 * 1e6, rel=1e-3)
-    assert by_name["topk"]["mark2_us"] == pytest.approx(MARK2 / 1.5e9 * 1e6, rel=1e-3)
+    for name in ("topk", "attn_split"):  # one streams nothing, the other streams
+        assert by_name[name]["mark1_us"] == pytest.approx(MARK1 / 1.5e9 * 1e6, rel=1e-3)
+        assert by_name[name]["mark2_us"] == pytest.approx(MARK2 / 1.5e9 * 1e6, rel=1e-3)
     for name, f in by_name.items():
-        if name != "topk":  # gemv tasks' word 3 is the producer's, not marks
+        if name not in ("topk", "attn_split"):  # gemv tasks' word 3 is the producer's, not marks
             assert f["mark1_us"] == 0 and f["mark2_us"] == 0
 
 

@@ -4,7 +4,7 @@ detokenizer, stop strings)."""
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mk import tokenizer_files
@@ -81,13 +81,15 @@ def test_token_bytes_of_special_tokens_are_their_text():
 
 @settings(max_examples=200, deadline=None)
 @given(texts, st.booleans())
+@example("\ufffd", False)  # the character a split one would show as, in the text itself
 def test_detokenizer_pieces_add_up_and_never_break_a_character(text, skip):
     ids = TOK.encode("<|START_RESPONSE|>" + text, add_special_tokens=False)
     d = Detokenizer(TOK, skip_special_tokens=skip)
     pieces = [d.push(i) for i in ids]
     pieces.append(d.flush())
     assert "".join(pieces) == TOK.decode(ids, skip_special_tokens=skip)
-    assert all("\ufffd" not in p for p in pieces)
+    # No piece shows a split character as U+FFFD (the text may hold that character itself).
+    assert sum(p.count("\ufffd") for p in pieces) == text.count("\ufffd")
 
 
 @settings(max_examples=100, deadline=None)

@@ -175,8 +175,9 @@ struct SplitState {
 // poison P V; K's are masked out of S), and on the page holding the row's position, the new key
 // and value (written by this step's QKV, which the task waited for) are copied in. Such writes
 // are fenced against the copy engine's next writes into the stage.
+// Marks: the first page done (q loaded, the pages' fixes, one page's softmax); every page done.
 __device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, const SplitPages& sp, AttnScratch& x,
-                                    const Ring& r, uint32_t& n) {
+                                    const Ring& r, uint32_t& n, PhaseMarks& marks) {
     SplitState st(a, sp);
     constexpr int kRowPieces = kHeadDim / 8;  // 16-byte pieces of a row
     for (int i = 0; i < sp.pages; ++i, n += 2) {
@@ -204,7 +205,9 @@ __device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, const Split
         st.page(ks, vs, start, sp.lo, sp.hi, x);
         __syncwarp();
         if (threadIdx.x % 32 == 0) mbar_arrive(r.empty_of(n)), mbar_arrive(r.empty_of(n + 1));
+        if (i == 0) marks.mark(0);
     }
+    marks.mark(1);
     st.store(a, sp, t.arg[2]);
 }
 

@@ -273,6 +273,7 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t
     // The trace's producer fields of the task being streamed (`traced`).
     MkTraceEntry* trace = a.trace ? ptr<MkTraceEntry>(a.trace) + (size_t)blockIdx.x * a.per_sm : nullptr;
     int traced = -1;
+    bool traced_kv = false;  // a marks build: a split's two words hold its marks (written by the consumer)
     uint32_t ring_wait = 0;
     const void* map;
     int col, row, boxes;
@@ -282,13 +283,13 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t
         if (kind == StageWalk::kEnd) break;
         const bool first = trace && copy.j != traced;
         if (first) {
-            if (traced >= 0) trace[traced].ring_wait_cycles = ring_wait;
+            if (traced >= 0 && !(MK_TRACE_MARKS && traced_kv)) trace[traced].ring_wait_cycles = ring_wait;
             // A marks build: the first task walked after a top-k wait records the cycles from
             // the top-k seen to its first stage known (the slot loads), not the whole wait.
             long long from = t0;
             if (MK_TRACE_MARKS && copy.topk_seen != 0) from = copy.topk_seen, copy.topk_seen = 0;
-            trace[copy.j].topk_wait_cycles = (uint32_t)(clock64() - from);
-            traced = copy.j, ring_wait = 0;
+            if (!(MK_TRACE_MARKS && copy.kv)) trace[copy.j].topk_wait_cycles = (uint32_t)(clock64() - from);
+            traced = copy.j, traced_kv = copy.kv, ring_wait = 0;
         }
         if (n >= (uint32_t)r.count && !mbar_test_wait(r.empty_of(n), r.parity(n) ^ 1u)) {
             const long long w0 = trace ? clock64() : 0;
@@ -312,7 +313,7 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t
         }
         if (first) trace[copy.j].stream_ns = global_ns();
     }
-    if (traced >= 0) trace[traced].ring_wait_cycles = ring_wait;
+    if (traced >= 0 && !(MK_TRACE_MARKS && traced_kv)) trace[traced].ring_wait_cycles = ring_wait;
 }
 
 // Fills has_row[b] for an expert tile's slot (visible after the next barrier).

@@ -160,6 +160,9 @@ pub const LAYER_WEIGHTS: [&str; LAYER_WEIGHT_COUNT] = ["NORM", "Q", "K", "V", "O
 /// `sizeof(MkTraceEntry)`: u64 start_ns, u32 wait_cycles, u32 run_cycles, u64 stream_ns,
 /// u32 ring_wait_cycles, u32 topk_wait_cycles.
 pub const TRACE_ENTRY_BYTES: usize = 32;
+/// `MK_TRACE_MARKED`: bit 31 of an entry's top-k wait word, set where the two words hold a task's
+/// marks (a `-DMK_TRACE_MARKS=1` kernel).
+pub const TRACE_MARKED: u32 = 0x8000_0000;
 
 /// Must equal `MK_ABI_VERSION` in cuda/abi.h.
 pub const ABI_VERSION: u64 = 11;
@@ -177,6 +180,7 @@ pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
     ];
     out.extend(MkStepArgs::layout().into_iter().map(|(name, off, _)| (name, off as u64)));
     out.push(("sizeof(MkTraceEntry)", TRACE_ENTRY_BYTES as u64));
+    out.push(("MK_TRACE_MARKED", u64::from(TRACE_MARKED)));
     out.push(("sizeof(MkRowSample)", size_of::<MkRowSample>() as u64));
     out.extend(MkRowSample::layout().into_iter().map(|(name, off, _)| (name, off as u64)));
     out.push(("MK_STEP_MAX_K", STEP_MAX_K as u64));

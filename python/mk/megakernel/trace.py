@@ -18,6 +18,7 @@ from mk import _native
 from mk.megakernel.graph import ARG, Matrix, Op, StepGraph
 
 TRACE_WORDS = _native.TRACE_ENTRY_BYTES // 8  # int64 words of one MkTraceEntry (cuda/abi.h)
+TRACE_MARKED = _native.TRACE_MARKED  # in word 3's high half: the two halves are the task's marks
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,8 @@ class Family:
     ring_wait_us: float  # mean per streamed task: the producer waiting for free ring stages
     topk_wait_us: float  # mean per streamed task: the producer waiting for the layer's top-k
     lead_us: float  # mean per streamed task: first copy issued to the compute warps' start of work
-    # A kernel built with -DMK_TRACE_MARKS=1: mean per task that streams nothing and marked its
-    # points (PhaseMarks in cuda/ops/step_common.cuh), µs from the end of its wait; 0 without marks.
+    # A kernel built with -DMK_TRACE_MARKS=1: mean per task that marked its points (PhaseMarks in
+    # cuda/ops/step_common.cuh), µs from the end of its wait; 0 without marks.
     mark1_us: float = 0.0
     mark2_us: float = 0.0
 
@@ -67,7 +68,9 @@ def summarize(g: StepGraph, trace: np.ndarray) -> dict:
     end = start + (wait + run) / hz * 1e9
     streamed = real & (trace[..., 2] != 0)
     stream = np.where(streamed, (trace[..., 2] - first).astype(np.float64), np.nan)  # NaN: nothing streamed
-    ring_wait, topk_wait = (c.astype(np.float64) for c in cycles(trace, 3))
+    ring_wait, topk_raw = cycles(trace, 3)
+    marked_all = (topk_raw & TRACE_MARKED) != 0  # word 3 holds the task's marks, not the producer's
+    ring_wait, topk_wait = ring_wait.astype(np.float64), (topk_raw & ~TRACE_MARKED).astype(np.float64)
     t0, t1 = start[real].min(), end[real].max()
     span_us = (t1 - t0) / 1e3
     num_sms = real.shape[0]
@@ -79,13 +82,14 @@ def summarize(g: StepGraph, trace: np.ndarray) -> dict:
     for name, where in sorted(families.items()):
         idx = tuple(np.array(where).T)
         st = streamed[idx]
+        marked = marked_all[idx]
         work_start = start[idx] + wait[idx] / hz * 1e9
 
-        def mean_us(v, st=st):
-            return float(v[st].mean() / 1e3) if st.any() else 0.0
+        def mean_us(v, over):
+            return float(v[over].mean() / 1e3) if over.any() else 0.0
 
-        # Word 3 of a task that streams nothing holds its marks (0 where it marks none).
-        marked = ~st & (ring_wait[idx] != 0)
+        producer = st & ~marked  # whose word 3 is the producer's waits
+
         marks = (ring_wait[idx][marked], topk_wait[idx][marked])
         mark1, mark2 = (float(v.mean() / hz * 1e6) if marked.any() else 0.0 for v in marks)
 
@@ -97,9 +101,9 @@ def summarize(g: StepGraph, trace: np.ndarray) -> dict:
                 run_us=float(run[idx].mean() / hz * 1e6),
                 run_sm_us=float(run[idx].sum() / hz * 1e6),
                 streamed=int(st.sum()),
-                ring_wait_us=mean_us(ring_wait[idx] / hz * 1e9),
-                topk_wait_us=mean_us(topk_wait[idx] / hz * 1e9),
-                lead_us=mean_us(work_start - stream[idx]),
+                ring_wait_us=mean_us(ring_wait[idx] / hz * 1e9, producer),
+                topk_wait_us=mean_us(topk_wait[idx] / hz * 1e9, producer),
+                lead_us=mean_us(work_start - stream[idx], st),
                 mark1_us=mark1,
                 mark2_us=mark2,
             )
@@ -118,7 +122,7 @@ def summarize(g: StepGraph, trace: np.ndarray) -> dict:
         "busy_fraction": float(run[real].sum() / hz * 1e6 / (num_sms * span_us)),
         "wait_fraction": float(wait[real].sum() / (wait[real].sum() + run[real].sum())),
         # The weight stream stalled because the ring was full (the compute warps were behind).
-        "producer_ring_wait_fraction": float(ring_wait[streamed].sum() / hz * 1e6 / (num_sms * span_us)),
+        "producer_ring_wait_fraction": float(ring_wait[streamed & ~marked_all].sum() / hz * 1e6 / (num_sms * span_us)),
         # First-to-last task of each layer (they overlap: layer l + 1 starts before l ends).
         "layer_us": layer_us,
         "families": [f.__dict__ for f in sorted(rows, key=lambda f: -f.run_sm_us)],

@@ -16,10 +16,10 @@ from mk.outputs import TokenEvent
 from mk.sampling import SamplingParams
 
 # Prompt tokens one loop iteration prefills on a GPU, unless told otherwise (the engine's and the
-# server's default). Each prefill call costs a fixed ~100 ms on the H200 today, so fewer, larger
-# chunks win: an 8K prompt takes 245 ms in one chunk and 855 ms in 1K chunks (docs/PERF.md,
-# "Prefill"); the price is that a decoding stream waits up to one chunk's time while a long prompt
-# is admitted.
+# server's default). A prefill call costs a fixed ~100-150 ms of host time on the H200 today (all
+# but a fresh prompt alone, which replays a CUDA graph), so fewer, larger chunks win: an 8K prompt
+# took 245 ms in one chunk and 855 ms in 1K chunks (docs/PERF.md, "Prefill"); the price is that a
+# decoding stream waits up to one chunk's time while a long prompt is admitted.
 PREFILL_CHUNK = 8192
 # On the CPU, where a chunk takes far longer and a decoding stream waits for it: smaller.
 CPU_PREFILL_CHUNK = 512

@@ -43,9 +43,8 @@ class _Bucket:
 
     n: int
     tokens: torch.Tensor  # long [n]: the prompt, then pads
-    slots: torch.Tensor  # long [layers, n]: pool slot of each row per layer (pads: the last real row's)
-    last: torch.Tensor  # long [1]: the last real row
-    real: torch.Tensor  # bool [n, 1, 1]: which rows are the prompt's
+    source: torch.Tensor  # long [n]: the prompt row each row writes as (its own; a pad: the last one)
+    slots: torch.Tensor  # long [layers, n]: the pool slot of each row's source per layer
     out: torch.Tensor  # [1, hidden] (accumulation dtype): the residual at the last real row
     cos: torch.Tensor
     sin: torch.Tensor
@@ -87,14 +86,11 @@ class FreshPrompts:
             self._kv = weakref.ref(kv)
         size = next(b for b in self.buckets if b >= n)
         b = self._buckets.get(size) or self._new_bucket(size)
-        rows = torch.arange(size)
-        pos = rows.clamp(max=n - 1)  # pads take the last real row's slot
-        slots = table.index_select(1, pos // PAGE_SIZE).long() * PAGE_SIZE + pos % PAGE_SIZE
-        b.slots.copy_(slots)
+        source = torch.arange(size).clamp(max=n - 1)  # pads write as the last real row
+        b.source.copy_(source)
+        b.slots.copy_(table.index_select(1, source // PAGE_SIZE).long() * PAGE_SIZE + source % PAGE_SIZE)
         b.tokens.zero_()
         b.tokens[:n].copy_(tokens)
-        b.last.fill_(n - 1)
-        b.real.copy_((rows < n).view(size, 1, 1))
         if not self.capture:
             self._pass(b, kv)
         else:
@@ -120,9 +116,8 @@ class FreshPrompts:
         b = _Bucket(
             n=n,
             tokens=torch.zeros(n, dtype=torch.long, device=device),
+            source=torch.zeros(n, dtype=torch.long, device=device),
             slots=torch.zeros(cfg.num_hidden_layers, n, dtype=torch.long, device=device),
-            last=torch.zeros(1, dtype=torch.long, device=device),
-            real=torch.zeros(n, 1, 1, dtype=torch.bool, device=device),
             out=torch.zeros(1, cfg.hidden_size, dtype=pf.acc, device=device),
             cos=cos,
             sin=sin,
@@ -140,8 +135,8 @@ class FreshPrompts:
 
         def write_and_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             slots = b.slots[layer]
-            pool_k.index_copy_(0, slots, torch.where(b.real, k, k.index_select(0, b.last)))
-            pool_v.index_copy_(0, slots, torch.where(b.real, v, v.index_select(0, b.last)))
+            pool_k.index_copy_(0, slots, k.index_select(0, b.source))
+            pool_v.index_copy_(0, slots, v.index_select(0, b.source))
             ks = b.keys[cfg.window(layer)]
             kk, vv = k.to(attn_dtype), v.to(attn_dtype)
             if pf.attention == "sdpa":
@@ -150,7 +145,7 @@ class FreshPrompts:
             return attend_flex(q, kk, vv, ks, compiled=pf.attention != "flex_eager")
 
         x = pf.layers(pf.embed(b.tokens), b.cos, b.sin, kv.dtype, attn_dtype, write_and_attend)
-        b.out.copy_(x.index_select(0, b.last))
+        b.out.copy_(x.index_select(0, b.source[-1:]))  # the last row is, or writes as, the prompt's last
 
     def _capture(self, b: _Bucket, kv: PagedKV) -> None:
         """One eager pass (it compiles and allocates what this length needs, and computes this

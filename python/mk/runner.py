@@ -11,6 +11,7 @@ choice on a GPU), else through the reference model's own forward.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -59,16 +60,13 @@ class PrefillRunner:
         if whole:
             chunk_table = torch.arange(self.layers * pages, dtype=torch.int32).view(self.layers, pages)
             chunk_table = torch.nn.functional.pad(chunk_table, (0, self.max_pages - pages), value=-1)
-        prefill.fresh = None  # the usual path first, whatever the prompts' shapes
-        try:
+        with _usual_path(prefill):  # first, whatever the prompts' shapes
             for m in (16, 48):  # a second length, so dynamic-shape compilation is settled too
                 prefill([PrefillRequest([0] * m, 0, table)], self.kv)
             if self.kv.num_blocks >= 2 * self.layers:  # and a packed call of two sequences
                 other = table.clone()
                 other[:, 0] += self.layers
                 prefill([PrefillRequest([0] * 16, 0, table), PrefillRequest([0] * 32, 0, other)], self.kv)
-        finally:
-            prefill.fresh = fresh
         if whole and fresh is not None and fresh.capture:
             # One fresh prompt per padded length a prompt of up to n tokens can take.
             sizes = sorted({min(size, n) for size in fresh.buckets})
@@ -76,11 +74,8 @@ class PrefillRunner:
             for m in sizes:
                 prefill([PrefillRequest([0] * m, 0, chunk_table)], self.kv)
         if whole:
-            prefill.fresh = None
-            try:
+            with _usual_path(prefill):
                 prefill([PrefillRequest([0] * n, 0, chunk_table)], self.kv)
-            finally:
-                prefill.fresh = fresh
         log.info("prefill warm-up done in %.1f s", time.perf_counter() - started)
 
     def release_graphs(self) -> None:
@@ -119,6 +114,16 @@ class ReferenceRunner(PrefillRunner):
         self._sync(dirty)
         tables = [self.tables[r] for r in rows]
         return _host(self.model.decode(torch.tensor(tokens), torch.tensor(positions), self.kv, tables))
+
+
+@contextlib.contextmanager
+def _usual_path(prefill: Prefill):
+    """`prefill` without its fresh-prompt pass (mk.prefill_graphs) for the duration."""
+    fresh, prefill.fresh = prefill.fresh, None
+    try:
+        yield
+    finally:
+        prefill.fresh = fresh
 
 
 def _host(logits: torch.Tensor) -> np.ndarray:

@@ -186,17 +186,14 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
         for start in (0..input.len()).step_by(per_launch) {
             let r = start..(start + per_launch).min(input.len());
             let specs = &input.specs[r.clone()];
+            // Each row's draw, or the host's (its logits come back; the kernel's token is unused).
             self.want.clear();
-            self.want.extend(specs.iter().enumerate().map(|(i, s)| needs_logits(s) || input.is_constrained(start + i)));
             self.draws.clear();
-            let draw = |(s, &host): (&SampleSpec, &bool)| {
-                if host {
-                    MkRowSample::default()
-                } else {
-                    kernel_draw(s).expect("want")
-                }
-            };
-            self.draws.extend(specs.iter().zip(&self.want).map(draw));
+            for (i, spec) in specs.iter().enumerate() {
+                let draw = if input.is_constrained(start + i) { None } else { kernel_draw(spec) };
+                self.want.push(draw.is_none());
+                self.draws.push(draw.unwrap_or_default());
+            }
             self.sampled.clear();
             self.logits.clear();
             let step = StepRows {
@@ -285,14 +282,14 @@ mod tests {
             for i in 0..s.rows.len() {
                 let l = fake_logits(s.tokens[i], s.positions[i], self.vocab);
                 // The kernel's rule: greedy, or Gumbel-max as the host sampler defines it.
-                let token = match s.samples.get(i).filter(|d| !d.is_greedy()) {
-                    Some(d) => {
-                        assert!(!s.want_logits[i], "a row the kernel draws needs no logits");
-                        self.drawn.push(s.rows[i]);
-                        let seed = u64::from(d.seed_lo) | (u64::from(d.seed_hi) << 32);
-                        gumbel_draw(&l, d.inv_temperature, seed, d.index).unwrap()
-                    }
-                    None => argmax(&l),
+                let d = &s.samples[i];
+                let token = if d.is_greedy() {
+                    argmax(&l)
+                } else {
+                    assert!(!s.want_logits[i], "a row the kernel draws needs no logits");
+                    self.drawn.push(s.rows[i]);
+                    let seed = u64::from(d.seed_lo) | (u64::from(d.seed_hi) << 32);
+                    gumbel_draw(&l, d.inv_temperature, seed, d.index).unwrap()
                 };
                 sampled.push(if s.tokens[i] == 999 { self.vocab as u32 } else { token });
                 if s.want_logits[i] {

@@ -73,7 +73,7 @@ pub struct StepRows<'a> {
     pub table: &'a PageTable,
     /// Rows whose fp32 logits must come back (sampled on the host).
     pub want_logits: &'a [bool],
-    /// How the kernel draws each row's token; empty: every row greedy (nothing is uploaded).
+    /// How the kernel draws each row's token (nothing is uploaded when every row is greedy).
     pub samples: &'a [MkRowSample],
     /// Which launch of the engine's step this is (0 unless the batch exceeds one launch's rows):
     /// each keeps its own cached task lists.
@@ -283,10 +283,7 @@ impl GpuLauncher {
         if b == 0 || b > self.setup.rows {
             return Err(invalid(format!("a launch takes 1 to {} rows, got {b}", self.setup.rows)));
         }
-        if step.tokens.len() != b
-            || step.positions.len() != b
-            || step.want_logits.len() != b
-            || !(step.samples.is_empty() || step.samples.len() == b)
+        if step.tokens.len() != b || step.positions.len() != b || step.want_logits.len() != b || step.samples.len() != b
         {
             return Err(invalid("rows, tokens, positions, want_logits and samples differ in length".into()));
         }

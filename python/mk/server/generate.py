@@ -234,13 +234,6 @@ def note(info: dict, runs: list[ChoiceRun]) -> None:
         info["ttft_ms"] = f"{(min(first) - runs[0].arrival) * 1000:.0f}"
 
 
-def stream_usage(options) -> tuple[bool, bool]:
-    """A request's `stream_options` as (usage chunk at the end, usage in every chunk)."""
-    if options is None:
-        return False, False
-    return options.include_usage, options.continuous_usage_stats
-
-
 async def stream_choices(
     events: list[AsyncIterator],
     runs: list[ChoiceRun],
@@ -252,7 +245,8 @@ async def stream_choices(
     """Every choice's chunks as they come, until one yields an error body (which ends the stream);
     then the usage chunk when asked for, and [DONE]. With continuous usage stats (`options`, the
     request's stream_options) every chunk carries the usage so far, and every token makes one."""
-    include_usage, continuous = stream_usage(options)
+    include_usage = options is not None and options.include_usage
+    continuous = options is not None and options.continuous_usage_stats
     for run in runs:
         run.every_token = continuous
     try:

@@ -13,6 +13,10 @@ constexpr int kPage = MK_PAGE_SIZE;
 
 constexpr int kPPitch = kPage + 8;  // bf16 per row of P
 
+#ifndef MK_SPLIT_MARKS
+#define MK_SPLIT_MARKS 0
+#endif
+
 // A page of K or V of one KV head in a ring stage, as the producer's two bulk tensor copies write
 // it: two boxes of kPage rows x MK_KV_BOX_COLS columns (128 bytes) with the copy engine's 128-byte
 // swizzle, the 16-byte piece p of row r at piece p ^ (r % 8) of the row, so that 8 rows read at
@@ -30,8 +34,13 @@ struct SwizzledKv {
     }
 };
 
-// The softmax's cross-warp exchange and the probabilities P (bf16) of one page.
+// Row pitch of q in shared memory (fp32): rows g and g + 4 of a quarter-warp's loads share banks.
+constexpr int kQPitch = kHeadDim + 8;
+
+// The split's query group (fp32), the softmax's cross-warp exchange and the probabilities P (bf16)
+// of one page.
 struct AttnScratch {
+    float q[kMaxGroup][kQPitch];
     bf16 p[kMaxGroup][kPPitch];
     float row_max[kWarps][kMaxGroup];
     float row_sum[kWarps][kMaxGroup];
@@ -87,15 +96,21 @@ struct SplitState {
     float m_run = -INFINITY, l_run = 0.f;
     float o[2][4] = {};  // O[head g][dims 16w + 8j + 2tq, +1] in o[j][0..1]
 
-    __device__ SplitState(const MkStepArgs& a, const SplitPages& sp) {
+    // Every split of a KV head reads the same q at about the same moment: one 16-byte load a
+    // thread into shared memory, not each warp all of it (8x the bytes from the few L2 slices that
+    // hold it took 4.5 µs to arrive under the weight stream; docs/PERF.md).
+    __device__ SplitState(const MkStepArgs& a, const SplitPages& sp, AttnScratch& x) {
         const int group = a.heads / a.kv_heads, g = threadIdx.x % 32 / 4, tq = threadIdx.x % 4;
-        const float* q = ptr<float>(a.q) + (size_t)sp.b * a.heads * kHeadDim + (sp.kvh * group + g) * kHeadDim;
+        const float4* q = reinterpret_cast<const float4*>(ptr<float>(a.q) + ((size_t)sp.b * a.heads + sp.kvh * group) * kHeadDim);
+        for (int i = threadIdx.x; i < group * kHeadDim / 4; i += kThreads)
+            *reinterpret_cast<float4*>(&x.q[i / (kHeadDim / 4)][4 * (i % (kHeadDim / 4))]) = __ldcg(q + i);
+        compute_sync();
 #pragma unroll
         for (int ks = 0; ks < kHeadDim / 16; ++ks) {
             float2 x0 = make_float2(0.f, 0.f), x1 = x0;
             if (g < group) {
-                x0 = __ldcg(reinterpret_cast<const float2*>(q + 16 * ks + 2 * tq));
-                x1 = __ldcg(reinterpret_cast<const float2*>(q + 16 * ks + 8 + 2 * tq));
+                x0 = *reinterpret_cast<const float2*>(&x.q[g][16 * ks + 2 * tq]);
+                x1 = *reinterpret_cast<const float2*>(&x.q[g][16 * ks + 8 + 2 * tq]);
             }
             qa[ks][0] = pack_bf16(x0.x, x0.y), qa[ks][1] = pack_bf16(x1.x, x1.y);
         }
@@ -176,14 +191,24 @@ struct SplitState {
 // and value (written by this step's QKV, which the task waited for) are copied in. Such writes
 // are fenced against the copy engine's next writes into the stage.
 // Marks: the first page done (q loaded, the pages' fixes, one page's softmax); every page done.
+// With -DMK_SPLIT_MARKS=1 instead: q loaded; the first page's K and V full.
 __device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, const SplitPages& sp, AttnScratch& x,
                                     const Ring& r, uint32_t& n, PhaseMarks& marks) {
-    SplitState st(a, sp);
+    SplitState st(a, sp, x);
+#if MK_SPLIT_MARKS
+    // A diagnostic placement (MK_SPLIT_MARKS=1): q loaded, then the first page's K and V full.
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) asm volatile("" ::"r"(st.qa[ks][0]), "r"(st.qa[ks][1]));
+    marks.mark(0);
+#endif
     constexpr int kRowPieces = kHeadDim / 8;  // 16-byte pieces of a row
     for (int i = 0; i < sp.pages; ++i, n += 2) {
         const int start = sp.first_page + i * kPage;
         mbar_wait(r.full_of(n), r.parity(n));
         mbar_wait(r.full_of(n + 1), r.parity(n + 1));
+#if MK_SPLIT_MARKS
+        if (i == 0) marks.mark(1);
+#endif
         const SwizzledKv ks{r.stage(n)}, vs{r.stage(n + 1)};
         const int first = max(sp.lo - start, 0), end = min(sp.hi - start, kPage);
         const int own = sp.hi == sp.pos + 1 ? sp.pos - start : -1;  // the new token's row, if in this page
@@ -205,9 +230,13 @@ __device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, const Split
         st.page(ks, vs, start, sp.lo, sp.hi, x);
         __syncwarp();
         if (threadIdx.x % 32 == 0) mbar_arrive(r.empty_of(n)), mbar_arrive(r.empty_of(n + 1));
+#if !MK_SPLIT_MARKS
         if (i == 0) marks.mark(0);
     }
     marks.mark(1);
+#else
+    }
+#endif
     st.store(a, sp, t.arg[2]);
 }
 

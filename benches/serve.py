@@ -117,7 +117,11 @@ def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="an already running server (default: start one)")
-    p.add_argument("--server-args", default="--device cpu", help='flags of the server this script starts, one string: --server-args="--synthetic --max-batch 16"')
+    p.add_argument(
+        "--server-args",
+        default="--device cpu",
+        help='flags of the server this script starts, one string: --server-args="--synthetic --max-batch 16"',
+    )
     p.add_argument("--concurrency", default="1,8,16,64", help="comma-separated client counts")
     p.add_argument("--requests", type=int, default=0, help="requests per level (default: 4 x concurrency, >= 8)")
     p.add_argument("--prompt-words", type=int, default=100, help="words in the prompt (default: %(default)s)")

@@ -10,6 +10,14 @@
 
 namespace mk {
 
+#ifndef MK_KEEP_ACT
+#define MK_KEEP_ACT 0
+#endif
+// A variant (-DMK_KEEP_ACT=1): the attention's scratch sits past the GEMV's activation rows, so a
+// GEMV task after a split or combine (a gate/up tile after QKV's, same h) finds its activations
+// still there instead of loading them again.
+constexpr bool kKeepAct = MK_KEEP_ACT;
+
 // The ops' shared memory besides the GEMV's and attention's, whose sizes depend on the batch.
 union StepSmem {
     AttnScratch attn;  // (a split's pages are ring stages)
@@ -44,8 +52,12 @@ constexpr size_t kUnionOffset = align_up(kListOffset + kListBatch * sizeof(MkTas
 constexpr size_t kStageAlign = 1024;
 static_assert(kStageBytes % kStageAlign == 0, "every stage must start at a multiple of 1024 bytes");
 
+// Where the attention's scratch starts in the union.
+__host__ __device__ constexpr size_t attn_offset(int batch) { return kKeepAct ? GemvSmem::act_bytes(batch) : 0; }
 __host__ __device__ constexpr size_t union_bytes(int batch) {
-    return align_up(sizeof(StepSmem) > GemvSmem::bytes(batch) ? sizeof(StepSmem) : GemvSmem::bytes(batch), 128);
+    const size_t ops = sizeof(StepSmem) > GemvSmem::bytes(batch) ? sizeof(StepSmem) : GemvSmem::bytes(batch);
+    const size_t attn_end = attn_offset(batch) + sizeof(AttnScratch);
+    return align_up(kKeepAct && attn_end > ops ? attn_end : ops, 128);
 }
 __host__ __device__ constexpr size_t stages_offset(int batch) {
     return align_up(kUnionOffset + union_bytes(batch), kStageAlign);
@@ -64,6 +76,7 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     unsigned char* ops = smem_raw + kUnionOffset;
     StepSmem& sm = *reinterpret_cast<StepSmem*>(ops);
+    AttnScratch& attn = kKeepAct ? *reinterpret_cast<AttnScratch*>(ops + attn_offset(a.batch)) : sm.attn;
     uint64_t* barriers = reinterpret_cast<uint64_t*>(smem_raw + kBarrierOffset);
     int* tags = reinterpret_cast<int*>(smem_raw + kTagOffset);
     const Ring ring{smem_raw + stages_offset(a.batch), barriers, barriers + kMaxRingStages, tags, ring_stages(a.batch)};
@@ -103,9 +116,9 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
         PhaseMarks marks;
         switch (t.op) {
             case MK_OP_EMBED: run_embed(a, t, sm.norm.row, sm.norm.scratch); break;
-            case MK_OP_GEMV: run_gemv(a, t, gemv, ring, stage, act_key); break;
-            case MK_OP_EXPERT_CLAIM: run_expert_claim(a, t, gemv, ring, stage, act_key); break;
-            case MK_OP_ATTN_SPLIT: run_attn_split(a, t, split, sm.attn, ring, stage, marks); break;
+            case MK_OP_GEMV: run_gemv(a, t, gemv, ring, stage, act_key, marks); break;
+            case MK_OP_EXPERT_CLAIM: run_expert_claim(a, t, gemv, ring, stage, act_key, marks); break;
+            case MK_OP_ATTN_SPLIT: run_attn_split(a, t, split, attn, ring, stage, marks); break;
             case MK_OP_ATTN_COMBINE: run_attn_combine(a, t, marks); break;
             case MK_OP_TOPK: run_topk(a, t, sm.topk.chosen, sm.topk.slot_of, marks); break;
             case MK_OP_RESIDUAL_NORM:
@@ -115,7 +128,8 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
             case MK_OP_SAMPLE_FINAL: run_sample_final(a, t); break;
             default: break;
         }
-        if (t.op != MK_OP_GEMV && t.op != MK_OP_EXPERT_CLAIM) act_key = 0;  // the ops share its memory
+        const bool attention = t.op == MK_OP_ATTN_SPLIT || t.op == MK_OP_ATTN_COMBINE;
+        if (t.op != MK_OP_GEMV && t.op != MK_OP_EXPERT_CLAIM && !(kKeepAct && attention)) act_key = 0;  // shared memory
         signal_done(i, done);
         if (trace && threadIdx.x == 0) {  // the producer writes the entry's other fields
             trace[i].start_ns = start_ns;

@@ -94,13 +94,19 @@ __device__ __forceinline__ uint64_t global_ns() {
 #ifndef MK_TRACE_MARKS
 #define MK_TRACE_MARKS 0
 #endif
-// Two points inside a task that streams nothing, for the trace of a diagnostic build
-// (-DMK_TRACE_MARKS=1): thread 0's clock at mark k, written to the task's trace entry as cycles
-// since its wait ended (MkTraceEntry). Compiles to nothing otherwise.
+// With MK_TRACE_MARKS, the GEMV and expert-claim tasks mark too (their first tile's activations in
+// shared memory; its stages multiplied and reduced), in place of their producer's waits.
+#ifndef MK_GEMV_MARKS
+#define MK_GEMV_MARKS 0
+#endif
+// Two points inside a task, for the trace of a diagnostic build (-DMK_TRACE_MARKS=1): thread 0's
+// clock the first time it reaches mark k, written to the task's trace entry as cycles since its
+// wait ended (MkTraceEntry), where the producer's waits are otherwise. Compiles to nothing
+// otherwise.
 struct PhaseMarks {
     long long at[2] = {0, 0};
     __device__ __forceinline__ void mark(int k) {
-        if (MK_TRACE_MARKS && threadIdx.x == 0) at[k] = clock64();
+        if (MK_TRACE_MARKS && threadIdx.x == 0 && at[k] == 0) at[k] = clock64();
     }
 };
 

@@ -260,6 +260,9 @@ struct StageWalk {
 
 static_assert(kStageBytes >= 2 * kKvBoxBytes, "a ring stage holds a KV page's two boxes");
 
+// Whether a streamed task's trace words hold its consumer's marks, not the producer's waits.
+__device__ __forceinline__ bool consumer_marks(bool split) { return MK_TRACE_MARKS && (split || MK_GEMV_MARKS); }
+
 // The producer warp's loop (lane 0): as soon as a ring slot is free, one bulk tensor copy per box
 // of a weight stage, or the two of a split page's K or V. (Prefetching the stages beyond the ring
 // into L2 while it waits was slower, and so was the whole warp copying a split's pages with
@@ -273,7 +276,9 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t
     // The trace's producer fields of the task being streamed (`traced`).
     MkTraceEntry* trace = a.trace ? ptr<MkTraceEntry>(a.trace) + (size_t)blockIdx.x * a.per_sm : nullptr;
     int traced = -1;
-    bool traced_kv = false;  // a marks build: a split's two words hold its marks (written by the consumer)
+    // A marks build: a split's two words (every task's, with MK_GEMV_MARKS) hold its marks,
+    // written by the consumer.
+    bool traced_kv = false;
     uint32_t ring_wait = 0;
     const void* map;
     int col, row, boxes;
@@ -283,12 +288,12 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t
         if (kind == StageWalk::kEnd) break;
         const bool first = trace && copy.j != traced;
         if (first) {
-            if (traced >= 0 && !(MK_TRACE_MARKS && traced_kv)) trace[traced].ring_wait_cycles = ring_wait;
+            if (traced >= 0 && !consumer_marks(traced_kv)) trace[traced].ring_wait_cycles = ring_wait;
             // A marks build: the first task walked after a top-k wait records the cycles from
             // the top-k seen to its first stage known (the slot loads), not the whole wait.
             long long from = t0;
             if (MK_TRACE_MARKS && copy.topk_seen != 0) from = copy.topk_seen, copy.topk_seen = 0;
-            if (!(MK_TRACE_MARKS && copy.kv)) trace[copy.j].topk_wait_cycles = (uint32_t)(clock64() - from);
+            if (!consumer_marks(copy.kv)) trace[copy.j].topk_wait_cycles = (uint32_t)(clock64() - from);
             traced = copy.j, traced_kv = copy.kv, ring_wait = 0;
         }
         if (n >= (uint32_t)r.count && !mbar_test_wait(r.empty_of(n), r.parity(n) ^ 1u)) {
@@ -313,7 +318,7 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t
         }
         if (first) trace[copy.j].stream_ns = global_ns();
     }
-    if (traced >= 0 && !(MK_TRACE_MARKS && traced_kv)) trace[traced].ring_wait_cycles = ring_wait;
+    if (traced >= 0 && !consumer_marks(traced_kv)) trace[traced].ring_wait_cycles = ring_wait;
 }
 
 // Fills has_row[b] for an expert tile's slot (visible after the next barrier).
@@ -470,8 +475,9 @@ __device__ void gemv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvSh
     }
 }
 
+// Marks (MK_GEMV_MARKS): the activations in shared memory; every stage multiplied and reduced.
 __device__ void run_gemv(const MkStepArgs& a, const MkTask& t, GemvSmem& s, const Ring& r, uint32_t& n,
-                         uint64_t& act_key) {
+                         uint64_t& act_key, PhaseMarks& marks) {
     const GemvShape p = gemv_shape(a, t);
     const bool started = start_activations(p, a.batch, t.layer, s, act_key);
     if (is_expert(t)) {
@@ -484,14 +490,16 @@ __device__ void run_gemv(const MkStepArgs& a, const MkTask& t, GemvSmem& s, cons
         }
     }
     finish_activations(started);
+    if (MK_GEMV_MARKS) marks.mark(0);
     gemv_compute(p, s, r, n, a.batch);  // its barriers publish has_row
+    if (MK_GEMV_MARKS) marks.mark(1);
     gemv_epilogue(a, t, p, s);
 }
 
 // A claim task: the tiles the block's producer claimed from the queue, in the order it streamed
-// them (each first stage's tag says which), up to the queue's end marker.
+// them (each first stage's tag says which), up to the queue's end marker. Marks: the first tile's.
 __device__ void run_expert_claim(const MkStepArgs& a, const MkTask& t, GemvSmem& s, const Ring& r, uint32_t& n,
-                                 uint64_t& act_key) {
+                                 uint64_t& act_key, PhaseMarks& marks) {
     for (;;) {
         mbar_wait(r.full_of(n), r.parity(n));
         const int tile = r.tag_of(n);
@@ -501,7 +509,7 @@ __device__ void run_expert_claim(const MkStepArgs& a, const MkTask& t, GemvSmem&
             ++n;
             return;
         }
-        run_gemv(a, claimed_tile(t, tile), s, r, n, act_key);
+        run_gemv(a, claimed_tile(t, tile), s, r, n, act_key, marks);
         compute_sync();  // the epilogue's reads of the tile's shared memory are done
     }
 }

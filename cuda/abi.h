@@ -7,7 +7,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MK_ABI_VERSION 11
+#define MK_ABI_VERSION 12
 
 // ---- The decode megakernel's task graph (docs/MEGAKERNEL.md) ------------------------------------
 // A step is a list of tasks per SM, built by the host (rust/graph). Each block runs its list in
@@ -168,6 +168,9 @@ typedef struct MkStepArgs {
     // producer copies a split's pages with them (one page of one KV head is two boxes).
     uint64_t kv_maps;
     uint64_t row_samples;   // MkRowSample [batch]: how each row's token is drawn, or 0 (every row greedy)
+    // uint32 [batch][ceil(vocab / 32)]: the tokens row b may take (bit t % 32 of word t / 32), read
+    // for the rows whose MkRowSample.masked is 1 (a grammar's mask); 0 when no row is masked.
+    uint64_t row_masks;
 } MkStepArgs;
 
 // How the sample tasks pick row b's token: inv_temperature 0 takes the largest logit (ties to the
@@ -177,6 +180,7 @@ typedef struct MkRowSample {
     float inv_temperature;
     uint32_t seed_lo, seed_hi;
     uint32_t index;  // the request's generation step
+    uint32_t masked;  // 1: only the tokens of MkStepArgs.row_masks[b] (the others never win)
 } MkRowSample;
 
 // One stage of the weight ring: a tile of MK_STAGE_ROWS weight rows by MK_STAGE_COLS columns

@@ -184,6 +184,7 @@ def test_the_rust_glue_checks_its_arguments():
         "row_groups": 4,
         "sample_parts": 16,
         "dealing": "round_robin",
+        "kernel_masks": False,
     }
     with pytest.raises(ValueError, match='backend must be "reference" or "megakernel", got "fast"'):
         native_engine(FakeRunner(good, cfg), backend="fast")
@@ -193,6 +194,8 @@ def test_the_rust_glue_checks_its_arguments():
         native_engine(FakeRunner({**good, "step_args": b"abc"}, cfg))
     with pytest.raises(ValueError, match="dealing must be 'round_robin' or 'balanced'"):
         native_engine(FakeRunner({**good, "dealing": "random"}, cfg))
+    with pytest.raises(ValueError, match='megakernel_setup\\(\\) has no "kernel_masks"'):
+        native_engine(FakeRunner({k: v for k, v in good.items() if k != "kernel_masks"}, cfg))
     if _native.gpu_available():
         # An all-zero template describes no model: refused before anything is allocated.
         with pytest.raises(ValueError, match="MkStepArgs.layers is 0, the model's geometry says 5"):
@@ -207,3 +210,18 @@ def test_python_constants_equal_the_abis():
 
     assert PAGE_SIZE == _native.PAGE_SIZE
     assert support.MAX_STEP_ROWS == _native.STEP_MAX_BATCH
+
+
+def test_row_samples_pack_as_the_abis_mk_row_sample():
+    """1 / T as float32, the seed's low and high words, the step index, the masked flag: one row
+    per rule, as many int32 words as MkRowSample has bytes / 4."""
+    from mk.megakernel.launch import ROW_SAMPLE_WORDS, row_samples_tensor
+
+    assert 4 * ROW_SAMPLE_WORDS == _native.ROW_SAMPLE_BYTES
+    seed = (7 << 32) | 5
+    words = row_samples_tensor([(0.5, seed, 9), (0.0, 1, 2)], torch.device("cpu"), masked=[True, False])
+    assert words.shape == (2, ROW_SAMPLE_WORDS)
+    first = struct.pack("<5i", *words[0].tolist())
+    assert struct.unpack("<f4I", first) == (0.5, 5, 7, 9, 1)
+    assert words[1].tolist()[1:] == [1, 0, 2, 0]
+    assert row_samples_tensor([(0.5, seed, 9)], torch.device("cpu")).tolist()[0][4] == 0, "unmasked by default"

@@ -59,6 +59,7 @@ def engine(
     prefill_chunk: int = 512,
     tokenizer_json: str | None = None,
     launch_ahead: bool | None = None,  # the engine's default: on with this backend
+    kernel_masks: bool | None = None,
 ):
     """A fresh engine (no prefix cache shared between the runs compared), checked for leaks."""
     e = Engine(
@@ -71,6 +72,7 @@ def engine(
         check_invariants=True,
         tokenizer_json=tokenizer_json,
         launch_ahead=launch_ahead,
+        kernel_masks=kernel_masks,
     )
     assert e.backend == backend and e.prefill == "fast"  # mk.prefill on the GPU, by default
     try:
@@ -295,7 +297,8 @@ def test_host_side_variants_give_the_same_tokens(model, monkeypatch, variable, v
 def test_constrained_requests_on_the_megakernel_follow_their_grammar(model):
     """Rows under a grammar sample on the host from their copied-back logits with the mask applied,
     beside free rows that the kernel samples (the embedded model's tokenizer: ids past its 16,384
-    are never allowed)."""
+    are never allowed); with `kernel_masks` the kernel draws them among their masks' tokens, and
+    every token is the same."""
     import mk
 
     tok = Tokenizer.from_dir(Path(mk.__file__).parent / "embedded")
@@ -312,6 +315,9 @@ def test_constrained_requests_on_the_megakernel_follow_their_grammar(model):
     ]
     with engine(model, "megakernel", tokenizer_json=tok.hf.to_str()) as e:
         results = run(e, reqs)
+    with engine(model, "megakernel", tokenizer_json=tok.hf.to_str(), kernel_masks=True) as e:
+        on_gpu = run(e, reqs)
+    assert [r[0] for r in on_gpu] == [r[0] for r in results], "the kernel's masked draws are the host's"
     texts = [b"".join(tok.token_bytes(t) for t in r[0] if t != model.config.eos_token_id).decode() for r in results]
     print("constrained outputs:", [(t, r[1]) for t, r in zip(texts, results, strict=True)])
     assert results[0][1] == "stop" and re.fullmatch(word, texts[0]), texts[0]

@@ -223,6 +223,61 @@ def test_the_kernels_draws_are_the_host_samplers():
 
 
 @pytest.mark.gpu
+def test_masked_rows_draw_among_their_masks_tokens():
+    """A masked row (a grammar's mask, MkStepArgs.row_masks) draws as the host sampler does with the
+    mask: every other token counts as -inf. Each mask allows a random tenth of the vocabulary but
+    never the row's unmasked best token, so a kernel that ignored it would differ; an unmasked
+    row of the same step keeps its own rule."""
+    cfg = ModelConfig.gpu_test()
+    model = Model(cfg, synthetic_weights(cfg, seed=SEED + 3, device="cuda", dtype=torch.bfloat16, std=0.02))
+    gen = torch.Generator(device="cuda").manual_seed(SEED)
+    positions = [100, 700, 1500, 64, 5, 2000]
+    kv, tables, tokens = setup_step(model, positions, 64, gen)
+    step = MegakernelStep(model, kv, 64)
+    g = step.graph(positions)
+    rng = random.Random(SEED)
+    temperatures = [0.0, 0.0, 0.7, 1.0, 5.0, 1.0]
+    masked = [True, True, True, True, True, False]
+    rules = [(0.0 if t == 0 else 1.0 / t, rng.getrandbits(64), rng.getrandbits(32)) for t in temperatures]
+
+    def fill(buf):
+        buf.tokens.copy_(tokens.to(torch.int32))
+        buf.positions.copy_(torch.tensor(positions, dtype=torch.int32))
+        buf.block_tables.copy_(torch.stack(tables, dim=1))
+
+    # The step's logits first (no mask), to choose masks that exclude each row's best token.
+    buf = step.buffers(g)
+    fill(buf)
+    step.run(g, buf)
+    torch.cuda.synchronize()
+    best = buf.logits.cpu().argmax(dim=1).tolist()
+    vocab, words = cfg.vocab_size, (cfg.vocab_size + 31) // 32
+    allow = torch.rand(len(positions), vocab, generator=torch.Generator().manual_seed(SEED)) < 0.1
+    for b, t in enumerate(best):
+        allow[b, t] = False
+    bits = torch.zeros(len(positions), words * 32, dtype=torch.int64)
+    bits[:, :vocab] = allow.to(torch.int64)
+    packed = (bits.view(len(positions), words, 32) << torch.arange(32)).sum(dim=2)
+    row_masks = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32).cuda()
+    buf = step.buffers(g)
+    fill(buf)
+    step.run(g, buf, row_samples=row_samples_tensor(rules, buf.tokens.device, masked), row_masks=row_masks)
+    torch.cuda.synchronize()
+    logits, sampled = buf.logits.cpu(), buf.sampled.cpu().tolist()
+    for b, (inv_t, seed, index) in enumerate(rules):
+        row = logits[b].clone()
+        if masked[b]:
+            row[~allow[b]] = -float("inf")
+        if inv_t == 0:
+            want = int(row.argmax())
+        else:
+            want = _native.gumbel_draw(row.numpy().tobytes(), inv_t, seed, index)
+        assert sampled[b] == want, f"seed {SEED}: row {b} (T = {temperatures[b]}, masked {masked[b]}) drew {sampled[b]}"
+        if masked[b]:
+            assert allow[b, sampled[b]], f"seed {SEED}: row {b} drew a token its mask forbids"
+
+
+@pytest.mark.gpu
 def test_consecutive_steps_reuse_the_counters():
     """Two steps in a row (counter sets alternate) give the same logits as two fresh ones."""
     cfg = ModelConfig.gpu_test()

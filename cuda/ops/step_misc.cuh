@@ -302,17 +302,21 @@ __device__ __forceinline__ float logit_key(float x) { return isnan(x) ? -INFINIT
 
 // Row b's rule: inv_t > 0 draws with Gumbel noise, 0 is greedy (and so is every row without a table).
 __device__ __forceinline__ MkRowSample row_sample(const MkStepArgs& a, int b) {
-    if (a.row_samples == 0) return MkRowSample{0.f, 0u, 0u, 0u};
+    if (a.row_samples == 0) return MkRowSample{0.f, 0u, 0u, 0u, 0u};
     return ptr<const MkRowSample>(a.row_samples)[b];
 }
 
 // The best (score, lowest id) of a vocabulary slice, then over the slices; the score is the logit
 // (greedy) or key(logit) * inv_t + noise. An id whose scaled key cannot reach the thread's best
-// even with the largest noise is passed over without a draw (it can neither win nor tie).
+// even with the largest noise is passed over without a draw (it can neither win nor tie). A
+// masked row's ids outside its mask count as -inf logits, as the host sampler makes them.
 __device__ void run_sample_part(const MkStepArgs& a, const MkTask& t, float* sv, int* si) {
     const int b = t.arg[0], part = t.arg[1], lo = t.arg[2], hi = t.arg[3];
     const MkRowSample rule = row_sample(a, b);
     const bool draw = rule.inv_temperature > 0.f;
+    // Written by the host before the launch: read through the read-only path.
+    const uint32_t* mask =
+        rule.masked ? ptr<const uint32_t>(a.row_masks) + (size_t)b * ((a.vocab + 31) / 32) : nullptr;
     const uint64_t seed = ((uint64_t)rule.seed_hi << 32) | rule.seed_lo;
     const float bound = draw ? gumbel_bound() : 0.f;
     float best = -INFINITY;
@@ -326,6 +330,7 @@ __device__ void run_sample_part(const MkStepArgs& a, const MkTask& t, float* sv,
         for (int j = 0; j < kSampleBatch; ++j) {
             const int i = i0 + j * kThreads;
             v[j] = i < hi ? ld_f32(row + i) : -INFINITY;
+            if (mask != nullptr && i < hi && ((__ldg(mask + i / 32) >> (i % 32)) & 1u) == 0) v[j] = -INFINITY;
         }
 #pragma unroll
         for (int j = 0; j < kSampleBatch; ++j) {

@@ -98,6 +98,11 @@ class Engine:
     its padded length, captured at start (`mk.prefill_graphs`; a few GB of GPU memory). None (the
     default): on wherever the fast prefill runs on a GPU.
 
+    `kernel_masks`: with the megakernel backend, a decode row under a grammar whose token the kernel
+    can draw (greedy or a temperature alone) is drawn by the kernel among its mask's tokens (the
+    mask uploaded before the step) instead of on the host from its logits (rust/engine/megakernel.rs).
+    None (the default): off, until a GPU run has checked it against the host sampler.
+
     KV pool: `kv_blocks` blocks, else `kv_bytes`, else on a GPU `kv_fraction` of the memory free
     after the weights, else (CPU) room for one sequence of `max_context` tokens or `max_batch` of
     up to CPU_BATCH_CONTEXT tokens, whichever is more (a full batch of long contexts would be
@@ -122,6 +127,7 @@ class Engine:
         tokenizer_json: str | None = None,
         launch_ahead: bool | None = None,
         prefill_graphs: bool | None = None,
+        kernel_masks: bool | None = None,
     ) -> None:
         cfg = model.config
         if prefill_chunk is None:
@@ -142,7 +148,9 @@ class Engine:
         cpu_blocks = max(decode_need, max_batch * batch_need, prefill_need)
         num_blocks = _pool_blocks(model, kv_blocks, kv_bytes, kv_fraction, cpu_blocks)
         if self.backend == "megakernel":
-            self._runner = MegakernelRunner(model, num_blocks, max_batch, max_context, fast_prefill=fast)
+            self._runner = MegakernelRunner(
+                model, num_blocks, max_batch, max_context, fast_prefill=fast, kernel_masks=bool(kernel_masks)
+            )
         else:
             self._runner = ReferenceRunner(model, num_blocks, max_batch, max_context, fast_prefill=fast)
         self._runner.warm_up()

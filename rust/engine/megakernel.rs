@@ -6,8 +6,10 @@
 //! lowest id) or a temperature alone (Gumbel-max with the same Philox noise and logarithm as
 //! `Sampler`, bit for bit: `kernel_draw`), which is what `Sampler` does for that spec. Rows that ask
 //! for top-k / top-p or logprobs get their fp32 logits copied back and go through the shared
-//! `Sampler`, and so do rows under a grammar (their mask applies on the host). Either way a seed
-//! gives the same tokens on every backend.
+//! `Sampler`. A row under a grammar does too, unless `kernel_masks` is on: then a row the kernel
+//! can draw gets its mask uploaded and the kernel draws among the tokens it allows (what `Sampler`
+//! does with the mask), without its logits coming back. Either way a seed gives the same tokens on
+//! every backend.
 
 use super::backend::{BackendError, DecodeInput, LaunchTimes};
 use crate::gpu::step::{GpuLauncher, StepRows};
@@ -109,6 +111,10 @@ pub struct MegakernelDecoder<L> {
     want: Vec<bool>,
     /// Each row's `kernel_draw` (greedy for the rows the host samples).
     draws: Vec<MkRowSample>,
+    /// Rows under a grammar that the kernel can draw are drawn there, among their mask's tokens
+    /// (uploaded before the launch), instead of on the host from their logits. Off by default: not
+    /// yet run on a GPU.
+    pub kernel_masks: bool,
     sampled: Vec<u32>,
     logits: Vec<f32>,
     /// The rows of each queued step, oldest first.
@@ -123,6 +129,7 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
             host_sampled: Vec::new(),
             want: Vec::new(),
             draws: Vec::new(),
+            kernel_masks: false,
             sampled: Vec::new(),
             logits: Vec::new(),
             queued: std::collections::VecDeque::new(),
@@ -152,6 +159,7 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
             table: input.table,
             want_logits: &self.want,
             samples: &self.draws,
+            masks: &[],
             launch: 0,
         };
         self.launcher.queue(&step, previous)?;
@@ -187,12 +195,26 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
             let r = start..(start + per_launch).min(input.len());
             let specs = &input.specs[r.clone()];
             // Each row's draw, or the host's (its logits come back; the kernel's token is unused).
+            // A masked draw waits here for the row's mask.
             self.want.clear();
             self.draws.clear();
+            let mut masks = Vec::new();
             for (i, spec) in specs.iter().enumerate() {
-                let draw = if input.is_constrained(start + i) { None } else { kernel_draw(spec) };
+                let constrained = input.is_constrained(start + i);
+                let draw = match kernel_draw(spec) {
+                    Some(d) if constrained && self.kernel_masks => Some(d.with_mask()),
+                    _ if constrained => None,
+                    d => d,
+                };
+                if draw.is_some_and(|d| d.masked != 0) {
+                    masks.resize(i, None);
+                    masks.push(input.allowed(start + i));
+                }
                 self.want.push(draw.is_none());
                 self.draws.push(draw.unwrap_or_default());
+            }
+            if !masks.is_empty() {
+                masks.resize(specs.len(), None);
             }
             self.sampled.clear();
             self.logits.clear();
@@ -203,6 +225,7 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
                 table: input.table,
                 want_logits: &self.want,
                 samples: &self.draws,
+                masks: &masks,
                 launch: start / per_launch,
             };
             self.launcher.launch(&step, &mut self.sampled, &mut self.logits)?;
@@ -257,10 +280,12 @@ mod tests {
         queued: Vec<Vec<u32>>,
         /// The rows the kernel drew with noise, in launch order.
         drawn: Vec<usize>,
+        /// The rows the kernel drew among their mask's tokens, in launch order.
+        masked: Vec<usize>,
     }
 
     fn mock(max_rows: usize, vocab: usize) -> Mock {
-        Mock { max_rows, vocab, launches: Vec::new(), queued: Vec::new(), drawn: Vec::new() }
+        Mock { max_rows, vocab, launches: Vec::new(), queued: Vec::new(), drawn: Vec::new(), masked: Vec::new() }
     }
 
     impl StepLauncher for Mock {
@@ -280,9 +305,21 @@ mod tests {
             assert_eq!(s.launch, self.launches.len(), "launches of one step are numbered in order");
             self.launches.push(s.rows.to_vec());
             for i in 0..s.rows.len() {
-                let l = fake_logits(s.tokens[i], s.positions[i], self.vocab);
-                // The kernel's rule: greedy, or Gumbel-max as the host sampler defines it.
+                let mut l = fake_logits(s.tokens[i], s.positions[i], self.vocab);
+                // The kernel's rule: greedy, or Gumbel-max as the host sampler defines it, among
+                // the tokens of the row's mask where it is masked.
                 let d = &s.samples[i];
+                assert_eq!(d.masked != 0, s.masks.get(i).is_some_and(Option::is_some), "row {i}: masked iff a mask");
+                if d.masked != 0 {
+                    assert!(!s.want_logits[i], "a row the kernel draws needs no logits");
+                    self.masked.push(s.rows[i]);
+                    let mask = s.masks[i].expect("checked above");
+                    for (t, x) in l.iter_mut().enumerate() {
+                        if !mask.allows(t as u32) {
+                            *x = f32::NEG_INFINITY;
+                        }
+                    }
+                }
                 let token = if d.is_greedy() {
                     argmax(&l)
                 } else {
@@ -362,6 +399,67 @@ mod tests {
         assert_eq!(out, want);
         assert_eq!(out[4].top.len(), 3);
         assert_eq!(dec.launcher.drawn, vec![11, 15], "the temperature-only rows are drawn by the kernel");
+    }
+
+    /// A mask allowing the tokens `allow` says yes to.
+    fn mask_of(vocab: usize, allow: impl Fn(u32) -> bool) -> crate::grammar::TokenMask {
+        let mut words = vec![0u32; vocab.div_ceil(32)];
+        for t in (0..vocab as u32).filter(|&t| allow(t)) {
+            words[t as usize / 32] |= 1 << (t % 32);
+        }
+        crate::grammar::TokenMask { words }
+    }
+
+    #[test]
+    fn with_kernel_masks_the_kernel_draws_constrained_rows_among_their_masks_tokens() {
+        use crate::grammar::MaskSet;
+        let vocab = 64;
+        let rows: Vec<usize> = vec![0, 1, 2, 3, 4, 5];
+        let tokens: Vec<u32> = vec![3, 8, 13, 21, 30, 40];
+        let positions: Vec<u32> = vec![5, 9, 2, 7, 11, 4];
+        // Constrained: a greedy row, a temperature row, one with top-k (the host's), an
+        // unconstrained temperature row, and two greedy rows whose masks exclude their best token.
+        let specs = [SampleSpec::greedy(0), heated(1), seeded(2), heated(3), SampleSpec::greedy(4), SampleSpec::greedy(5)];
+        let constrained = vec![true, true, true, false, true, true];
+        let masks: Vec<_> = (0..6)
+            .map(|i| {
+                let best = argmax(&fake_logits(tokens[i], positions[i], vocab));
+                mask_of(vocab, |t| t != best && (t % 3 != i as u32 % 3 || t % 5 == 0))
+            })
+            .collect();
+        let set = MaskSet::pending(constrained.clone());
+        set.fill(masks.clone());
+        let table = PageTable::new(1, 8, 4);
+        let input = DecodeInput {
+            rows: &rows,
+            tokens: &tokens,
+            positions: &positions,
+            specs: &specs,
+            masks: &set,
+            table: &table,
+            dirty_rows: &[],
+        };
+        let host = |i: usize| {
+            let allowed = constrained[i].then_some(&masks[i]);
+            Sampler::new().sample_allowed(&fake_logits(tokens[i], positions[i], vocab), &specs[i], allowed).unwrap()
+        };
+        let want: Vec<Sampled> = (0..6).map(host).collect();
+        for kernel_masks in [false, true] {
+            let mut dec = MegakernelDecoder::new(mock(4, vocab));
+            dec.kernel_masks = kernel_masks;
+            let mut out = Vec::new();
+            dec.decode(&input, &mut out).unwrap();
+            assert_eq!(out, want, "kernel_masks {kernel_masks}");
+            let masked: Vec<usize> = if kernel_masks { vec![0, 1, 4, 5] } else { vec![] };
+            assert_eq!(dec.launcher.masked, masked, "kernel_masks {kernel_masks}: the rows drawn under a mask");
+            let drawn: Vec<usize> = if kernel_masks { vec![1, 3] } else { vec![3] };
+            assert_eq!(dec.launcher.drawn, drawn, "kernel_masks {kernel_masks}: the rows drawn with noise");
+            // Steps with a constrained row still run synchronously.
+            assert!(!dec.can_queue(&input));
+        }
+        for i in [0, 4, 5] {
+            assert!(masks[i].allows(want[i].token), "row {i} keeps to its mask");
+        }
     }
 
     #[test]

@@ -89,28 +89,41 @@ abi_struct! {
         rope: u64,
         kv_maps: u64,
         row_samples: u64,
+        row_masks: u64,
     }
 }
 
 abi_struct! {
     /// See `MkRowSample` in cuda/abi.h: how the kernel draws one row's token (inv_temperature 0:
-    /// greedy; else Gumbel-max with `crate::sampling::philox`'s noise at (seed, index)).
+    /// greedy; else Gumbel-max with `crate::sampling::philox`'s noise at (seed, index)), and
+    /// whether only the tokens of the row's mask may win (`masked` 1).
     MkRowSample {
         inv_temperature: f32,
         seed_lo: u32,
         seed_hi: u32,
         index: u32,
+        masked: u32,
     }
 }
 
 impl MkRowSample {
     /// Gumbel-max at temperature 1 / inv_temperature, seeded, at generation step `index`.
     pub fn draw(inv_temperature: f32, seed: u64, index: u32) -> Self {
-        Self { inv_temperature, seed_lo: seed as u32, seed_hi: (seed >> 32) as u32, index }
+        Self { inv_temperature, seed_lo: seed as u32, seed_hi: (seed >> 32) as u32, index, masked: 0 }
+    }
+
+    /// The same draw among the tokens of the row's mask only.
+    pub fn with_mask(self) -> Self {
+        Self { masked: 1, ..self }
     }
 
     pub fn is_greedy(&self) -> bool {
         self.inv_temperature <= 0.0
+    }
+
+    /// Whether the kernel needs this row's entry: a draw with noise or a mask.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.is_greedy() && self.masked == 0
     }
 }
 
@@ -165,7 +178,7 @@ pub const TRACE_ENTRY_BYTES: usize = 32;
 pub const TRACE_MARKED: u32 = 0x8000_0000;
 
 /// Must equal `MK_ABI_VERSION` in cuda/abi.h.
-pub const ABI_VERSION: u64 = 11;
+pub const ABI_VERSION: u64 = 12;
 
 /// The values `mk_abi_layout` in cuda/abi_probe.cu holds, in its order, computed on the Rust side.
 pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {

@@ -15,6 +15,7 @@ use cudarc::driver::{result, sys, CudaEvent, CudaSlice, CudaStream, DevicePtr, D
 use super::compact::{check_mapped, compact_tables, step_pages};
 use super::{Gpu, GpuError, MkRowSample, MkStepArgs};
 use crate::engine::LaunchTimes;
+use crate::grammar::TokenMask;
 use crate::graph::cache::{GraphCache, StepTasks};
 use crate::graph::task::MkTask;
 use crate::graph::{BuildOptions, Geometry};
@@ -75,6 +76,8 @@ pub struct StepRows<'a> {
     pub want_logits: &'a [bool],
     /// How the kernel draws each row's token (nothing is uploaded when every row is greedy).
     pub samples: &'a [MkRowSample],
+    /// The mask of each row whose sample is `masked` (None for the others; empty: no row is).
+    pub masks: &'a [Option<&'a TokenMask>],
     /// Which launch of the engine's step this is (0 unless the batch exceeds one launch's rows):
     /// each keeps its own cached task lists.
     pub launch: usize,
@@ -104,8 +107,10 @@ pub struct GpuLauncher {
     tokens: CudaSlice<i32>,
     positions: CudaSlice<i32>,
     tables: CudaSlice<i32>,
-    /// MkRowSample [rows]: uploaded for a step with a row the kernel draws with noise.
+    /// MkRowSample [rows]: uploaded for a step with a row the kernel draws with noise or masks.
     samples: CudaSlice<MkRowSample>,
+    /// uint32 [rows][mask_words]: the masked rows' masks (allocated with the first masked step).
+    masks: Option<CudaSlice<u32>>,
     /// uint32 [2][num_counters]; launch s uses set s % 2 and zeroes the other.
     counters: CudaSlice<u32>,
     num_counters: usize,
@@ -136,6 +141,36 @@ impl Drop for GpuLauncher {
             let _ = self.stream.synchronize();
         }
     }
+}
+
+/// Words of a vocabulary bitmask (MkStepArgs.row_masks' row stride).
+pub fn mask_words(vocab: usize) -> usize {
+    vocab.div_ceil(32)
+}
+
+/// Every masked row has a mask of the vocabulary's words, and only those rows have one.
+fn check_masks(step: &StepRows<'_>, words: usize) -> Result<(), GpuError> {
+    if step.masks.is_empty() {
+        return match step.samples.iter().any(|s| s.masked != 0) {
+            true => Err(invalid("a masked row has no mask".into())),
+            false => Ok(()),
+        };
+    }
+    if step.masks.len() != step.samples.len() {
+        return Err(invalid("masks and samples differ in length".into()));
+    }
+    for (i, (s, m)) in step.samples.iter().zip(step.masks).enumerate() {
+        match (s.masked != 0, m) {
+            (true, Some(m)) if m.words.len() == words => {}
+            (true, Some(m)) => {
+                return Err(invalid(format!("row {i}'s mask has {} words, the vocabulary {words}", m.words.len())))
+            }
+            (true, None) => return Err(invalid(format!("masked row {i} has no mask"))),
+            (false, Some(_)) => return Err(invalid(format!("row {i} has a mask but is not masked"))),
+            (false, None) => {}
+        }
+    }
+    Ok(())
 }
 
 fn invalid(msg: String) -> GpuError {
@@ -176,6 +211,7 @@ impl GpuLauncher {
             positions,
             tables,
             samples,
+            masks: None,
             counters,
             num_counters,
             parity: 0,
@@ -288,6 +324,7 @@ impl GpuLauncher {
             return Err(invalid("rows, tokens, positions, want_logits and samples differ in length".into()));
         }
         let g = &self.setup.geometry;
+        check_masks(step, mask_words(g.vocab))?;
         if let Some(t) = step.tokens.iter().find(|&&t| t as usize >= g.vocab) {
             return Err(invalid(format!("token {t} is outside the vocabulary of {}", g.vocab)));
         }
@@ -350,6 +387,7 @@ impl GpuLauncher {
         args.positions = ptr(&self.positions, &self.stream);
         args.block_tables = ptr(&self.tables, &self.stream);
         args.row_samples = self.upload_samples(step.samples)?;
+        args.row_masks = self.upload_masks(step.masks)?;
         args.per_sm = per_sm as i32;
         args.num_counters = self.num_counters as i32;
         args.parity = self.parity;
@@ -423,13 +461,35 @@ impl GpuLauncher {
     /// Uploads the rows' draws where one is not greedy; returns MkStepArgs.row_samples (0: every
     /// row greedy, nothing uploaded).
     fn upload_samples(&mut self, samples: &[MkRowSample]) -> Result<u64, GpuError> {
-        if samples.iter().all(MkRowSample::is_greedy) {
+        if samples.iter().all(MkRowSample::is_plain_greedy) {
             return Ok(0);
         }
         self.stream
             .memcpy_htod(samples, &mut self.samples.slice_mut(..samples.len()))
             .map_err(driver("upload the row samples"))?;
         Ok(ptr(&self.samples, &self.stream))
+    }
+
+    /// Uploads each masked row's mask to its row of the mask buffer; returns MkStepArgs.row_masks
+    /// (0: no row is masked, nothing uploaded). `check_masks` has checked their lengths.
+    fn upload_masks(&mut self, masks: &[Option<&TokenMask>]) -> Result<u64, GpuError> {
+        if masks.iter().all(Option::is_none) {
+            return Ok(0);
+        }
+        let words = mask_words(self.setup.geometry.vocab);
+        if self.masks.is_none() {
+            let buffer = self.stream.alloc_zeros::<u32>(self.setup.rows * words).map_err(driver("allocate the masks"))?;
+            self.masks = Some(buffer);
+        }
+        let buffer = self.masks.as_mut().expect("allocated above");
+        for (i, mask) in masks.iter().enumerate() {
+            if let Some(mask) = mask {
+                self.stream
+                    .memcpy_htod(&mask.words[..], &mut buffer.slice_mut(i * words..(i + 1) * words))
+                    .map_err(driver("upload the masks"))?;
+            }
+        }
+        Ok(ptr(buffer, &self.stream))
     }
 
     fn download(&mut self, step: &StepRows<'_>, sampled: &mut Vec<u32>, logits: &mut Vec<f32>) -> Result<(), GpuError> {
@@ -660,5 +720,33 @@ mod tests {
         assert!(err(StepSetup { slots: 31, ..setup() }).contains("31 slots"));
         let fixed = BuildOptions { attn_chunk: 256, ..setup().options };
         assert!(err(StepSetup { options: fixed, ..setup() }).contains("automatically"));
+    }
+
+    #[test]
+    fn masks_go_with_masked_rows_only_and_cover_the_vocabulary() {
+        let table = crate::sched::PageTable::new(1, 2, 1);
+        let mask = TokenMask { words: vec![!0; mask_words(100)] };
+        let short = TokenMask { words: vec![!0; 3] };
+        let (plain, masked) = (MkRowSample::default(), MkRowSample::default().with_mask());
+        let check = |samples: &[MkRowSample], masks: &[Option<&TokenMask>]| {
+            let step = StepRows {
+                rows: &[0, 1],
+                tokens: &[0, 0],
+                positions: &[0, 0],
+                table: &table,
+                want_logits: &[false, false],
+                samples,
+                masks,
+                launch: 0,
+            };
+            check_masks(&step, mask_words(100)).is_ok()
+        };
+        assert!(check(&[plain, plain], &[]));
+        assert!(check(&[plain, masked], &[None, Some(&mask)]));
+        assert!(!check(&[plain, masked], &[]), "a masked row without its mask");
+        assert!(!check(&[plain, masked], &[None, None]), "a masked row without its mask");
+        assert!(!check(&[plain, plain], &[Some(&mask), None]), "a mask on a row that is not masked");
+        assert!(!check(&[plain, masked], &[None, Some(&short)]), "a mask shorter than the vocabulary");
+        assert!(!check(&[plain, masked], &[Some(&mask)]), "masks for some rows only");
     }
 }

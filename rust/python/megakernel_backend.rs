@@ -69,6 +69,7 @@ impl MegakernelBackend {
                 ..BuildOptions::default()
             },
         };
+        let kernel_masks: bool = get(d, "kernel_masks")?;
         let device: usize = get(d, "device")?;
         let stream: u64 = get(d, "stream")?;
         let launcher = py
@@ -80,8 +81,10 @@ impl MegakernelBackend {
                 unsafe { GpuLauncher::new(gpu, stream as usize as _, step) }
             })
             .map_err(errors::to_py)?;
+        let mut decoder = MegakernelDecoder::new(launcher);
+        decoder.kernel_masks = kernel_masks;
         Ok(Self {
-            decoder: MegakernelDecoder::new(launcher),
+            decoder,
             python: reference_backend(runner, vocab),
             unseen: UnseenRows::default(),
         })

@@ -35,6 +35,11 @@ _LAYER_WEIGHT_TENSORS = {
 }
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # expert_weights' last axis
 _FORMATS = {"u64": "<Q", "i32": "<i", "f32": "<f"}
+# MkRowSample (cuda/abi.h): 1 / T, the seed's low and high words, the step index, masked.
+ROW_SAMPLE_FORMAT = "<f4I"
+ROW_SAMPLE_WORDS = struct.calcsize(ROW_SAMPLE_FORMAT) // 4
+if struct.calcsize(ROW_SAMPLE_FORMAT) != _native.ROW_SAMPLE_BYTES:
+    raise ImportError("mk._native was built from another cuda/abi.h (MkRowSample differs)")
 
 
 def pack_step_args(values: dict[str, int | float]) -> bytes:
@@ -174,6 +179,7 @@ def fixed_step_args(model: Model, kv: PagedKV, tables: ModelTables, buf: StepBuf
         flags=0,
         trace=0,
         row_samples=0,
+        row_masks=0,
     )
     return values
 
@@ -255,13 +261,15 @@ class MegakernelStep:
         trace: torch.Tensor | None = None,
         kernel: int = 0,
         row_samples: torch.Tensor | None = None,
+        row_masks: torch.Tensor | None = None,
     ) -> None:
         """Enqueue one step on the current stream. `buf.tokens/positions/block_tables` must be
         filled; `tasks` (g.tasks on the device) may be passed to skip the upload. `trace` (from
         `trace_buffer`) receives when each task waited and ran. `kernel` picks one of the loaded
         megakernel images (`_native.megakernel_count`; 0, the default, unless a benchmark
         compares several). `row_samples` (`row_samples_tensor`): how each row's token is drawn;
-        None: greedy."""
+        None: greedy. `row_masks`: int32 [batch, ceil(vocab / 32)], the tokens each masked row may
+        take (bit t % 32 of word t / 32), read for the rows `row_samples` marks masked."""
         if tasks is None:
             tasks = torch.from_numpy(g.tasks.copy()).to(self.device)
         if g.num_counters != self.num_counters or buf.block_tables.shape[2] != self.max_pages:
@@ -284,11 +292,17 @@ class MegakernelStep:
         if row_samples is not None:
             if (
                 row_samples.dtype != torch.int32
-                or tuple(row_samples.shape) != (g.batch, 4)
+                or tuple(row_samples.shape) != (g.batch, ROW_SAMPLE_WORDS)
                 or row_samples.device != self.device
             ):
-                raise ValueError(f"row_samples must be int32 ({g.batch}, 4) on {self.device} (see row_samples_tensor)")
+                want = f"int32 ({g.batch}, {ROW_SAMPLE_WORDS}) on {self.device}"
+                raise ValueError(f"row_samples must be {want} (see row_samples_tensor)")
             values["row_samples"] = row_samples.data_ptr()
+        if row_masks is not None:
+            want = (g.batch, (self.cfg.vocab_size + 31) // 32)
+            if row_masks.dtype != torch.int32 or tuple(row_masks.shape) != want or row_masks.device != self.device:
+                raise ValueError(f"row_masks must be int32 {want} on {self.device}")
+            values["row_masks"] = row_masks.data_ptr()
         values.update(
             tasks=tasks.data_ptr(),
             counters=self.counters.data_ptr(),
@@ -306,11 +320,20 @@ class MegakernelStep:
         self.parity ^= 1
 
 
-def row_samples_tensor(rules: list[tuple[float, int, int]], device: torch.device) -> torch.Tensor:
+def row_samples_tensor(
+    rules: list[tuple[float, int, int]], device: torch.device, masked: list[bool] | None = None
+) -> torch.Tensor:
     """MkRowSample [rows] for `MegakernelStep.run(row_samples=...)`, as int32 words, from one
-    (1 / T, seed, index) per row: 1 / T (as float32) 0 draws greedily, > 0 with Gumbel noise."""
-    words = [struct.unpack("<4i", struct.pack("<f3I", t, seed & 0xFFFFFFFF, seed >> 32, i)) for t, seed, i in rules]
-    return torch.tensor(words, dtype=torch.int32, device=device)
+    (1 / T, seed, index) per row: 1 / T (as float32) 0 draws greedily, > 0 with Gumbel noise;
+    `masked` rows draw among their `row_masks` tokens only."""
+    flags = masked or [False] * len(rules)
+
+    def words(t: float, seed: int, index: int, m: bool) -> tuple[int, ...]:
+        raw = struct.pack(ROW_SAMPLE_FORMAT, t, seed & 0xFFFFFFFF, seed >> 32, index, int(m))
+        return struct.unpack(f"<{ROW_SAMPLE_WORDS}i", raw)
+
+    rows = [words(*rule, m) for rule, m in zip(rules, flags, strict=True)]
+    return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
 def trace_buffer(g: mkgraph.StepGraph, device: torch.device) -> torch.Tensor:

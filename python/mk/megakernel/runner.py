@@ -47,6 +47,7 @@ class MegakernelRunner(PrefillRunner):
         row_groups: int = _native.ROW_GROUPS,
         sample_parts: int = _native.SAMPLE_PARTS,
         fast_prefill: Prefill | None = None,
+        kernel_masks: bool = False,
     ) -> None:
         why = megakernel_unsupported(model)
         if why is not None:
@@ -60,6 +61,7 @@ class MegakernelRunner(PrefillRunner):
         # Automatic attention splits never exceed one per SM (graph::Builder::attention).
         self.max_splits = torch.cuda.get_device_properties(device).multi_processor_count
         self.row_groups, self.sample_parts = row_groups, sample_parts
+        self.kernel_masks = kernel_masks  # grammar rows drawn by the kernel (Engine's kernel_masks)
         self.model_tables = ModelTables.build(model)
         # tokens, positions and block_tables of these buffers stay unused (Rust uploads its own).
         self.buffers = StepBuffers.allocate(
@@ -93,4 +95,5 @@ class MegakernelRunner(PrefillRunner):
             "sample_parts": self.sample_parts,
             # An experiment until a GPU run compares it (docs/MEGAKERNEL.md): MK_DEALING=balanced.
             "dealing": os.environ.get("MK_DEALING", "round_robin"),
+            "kernel_masks": self.kernel_masks,
         }

@@ -419,7 +419,8 @@ mod tests {
         let positions: Vec<u32> = vec![5, 9, 2, 7, 11, 4];
         // Constrained: a greedy row, a temperature row, one with top-k (the host's), an
         // unconstrained temperature row, and two greedy rows whose masks exclude their best token.
-        let specs = [SampleSpec::greedy(0), heated(1), seeded(2), heated(3), SampleSpec::greedy(4), SampleSpec::greedy(5)];
+        let specs =
+            [SampleSpec::greedy(0), heated(1), seeded(2), heated(3), SampleSpec::greedy(4), SampleSpec::greedy(5)];
         let constrained = vec![true, true, true, false, true, true];
         let masks: Vec<_> = (0..6)
             .map(|i| {

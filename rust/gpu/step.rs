@@ -478,7 +478,8 @@ impl GpuLauncher {
         }
         let words = mask_words(self.setup.geometry.vocab);
         if self.masks.is_none() {
-            let buffer = self.stream.alloc_zeros::<u32>(self.setup.rows * words).map_err(driver("allocate the masks"))?;
+            let buffer =
+                self.stream.alloc_zeros::<u32>(self.setup.rows * words).map_err(driver("allocate the masks"))?;
             self.masks = Some(buffer);
         }
         let buffer = self.masks.as_mut().expect("allocated above");

@@ -83,11 +83,7 @@ impl MegakernelBackend {
             .map_err(errors::to_py)?;
         let mut decoder = MegakernelDecoder::new(launcher);
         decoder.kernel_masks = kernel_masks;
-        Ok(Self {
-            decoder,
-            python: reference_backend(runner, vocab),
-            unseen: UnseenRows::default(),
-        })
+        Ok(Self { decoder, python: reference_backend(runner, vocab), unseen: UnseenRows::default() })
     }
 }
 

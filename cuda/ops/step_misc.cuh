@@ -115,12 +115,10 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, const ui
     const int b = t.arg[0], layer = t.layer;
     const bool moe = ptr<uint64_t>(a.layer_weights)[(size_t)layer * MK_LW_COUNT + MK_LW_ROUTER] != 0;
 #if MK_NORM_GAMMA_EARLY
-    // A variant: the thread's gamma values read now, into L1, so that store_normed's read of them
-    // after the FFN (a weight nothing else reads: often from HBM) hits.
-    if (kVec * threadIdx.x < a.hidden) {
-        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(norm_weight(a, layer + 1) + kVec * threadIdx.x));
-        asm volatile("" ::"r"(raw.x), "r"(raw.y), "r"(raw.z), "r"(raw.w));
-    }
+    // A variant: the thread's gamma values prefetched now (no wait), so that store_normed's read
+    // of them after the FFN (a weight nothing else reads: often from HBM) hits in L1 or L2.
+    if (kVec * threadIdx.x < a.hidden)
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(norm_weight(a, layer + 1) + kVec * threadIdx.x));
 #endif
     if (moe && threadIdx.x < 32) {
         // Sorted by slot (= ascending expert; slots are distinct): the reference's summation

@@ -121,7 +121,7 @@ impl MkRowSample {
         self.inv_temperature <= 0.0
     }
 
-    /// Whether the kernel needs this row's entry: a draw with noise or a mask.
+    /// Greedy over every token: the kernel's default, which needs no entry uploaded.
     pub fn is_plain_greedy(&self) -> bool {
         self.is_greedy() && self.masked == 0
     }

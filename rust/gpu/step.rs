@@ -26,13 +26,14 @@ pub const MAX_STEP_ROWS: usize = crate::gpu::abi::STEP_MAX_BATCH;
 
 /// The `MkStepArgs` fields `launch` fills in for every step (its buffers, or per-step values); Python
 /// leaves them 0 in the template (`_native.PER_STEP_FIELDS`).
-pub const PER_STEP_FIELDS: [&str; 14] = [
+pub const PER_STEP_FIELDS: [&str; 15] = [
     "tasks",
     "counters",
     "tokens",
     "positions",
     "block_tables",
     "row_samples",
+    "row_masks",
     "per_sm",
     "num_counters",
     "parity",
@@ -109,8 +110,10 @@ pub struct GpuLauncher {
     tables: CudaSlice<i32>,
     /// MkRowSample [rows]: uploaded for a step with a row the kernel draws with noise or masks.
     samples: CudaSlice<MkRowSample>,
-    /// uint32 [rows][mask_words]: the masked rows' masks (allocated with the first masked step).
+    /// uint32 [rows][mask_words]: the masked rows' masks (allocated with the first masked step),
+    /// and their host staging (one copy a step).
     masks: Option<CudaSlice<u32>>,
+    host_masks: Vec<u32>,
     /// uint32 [2][num_counters]; launch s uses set s % 2 and zeroes the other.
     counters: CudaSlice<u32>,
     num_counters: usize,
@@ -212,6 +215,7 @@ impl GpuLauncher {
             tables,
             samples,
             masks: None,
+            host_masks: Vec::new(),
             counters,
             num_counters,
             parity: 0,
@@ -483,13 +487,17 @@ impl GpuLauncher {
             self.masks = Some(buffer);
         }
         let buffer = self.masks.as_mut().expect("allocated above");
+        // The launch's rows in one copy (a row without a mask uploads zeros the kernel never reads).
+        self.host_masks.clear();
+        self.host_masks.resize(masks.len() * words, 0);
         for (i, mask) in masks.iter().enumerate() {
             if let Some(mask) = mask {
-                self.stream
-                    .memcpy_htod(&mask.words[..], &mut buffer.slice_mut(i * words..(i + 1) * words))
-                    .map_err(driver("upload the masks"))?;
+                self.host_masks[i * words..(i + 1) * words].copy_from_slice(&mask.words);
             }
         }
+        self.stream
+            .memcpy_htod(&self.host_masks[..], &mut buffer.slice_mut(..masks.len() * words))
+            .map_err(driver("upload the masks"))?;
         Ok(ptr(buffer, &self.stream))
     }
 

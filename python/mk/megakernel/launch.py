@@ -298,6 +298,8 @@ class MegakernelStep:
                 want = f"int32 ({g.batch}, {ROW_SAMPLE_WORDS}) on {self.device}"
                 raise ValueError(f"row_samples must be {want} (see row_samples_tensor)")
             values["row_samples"] = row_samples.data_ptr()
+            if row_masks is None and bool(row_samples[:, ROW_SAMPLE_WORDS - 1].any()):
+                raise ValueError("row_samples marks a row masked but no row_masks are given")
         if row_masks is not None:
             want = (g.batch, (self.cfg.vocab_size + 31) // 32)
             if row_masks.dtype != torch.int32 or tuple(row_masks.shape) != want or row_masks.device != self.device:

@@ -93,6 +93,8 @@ def test_engine_backend_selection(tiny):
         Engine(tiny, max_context=256, backend="cuda")
     with pytest.raises(MegakernelUnavailable):
         MegakernelRunner(tiny, 64, 8, 256)
+    with pytest.raises(ValueError, match="kernel_masks needs the megakernel backend; .* 'reference'"):
+        Engine(tiny, max_context=256, kernel_masks=True)
 
 
 def unpack(raw: bytes) -> dict[str, int | float]:

@@ -100,8 +100,9 @@ class Engine:
 
     `kernel_masks`: with the megakernel backend, a decode row under a grammar whose token the kernel
     can draw (greedy or a temperature alone) is drawn by the kernel among its mask's tokens (the
-    mask uploaded before the step) instead of on the host from its logits (rust/engine/megakernel.rs).
-    None (the default): off, until a GPU run has checked it against the host sampler.
+    mask uploaded before the step) instead of on the host from its logits (rust/engine/megakernel.rs;
+    True with another backend is an error). None (the default): off, until a GPU run has checked it
+    against the host sampler.
 
     KV pool: `kv_blocks` blocks, else `kv_bytes`, else on a GPU `kv_fraction` of the memory free
     after the weights, else (CPU) room for one sequence of `max_context` tokens or `max_batch` of
@@ -134,6 +135,8 @@ class Engine:
             prefill_chunk = PREFILL_CHUNK if model.device.type == "cuda" else CPU_PREFILL_CHUNK
         self.prefill_chunk = prefill_chunk
         self.backend = choose_backend(model, backend)
+        if kernel_masks and self.backend != "megakernel":
+            raise ValueError(f"kernel_masks needs the megakernel backend; this engine decodes with {self.backend!r}")
         fast = _fast_prefill(model, prefill, prefill_chunk, prefill_graphs)
         self.prefill = "reference" if fast is None else "fast"
         self.launch_ahead = self.backend == "megakernel" if launch_ahead is None else launch_ahead

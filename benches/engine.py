@@ -20,11 +20,12 @@ The engine runs with the server's defaults (`python -m mk.server`: prefill chunk
 mk.engine_api.PREFILL_CHUNK, max batch 8, launch-ahead on) except its KV share of memory (0.6,
 leaving room for the kernel-only measurement); `--launch-ahead off` runs one step at a time,
 `--prefill-chunk N` another chunk, `--prefill-graphs off` prefills fresh prompts without CUDA
-graphs. `--temperature T` makes the decode streams seeded draws at T,
-which the kernel draws itself (Gumbel noise in its sample tasks); with `--top-p P` below 1 as well
-they come back to the host sampler.
+graphs, `--prefix-graphs` runs chunks after a cached prefix as CUDA graphs too (Engine(prefix_graphs=
+True); a 32K prompt is prefilled once first, so that its buckets' captures are not timed).
+`--temperature T` makes the decode streams seeded draws at T, which the kernel draws itself (Gumbel
+noise in its sample tasks); with `--top-p P` below 1 as well they come back to the host sampler.
 Usage: python benches/engine.py [--json out.json] [--quick] [--launch-ahead auto|on|off] [--prefill-chunk N]
-       [--prefill-graphs auto|on|off] [--temperature T] [--top-p P]
+       [--prefill-graphs auto|on|off] [--prefix-graphs] [--temperature T] [--top-p P]
 """
 
 from __future__ import annotations
@@ -240,6 +241,7 @@ def main() -> None:
     parser.add_argument(
         "--prefill-graphs", choices=list(AUTO_ON_OFF), default="auto", help="Engine(prefill_graphs=...); auto: on"
     )
+    parser.add_argument("--prefix-graphs", action="store_true", help="Engine(prefix_graphs=True)")
     parser.add_argument(
         "--temperature",
         type=float,
@@ -262,11 +264,15 @@ def main() -> None:
         kv_fraction=0.6,
         launch_ahead=AUTO_ON_OFF[args.launch_ahead],
         prefill_graphs=AUTO_ON_OFF[args.prefill_graphs],
+        prefix_graphs=args.prefix_graphs,
     )
     rows = []
     try:
         submit_warm, _ = submit(engine, random_prompt(cfg, 600, gen), 8)  # first-call costs out of the way
         wait([submit_warm])
+        if args.prefix_graphs:  # the captures of a long prompt's prefixed chunks, at their first use
+            submit_long, _ = submit(engine, random_prompt(cfg, max(prompts), gen), 1)
+            wait([submit_long])
         for n in prompts:
             rows.append(ttft_row(engine, cfg, n, gen))
             print(rows[-1], flush=True)

@@ -21,9 +21,9 @@ from mk.config import PAGE_SIZE, ModelConfig
 from mk.model.names import expected_shapes
 from mk.model.paged import UNMAPPED, KVMappingError, PageAllocator
 from mk.model.reference import Model
-from mk.model.varlen import interval_block_mask
+from mk.model.varlen import interval_block_mask, refresh_block_mask, static_block_mask
 from mk.prefill import Prefill, PrefillRequest, Span, plan_chunks, prefill_flops, stack_experts, stacked_experts
-from mk.prefill_graphs import FreshPrompts
+from mk.prefill_graphs import FreshPrompts, PrefixedChunks
 
 torch.set_num_threads(1)
 
@@ -254,6 +254,31 @@ def test_interval_block_mask_classifies_every_block(window):
 
 
 # ---- one prompt -------------------------------------------------------------------------------------
+def _blocks(mask) -> list[torch.Tensor]:
+    return [mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices]
+
+
+def test_a_static_block_mask_is_rewritten_in_place():
+    """After its intervals change, `refresh_block_mask` gives the static mask the block tensors a
+    mask built from the new intervals has, in the same tensors (a CUDA graph holds their
+    addresses). Eager flex applies the mask_mod everywhere, so only this catches a stale block list."""
+    rng = torch.Generator().manual_seed(SEED)
+    q_pad, k_pad = 256, 512
+    # First every row sees part of the first key block, then rows see random spans of the last two.
+    lo = torch.zeros(q_pad, dtype=torch.int32)
+    hi = torch.randint(0, 100, (q_pad,), generator=rng, dtype=torch.int32)
+    mask = static_block_mask(lo, hi, k_pad)
+    held, before = _blocks(mask), [t.clone() for t in _blocks(mask)]
+    lo.copy_(torch.randint(256, 400, (q_pad,), generator=rng, dtype=torch.int32))
+    hi.copy_((lo + torch.randint(0, 200, (q_pad,), generator=rng, dtype=torch.int32)).clamp(max=k_pad - 1))
+    refresh_block_mask(mask, lo, hi, k_pad)
+    want = static_block_mask(lo.clone(), hi.clone(), k_pad)
+    assert all(a is b for a, b in zip(_blocks(mask), held, strict=True)), "rewritten in place"
+    assert not torch.equal(before[1], want.kv_indices), "the two masks' blocks differ"
+    for got, expected in zip(_blocks(mask), _blocks(want), strict=True):
+        assert torch.equal(got, expected), f"seed {SEED}"
+
+
 @pytest.mark.parametrize("attention,moe,dtype", PATHS)
 def test_one_prompt_matches_reference(weights64, attention, moe, dtype):
     """250 tokens: crosses pages (64, 128, 192) and the 96-token window, in chunks of 100."""
@@ -536,3 +561,73 @@ def test_a_fresh_prompt_with_another_cache_drops_the_static_buffers(weights64):
     assert prefill.fresh._kv() is first.kv
     # Kept while the cache stays (on a GPU: its graph), made anew for every other cache.
     assert buckets[0] is buckets[1] and buckets[2] is not buckets[1] and buckets[3] is not buckets[2]
+
+
+# ---- a chunk after a cached prefix: its static pass (mk.prefill_graphs.PrefixedChunks) -----------------
+def prefixed_prefill(model: Model, attention: str) -> Prefill:
+    """A prefill whose chunks after a cached prefix take the static pass, run eagerly: one bucket of
+    256 rows, full-attention keys padded to 512 columns (the tiny tables hold 512 positions)."""
+    prefill = Prefill(model, chunk=256, attention=attention, moe="loop", graphs=False)
+    prefill.prefixed = PrefixedChunks(prefill, buckets=(256,), key_buckets=(512,), capture=False)
+    return prefill
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex_eager"])
+@pytest.mark.parametrize("start,n", [(1, 1), (64, 63), (100, 200), (130, 256), (255, 1), (300, 212)])
+def test_a_chunk_after_a_cached_prefix_padded_to_a_bucket_matches_the_reference(weights64, attention, start, n):
+    """The static-shape pass of a chunk at positions start..start+n-1 whose prefix is in the cache
+    (written by the reference): keys gathered by static slot tables padded with the first key's
+    slot, each row's visible columns as intervals; with the sliding layers' pages below the window
+    released and poisoned (never read), it gives the reference's logits, residual and pages, and
+    writes no slot outside its own positions."""
+    model = model_of(weights64, torch.float64)
+    pool = Pool(model)
+    toks = tokens_of(start + n)
+    table = pool.table(start + n)
+    model.forward(toks[:start], 0, pool.kv, table)  # the cached prefix, on both pools
+    model.forward(toks[:start], 0, pool.kv_ref, table)
+    gone = pool.alloc.release_out_of_window(table, CFG, start)
+    pool.kv.fill_blocks(gone, float("nan"))
+    blocks = table[table != UNMAPPED].long()
+    before = pool.kv.k[blocks].clone()
+    prefill = prefixed_prefill(model, attention)
+    out = prefill([PrefillRequest(toks[start:], start, table)], pool.kv, return_hidden=True)
+    assert list(prefill.prefixed._buckets) == [(256, 512)], "the chunk took the static pass"
+    check(out, 0, *pool.reference(toks[start:], start, table), torch.float64, f"{attention} {start}+{n}")
+    changed = (pool.kv.k[blocks] != before).any(-1).any(-1)  # [blocks, 64]
+    pages = torch.arange(MAX_PAGES).repeat(L, 1)[table != UNMAPPED]
+    pos = pages[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)[None]
+    assert not (changed & ((pos < start) | (pos >= start + n))).any(), f"seed {SEED}: slots written outside the chunk"
+    pool.assert_pages_equal([table], 1e-10, f"{attention} {start}+{n}")
+
+
+def test_prefixed_chunks_cover_what_their_buckets_hold_and_refuse_unmapped_prefix_pages(weights64):
+    model = model_of(weights64, torch.float64)
+    prefill = prefixed_prefill(model, "sdpa")
+    p = prefill.prefixed
+    assert p.covers(1, 256) and p.covers(256, 256)
+    assert not p.covers(0, 10), "a fresh prompt is FreshPrompts' (or the usual path's)"
+    assert not p.covers(10, 257) and not p.covers(300, 213), "past the row or key buckets"
+    pool = Pool(model)
+    toks = tokens_of(200)
+    table = pool.table(200)
+    table[0, 0] = UNMAPPED  # layer 0 is full attention: its prefix page 0 is read
+    with pytest.raises(KVMappingError, match="page 0 is unmapped"):
+        prefill([PrefillRequest(toks[100:], 100, table)], pool.kv)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        PrefixedChunks(prefill, buckets=(100,), capture=False)
+
+
+def test_a_prefixed_chunk_with_another_cache_drops_the_static_buffers(weights64):
+    model = model_of(weights64, torch.float64)
+    prefill = prefixed_prefill(model, "sdpa")
+    first, second = Pool(model), Pool(model)
+    toks = tokens_of(120)
+    buckets = []
+    for pool in (first, first, second):
+        table = pool.table(120)
+        model.forward(toks[:80], 0, pool.kv, table)
+        out = prefill([PrefillRequest(toks[80:], 80, table)], pool.kv)
+        assert rel_err(out.logits[0], model.logits(toks)[-1]) < 1e-10, f"seed {SEED}"
+        buckets.append(prefill.prefixed._buckets[256, 512])
+    assert buckets[0] is buckets[1] and buckets[2] is not buckets[1]

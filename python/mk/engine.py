@@ -98,6 +98,11 @@ class Engine:
     its padded length, captured at start (`mk.prefill_graphs`; a few GB of GPU memory). None (the
     default): on wherever the fast prefill runs on a GPU.
 
+    `prefix_graphs`: the fast prefill also runs a chunk after a cached prefix (a long prompt's later
+    chunks, a prompt that reuses a cached prefix) as a CUDA graph of its padded length and key count,
+    captured at its first use (`mk.prefill_graphs.PrefixedChunks`). Off by default until measured
+    on a GPU.
+
     `kernel_masks`: with the megakernel backend, a decode row under a grammar whose token the kernel
     can draw (greedy or a temperature alone) is drawn by the kernel among its mask's tokens (the
     mask uploaded before the step) instead of on the host from its logits (rust/engine/megakernel.rs;
@@ -129,6 +134,7 @@ class Engine:
         launch_ahead: bool | None = None,
         prefill_graphs: bool | None = None,
         kernel_masks: bool | None = None,
+        prefix_graphs: bool = False,
     ) -> None:
         cfg = model.config
         if prefill_chunk is None:
@@ -137,7 +143,7 @@ class Engine:
         self.backend = choose_backend(model, backend)
         if kernel_masks and self.backend != "megakernel":
             raise ValueError(f"kernel_masks needs the megakernel backend; this engine decodes with {self.backend!r}")
-        fast = _fast_prefill(model, prefill, prefill_chunk, prefill_graphs)
+        fast = _fast_prefill(model, prefill, prefill_chunk, prefill_graphs, prefix_graphs)
         self.prefill = "reference" if fast is None else "fast"
         self.launch_ahead = self.backend == "megakernel" if launch_ahead is None else launch_ahead
         self.config = cfg
@@ -351,7 +357,7 @@ def _put_all(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
         queue.put_nowait(event)
 
 
-def _fast_prefill(model: Model, mode: str, chunk: int, graphs: bool | None) -> Prefill | None:
+def _fast_prefill(model: Model, mode: str, chunk: int, graphs: bool | None, prefix_graphs: bool) -> Prefill | None:
     """The engine's `mk.prefill` runner, or None for the reference model's forward (see `Engine`)."""
     if mode not in ("auto", "fast", "reference"):
         raise ValueError(f"prefill must be 'auto', 'fast' or 'reference', not {mode!r}")
@@ -361,7 +367,7 @@ def _fast_prefill(model: Model, mode: str, chunk: int, graphs: bool | None) -> P
     if cuda:  # before anything records weight addresses (the megakernel's tables)
         stack_experts(model.weights, model.config)
     # Rust hands over at most `chunk` tokens a call, so each call is one chunk of mk.prefill.
-    return Prefill(model, chunk=chunk, graphs="auto" if graphs is None else graphs)
+    return Prefill(model, chunk=chunk, graphs="auto" if graphs is None else graphs, prefix_graphs=prefix_graphs)
 
 
 # On the CPU the default pool fits a full batch of contexts up to this long (Engine's docstring).

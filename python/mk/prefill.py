@@ -61,7 +61,7 @@ from mk.model.varlen import (
     fa3_available,
     pack_keys,
 )
-from mk.prefill_graphs import FreshPrompts
+from mk.prefill_graphs import FreshPrompts, PrefixedChunks
 
 # Tokens per chunk by default (the engine's prefill chunk on a GPU, which it passes here): large
 # enough that a chunk is compute bound on an H200 (each chunk re-reads all ~60 GB of expert
@@ -172,7 +172,9 @@ class Prefill:
     "loop". compile: compile the elementwise steps ("auto": on CUDA). graphs: a chunk that is a
     fresh prompt alone (no cached prefix) runs as a static-shape pass padded to a bucket
     (`mk.prefill_graphs`), captured as a CUDA graph on CUDA ("auto": on CUDA with the grouped MoE;
-    True on the CPU runs the static pass eagerly, for tests).
+    True on the CPU runs the static pass eagerly, for tests). prefix_graphs: the same for a chunk
+    of one sequence after a cached prefix (`PrefixedChunks`; off by default until measured on a
+    GPU; never with SDPA attention on CUDA, whose dense masks would not fit).
 
     Grouped MoE needs each layer's experts stacked: views when they already are (see
     `stack_experts`, which the engine should call once after loading), else a copy per layer
@@ -188,6 +190,7 @@ class Prefill:
         moe: str = "auto",
         compile: bool | str = "auto",
         graphs: bool | str = "auto",
+        prefix_graphs: bool = False,
     ) -> None:
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
@@ -225,6 +228,7 @@ class Prefill:
             raise ValueError(f"graphs must be 'auto', True or False, got {graphs!r}")
         # "auto": where the pass is capturable, which the loop MoE (host-side routing) is not.
         self.fresh = FreshPrompts(self) if (cuda and moe == "grouped" if graphs == "auto" else graphs) else None
+        self.prefixed = PrefixedChunks(self) if prefix_graphs and not (cuda and attention == "sdpa") else None
 
     def _stack_all(self) -> None:
         cfg, w = self.config, self.model.weights
@@ -301,6 +305,14 @@ class Prefill:
             except Exception as e:  # a compile or capture failure must cost speed, not the request
                 warnings.warn(f"the fresh-prompt pass failed ({type(e).__name__}: {e}); the usual path", stacklevel=2)
                 self.fresh = None
+        if self.prefixed is not None and len(pieces) == 1 and self.prefixed.covers(pieces[0].first, len(tokens)):
+            try:
+                return self.prefixed(tokens, pieces[0].first, pieces[0].table, kv)
+            except KVMappingError:
+                raise
+            except Exception as e:  # as above
+                warnings.warn(f"the prefixed-chunk pass failed ({type(e).__name__}: {e}); the usual path", stacklevel=2)
+                self.prefixed = None
         cfg = self.config
         positions = torch.cat([torch.arange(p.first, p.first + p.n) for p in pieces]).to(self.device)
         cos, sin = cos_sin(cfg, positions, self.dtype)

@@ -13,6 +13,15 @@ them (causal). Their K and V rows are replaced by the last real row's before the
 sends them to that row's slot: repeated writes of equal values. The graphs hold the addresses of
 one KV cache; a call with another cache drops them, and `release` drops them all (each graph keeps
 its peak activations' memory reserved while it lives).
+
+A chunk with a cached prefix (positions start..start+n-1 of one sequence, start > 0) reads the
+prefix's keys from the cache, so its shapes depend on start too: `PrefixedChunks` pads it to a
+bucket of N rows and its full-attention keys to one of `KEY_BUCKETS` columns (sliding layers: the
+window before the chunk, whose width N fixes), gathers the keys by static slot tables that pad
+with the first key's slot, and gives each query row its visible key columns as intervals (lo, hi)
+in static buffers; the flex block mask's tensors are rewritten from them before each replay. One
+graph per (N, key bucket), captured at its first use; pads write as the last prompt row, as above.
+Off unless asked for (`Prefill(prefix_graphs=True)`) until a GPU run has measured it.
 """
 
 from __future__ import annotations
@@ -27,7 +36,19 @@ import torch
 from mk.config import PAGE_SIZE
 from mk.model.paged import PagedKV
 from mk.model.rope import cos_sin
-from mk.model.varlen import PackedKeys, Piece, attend_flex, attend_sdpa, check_mapped, flex_block_mask, flex_len
+from mk.model.varlen import (
+    FLEX_BLOCK,
+    PackedKeys,
+    Piece,
+    attend_flex,
+    attend_intervals_sdpa,
+    attend_sdpa,
+    check_mapped,
+    flex_block_mask,
+    flex_len,
+    refresh_block_mask,
+    static_block_mask,
+)
 
 if TYPE_CHECKING:
     from mk.prefill import Prefill
@@ -35,6 +56,8 @@ if TYPE_CHECKING:
 # Padded chunk lengths. Below a few thousand tokens a prefill reads nearly every expert's weights
 # whatever its length, so padding a short prompt up to the next bucket costs little GPU time.
 BUCKETS = (256, 512, 1024, 2048, 4096, 8192)
+# Padded key columns of a full-attention layer for a chunk with a cached prefix (prefix + chunk).
+KEY_BUCKETS = tuple(1 << i for i in range(11, 19))  # 2K .. 256K
 
 
 @dataclass(eq=False)
@@ -48,32 +71,81 @@ class _Bucket:
     out: torch.Tensor  # [1, hidden] (accumulation dtype): the residual at the last real row
     cos: torch.Tensor
     sin: torch.Tensor
-    keys: dict[int | None, PackedKeys]  # per attention window: causal (and windowed) over own rows
+    keys: dict[int | None, PackedKeys]  # per attention window (fresh: causal and windowed over own rows)
     pieces: list[Piece]
     graph: torch.cuda.CUDAGraph | None = field(default=None)
 
 
-class FreshPrompts:
-    """Prefills fresh prompts of up to max(buckets) tokens through static-shape passes of
-    `prefill`'s layers, captured as CUDA graphs when `capture` (CUDA only)."""
+class _StaticPasses:
+    """What both static passes share: their buckets for one KV cache, and running a bucket's pass
+    eagerly or as its CUDA graph (captured at its first use when `capture`, CUDA only)."""
 
-    def __init__(self, prefill: Prefill, buckets: tuple[int, ...] = BUCKETS, capture: bool = True) -> None:
+    def __init__(self, prefill: Prefill, capture: bool) -> None:
         # A proxy: `prefill` owns this object, and a cycle would keep the graphs' memory until the
         # garbage collector's next full pass.
         self.prefill = weakref.proxy(prefill)
-        self.buckets = tuple(sorted(b for b in buckets if b <= prefill.chunk)) or (prefill.chunk,)
         self.capture = capture and prefill.device.type == "cuda"
-        self._buckets: dict[int, _Bucket] = {}
+        self._buckets: dict = {}
         self._kv: weakref.ref[PagedKV] | None = None
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
-
-    def covers(self, n: int) -> bool:
-        return 0 < n <= self.buckets[-1]
 
     def release(self) -> None:
         """Drop every bucket and graph (captured again at their next use)."""
         self._buckets.clear()
         self._kv = None
+
+    def _use(self, kv: PagedKV) -> None:
+        if self._kv is None or self._kv() is not kv:
+            self._buckets.clear()  # graphs of another cache's addresses
+            self._kv = weakref.ref(kv)
+
+    def _run(self, b, kv: PagedKV) -> None:
+        if not self.capture:
+            self._pass(b, kv)
+            return
+        if b.graph is None:
+            self._capture(b, kv)
+        if b.graph is not None:
+            b.graph.replay()
+
+    def _pass(self, b, kv: PagedKV) -> None:
+        raise NotImplementedError
+
+    def _capture(self, b, kv: PagedKV) -> None:
+        """One eager pass (it compiles and allocates what this length needs, and computes this
+        call's result), then the capture; a capture that fails warns and leaves the bucket eager."""
+        device = self.prefill.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            self._pass(b, kv)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.current_stream(device)
+        try:
+            # Thread-local: the decode loop's launches on other threads go on during a capture.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._pass(b, kv)
+        except Exception as e:  # a capture failure must cost speed, not the request
+            # An invalidated capture raises while ending it, before the graph's context gives the
+            # stream back: this thread must not stay on the capture stream.
+            torch.cuda.set_stream(stream)
+            warnings.warn(f"capturing the {b.n}-token prefill failed ({type(e).__name__}: {e}); eager", stacklevel=4)
+            self.capture = False
+            return
+        b.graph = graph
+
+
+class FreshPrompts(_StaticPasses):
+    """Prefills fresh prompts of up to max(buckets) tokens through static-shape passes of
+    `prefill`'s layers, captured as CUDA graphs when `capture` (CUDA only)."""
+
+    def __init__(self, prefill: Prefill, buckets: tuple[int, ...] = BUCKETS, capture: bool = True) -> None:
+        super().__init__(prefill, capture)
+        self.buckets = tuple(sorted(b for b in buckets if b <= prefill.chunk)) or (prefill.chunk,)
+
+    def covers(self, n: int) -> bool:
+        return 0 < n <= self.buckets[-1]
 
     def __call__(self, tokens: torch.Tensor, table: torch.Tensor, kv: PagedKV) -> torch.Tensor:
         """The residual [1, hidden] at the last of `tokens` (positions 0..n-1 of the sequence whose
@@ -81,9 +153,7 @@ class FreshPrompts:
         n = len(tokens)
         cfg = self.prefill.config
         check_mapped(table, torch.arange(cfg.num_hidden_layers), 0, n, "written")
-        if self._kv is None or self._kv() is not kv:
-            self._buckets.clear()  # graphs of another cache's addresses
-            self._kv = weakref.ref(kv)
+        self._use(kv)
         size = next(b for b in self.buckets if b >= n)
         b = self._buckets.get(size) or self._new_bucket(size)
         source = torch.arange(size).clamp(max=n - 1)  # pads write as the last real row
@@ -91,13 +161,7 @@ class FreshPrompts:
         b.slots.copy_(table.index_select(1, source // PAGE_SIZE).long() * PAGE_SIZE + source % PAGE_SIZE)
         b.tokens.zero_()
         b.tokens[:n].copy_(tokens)
-        if not self.capture:
-            self._pass(b, kv)
-        else:
-            if b.graph is None:
-                self._capture(b, kv)
-            if b.graph is not None:
-                b.graph.replay()
+        self._run(b, kv)
         return b.out.clone()
 
     def _new_bucket(self, n: int) -> _Bucket:
@@ -147,26 +211,134 @@ class FreshPrompts:
         x = pf.layers(pf.embed(b.tokens), b.cos, b.sin, kv.dtype, attn_dtype, write_and_attend)
         b.out.copy_(x.index_select(0, b.source[-1:]))  # the last row is, or writes as, the prompt's last
 
-    def _capture(self, b: _Bucket, kv: PagedKV) -> None:
-        """One eager pass (it compiles and allocates what this length needs, and computes this
-        call's result), then the capture; a capture that fails warns and leaves the bucket eager."""
-        device = self.prefill.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            self._pass(b, kv)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.current_stream(device)
-        try:
-            # Thread-local: the decode loop's launches on other threads go on during a capture.
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                self._pass(b, kv)
-        except Exception as e:  # a capture failure must cost speed, not the request
-            # An invalidated capture raises while ending it, before the graph's context gives the
-            # stream back: this thread must not stay on the capture stream.
-            torch.cuda.set_stream(stream)
-            warnings.warn(f"capturing the {b.n}-token prefill failed ({type(e).__name__}: {e}); eager", stacklevel=3)
-            self.capture = False
-            return
-        b.graph = graph
+
+@dataclass(eq=False)
+class _PrefixedBucket:
+    """The static inputs and output of a chunk with a cached prefix padded to n rows and k full-
+    attention key columns, and its graph (CUDA)."""
+
+    n: int
+    k: int
+    tokens: torch.Tensor  # long [n]: the chunk, then pads
+    source: torch.Tensor  # long [n]: the chunk row each row writes as (a pad: the last one)
+    slots: torch.Tensor  # long [layers, n]: the pool slot of each row's source per layer
+    cos: torch.Tensor  # [n, head_dim / 2] at each row's source position
+    sin: torch.Tensor
+    keys: dict[int | None, PackedKeys]  # per window: slots [layers of the kind, columns], lo/hi [n]
+    out: torch.Tensor  # [1, hidden] (accumulation dtype): the residual at the last real row
+    graph: torch.cuda.CUDAGraph | None = field(default=None)
+
+
+class PrefixedChunks(_StaticPasses):
+    """Prefills a chunk of one sequence after a cached prefix (module docs) through static-shape
+    passes, captured as CUDA graphs when `capture` (CUDA only)."""
+
+    def __init__(
+        self,
+        prefill: Prefill,
+        buckets: tuple[int, ...] = BUCKETS,
+        key_buckets: tuple[int, ...] = KEY_BUCKETS,
+        capture: bool = True,
+    ) -> None:
+        super().__init__(prefill, capture)
+        self.buckets = tuple(sorted(b for b in buckets if b <= prefill.chunk)) or (prefill.chunk,)
+        if any(b % FLEX_BLOCK or b < 2 * FLEX_BLOCK for b in (*self.buckets, *key_buckets)):
+            raise ValueError(f"buckets must be multiples of {FLEX_BLOCK}, at least {2 * FLEX_BLOCK} (flex_len)")
+        self.key_buckets = tuple(sorted(key_buckets))
+
+    def covers(self, start: int, n: int) -> bool:
+        return start > 0 and 0 < n <= self.buckets[-1] and start + n <= self.key_buckets[-1]
+
+    def __call__(self, tokens: torch.Tensor, start: int, table: torch.Tensor, kv: PagedKV) -> torch.Tensor:
+        """The residual [1, hidden] at the last of `tokens` (positions start..start+n-1 of the
+        sequence whose block table, int32 [layers, pages] on the CPU, is `table`, whose earlier
+        positions are in the cache), after writing their K and V."""
+        n, pf = len(tokens), self.prefill
+        cfg = pf.config
+        check_mapped(table, torch.arange(cfg.num_hidden_layers), start, start + n, "written")
+        self._use(kv)
+        size = next(b for b in self.buckets if b >= n)
+        k_full = next(k for k in self.key_buckets if k >= max(size, start + n))
+        b = self._buckets.get((size, k_full)) or self._new_bucket(size, k_full)
+        source = torch.arange(size).clamp(max=n - 1)  # pads write as the last real row
+        positions = start + source
+        b.source.copy_(source)
+        b.slots.copy_(table.index_select(1, positions // PAGE_SIZE).long() * PAGE_SIZE + positions % PAGE_SIZE)
+        b.tokens.zero_()
+        b.tokens[:n].copy_(tokens)
+        cos, sin = cos_sin(cfg, positions.to(pf.device), pf.dtype)
+        b.cos.copy_(cos)
+        b.sin.copy_(sin)
+        for window, ks in b.keys.items():
+            self._fill_keys(ks, window, start, n, positions, table)
+        self._run(b, kv)
+        return b.out.clone()
+
+    def _fill_keys(
+        self, ks: PackedKeys, window: int | None, start: int, n: int, positions: torch.Tensor, table: torch.Tensor
+    ) -> None:
+        """Key columns k_first.. (the prefix and the chunk; pad columns take the first key's slot,
+        which no row sees) and each row's visible columns [lo, hi]."""
+        first = 0 if window is None else max(0, start - window + 1)
+        layers = torch.tensor(sorted(ks.row_of, key=ks.row_of.__getitem__), dtype=torch.long)
+        check_mapped(table, layers, first, start + n, "read")
+        cols = ks.slots.shape[1]
+        kpos = first + torch.arange(cols)
+        kpos = torch.where(kpos < start + n, kpos, first)
+        rows = table.index_select(0, layers)
+        ks.slots.copy_(rows.index_select(1, kpos // PAGE_SIZE).long() * PAGE_SIZE + kpos % PAGE_SIZE)
+        lo = torch.zeros_like(positions) if window is None else (positions - window + 1).clamp(min=first) - first
+        ks.lo.copy_(lo)
+        ks.hi.copy_(positions - first)
+        if ks.backend_data is not None:
+            refresh_block_mask(ks.backend_data, ks.lo, ks.hi, cols)
+
+    def _new_bucket(self, n: int, k_full: int) -> _PrefixedBucket:
+        pf, cfg, device = self.prefill, self.prefill.config, self.prefill.device
+        cos, sin = cos_sin(cfg, torch.zeros(n, dtype=torch.long, device=device), pf.dtype)  # rewritten per call
+        keys = {}
+        for window in {cfg.window(layer) for layer in range(cfg.num_hidden_layers)}:
+            layers = [layer for layer in range(cfg.num_hidden_layers) if cfg.window(layer) == window]
+            # Sliding: the window - 1 keys before the chunk's first row and the chunk's own.
+            cols = k_full if window is None else flex_len(window - 1 + n)
+            q = torch.zeros(n, dtype=torch.int32, device=device)
+            slots = torch.zeros(len(layers), cols, dtype=torch.long, device=device)
+            empty = torch.empty(0, dtype=torch.long, device=device)
+            row_of = {layer: i for i, layer in enumerate(layers)}
+            ks = PackedKeys(window, row_of, slots, empty, [0], [0], [cols], cols, q, q.clone())
+            if pf.attention != "sdpa":
+                ks.backend_data = static_block_mask(ks.lo, ks.hi, cols)
+            keys[window] = ks
+        b = _PrefixedBucket(
+            n=n,
+            k=k_full,
+            tokens=torch.zeros(n, dtype=torch.long, device=device),
+            source=torch.zeros(n, dtype=torch.long, device=device),
+            slots=torch.zeros(cfg.num_hidden_layers, n, dtype=torch.long, device=device),
+            cos=cos,
+            sin=sin,
+            keys=keys,
+            out=torch.zeros(1, cfg.hidden_size, dtype=pf.acc, device=device),
+        )
+        self._buckets[n, k_full] = b
+        return b
+
+    def _pass(self, b: _PrefixedBucket, kv: PagedKV) -> None:
+        """The static-shape pass over the bucket's inputs (what a graph captures)."""
+        pf, cfg = self.prefill, self.prefill.config
+        pool_k, pool_v = pf.pools(kv)
+        attn_dtype = pf.attn_dtype(kv)
+
+        def write_and_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            slots = b.slots[layer]
+            pool_k.index_copy_(0, slots, k.index_select(0, b.source))
+            pool_v.index_copy_(0, slots, v.index_select(0, b.source))
+            ks = b.keys[cfg.window(layer)]
+            cols = ks.slots[ks.row_of[layer]]
+            kk, vv = pool_k.index_select(0, cols).to(attn_dtype), pool_v.index_select(0, cols).to(attn_dtype)
+            if pf.attention == "sdpa":
+                return attend_intervals_sdpa(q, kk, vv, ks.lo, ks.hi)
+            return attend_flex(q, kk, vv, ks, compiled=pf.attention != "flex_eager")
+
+        x = pf.layers(pf.embed(b.tokens), b.cos, b.sin, kv.dtype, attn_dtype, write_and_attend)
+        b.out.copy_(x.index_select(0, b.source[-1:]))  # the last row is, or writes as, the chunk's last

@@ -80,8 +80,9 @@ class PrefillRunner:
 
     def release_graphs(self) -> None:
         """Drop the fast prefill's CUDA graphs and their memory (the engine has stopped)."""
-        if self.fast_prefill is not None and self.fast_prefill.fresh is not None:
-            self.fast_prefill.fresh.release()
+        for passes in (self.fast_prefill.fresh, self.fast_prefill.prefixed) if self.fast_prefill is not None else ():
+            if passes is not None:
+                passes.release()
 
     def _sync(self, dirty: list[tuple[int, bytes]]) -> None:
         for row, data in dirty:
@@ -118,12 +119,12 @@ class ReferenceRunner(PrefillRunner):
 
 @contextlib.contextmanager
 def _usual_path(prefill: Prefill):
-    """`prefill` without its fresh-prompt pass (mk.prefill_graphs) for the duration."""
-    fresh, prefill.fresh = prefill.fresh, None
+    """`prefill` without its static passes (mk.prefill_graphs) for the duration."""
+    fresh, prefixed, prefill.fresh, prefill.prefixed = prefill.fresh, prefill.prefixed, None, None
     try:
         yield
     finally:
-        prefill.fresh = fresh
+        prefill.fresh, prefill.prefixed = fresh, prefixed
 
 
 def _host(logits: torch.Tensor) -> np.ndarray:

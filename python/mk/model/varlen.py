@@ -170,6 +170,49 @@ def flex_block_mask(keys: PackedKeys, q_pad: int, k_pad: int):
     )
 
 
+def static_block_mask(lo: torch.Tensor, hi: torch.Tensor, k_pad: int):
+    """A flex BlockMask whose query row r sees key columns [lo[r], hi[r]] of `lo` and `hi` (int32
+    [q_pad], every row real) as they hold at each call: `refresh_block_mask` rewrites its block
+    tensors in place after they change, so a CUDA graph that captured it stays valid."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx >= lo[q_idx]) & (kv_idx <= hi[q_idx])
+
+    partial, full = interval_block_mask(lo, hi, k_pad, lo.shape[0])
+    kv_num, kv_idx = _ordered(partial)
+    full_num, full_idx = _ordered(full)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(lo.shape[0], k_pad)
+    )
+
+
+def refresh_block_mask(mask, lo: torch.Tensor, hi: torch.Tensor, k_pad: int) -> None:
+    """`static_block_mask`'s block tensors for the intervals `lo` and `hi` now hold (the forward
+    pass reads only the key-side ones)."""
+    partial, full = interval_block_mask(lo, hi, k_pad, lo.shape[0])
+    for (num, idx), (num_dst, idx_dst) in (
+        (_ordered(partial), (mask.kv_num_blocks, mask.kv_indices)),
+        (_ordered(full), (mask.full_kv_num_blocks, mask.full_kv_indices)),
+    ):
+        num_dst.copy_(num)
+        idx_dst.copy_(idx)
+
+
+def attend_intervals_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
+    """Attention where query row r sees key columns [lo[r], hi[r]]: one SDPA call with an explicit
+    mask (small shapes only: the CPU tests of the static passes). q [N, heads, d], k/v [K, kv_heads,
+    d] -> [N, heads * d]."""
+    n, hq, hd = q.shape
+    group = hq // k.shape[1]
+    cols = torch.arange(k.shape[0], device=q.device)
+    mask = (cols[None, :] >= lo[:, None]) & (cols[None, :] <= hi[:, None])
+    kk = k.repeat_interleave(group, dim=1).transpose(0, 1)
+    vv = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kk[None], vv[None], attn_mask=mask[None, None])
+    return o[0].transpose(0, 1).reshape(n, hq * hd)
+
+
 @contextlib.contextmanager
 def compile_settings():
     """What mk's torch.compile calls trace and compile under (scoped to the call):

@@ -170,6 +170,28 @@ def test_fresh_prompts_replay_cuda_graphs_that_match_the_references(models, pref
     print(f"a 512-token fresh prompt at the GPU-test geometry: {graph:.1f} ms as a graph, {eager_ms:.1f} eager")
 
 
+def test_chunks_after_a_cached_prefix_replay_cuda_graphs_that_match_the_references(models):
+    """With prefix_graphs, a long prompt's later chunks (cached prefix, start > 0) run as CUDA graphs
+    of padded (rows, keys) buckets (mk.prefill_graphs.PrefixedChunks): 7000 tokens in chunks of
+    2048 cross the 4096 window (sliding keys from the window before each chunk) and end on a short
+    chunk; a second prompt of other tokens replays the same buckets. Each is as close to the
+    references as the eager pass is and writes only its own positions."""
+    p = Prefill(models[0], chunk=2048, prefix_graphs=True)
+    assert p.prefixed is not None and p.prefixed.capture
+    pools = Pools(models, L * 240)
+    tables = []
+    for salt in (0, 1):
+        toks = tokens_of(7000, salt=salt)
+        table = pools.table(7000, 120)
+        out = p([PrefillRequest(toks, 0, table)], pools.kv)
+        pools.check_logits(out.logits[0], *pools.references(toks, 0, table), f"prefix graphs, prompt {salt}")
+        tables.append(table)
+    pools.check_pages(tables, "prefix graphs")
+    assert p.prefixed is not None, "the prefixed pass failed and fell back (see the warning)"
+    assert all(b.graph is not None for b in p.prefixed._buckets.values()), "a bucket fell back to eager"
+    assert sorted(p.prefixed._buckets) == [(1024, 8192), (2048, 4096), (2048, 8192)]
+
+
 LENGTHS = [1, 63, 64, 65, 300, 1000, 4500]
 
 

@@ -25,6 +25,7 @@ fn config(max_batch: usize, num_blocks: usize) -> (SchedConfig, KvConfig) {
     let sched = SchedConfig {
         max_batch,
         prefill_chunk: 2048,
+        decode_prefill_budget: None,
         max_context: CONTEXT,
         vocab_size: 262_144,
         eos_token_id: Some(255_001),

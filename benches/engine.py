@@ -21,11 +21,12 @@ mk.engine_api.PREFILL_CHUNK, max batch 8, launch-ahead on) except its KV share o
 leaving room for the kernel-only measurement); `--launch-ahead off` runs one step at a time,
 `--prefill-chunk N` another chunk, `--prefill-graphs off` prefills fresh prompts without CUDA
 graphs, `--prefix-graphs` runs chunks after a cached prefix as CUDA graphs too (Engine(prefix_graphs=
-True); a 32K prompt is prefilled once first, so that its buckets' captures are not timed).
+True); a 32K prompt is prefilled once first, so that its buckets' captures are not timed),
+`--decode-prefill-budget N` prefills at most N prompt tokens an iteration while a stream decodes.
 `--temperature T` makes the decode streams seeded draws at T, which the kernel draws itself (Gumbel
 noise in its sample tasks); with `--top-p P` below 1 as well they come back to the host sampler.
 Usage: python benches/engine.py [--json out.json] [--quick] [--launch-ahead auto|on|off] [--prefill-chunk N]
-       [--prefill-graphs auto|on|off] [--prefix-graphs] [--temperature T] [--top-p P]
+       [--prefill-graphs auto|on|off] [--prefix-graphs] [--decode-prefill-budget N] [--temperature T] [--top-p P]
 """
 
 from __future__ import annotations
@@ -243,6 +244,9 @@ def main() -> None:
     )
     parser.add_argument("--prefix-graphs", action="store_true", help="Engine(prefix_graphs=True)")
     parser.add_argument(
+        "--decode-prefill-budget", type=int, default=None, help="Engine(decode_prefill_budget=...): default none"
+    )
+    parser.add_argument(
         "--temperature",
         type=float,
         default=0.0,
@@ -265,6 +269,7 @@ def main() -> None:
         launch_ahead=AUTO_ON_OFF[args.launch_ahead],
         prefill_graphs=AUTO_ON_OFF[args.prefill_graphs],
         prefix_graphs=args.prefix_graphs,
+        decode_prefill_budget=args.decode_prefill_budget,
     )
     rows = []
     try:

@@ -193,6 +193,18 @@ def test_unknown_prefill_mode_is_refused(model):
         Engine(model, prefill="flash")
 
 
+def test_a_smaller_prefill_budget_while_streams_decode_changes_no_token(model, engine):
+    """decode_prefill_budget cuts a prompt admitted beside a decoding stream into smaller chunks
+    (rust/engine/proptests.rs checks the budget per call); both requests' tokens are what a default
+    engine gives, and a budget of 0 is refused."""
+    requests = [(0, prompt(10), SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))]
+    requests.append((0.02, prompt(150, 1), SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)))
+    runs = [[r[0] for r in run(engine(decode_prefill_budget=budget), requests)] for budget in (None, 8)]
+    assert runs[0] == runs[1]
+    with pytest.raises(ValueError, match="decode_prefill_budget must be >= 1"):
+        Engine(model, max_context=256, decode_prefill_budget=0)
+
+
 @pytest.fixture(scope="module")
 def workload(model):
     """Eight requests of mixed lengths (greedy and seeded) and what each produces alone."""

@@ -141,6 +141,7 @@ class Engine:
         backend: str = "reference",
         tokenizer_json: str | None = None,
         launch_ahead: bool = False,
+        decode_prefill_budget: int | None = None,
     ) -> Engine: ...
     def submit(
         self,

@@ -85,6 +85,9 @@ class Engine:
 
     `prefill_chunk`: most prompt tokens one loop iteration prefills; None (the default):
     mk.engine_api.PREFILL_CHUNK on a GPU, CPU_PREFILL_CHUNK on the CPU (`self.prefill_chunk`).
+    `decode_prefill_budget`: the same while some stream decodes (at most `prefill_chunk`): smaller
+    chunks shorten a stream's longest wait while a long prompt is admitted, at the cost of more
+    chunks for that prompt (cheap ones with `prefix_graphs`). None (the default): `prefill_chunk`.
 
     `launch_ahead`: each decode step is launched before the previous step's tokens are handed
     over (rust/engine/core.rs); the streams are the same. The megakernel backend then queues steps
@@ -133,6 +136,7 @@ class Engine:
         tokenizer_json: str | None = None,
         launch_ahead: bool | None = None,
         prefill_graphs: bool | None = None,
+        decode_prefill_budget: int | None = None,
         kernel_masks: bool | None = None,
         prefix_graphs: bool = False,
     ) -> None:
@@ -181,6 +185,7 @@ class Engine:
             backend=self.backend,
             tokenizer_json=tokenizer_json,
             launch_ahead=self.launch_ahead,
+            decode_prefill_budget=decode_prefill_budget,
         )
         self._streams: dict[int, _Stream] = {}
         self._ids = itertools.count(1)

@@ -107,7 +107,7 @@ impl<B: Backend> Core<B> {
         // Every prefill chunk of this iteration (one per sequence, a chunk's worth of tokens in
         // all) goes to the backend as one call, which packs them into one forward pass.
         let mut chunks = std::mem::take(&mut self.chunks);
-        self.sched.plan_prefill(self.sched.config().prefill_chunk, &mut chunks, out);
+        self.sched.plan_prefill(self.sched.prefill_budget(), &mut chunks, out);
         if !chunks.is_empty() {
             // The step in flight first: the prefill writes K/V the scheduler has just mapped.
             if let Some(flight) = self.in_flight.take() {

@@ -113,6 +113,11 @@ pub struct MockBackend {
     pub prefill_batches: Vec<usize>,
     /// Prompt tokens per `prefill` call, in call order.
     pub prefill_tokens: Vec<usize>,
+    /// Per `prefill` call: whether the next decode step had a row the call did not just finish
+    /// prefilling (a stream that was decoding while the call was planned).
+    pub prefill_decoding: Vec<bool>,
+    /// The rows whose last chunk the latest `prefill` call ran, until the next decode step.
+    just_prefilled: Option<std::collections::HashSet<usize>>,
     pub decode_calls: usize,
     /// Largest decode batch seen.
     pub max_rows: usize,
@@ -142,6 +147,8 @@ impl MockBackend {
             prefill_calls: 0,
             prefill_batches: Vec::new(),
             prefill_tokens: Vec::new(),
+            prefill_decoding: Vec::new(),
+            just_prefilled: None,
             decode_calls: 0,
             max_rows: 0,
             queueing: false,
@@ -207,6 +214,10 @@ impl MockBackend {
     /// One decode step over `input`, as `decode` runs it (counted, failing where injected).
     fn step(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
         self.decode_calls += 1;
+        if let Some(fresh) = self.just_prefilled.take() {
+            let decoding = input.rows.iter().any(|r| !fresh.contains(r));
+            *self.prefill_decoding.last_mut().expect("set with just_prefilled") = decoding;
+        }
         if self.fail_decode_call == Some(self.decode_calls - 1) {
             return Err(BackendError("injected failure".into()));
         }
@@ -229,6 +240,8 @@ impl Backend for MockBackend {
         assert_eq!(rows.len(), input.chunks.len(), "one chunk per sequence and call");
         self.prefill_batches.push(input.chunks.len());
         self.prefill_tokens.push(input.chunks.iter().map(|c| c.tokens.len()).sum());
+        self.prefill_decoding.push(false);
+        self.just_prefilled = Some(input.chunks.iter().filter(|c| c.last).map(|c| c.row).collect());
         let poisoned = input.chunks.iter().any(|c| self.fail_packed_request == Some(c.request));
         if poisoned && input.chunks.len() > 1 {
             return Err(BackendError("injected failure of the packed call".into()));

@@ -7,7 +7,7 @@
 use proptest::prelude::*;
 
 use super::mock::MockModel;
-use super::tests::{core, run};
+use super::tests::{budgeted_core, core, run};
 use crate::kv::KvManager;
 use crate::sched::{FinishReason, Request, SamplingParams};
 
@@ -96,12 +96,15 @@ proptest! {
     /// The prefill budget (the engine's `prefill_chunk`) shared by every prompt of an iteration:
     /// no prefill call ever carries more prompt tokens than the budget, and while long prompts are
     /// admitted (in chunks, several iterations each) every stream that has started gets a token
-    /// in every iteration until it ends. Blocks are ample, so nothing is preempted.
+    /// in every iteration until it ends, with or without a smaller budget while streams decode
+    /// (`decode_prefill_budget`), which calls made while a stream decodes never exceed. Blocks are
+    /// ample, so nothing is preempted.
     #[test]
     fn prefill_stays_within_its_budget_and_never_stalls_a_decoding_stream(
         long in proptest::collection::vec((0..10usize, 20..44usize), 1..5),
         short in proptest::collection::vec((0..10usize, 1..6usize, 2..20usize), 1..6),
         budget in 1usize..24,
+        decode_budget in proptest::option::of(1usize..24),
         // 0: off; 1: on over a backend that cannot queue (so: synchronous steps); 2: on, steps queued as on a device.
         launch_ahead in 0u8..3,
     ) {
@@ -119,11 +122,18 @@ proptest! {
         }
         let probe = KvManager::new(model.kv_config(1)).unwrap();
         let blocks = arrivals.len() * probe.prefill_blocks_needed(MAX_CONTEXT, budget);
-        let mut c = core(&model, blocks, arrivals.len(), budget, MAX_CONTEXT);
+        let mut c = budgeted_core(&model, blocks, arrivals.len(), budget, decode_budget, MAX_CONTEXT);
         c.launch_ahead = launch_ahead > 0;
         c.backend.queueing = launch_ahead == 2;
         let out = run(&mut c, &arrivals, &[]);
         prop_assert!(c.backend.prefill_tokens.iter().all(|&t| t <= budget), "{:?}", c.backend.prefill_tokens);
+        if let Some(small) = decode_budget {
+            // A call made while streams decode: one whose iteration also delivers a token to a
+            // stream that had one before.
+            let decoding = c.backend.prefill_decoding.iter().zip(&c.backend.prefill_tokens);
+            prop_assert!(decoding.filter(|(d, _)| **d).all(|(_, &t)| t <= small.min(budget)),
+                "{:?} {:?}", c.backend.prefill_tokens, c.backend.prefill_decoding);
+        }
         for (_, r) in &arrivals {
             let first = out.per_iteration.iter().position(|m| m.contains_key(&r.id)).unwrap();
             let last = out.per_iteration.iter().rposition(|m| m.contains_key(&r.id)).unwrap();

@@ -15,9 +15,22 @@ pub(crate) fn core(
     chunk: usize,
     max_context: usize,
 ) -> Core<MockBackend> {
+    budgeted_core(model, blocks, max_batch, chunk, None, max_context)
+}
+
+/// `core` with a prefill budget of its own while some sequence decodes.
+pub(crate) fn budgeted_core(
+    model: &MockModel,
+    blocks: usize,
+    max_batch: usize,
+    chunk: usize,
+    decode_prefill_budget: Option<usize>,
+    max_context: usize,
+) -> Core<MockBackend> {
     let cfg = SchedConfig {
         max_batch,
         prefill_chunk: chunk,
+        decode_prefill_budget,
         max_context,
         vocab_size: model.vocab as usize,
         eos_token_id: model.eos,

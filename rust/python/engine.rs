@@ -64,11 +64,13 @@ impl PyEngine {
     /// `tokenizer_json`: the text of the tokenizer's `tokenizer.json`, which constrained requests
     /// need (their grammars compile against its vocabulary). `launch_ahead`: each decode step is
     /// launched before the previous one's tokens are handed over (rust/engine/core.rs).
+    /// `decode_prefill_budget`: prompt tokens an iteration prefills while some sequence decodes
+    /// (None: `prefill_chunk`).
     #[new]
     #[pyo3(signature = (
         runner, *, sliding, window, num_blocks, vocab_size, eos_token_id=None, max_batch=8,
         max_context=4096, prefill_chunk=512, max_waiting=1024, salt=Vec::new(), check_invariants=false,
-        noop_token=1, backend="reference", tokenizer_json=None, launch_ahead=false
+        noop_token=1, backend="reference", tokenizer_json=None, launch_ahead=false, decode_prefill_budget=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -89,6 +91,7 @@ impl PyEngine {
         backend: &str,
         tokenizer_json: Option<String>,
         launch_ahead: bool,
+        decode_prefill_budget: Option<usize>,
     ) -> PyResult<Self> {
         let grammars = match (&tokenizer_json, eos_token_id) {
             (None, _) => None,
@@ -99,7 +102,14 @@ impl PyEngine {
             (Some(_), None) => return Err(PyValueError::new_err("constraints need an eos_token_id")),
         };
         let cfg = EngineConfig {
-            sched: SchedConfig { max_batch, prefill_chunk, max_context, vocab_size, eos_token_id },
+            sched: SchedConfig {
+                max_batch,
+                prefill_chunk,
+                decode_prefill_budget,
+                max_context,
+                vocab_size,
+                eos_token_id,
+            },
             kv: KvConfig { sliding, window, page_size: crate::kv::PAGE_SIZE, num_blocks, salt },
             max_waiting,
             check_invariants,

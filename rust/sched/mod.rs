@@ -39,6 +39,10 @@ pub struct SchedConfig {
     pub max_batch: usize,
     /// Prompt tokens prefilled per loop iteration, over all prefilling sequences.
     pub prefill_chunk: usize,
+    /// The same while some sequence decodes (at most `prefill_chunk`; None: `prefill_chunk`):
+    /// a smaller budget shortens a decoding stream's longest wait while a long prompt is admitted,
+    /// in more, smaller chunks.
+    pub decode_prefill_budget: Option<usize>,
     /// Longest sequence (prompt + generated) served.
     pub max_context: usize,
     pub vocab_size: usize,
@@ -47,7 +51,7 @@ pub struct SchedConfig {
 
 impl SchedConfig {
     pub fn new(max_batch: usize, max_context: usize, vocab_size: usize) -> Self {
-        Self { max_batch, prefill_chunk: 512, max_context, vocab_size, eos_token_id: None }
+        Self { max_batch, prefill_chunk: 512, decode_prefill_budget: None, max_context, vocab_size, eos_token_id: None }
     }
 }
 
@@ -116,6 +120,9 @@ impl Scheduler {
     pub fn new(cfg: SchedConfig, kv: KvConfig) -> Result<Self, SchedError> {
         if cfg.max_batch == 0 || cfg.prefill_chunk == 0 || cfg.max_context == 0 || cfg.vocab_size == 0 {
             return Err(SchedError::Config("max_batch, prefill_chunk, max_context and vocab_size must be >= 1".into()));
+        }
+        if cfg.decode_prefill_budget == Some(0) {
+            return Err(SchedError::Config("decode_prefill_budget must be >= 1 (or None)".into()));
         }
         let kv = KvManager::new(kv)?;
         let need = kv.prefill_blocks_needed(cfg.max_context, cfg.prefill_chunk);
@@ -205,6 +212,16 @@ impl Scheduler {
 
     pub fn live(&self) -> usize {
         self.order.len()
+    }
+
+    /// Prompt tokens this iteration may prefill: `prefill_chunk`, or while some sequence decodes
+    /// its `decode_prefill_budget` (the smaller of the two).
+    pub fn prefill_budget(&self) -> usize {
+        let decoding = || self.order.iter().any(|&r| self.rows[r].as_ref().is_some_and(|s| s.phase == Phase::Decode));
+        match self.cfg.decode_prefill_budget {
+            Some(b) if decoding() => b.min(self.cfg.prefill_chunk),
+            _ => self.cfg.prefill_chunk,
+        }
     }
 
     pub fn waiting(&self) -> usize {

@@ -7,7 +7,14 @@ use crate::sampling::Sampled;
 
 /// 2 layers (full, sliding), pages of 4 tokens, window 8; vocabulary 50.
 fn sched(max_batch: usize, chunk: usize, max_context: usize, blocks: usize) -> Scheduler {
-    let cfg = SchedConfig { max_batch, prefill_chunk: chunk, max_context, vocab_size: 50, eos_token_id: Some(0) };
+    let cfg = SchedConfig {
+        max_batch,
+        prefill_chunk: chunk,
+        decode_prefill_budget: None,
+        max_context,
+        vocab_size: 50,
+        eos_token_id: Some(0),
+    };
     let kv = KvConfig { sliding: vec![false, true], window: 8, page_size: 4, num_blocks: blocks, salt: vec![] };
     Scheduler::new(cfg, kv).unwrap()
 }
@@ -49,7 +56,26 @@ fn config_must_let_one_full_context_prefill_alone() {
     // 64 tokens: 16 pages on the full layer; in 512-token chunks the sliding layer holds all 16.
     assert!(matches!(Scheduler::new(cfg.clone(), kv(31)), Err(SchedError::Config(_))));
     assert!(Scheduler::new(cfg.clone(), kv(32)).is_ok());
-    assert!(matches!(Scheduler::new(SchedConfig { max_batch: 0, ..cfg }, kv(32)), Err(SchedError::Config(_))));
+    assert!(matches!(Scheduler::new(SchedConfig { max_batch: 0, ..cfg.clone() }, kv(32)), Err(SchedError::Config(_))));
+    let no_budget = SchedConfig { decode_prefill_budget: Some(0), ..cfg };
+    assert!(matches!(Scheduler::new(no_budget, kv(32)), Err(SchedError::Config(_))));
+}
+
+#[test]
+fn the_prefill_budget_shrinks_while_a_sequence_decodes() {
+    let mut s = sched(4, 16, 64, 200);
+    s.cfg.decode_prefill_budget = Some(4);
+    submit(&mut s, 0, 5, 10);
+    assert_eq!(s.prefill_budget(), 16, "nothing decodes yet");
+    step(&mut s); // request 0 prefilled (5 <= 16 tokens) and decoding
+    submit(&mut s, 1, 30, 2);
+    s.admit();
+    assert_eq!(s.prefill_budget(), 4, "request 0 decodes");
+    let (mut chunks, mut out) = (Vec::new(), Vec::new());
+    s.plan_prefill(s.prefill_budget(), &mut chunks, &mut out);
+    assert_eq!(chunks.iter().map(|c| c.end - c.start).sum::<usize>(), 4);
+    s.cfg.decode_prefill_budget = Some(100);
+    assert_eq!(s.prefill_budget(), 16, "never more than prefill_chunk");
 }
 
 #[test]

@@ -278,6 +278,14 @@ def main() -> None:
         if args.prefix_graphs:  # the captures of a long prompt's prefixed chunks, at their first use
             submit_long, _ = submit(engine, random_prompt(cfg, max(prompts), gen), 1)
             wait([submit_long])
+            if args.decode_prefill_budget:  # and of the budget's chunks, beside a decoding stream
+                beside, _ = submit(engine, random_prompt(cfg, 600, gen), 4000)
+                while not beside.times:
+                    time.sleep(0.01)
+                submit_long, _ = submit(engine, random_prompt(cfg, max(prompts), gen), 1)
+                wait([submit_long])
+                beside.stream.cancel()
+                beside.done.wait(60)
         for n in prompts:
             rows.append(ttft_row(engine, cfg, n, gen))
             print(rows[-1], flush=True)

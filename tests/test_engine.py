@@ -194,15 +194,26 @@ def test_unknown_prefill_mode_is_refused(model):
 
 
 def test_a_smaller_prefill_budget_while_streams_decode_changes_no_token(model, engine):
-    """decode_prefill_budget cuts a prompt admitted beside a decoding stream into smaller chunks
+    """decode_prefill_budget cuts a prompt admitted beside a decoding stream into more, smaller chunks
     (rust/engine/proptests.rs checks the budget per call); both requests' tokens are what a default
-    engine gives, and a budget of 0 is refused."""
-    requests = [(0, prompt(10), SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))]
-    requests.append((0.02, prompt(150, 1), SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)))
-    runs = [[r[0] for r in run(engine(decode_prefill_budget=budget), requests)] for budget in (None, 8)]
-    assert runs[0] == runs[1]
-    with pytest.raises(ValueError, match="decode_prefill_budget must be >= 1"):
-        Engine(model, max_context=256, decode_prefill_budget=0)
+    engine gives, and a budget below 1 is refused."""
+    greedy = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+    async def main(e: Engine):
+        first = aiter(e.submit(prompt(10), greedy))
+        events = [await anext(first)]  # a token: the first stream decodes from here on
+        second = e.submit(prompt(150, 1), dataclasses.replace(greedy, max_tokens=5))
+        events += [ev async for ev in first]
+        later = [ev async for ev in second]
+        tokens = [[ev.token_id for ev in evs if ev.token_id is not None] for evs in (events, later)]
+        return tokens, e.native_stats()["prefill_chunks"]
+
+    runs = [asyncio.run(main(engine(decode_prefill_budget=budget))) for budget in (None, 8)]
+    assert runs[0][0] == runs[1][0]
+    assert runs[1][1] >= runs[0][1] + 10, f"the budget did not cut the long prompt finer: {runs[0][1]}, {runs[1][1]}"
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="decode_prefill_budget must be >= 1"):
+            Engine(model, max_context=256, decode_prefill_budget=bad)
 
 
 @pytest.fixture(scope="module")

@@ -616,6 +616,8 @@ def test_prefixed_chunks_cover_what_their_buckets_hold_and_refuse_unmapped_prefi
         prefill([PrefillRequest(toks[100:], 100, table)], pool.kv)
     with pytest.raises(ValueError, match="multiples of 128"):
         PrefixedChunks(prefill, buckets=(100,), capture=False)
+    assert Prefill(model, chunk=200, prefix_graphs=True).prefixed is None, "no bucket fits a 200-token chunk"
+    assert Prefill(model, chunk=256, prefix_graphs=True).prefixed is not None
 
 
 def test_a_prefixed_chunk_with_another_cache_drops_the_static_buffers(weights64):

@@ -174,17 +174,19 @@ def test_chunks_after_a_cached_prefix_replay_cuda_graphs_that_match_the_referenc
     """With prefix_graphs, a long prompt's later chunks (cached prefix, start > 0) run as CUDA graphs
     of padded (rows, keys) buckets (mk.prefill_graphs.PrefixedChunks): 7000 tokens in chunks of
     2048 cross the 4096 window (sliding keys from the window before each chunk) and end on a short
-    chunk; a second prompt of other tokens replays the same buckets. Each is as close to the
-    references as the eager pass is and writes only its own positions."""
+    chunk; a second prompt of other tokens replays the same buckets, and a third of 7900 tokens
+    replays the (2048, 8192) bucket at another start (its block mask rewritten for other
+    intervals). Each is as close to the references as the eager pass is and writes only its own
+    positions."""
     p = Prefill(models[0], chunk=2048, prefix_graphs=True)
     assert p.prefixed is not None and p.prefixed.capture
-    pools = Pools(models, L * 240)
+    pools = Pools(models, L * 400)
     tables = []
-    for salt in (0, 1):
-        toks = tokens_of(7000, salt=salt)
-        table = pools.table(7000, 120)
+    for salt, n in ((0, 7000), (1, 7000), (2, 7900)):
+        toks = tokens_of(n, salt=salt)
+        table = pools.table(n, 124)
         out = p([PrefillRequest(toks, 0, table)], pools.kv)
-        pools.check_logits(out.logits[0], *pools.references(toks, 0, table), f"prefix graphs, prompt {salt}")
+        pools.check_logits(out.logits[0], *pools.references(toks, 0, table), f"prefix graphs, {n} tokens")
         tables.append(table)
     pools.check_pages(tables, "prefix graphs")
     assert p.prefixed is not None, "the prefixed pass failed and fell back (see the warning)"

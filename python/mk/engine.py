@@ -144,6 +144,8 @@ class Engine:
         if prefill_chunk is None:
             prefill_chunk = PREFILL_CHUNK if model.device.type == "cuda" else CPU_PREFILL_CHUNK
         self.prefill_chunk = prefill_chunk
+        if decode_prefill_budget is not None and decode_prefill_budget < 1:
+            raise ValueError(f"decode_prefill_budget must be >= 1 (or None), got {decode_prefill_budget}")
         self.backend = choose_backend(model, backend)
         if kernel_masks and self.backend != "megakernel":
             raise ValueError(f"kernel_masks needs the megakernel backend; this engine decodes with {self.backend!r}")

@@ -61,7 +61,7 @@ from mk.model.varlen import (
     fa3_available,
     pack_keys,
 )
-from mk.prefill_graphs import FreshPrompts, PrefixedChunks
+from mk.prefill_graphs import BUCKETS, FreshPrompts, PrefixedChunks
 
 # Tokens per chunk by default (the engine's prefill chunk on a GPU, which it passes here): large
 # enough that a chunk is compute bound on an H200 (each chunk re-reads all ~60 GB of expert
@@ -215,6 +215,7 @@ class Prefill:
         if moe == "grouped" and self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"grouped MoE needs bf16, fp16 or fp32 weights, not {self.dtype}")
         self.moe = moe
+        self._graph_pool = None
         compiled = cuda if compile == "auto" else bool(compile)
         self.compiled = compiled
         self._norm, self._rope, self._residual = (_Op(f, compiled) for f in (_norm, _rope, _residual))
@@ -228,7 +229,17 @@ class Prefill:
             raise ValueError(f"graphs must be 'auto', True or False, got {graphs!r}")
         # "auto": where the pass is capturable, which the loop MoE (host-side routing) is not.
         self.fresh = FreshPrompts(self) if (cuda and moe == "grouped" if graphs == "auto" else graphs) else None
-        self.prefixed = PrefixedChunks(self) if prefix_graphs and not (cuda and attention == "sdpa") else None
+        # CUDA: the static pass takes compiled flex (SDPA and eager flex would materialise [rows,
+        # keys] scores) and a capturable MoE; every chunk: at least the smallest bucket.
+        fits = chunk >= BUCKETS[0] and not (cuda and (attention in ("sdpa", "flex_eager") or moe != "grouped"))
+        self.prefixed = PrefixedChunks(self) if prefix_graphs and fits else None
+
+    def graph_pool(self):
+        """The memory pool every CUDA graph of this prefill's static passes is captured in (one:
+        they never run at once, and each keeps only its peak while the others' are reused)."""
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return self._graph_pool
 
     def _stack_all(self) -> None:
         cfg, w = self.config, self.model.weights
@@ -307,7 +318,7 @@ class Prefill:
                 self.fresh = None
         if self.prefixed is not None and len(pieces) == 1 and self.prefixed.covers(pieces[0].first, len(tokens)):
             try:
-                return self.prefixed(tokens, pieces[0].first, pieces[0].table, kv)
+                return self.prefixed(tokens, pieces[0].first, pieces[0].table, pieces[0].table_dev, kv)
             except KVMappingError:
                 raise
             except Exception as e:  # as above

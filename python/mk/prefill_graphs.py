@@ -87,7 +87,7 @@ class _StaticPasses:
         self.capture = capture and prefill.device.type == "cuda"
         self._buckets: dict = {}
         self._kv: weakref.ref[PagedKV] | None = None
-        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._pool = prefill.graph_pool() if self.capture else None
 
     def release(self) -> None:
         """Drop every bucket and graph (captured again at their next use)."""
@@ -241,51 +241,64 @@ class PrefixedChunks(_StaticPasses):
         capture: bool = True,
     ) -> None:
         super().__init__(prefill, capture)
-        self.buckets = tuple(sorted(b for b in buckets if b <= prefill.chunk)) or (prefill.chunk,)
-        if any(b % FLEX_BLOCK or b < 2 * FLEX_BLOCK for b in (*self.buckets, *key_buckets)):
+        self.buckets = tuple(sorted(b for b in buckets if b <= prefill.chunk))
+        if not self.buckets or any(b % FLEX_BLOCK or b < 2 * FLEX_BLOCK for b in (*self.buckets, *key_buckets)):
             raise ValueError(f"buckets must be multiples of {FLEX_BLOCK}, at least {2 * FLEX_BLOCK} (flex_len)")
         self.key_buckets = tuple(sorted(key_buckets))
+        self._layer_rows: dict[int | None, torch.Tensor] = {}  # per window: its layers, on the device
 
     def covers(self, start: int, n: int) -> bool:
         return start > 0 and 0 < n <= self.buckets[-1] and start + n <= self.key_buckets[-1]
 
-    def __call__(self, tokens: torch.Tensor, start: int, table: torch.Tensor, kv: PagedKV) -> torch.Tensor:
+    def __call__(
+        self, tokens: torch.Tensor, start: int, table: torch.Tensor, table_dev: torch.Tensor, kv: PagedKV
+    ) -> torch.Tensor:
         """The residual [1, hidden] at the last of `tokens` (positions start..start+n-1 of the
-        sequence whose block table, int32 [layers, pages] on the CPU, is `table`, whose earlier
-        positions are in the cache), after writing their K and V."""
+        sequence whose block table, int32 [layers, pages], is `table` on the CPU and `table_dev` on
+        the device, whose earlier positions are in the cache), after writing their K and V. The
+        static inputs are computed on the device: no host copy, no wait."""
         n, pf = len(tokens), self.prefill
-        cfg = pf.config
+        cfg, device = pf.config, pf.device
         check_mapped(table, torch.arange(cfg.num_hidden_layers), start, start + n, "written")
         self._use(kv)
         size = next(b for b in self.buckets if b >= n)
         k_full = next(k for k in self.key_buckets if k >= max(size, start + n))
         b = self._buckets.get((size, k_full)) or self._new_bucket(size, k_full)
-        source = torch.arange(size).clamp(max=n - 1)  # pads write as the last real row
+        source = torch.arange(size, device=device).clamp(max=n - 1)  # pads write as the last real row
         positions = start + source
         b.source.copy_(source)
-        b.slots.copy_(table.index_select(1, positions // PAGE_SIZE).long() * PAGE_SIZE + positions % PAGE_SIZE)
+        b.slots.copy_(table_dev.index_select(1, positions // PAGE_SIZE).long() * PAGE_SIZE + positions % PAGE_SIZE)
         b.tokens.zero_()
         b.tokens[:n].copy_(tokens)
-        cos, sin = cos_sin(cfg, positions.to(pf.device), pf.dtype)
+        cos, sin = cos_sin(cfg, positions, pf.dtype)
         b.cos.copy_(cos)
         b.sin.copy_(sin)
         for window, ks in b.keys.items():
-            self._fill_keys(ks, window, start, n, positions, table)
+            self._fill_keys(ks, window, start, n, positions, table, table_dev)
         self._run(b, kv)
         return b.out.clone()
 
     def _fill_keys(
-        self, ks: PackedKeys, window: int | None, start: int, n: int, positions: torch.Tensor, table: torch.Tensor
+        self,
+        ks: PackedKeys,
+        window: int | None,
+        start: int,
+        n: int,
+        positions: torch.Tensor,
+        table: torch.Tensor,
+        table_dev: torch.Tensor,
     ) -> None:
         """Key columns k_first.. (the prefix and the chunk; pad columns take the first key's slot,
         which no row sees) and each row's visible columns [lo, hi]."""
         first = 0 if window is None else max(0, start - window + 1)
-        layers = torch.tensor(sorted(ks.row_of, key=ks.row_of.__getitem__), dtype=torch.long)
-        check_mapped(table, layers, first, start + n, "read")
+        layers = sorted(ks.row_of, key=ks.row_of.__getitem__)
+        check_mapped(table, torch.tensor(layers), first, start + n, "read")
+        if window not in self._layer_rows:
+            self._layer_rows[window] = torch.tensor(layers, device=positions.device)
         cols = ks.slots.shape[1]
-        kpos = first + torch.arange(cols)
+        kpos = first + torch.arange(cols, device=positions.device)
         kpos = torch.where(kpos < start + n, kpos, first)
-        rows = table.index_select(0, layers)
+        rows = table_dev.index_select(0, self._layer_rows[window])
         ks.slots.copy_(rows.index_select(1, kpos // PAGE_SIZE).long() * PAGE_SIZE + kpos % PAGE_SIZE)
         lo = torch.zeros_like(positions) if window is None else (positions - window + 1).clamp(min=first) - first
         ks.lo.copy_(lo)

@@ -116,8 +116,9 @@ pub struct MockBackend {
     /// Per `prefill` call: whether the next decode step had a row the call did not just finish
     /// prefilling (a stream that was decoding while the call was planned).
     pub prefill_decoding: Vec<bool>,
-    /// The rows whose last chunk the latest `prefill` call ran, until the next decode step.
-    just_prefilled: Option<std::collections::HashSet<usize>>,
+    /// The `prefill` calls since the last decode step (a failed packed call is retried chunk by
+    /// chunk: several in one iteration), and the rows whose last chunk they ran.
+    just_prefilled: Option<(Vec<usize>, std::collections::HashSet<usize>)>,
     pub decode_calls: usize,
     /// Largest decode batch seen.
     pub max_rows: usize,
@@ -214,9 +215,11 @@ impl MockBackend {
     /// One decode step over `input`, as `decode` runs it (counted, failing where injected).
     fn step(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
         self.decode_calls += 1;
-        if let Some(fresh) = self.just_prefilled.take() {
+        if let Some((calls, fresh)) = self.just_prefilled.take() {
             let decoding = input.rows.iter().any(|r| !fresh.contains(r));
-            *self.prefill_decoding.last_mut().expect("set with just_prefilled") = decoding;
+            for call in calls {
+                self.prefill_decoding[call] = decoding;
+            }
         }
         if self.fail_decode_call == Some(self.decode_calls - 1) {
             return Err(BackendError("injected failure".into()));
@@ -241,7 +244,9 @@ impl Backend for MockBackend {
         self.prefill_batches.push(input.chunks.len());
         self.prefill_tokens.push(input.chunks.iter().map(|c| c.tokens.len()).sum());
         self.prefill_decoding.push(false);
-        self.just_prefilled = Some(input.chunks.iter().filter(|c| c.last).map(|c| c.row).collect());
+        let (calls, rows) = self.just_prefilled.get_or_insert_with(Default::default);
+        calls.push(self.prefill_tokens.len() - 1);
+        rows.extend(input.chunks.iter().filter(|c| c.last).map(|c| c.row));
         let poisoned = input.chunks.iter().any(|c| self.fail_packed_request == Some(c.request));
         if poisoned && input.chunks.len() > 1 {
             return Err(BackendError("injected failure of the packed call".into()));

@@ -109,8 +109,9 @@ class Engine:
     `kernel_masks`: with the megakernel backend, a decode row under a grammar whose token the kernel
     can draw (greedy or a temperature alone) is drawn by the kernel among its mask's tokens (the
     mask uploaded before the step) instead of on the host from its logits (rust/engine/megakernel.rs;
-    True with another backend is an error). None (the default): off, until a GPU run has checked it
-    against the host sampler.
+    True with another backend is an error). Its tokens equal the host sampler's (H200); the launch
+    then waits for the masks the host path computes during the step. None (the default): off, until
+    that trade is measured.
 
     KV pool: `kv_blocks` blocks, else `kv_bytes`, else on a GPU `kv_fraction` of the memory free
     after the weights, else (CPU) room for one sequence of `max_context` tokens or `max_batch` of

@@ -35,6 +35,7 @@ from mk.tokenizer import Tokenizer
         (["--model", ".", "--synthetic"], "--synthetic"),
         (["--prefill", "flash"], "--prefill"),
         (["--launch-ahead", "maybe"], "--launch-ahead"),
+        (["--decode-prefill-budget", "0"], "--decode-prefill-budget"),
     ],
 )
 def test_bad_flags_are_refused_with_one_line(argv, flag, capsys):
@@ -56,6 +57,9 @@ def test_server_and_engine_share_their_defaults():
     assert args.prefill_chunk is engine_defaults["prefill_chunk"].default is None
     assert AUTO_ON_OFF[args.launch_ahead] is engine_defaults["launch_ahead"].default is None
     assert AUTO_ON_OFF[args.prefill_graphs] is engine_defaults["prefill_graphs"].default is None
+    assert args.decode_prefill_budget is engine_defaults["decode_prefill_budget"].default is None
+    for flag in ("prefix_graphs", "kernel_masks"):  # experimental: off
+        assert getattr(args, flag) is engine_defaults[flag].default is False
 
 
 def test_help_documents_every_flag():
@@ -63,7 +67,8 @@ def test_help_documents_every_flag():
     assert out.returncode == 0
     for flag in ("--host", "--port", "--model", "--synthetic", "--served-model-name", "--max-batch", "--max-context",
                  "--kv-fraction", "--prefill-chunk", "--api-key", "--log-level", "--drain-timeout", "--backend",
-                 "--prefill", "--launch-ahead"):  # fmt: skip
+                 "--prefill", "--launch-ahead", "--prefill-graphs", "--prefix-graphs", "--decode-prefill-budget",
+                 "--kernel-masks"):  # fmt: skip
         assert flag in out.stdout
 
 
@@ -72,6 +77,13 @@ def test_synthetic_needs_a_gpu():
     out = subprocess.run([sys.executable, "-m", "mk.server", "--synthetic"], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "no GPU" in out.stderr.strip().splitlines()[-1]
+
+
+def test_kernel_masks_need_the_megakernel():
+    argv = [sys.executable, "-m", "mk.server", "--device", "cpu", "--kernel-masks"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "needs the megakernel backend" in out.stderr.strip().splitlines()[-1]
 
 
 @pytest.fixture(scope="module")

@@ -110,8 +110,8 @@ class Engine:
     can draw (greedy or a temperature alone) is drawn by the kernel among its mask's tokens (the
     mask uploaded before the step) instead of on the host from its logits (rust/engine/megakernel.rs;
     True with another backend is an error). Its tokens equal the host sampler's (H200); the launch
-    then waits for the masks the host path computes during the step. None (the default): off, until
-    that trade is measured.
+    then waits for the masks the host path computes during the step. Off by default until that trade
+    is measured.
 
     KV pool: `kv_blocks` blocks, else `kv_bytes`, else on a GPU `kv_fraction` of the memory free
     after the weights, else (CPU) room for one sequence of `max_context` tokens or `max_batch` of
@@ -138,7 +138,7 @@ class Engine:
         launch_ahead: bool | None = None,
         prefill_graphs: bool | None = None,
         decode_prefill_budget: int | None = None,
-        kernel_masks: bool | None = None,
+        kernel_masks: bool = False,
         prefix_graphs: bool = False,
     ) -> None:
         cfg = model.config
@@ -165,7 +165,7 @@ class Engine:
         num_blocks = _pool_blocks(model, kv_blocks, kv_bytes, kv_fraction, cpu_blocks)
         if self.backend == "megakernel":
             self._runner = MegakernelRunner(
-                model, num_blocks, max_batch, max_context, fast_prefill=fast, kernel_masks=bool(kernel_masks)
+                model, num_blocks, max_batch, max_context, fast_prefill=fast, kernel_masks=kernel_masks
             )
         else:
             self._runner = ReferenceRunner(model, num_blocks, max_batch, max_context, fast_prefill=fast)

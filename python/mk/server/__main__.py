@@ -135,6 +135,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "%(default)s)",
     )
     p.add_argument(
+        "--prefix-graphs",
+        action="store_true",
+        help="also prefill a chunk after a cached prefix (a long prompt's later chunks, a prompt reusing a cached "
+        "prefix) as a CUDA graph replay, one per padded (tokens, keys) shape, captured at its first use; "
+        "experimental, off until measured",
+    )
+    p.add_argument(
+        "--decode-prefill-budget",
+        type=_at_least(1),
+        help="most prompt tokens one loop iteration prefills while streams decode: smaller chunks shorten the "
+        "streams' longest pause while a long prompt is admitted, in more chunks (default: --prefill-chunk)",
+    )
+    p.add_argument(
+        "--kernel-masks",
+        action="store_true",
+        help="with the megakernel backend, draw grammar-constrained rows (greedy, or a temperature alone) on the GPU "
+        "among their mask's tokens instead of copying their logits back; experimental, off until measured",
+    )
+    p.add_argument(
         "--max-batch", type=_at_least(1), default=8, help="most sequences decoded together (default: %(default)s)"
     )
     p.add_argument(
@@ -291,6 +310,9 @@ def build_state(args: argparse.Namespace) -> ServerState:
         tokenizer_json=tokenizer.hf.to_str(),  # constrained requests compile against its vocabulary
         launch_ahead=AUTO_ON_OFF[args.launch_ahead],
         prefill_graphs=AUTO_ON_OFF[args.prefill_graphs],
+        prefix_graphs=args.prefix_graphs,
+        decode_prefill_budget=args.decode_prefill_budget,
+        kernel_masks=args.kernel_masks,
     )
     log.info(
         "engine ready: %s, %s decode, %s prefill (chunks of %d tokens, CUDA graphs %s), launch-ahead %s, "

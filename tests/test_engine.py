@@ -158,6 +158,21 @@ def test_the_fresh_prompt_pass_gives_the_reference_tokens_and_close_releases_it(
     assert not fresh._buckets
 
 
+def test_the_prefixed_chunk_pass_gives_the_reference_tokens_and_close_releases_it(model, engine):
+    """`prefix_graphs=True` on the CPU runs a long prompt's chunks after the first (a cached prefix)
+    through their static, padded pass eagerly (what a GPU captures): the tokens are the reference's,
+    and closing the engine drops the pass's buffers."""
+    e = engine(max_batch=2, prefill="fast", prefill_chunk=256, prefix_graphs=True)
+    prefixed = e._runner.fast_prefill.prefixed
+    assert prefixed is not None
+    p = prompt(280, 7)  # chunks of 256 and 24 tokens, the second after a cached prefix
+    [(tokens, _, _)] = run(e, [(0, p, GREEDY)])
+    assert tokens == reference_greedy(model, p, GREEDY.max_tokens)[0]
+    assert list(prefixed._buckets) == [(256, 2048)], "the second chunk took the static pass"
+    e.close()
+    assert not prefixed._buckets
+
+
 def test_a_failing_prefill_ends_only_its_own_request(model, engine):
     """The runner raises on one of three prompts that arrive together (one packed call): the packed
     call fails, each prompt is retried alone, and only the bad one ends with an error."""

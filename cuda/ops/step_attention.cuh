@@ -196,7 +196,8 @@ __device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, const Split
                                     const Ring& r, uint32_t& n, PhaseMarks& marks) {
     SplitState st(a, sp, x);
 #if MK_SPLIT_MARKS
-    // A diagnostic placement (MK_SPLIT_MARKS=1): q loaded, then the first page's K and V full.
+    // A diagnostic placement (MK_SPLIT_MARKS=1): q loaded (its fragments built), then the first
+    // page's K and V full; a mark keeps its first point, so the ones below then change nothing.
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks) asm volatile("" ::"r"(st.qa[ks][0]), "r"(st.qa[ks][1]));
     marks.mark(0);
@@ -206,9 +207,7 @@ __device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, const Split
         const int start = sp.first_page + i * kPage;
         mbar_wait(r.full_of(n), r.parity(n));
         mbar_wait(r.full_of(n + 1), r.parity(n + 1));
-#if MK_SPLIT_MARKS
-        if (i == 0) marks.mark(1);
-#endif
+        if (MK_SPLIT_MARKS && i == 0) marks.mark(1);
         const SwizzledKv ks{r.stage(n)}, vs{r.stage(n + 1)};
         const int first = max(sp.lo - start, 0), end = min(sp.hi - start, kPage);
         const int own = sp.hi == sp.pos + 1 ? sp.pos - start : -1;  // the new token's row, if in this page
@@ -230,13 +229,9 @@ __device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, const Split
         st.page(ks, vs, start, sp.lo, sp.hi, x);
         __syncwarp();
         if (threadIdx.x % 32 == 0) mbar_arrive(r.empty_of(n)), mbar_arrive(r.empty_of(n + 1));
-#if !MK_SPLIT_MARKS
         if (i == 0) marks.mark(0);
     }
     marks.mark(1);
-#else
-    }
-#endif
     st.store(a, sp, t.arg[2]);
 }
 

@@ -174,7 +174,8 @@ class Prefill:
     (`mk.prefill_graphs`), captured as a CUDA graph on CUDA ("auto": on CUDA with the grouped MoE;
     True on the CPU runs the static pass eagerly, for tests). prefix_graphs: the same for a chunk
     of one sequence after a cached prefix (`PrefixedChunks`; off by default until measured on a
-    GPU; never with SDPA attention on CUDA, whose dense masks would not fit).
+    GPU; on CUDA only with compiled flex and the grouped MoE, and only for a chunk of at least the
+    smallest bucket).
 
     Grouped MoE needs each layer's experts stacked: views when they already are (see
     `stack_experts`, which the engine should call once after loading), else a copy per layer

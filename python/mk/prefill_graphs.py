@@ -109,6 +109,23 @@ class _StaticPasses:
             b.graph.replay()
 
     def _pass(self, b, kv: PagedKV) -> None:
+        """The static-shape pass over the bucket's inputs (what a graph captures): each row's K and
+        V written as its source row's (pads: the last prompt row's), then `_attend`."""
+        pf = self.prefill
+        pool_k, pool_v = pf.pools(kv)
+        attn_dtype = pf.attn_dtype(kv)
+
+        def write_and_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            slots = b.slots[layer]
+            pool_k.index_copy_(0, slots, k.index_select(0, b.source))
+            pool_v.index_copy_(0, slots, v.index_select(0, b.source))
+            return self._attend(b, layer, q, k, v, pool_k, pool_v, attn_dtype)
+
+        x = pf.layers(pf.embed(b.tokens), b.cos, b.sin, kv.dtype, attn_dtype, write_and_attend)
+        b.out.copy_(x.index_select(0, b.source[-1:]))  # the last row is, or writes as, the chunk's last
+
+    def _attend(self, b, layer: int, q, k, v, pool_k, pool_v, attn_dtype: torch.dtype) -> torch.Tensor:
+        """Layer `layer`'s attention output for the bucket's rows (their K and V already written)."""
         raise NotImplementedError
 
     def _capture(self, b, kv: PagedKV) -> None:
@@ -191,34 +208,23 @@ class FreshPrompts(_StaticPasses):
         self._buckets[n] = b
         return b
 
-    def _pass(self, b: _Bucket, kv: PagedKV) -> None:
-        """The static-shape pass over the bucket's inputs (what a graph captures)."""
-        pf, cfg = self.prefill, self.prefill.config
-        pool_k, pool_v = pf.pools(kv)
-        attn_dtype = pf.attn_dtype(kv)
-
-        def write_and_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            slots = b.slots[layer]
-            pool_k.index_copy_(0, slots, k.index_select(0, b.source))
-            pool_v.index_copy_(0, slots, v.index_select(0, b.source))
-            ks = b.keys[cfg.window(layer)]
-            kk, vv = k.to(attn_dtype), v.to(attn_dtype)
-            if pf.attention == "sdpa":
-                return attend_sdpa(q, kk, vv, ks, b.pieces)
-            # fa3 builds its sequence offsets per call; the static pass takes flex.
-            return attend_flex(q, kk, vv, ks, compiled=pf.attention != "flex_eager")
-
-        x = pf.layers(pf.embed(b.tokens), b.cos, b.sin, kv.dtype, attn_dtype, write_and_attend)
-        b.out.copy_(x.index_select(0, b.source[-1:]))  # the last row is, or writes as, the prompt's last
+    def _attend(self, b: _Bucket, layer: int, q, k, v, pool_k, pool_v, attn_dtype: torch.dtype) -> torch.Tensor:
+        """Over the chunk's own keys: no prefix."""
+        pf = self.prefill
+        ks = b.keys[pf.config.window(layer)]
+        kk, vv = k.to(attn_dtype), v.to(attn_dtype)
+        if pf.attention == "sdpa":
+            return attend_sdpa(q, kk, vv, ks, b.pieces)
+        # fa3 builds its sequence offsets per call; the static pass takes flex.
+        return attend_flex(q, kk, vv, ks, compiled=pf.attention != "flex_eager")
 
 
 @dataclass(eq=False)
 class _PrefixedBucket:
-    """The static inputs and output of a chunk with a cached prefix padded to n rows and k full-
-    attention key columns, and its graph (CUDA)."""
+    """The static inputs and output of a chunk with a cached prefix padded to n rows (its full-
+    attention key columns: keys[None].slots' width), and its graph (CUDA)."""
 
     n: int
-    k: int
     tokens: torch.Tensor  # long [n]: the chunk, then pads
     source: torch.Tensor  # long [n]: the chunk row each row writes as (a pad: the last one)
     slots: torch.Tensor  # long [layers, n]: the pool slot of each row's source per layer
@@ -324,7 +330,6 @@ class PrefixedChunks(_StaticPasses):
             keys[window] = ks
         b = _PrefixedBucket(
             n=n,
-            k=k_full,
             tokens=torch.zeros(n, dtype=torch.long, device=device),
             source=torch.zeros(n, dtype=torch.long, device=device),
             slots=torch.zeros(cfg.num_hidden_layers, n, dtype=torch.long, device=device),
@@ -336,22 +341,12 @@ class PrefixedChunks(_StaticPasses):
         self._buckets[n, k_full] = b
         return b
 
-    def _pass(self, b: _PrefixedBucket, kv: PagedKV) -> None:
-        """The static-shape pass over the bucket's inputs (what a graph captures)."""
-        pf, cfg = self.prefill, self.prefill.config
-        pool_k, pool_v = pf.pools(kv)
-        attn_dtype = pf.attn_dtype(kv)
-
-        def write_and_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            slots = b.slots[layer]
-            pool_k.index_copy_(0, slots, k.index_select(0, b.source))
-            pool_v.index_copy_(0, slots, v.index_select(0, b.source))
-            ks = b.keys[cfg.window(layer)]
-            cols = ks.slots[ks.row_of[layer]]
-            kk, vv = pool_k.index_select(0, cols).to(attn_dtype), pool_v.index_select(0, cols).to(attn_dtype)
-            if pf.attention == "sdpa":
-                return attend_intervals_sdpa(q, kk, vv, ks.lo, ks.hi)
-            return attend_flex(q, kk, vv, ks, compiled=pf.attention != "flex_eager")
-
-        x = pf.layers(pf.embed(b.tokens), b.cos, b.sin, kv.dtype, attn_dtype, write_and_attend)
-        b.out.copy_(x.index_select(0, b.source[-1:]))  # the last row is, or writes as, the chunk's last
+    def _attend(self, b: _PrefixedBucket, layer: int, q, k, v, pool_k, pool_v, attn_dtype: torch.dtype) -> torch.Tensor:
+        """Over the prefix and the chunk, gathered from the pool by the static slot tables."""
+        pf = self.prefill
+        ks = b.keys[pf.config.window(layer)]
+        cols = ks.slots[ks.row_of[layer]]
+        kk, vv = pool_k.index_select(0, cols).to(attn_dtype), pool_v.index_select(0, cols).to(attn_dtype)
+        if pf.attention == "sdpa":
+            return attend_intervals_sdpa(q, kk, vv, ks.lo, ks.hi)
+        return attend_flex(q, kk, vv, ks, compiled=pf.attention != "flex_eager")

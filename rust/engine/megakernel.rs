@@ -405,7 +405,7 @@ mod tests {
 
     /// A mask allowing the tokens `allow` says yes to.
     fn mask_of(vocab: usize, allow: impl Fn(u32) -> bool) -> crate::grammar::TokenMask {
-        let mut words = vec![0u32; vocab.div_ceil(32)];
+        let mut words = vec![0u32; crate::grammar::TokenMask::words_for(vocab)];
         for t in (0..vocab as u32).filter(|&t| allow(t)) {
             words[t as usize / 32] |= 1 << (t % 32);
         }

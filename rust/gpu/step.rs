@@ -110,7 +110,7 @@ pub struct GpuLauncher {
     tables: CudaSlice<i32>,
     /// MkRowSample [rows]: uploaded for a step with a row the kernel draws with noise or masks.
     samples: CudaSlice<MkRowSample>,
-    /// uint32 [rows][mask_words]: the masked rows' masks (allocated with the first masked step),
+    /// uint32 [rows][TokenMask::words_for(vocab)]: the masked rows' masks (allocated with the first masked step),
     /// and their host staging (one copy a step).
     masks: Option<CudaSlice<u32>>,
     host_masks: Vec<u32>,
@@ -144,11 +144,6 @@ impl Drop for GpuLauncher {
             let _ = self.stream.synchronize();
         }
     }
-}
-
-/// Words of a vocabulary bitmask (MkStepArgs.row_masks' row stride).
-pub fn mask_words(vocab: usize) -> usize {
-    vocab.div_ceil(32)
 }
 
 /// Every masked row has a mask of the vocabulary's words, and only those rows have one.
@@ -328,7 +323,7 @@ impl GpuLauncher {
             return Err(invalid("rows, tokens, positions, want_logits and samples differ in length".into()));
         }
         let g = &self.setup.geometry;
-        check_masks(step, mask_words(g.vocab))?;
+        check_masks(step, TokenMask::words_for(g.vocab))?;
         if let Some(t) = step.tokens.iter().find(|&&t| t as usize >= g.vocab) {
             return Err(invalid(format!("token {t} is outside the vocabulary of {}", g.vocab)));
         }
@@ -480,7 +475,7 @@ impl GpuLauncher {
         if masks.iter().all(Option::is_none) {
             return Ok(0);
         }
-        let words = mask_words(self.setup.geometry.vocab);
+        let words = TokenMask::words_for(self.setup.geometry.vocab);
         if self.masks.is_none() {
             let buffer =
                 self.stream.alloc_zeros::<u32>(self.setup.rows * words).map_err(driver("allocate the masks"))?;
@@ -734,7 +729,7 @@ mod tests {
     #[test]
     fn masks_go_with_masked_rows_only_and_cover_the_vocabulary() {
         let table = crate::sched::PageTable::new(1, 2, 1);
-        let mask = TokenMask { words: vec![!0; mask_words(100)] };
+        let mask = TokenMask { words: vec![!0; TokenMask::words_for(100)] };
         let short = TokenMask { words: vec![!0; 3] };
         let (plain, masked) = (MkRowSample::default(), MkRowSample::default().with_mask());
         let check = |samples: &[MkRowSample], masks: &[Option<&TokenMask>]| {
@@ -748,7 +743,7 @@ mod tests {
                 masks,
                 launch: 0,
             };
-            check_masks(&step, mask_words(100)).is_ok()
+            check_masks(&step, TokenMask::words_for(100)).is_ok()
         };
         assert!(check(&[plain, plain], &[]));
         assert!(check(&[plain, masked], &[None, Some(&mask)]));

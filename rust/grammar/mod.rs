@@ -60,6 +60,11 @@ pub struct TokenMask {
 }
 
 impl TokenMask {
+    /// Words of a mask over a vocabulary of `vocab` tokens.
+    pub fn words_for(vocab: usize) -> usize {
+        vocab.div_ceil(32)
+    }
+
     pub fn allows(&self, token: u32) -> bool {
         self.words.get(token as usize / 32).is_some_and(|w| w >> (token % 32) & 1 == 1)
     }
@@ -164,7 +169,7 @@ impl Grammars {
         if let Some(e) = matcher.get_error() {
             return Err(GrammarError(e));
         }
-        Ok(Constraint { matcher, words: self.vocab_size.div_ceil(32) })
+        Ok(Constraint { matcher, words: TokenMask::words_for(self.vocab_size) })
     }
 }
 

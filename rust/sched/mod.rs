@@ -202,7 +202,7 @@ impl Scheduler {
 
     /// Only EOS (the mask of a grammar that failed), `words` words long.
     pub fn eos_only(&self, mask: &mut TokenMask) {
-        let words = self.cfg.vocab_size.div_ceil(32);
+        let words = TokenMask::words_for(self.cfg.vocab_size);
         mask.words.clear();
         mask.words.resize(words, 0);
         if let Some(eos) = self.cfg.eos_token_id.filter(|&t| (t as usize) < words * 32) {

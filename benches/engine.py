@@ -22,11 +22,13 @@ leaving room for the kernel-only measurement); `--launch-ahead off` runs one ste
 `--prefill-chunk N` another chunk, `--prefill-graphs off` prefills fresh prompts without CUDA
 graphs, `--prefix-graphs` runs chunks after a cached prefix as CUDA graphs too (Engine(prefix_graphs=
 True); a 32K prompt is prefilled once first, so that its buckets' captures are not timed),
-`--decode-prefill-budget N` prefills at most N prompt tokens an iteration while a stream decodes.
+`--decode-prefill-budget N` prefills at most N prompt tokens an iteration while a stream decodes;
+`--prefill-only` runs the ttft and admit rows alone (with `--quick`: 512 and 8K prompts, and admit).
 `--temperature T` makes the decode streams seeded draws at T, which the kernel draws itself (Gumbel
 noise in its sample tasks); with `--top-p P` below 1 as well they come back to the host sampler.
 Usage: python benches/engine.py [--json out.json] [--quick] [--launch-ahead auto|on|off] [--prefill-chunk N]
-       [--prefill-graphs auto|on|off] [--prefix-graphs] [--decode-prefill-budget N] [--temperature T] [--top-p P]
+       [--prefill-graphs auto|on|off] [--prefix-graphs] [--decode-prefill-budget N] [--prefill-only]
+       [--temperature T] [--top-p P]
 """
 
 from __future__ import annotations
@@ -244,6 +246,9 @@ def main() -> None:
     )
     parser.add_argument("--prefix-graphs", action="store_true", help="Engine(prefix_graphs=True)")
     parser.add_argument(
+        "--prefill-only", action="store_true", help="only the time-to-first-token and admission rows (no decode rows)"
+    )
+    parser.add_argument(
         "--decode-prefill-budget", type=int, default=None, help="Engine(decode_prefill_budget=...): default none"
     )
     parser.add_argument(
@@ -289,10 +294,10 @@ def main() -> None:
         for n in prompts:
             rows.append(ttft_row(engine, cfg, n, gen))
             print(rows[-1], flush=True)
-        for b, c in points:
+        for b, c in [] if args.prefill_only else points:
             rows.append(decode_row(engine, model, b, c, gen, args.temperature, args.top_p))
             print(rows[-1], flush=True)
-        if not args.quick:
+        if not args.quick or args.prefill_only:
             rows.append(admit_row(engine, cfg, gen))
             print(rows[-1], flush=True)
     finally:
@@ -300,10 +305,11 @@ def main() -> None:
     decode = [r for r in rows if r["row"] == "decode"]
     cols = ["batch", "ctx", "temperature", "top_p", "stream_tok_s", "aggregate_tok_s"]
     cols += ["engine_ms_per_step", "kernel_ms_per_step"]
-    title = "engine decode (megakernel backend, real geometry, synthetic weights)"
-    print_table(title, decode, cols + ["host_ms_per_step"])
-    phases = ["launch_prepare_us", "launch_upload_us", "launch_call_us", "launch_wait_us", "loop_host_us"]
-    print_table("host time of a decode step (µs)", decode, ["batch", "ctx", *phases])
+    if decode:
+        title = "engine decode (megakernel backend, real geometry, synthetic weights)"
+        print_table(title, decode, cols + ["host_ms_per_step"])
+        phases = ["launch_prepare_us", "launch_upload_us", "launch_call_us", "launch_wait_us", "loop_host_us"]
+        print_table("host time of a decode step (µs)", decode, ["batch", "ctx", *phases])
     other = [r for r in rows if r["row"] != "decode"]
     cols = ["row", "prompt", "ttft_ms", "prompt_tok_s", "prefill_chunks", "backend_ms", "outside_backend_ms"]
     cols += ["longest_gap_ms", "median_gap_ms"]

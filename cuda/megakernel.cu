@@ -10,17 +10,8 @@
 
 namespace mk {
 
-#ifndef MK_KEEP_ACT
-#define MK_KEEP_ACT 0
-#endif
-// A variant (-DMK_KEEP_ACT=1): the attention's scratch sits past the GEMV's activation rows, so a
-// GEMV task after a split or combine (a gate/up tile after QKV's, same h) finds its activations
-// still there instead of loading them again.
-constexpr bool kKeepAct = MK_KEEP_ACT;
-
 // The ops' shared memory besides the GEMV's and attention's, whose sizes depend on the batch.
 union StepSmem {
-    AttnScratch attn;  // (a split's pages are ring stages)
     struct {
         float row[MK_STEP_MAX_K];  // one fp32 residual row (hidden <= MK_STEP_MAX_K, checked by the host)
         float scratch[kWarps];
@@ -38,7 +29,8 @@ union StepSmem {
 };
 
 // Dynamic shared memory: the ring's barriers and tags, the done word and the list window, then
-// the ops' union (StepSmem and the GEMV's, sized for the launch's batch), then as many ring stages
+// the ops' union (StepSmem or the GEMV's, sized for the launch's batch, with the attention's scratch
+// past the GEMV's activations: attn_offset), then as many ring stages
 // as fit: 8 of 24 KB at batch 1 and 2, 7 at 4, 5 at 8.
 constexpr int kMaxRingStages = 32;
 __host__ __device__ constexpr size_t align_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
@@ -52,12 +44,14 @@ constexpr size_t kUnionOffset = align_up(kListOffset + kListBatch * sizeof(MkTas
 constexpr size_t kStageAlign = 1024;
 static_assert(kStageBytes % kStageAlign == 0, "every stage must start at a multiple of 1024 bytes");
 
-// Where the attention's scratch starts in the union.
-__host__ __device__ constexpr size_t attn_offset(int batch) { return kKeepAct ? GemvSmem::act_bytes(batch) : 0; }
+// The attention's scratch sits past the GEMV's activation rows, so a GEMV task after a split or
+// combine (a gate/up tile after QKV's, same h) finds its activations still there instead of
+// loading them again (-1 to -2% at batch 1, docs/PERF.md); no launch's ring loses a stage to it.
+__host__ __device__ constexpr size_t attn_offset(int batch) { return GemvSmem::act_bytes(batch); }
 __host__ __device__ constexpr size_t union_bytes(int batch) {
     const size_t ops = sizeof(StepSmem) > GemvSmem::bytes(batch) ? sizeof(StepSmem) : GemvSmem::bytes(batch);
     const size_t attn_end = attn_offset(batch) + sizeof(AttnScratch);
-    return align_up(kKeepAct && attn_end > ops ? attn_end : ops, 128);
+    return align_up(attn_end > ops ? attn_end : ops, 128);
 }
 __host__ __device__ constexpr size_t stages_offset(int batch) {
     return align_up(kUnionOffset + union_bytes(batch), kStageAlign);
@@ -76,7 +70,7 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     unsigned char* ops = smem_raw + kUnionOffset;
     StepSmem& sm = *reinterpret_cast<StepSmem*>(ops);
-    AttnScratch& attn = kKeepAct ? *reinterpret_cast<AttnScratch*>(ops + attn_offset(a.batch)) : sm.attn;
+    AttnScratch& attn = *reinterpret_cast<AttnScratch*>(ops + attn_offset(a.batch));
     uint64_t* barriers = reinterpret_cast<uint64_t*>(smem_raw + kBarrierOffset);
     int* tags = reinterpret_cast<int*>(smem_raw + kTagOffset);
     const Ring ring{smem_raw + stages_offset(a.batch), barriers, barriers + kMaxRingStages, tags, ring_stages(a.batch)};
@@ -129,7 +123,7 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
             default: break;
         }
         const bool attention = t.op == MK_OP_ATTN_SPLIT || t.op == MK_OP_ATTN_COMBINE;
-        if (t.op != MK_OP_GEMV && t.op != MK_OP_EXPERT_CLAIM && !(kKeepAct && attention)) act_key = 0;  // shared memory
+        if (t.op != MK_OP_GEMV && t.op != MK_OP_EXPERT_CLAIM && !attention) act_key = 0;  // shared memory
         signal_done(i, done);
         if (trace && threadIdx.x == 0) {  // the producer writes the entry's other fields
             trace[i].start_ns = start_ns;

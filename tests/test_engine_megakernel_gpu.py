@@ -59,7 +59,7 @@ def engine(
     prefill_chunk: int = 512,
     tokenizer_json: str | None = None,
     launch_ahead: bool | None = None,  # the engine's default: on with this backend
-    kernel_masks: bool | None = None,
+    kernel_masks: bool = False,
 ):
     """A fresh engine (no prefix cache shared between the runs compared), checked for leaks."""
     e = Engine(

@@ -19,6 +19,7 @@ Weights are fresh each run (MK_TEST_SEED replays one; failures print it).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import time
 
@@ -350,6 +351,12 @@ def long_prompt(model: Model, n: int, chunk: int) -> torch.Tensor:
     blocks = (cfg.num_hidden_layers - sliding) * pages + sliding * ((W + 2 * chunk) // PAGE_SIZE + 2)
     toks = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(SEED))
     alloc = PageAllocator(blocks)
+    gc.collect()
+    torch.cuda.empty_cache()  # the earlier tests' cached blocks: the pool wants a few GB in one piece
+    print(
+        f"before the {n}-token pool: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated, "
+        f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved"
+    )
     kv = model.new_kv(blocks)
     table = alloc.new_table(cfg, pages)
 

@@ -260,29 +260,6 @@ struct StageWalk {
 
 static_assert(kStageBytes >= 2 * kKvBoxBytes, "a ring stage holds a KV page's two boxes");
 
-#ifndef MK_KV_L2_PREFETCH
-#define MK_KV_L2_PREFETCH 0
-#endif
-
-// Asks L2 for a [rows][box] tile of `map` at (c0, r0), into no shared memory and no barrier.
-__device__ __forceinline__ void prefetch_tensor_2d(const void* map, int c0, int r0) {
-    asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(map), "r"(c0), "r"(r0)
-                 : "memory");
-}
-
-// A variant (-DMK_KV_L2_PREFETCH=1): when the ring is full and the next stage is a split's page
-// (at a layer's start, every ring holds the next QKV's stages while the norm runs and HBM idles),
-// every page of the split is asked of L2 at once, so that its copies hit L2 once stages free up.
-__device__ __forceinline__ void prefetch_split_pages(const MkStepArgs& a, const SplitPages& split) {
-    for (int p = 0; p < split.pages; ++p) {
-        const int row = split.table[split.first_page / kPage + p] * kPage;
-        for (int which = 0; which < 2; ++which)
-            for (int h = 0; h < 2; ++h)
-                prefetch_tensor_2d(ptr<const unsigned char>(a.kv_maps) + which * MK_TENSOR_MAP_BYTES,
-                                   split.kvh * kHeadDim + h * kKvBoxCols, row);
-    }
-}
-
 // Whether a streamed task's trace words hold its consumer's marks, not the producer's waits.
 __device__ __forceinline__ bool consumer_marks(bool split) { return MK_TRACE_MARKS && (split || MK_GEMV_MARKS); }
 
@@ -303,9 +280,6 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t
     // written by the consumer.
     bool traced_kv = false;
     uint32_t ring_wait = 0;
-#if MK_KV_L2_PREFETCH
-    int prefetched = -1;  // the split whose pages were last asked of L2
-#endif
     const void* map;
     int col, row, boxes;
     for (;; ++n) {
@@ -323,9 +297,6 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t
             traced = copy.j, traced_kv = copy.kv, ring_wait = 0;
         }
         if (n >= (uint32_t)r.count && !mbar_test_wait(r.empty_of(n), r.parity(n) ^ 1u)) {
-#if MK_KV_L2_PREFETCH
-            if (kind == StageWalk::kKv && copy.j != prefetched) prefetched = copy.j, prefetch_split_pages(a, copy.split);
-#endif
             const long long w0 = trace ? clock64() : 0;
             mbar_wait(r.empty_of(n), r.parity(n) ^ 1u);
             if (trace) ring_wait += (uint32_t)(clock64() - w0);

@@ -32,10 +32,6 @@ __device__ __forceinline__ void load8_bf16(const bf16* p, float (&v)[kVec]) {
     }
 }
 
-#ifndef MK_NORM_GAMMA_EARLY
-#define MK_NORM_GAMMA_EARLY 0
-#endif
-
 // h[b] = bf16(rmsnorm(v) * gamma) for the fp32 row v (in shared memory), which is also stored
 // to x[b] (and, when logging, as the residual after layer `done`). The thread's first 8 gamma
 // values are loaded before the reduction (they are the only ones at hidden 2048).
@@ -114,12 +110,10 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, const ui
                                   float* scratch, int* slots, float* scores, PhaseMarks& marks) {
     const int b = t.arg[0], layer = t.layer;
     const bool moe = ptr<uint64_t>(a.layer_weights)[(size_t)layer * MK_LW_COUNT + MK_LW_ROUTER] != 0;
-#if MK_NORM_GAMMA_EARLY
-    // A variant: the thread's gamma values prefetched now (no wait), so that store_normed's read
-    // of them after the FFN (a weight nothing else reads: often from HBM) hits in L1 or L2.
+    // The thread's gamma values prefetched now (no wait), so that store_normed's read of them after
+    // the FFN (a weight nothing else reads: often from HBM) hits in L1 or L2.
     if (kVec * threadIdx.x < a.hidden)
         asm volatile("prefetch.global.L1 [%0];" ::"l"(norm_weight(a, layer + 1) + kVec * threadIdx.x));
-#endif
     if (moe && threadIdx.x < 32) {
         // Sorted by slot (= ascending expert; slots are distinct): the reference's summation
         // order. Each choice's rank is the number of smaller slots.

@@ -23,12 +23,18 @@ leaving room for the kernel-only measurement); `--launch-ahead off` runs one ste
 graphs, `--prefix-graphs` runs chunks after a cached prefix as CUDA graphs too (Engine(prefix_graphs=
 True); a 32K prompt is prefilled once first, so that its buckets' captures are not timed),
 `--decode-prefill-budget N` prefills at most N prompt tokens an iteration while a stream decodes;
-`--prefill-only` runs the ttft and admit rows alone (with `--quick`: 512 and 8K prompts, and admit).
+`--prefill-only` runs the ttft and admit rows alone (with `--quick`: 512 and 8K prompts, and admit);
+`--cold` leaves `--prefix-graphs`' captures to the timed rows (a new server's first long prompts),
+`--kv-fraction F` gives the KV pool the server's share (0.9) instead of 0.6.
 `--temperature T` makes the decode streams seeded draws at T, which the kernel draws itself (Gumbel
 noise in its sample tasks); with `--top-p P` below 1 as well they come back to the host sampler.
+`--grammar` puts the decode streams under a regular expression (GRAMMAR; the built-in model's
+tokenizer is the grammar's vocabulary, so ids past its 16,384 are never allowed): their logits are
+copied back and drawn on the host with the mask, or with `--kernel-masks` drawn by the kernel among
+the mask's tokens (the mask uploaded before each step).
 Usage: python benches/engine.py [--json out.json] [--quick] [--launch-ahead auto|on|off] [--prefill-chunk N]
        [--prefill-graphs auto|on|off] [--prefix-graphs] [--decode-prefill-budget N] [--prefill-only]
-       [--temperature T] [--top-p P]
+       [--cold] [--kv-fraction F] [--temperature T] [--top-p P] [--grammar [--kernel-masks]]
 """
 
 from __future__ import annotations
@@ -37,9 +43,11 @@ import argparse
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import torch
 
+import mk
 from common import print_table, write_json
 from decode import kv_for, time_events
 from mk.config import ModelConfig
@@ -48,9 +56,14 @@ from mk.engine_api import AUTO_ON_OFF, PREFILL_CHUNK
 from mk.megakernel.launch import MegakernelStep
 from mk.model import synthetic_weights
 from mk.model.reference import Model
-from mk.sampling import SamplingParams
+from mk.sampling import ConstraintSpec, SamplingParams
+from mk.tokenizer import Tokenizer
 
 NEW_TOKENS = 64
+# --grammar's rows: letters and spaces until 4,000 characters, so that the grammar never lets a
+# row end (EOS) inside the timed window, whatever the random weights prefer.
+GRAMMAR = "[a-z ]{4000}"
+ADMIT_SLOW_GAP_S = 0.02  # a stream's gap the admit row lists (a decode step is ~3 ms)
 
 
 class Timed:
@@ -71,13 +84,20 @@ class Timed:
 
 
 def submit(
-    engine: Engine, prompt: list[int], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0
+    engine: Engine,
+    prompt: list[int],
+    max_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    constraint: ConstraintSpec | None = None,
 ) -> tuple[Timed, float]:
     """Greedy by default; a temperature > 0 draws seeded tokens (on the GPU unless top_p < 1)."""
     t = Timed()
     start = time.perf_counter()
     seed = 7 if temperature else None
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=True, constraint=constraint
+    )
     t.stream = engine.submit_callback(prompt, params, t)
     return t, start
 
@@ -117,10 +137,13 @@ def decode_row(
     gen: torch.Generator,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    constraint: ConstraintSpec | None = None,
 ) -> dict:
     cfg = model.config
     budget = 512 - 8  # new tokens a stream may make (max_context leaves 512 past the prompt)
-    runs = [submit(engine, random_prompt(cfg, ctx, gen), budget, temperature, top_p)[0] for _ in range(batch)]
+    runs = [
+        submit(engine, random_prompt(cfg, ctx, gen), budget, temperature, top_p, constraint)[0] for _ in range(batch)
+    ]
     deadline = time.perf_counter() + 600
     while not all(r.times for r in runs):  # every stream admitted and decoding
         if time.perf_counter() > deadline or any(r.done.is_set() for r in runs):
@@ -159,6 +182,7 @@ def decode_row(
         "ctx": ctx,
         "temperature": temperature,
         "top_p": top_p,
+        "grammar": constraint is not None,
         "stream_tok_s": statistics.median(per_stream),
         "aggregate_tok_s": aggregate,
         "engine_ms_per_step": stream_ms,
@@ -224,12 +248,15 @@ def admit_row(engine: Engine, cfg: ModelConfig, gen: torch.Generator) -> dict:
     wait([stream])
     during = [b - a for a, b in zip(stream.times, stream.times[1:], strict=False) if start <= b <= long.times[0] + 0.05]
     gaps = [b - a for a, b in zip(stream.times, stream.times[1:], strict=False)]
+    slow = sorted(g * 1e3 for g in during if g > ADMIT_SLOW_GAP_S)
     return {
         "row": "admit",
         "prompt": 32768,
         "ttft_ms": (long.times[0] - start) * 1e3,
         "longest_gap_ms": max(during) * 1e3 if during else None,
         "median_gap_ms": statistics.median(gaps) * 1e3,
+        # The pauses a reader notices, in order: one a chunk, or a few long ones?
+        "slow_gaps_ms": [round(g, 1) for g in slow],
     }
 
 
@@ -248,6 +275,12 @@ def main() -> None:
     parser.add_argument(
         "--prefill-only", action="store_true", help="only the time-to-first-token and admission rows (no decode rows)"
     )
+    parser.add_argument("--kv-fraction", type=float, default=0.6, help="Engine(kv_fraction=...); the server's: 0.9")
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="no warm-up of --prefix-graphs' captures: the timed rows include them, as a new server's first prompts do",
+    )
     parser.add_argument(
         "--decode-prefill-budget", type=int, default=None, help="Engine(decode_prefill_budget=...): default none"
     )
@@ -258,6 +291,12 @@ def main() -> None:
         help="decode rows' sampling temperature (0: greedy; > 0: seeded draws, by the kernel unless --top-p < 1)",
     )
     parser.add_argument("--top-p", type=float, default=1.0, help="decode rows' top_p (< 1: sampled on the host)")
+    parser.add_argument(
+        "--grammar",
+        action="store_true",
+        help="decode rows under a grammar (GRAMMAR, the built-in model's tokenizer as its vocabulary)",
+    )
+    parser.add_argument("--kernel-masks", action="store_true", help="Engine(kernel_masks=True): see --grammar")
     args = parser.parse_args()
     cfg = ModelConfig.real()
     model = Model(cfg, synthetic_weights(cfg, seed=0, device="cuda", dtype=torch.bfloat16, std=0.01))
@@ -270,17 +309,20 @@ def main() -> None:
         max_batch=8,
         max_context=32768 + 512,
         prefill_chunk=args.prefill_chunk,
-        kv_fraction=0.6,
+        kv_fraction=args.kv_fraction,
         launch_ahead=AUTO_ON_OFF[args.launch_ahead],
         prefill_graphs=AUTO_ON_OFF[args.prefill_graphs],
         prefix_graphs=args.prefix_graphs,
         decode_prefill_budget=args.decode_prefill_budget,
+        kernel_masks=args.kernel_masks,
+        tokenizer_json=Tokenizer.from_dir(Path(mk.__file__).parent / "embedded").hf.to_str() if args.grammar else None,
     )
+    grammar = ConstraintSpec("regex", GRAMMAR) if args.grammar else None
     rows = []
     try:
         submit_warm, _ = submit(engine, random_prompt(cfg, 600, gen), 8)  # first-call costs out of the way
         wait([submit_warm])
-        if args.prefix_graphs:  # the captures of a long prompt's prefixed chunks, at their first use
+        if args.prefix_graphs and not args.cold:  # the captures of a long prompt's prefixed chunks, at their first use
             submit_long, _ = submit(engine, random_prompt(cfg, max(prompts), gen), 1)
             wait([submit_long])
             if args.decode_prefill_budget:  # and of the budget's chunks, beside a decoding stream
@@ -295,15 +337,17 @@ def main() -> None:
             rows.append(ttft_row(engine, cfg, n, gen))
             print(rows[-1], flush=True)
         for b, c in [] if args.prefill_only else points:
-            rows.append(decode_row(engine, model, b, c, gen, args.temperature, args.top_p))
+            rows.append(decode_row(engine, model, b, c, gen, args.temperature, args.top_p, grammar))
             print(rows[-1], flush=True)
         if not args.quick or args.prefill_only:
             rows.append(admit_row(engine, cfg, gen))
             print(rows[-1], flush=True)
+        peak = torch.cuda.max_memory_reserved() / 2**30
+        print(f"GPU memory reserved by torch at its peak: {peak:.1f} GiB of {torch.cuda.mem_get_info()[1] / 2**30:.0f}")
     finally:
         engine.close()
     decode = [r for r in rows if r["row"] == "decode"]
-    cols = ["batch", "ctx", "temperature", "top_p", "stream_tok_s", "aggregate_tok_s"]
+    cols = ["batch", "ctx", "temperature", "top_p", "grammar", "stream_tok_s", "aggregate_tok_s"]
     cols += ["engine_ms_per_step", "kernel_ms_per_step"]
     if decode:
         title = "engine decode (megakernel backend, real geometry, synthetic weights)"

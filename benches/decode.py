@@ -14,11 +14,14 @@ the GEMV task sizes and other BuildOptions, e.g. `gate_up_groups=3,expert_queue=
 (options of one variant joined by '+': `expert_queue=1+attn_chunk=512`),
 `mk_<entry>_ms`, and `<entry>_same_logits` whether it gives the default's logits bit for bit (GEMV sizes and
 dealings do; attention split sizes change the merge). With --trace, one step of each variant records
-when every task waited and ran, summarized per task family (mk.megakernel.trace) into the JSON.
+when every task waited and ran, summarized per task family (mk.megakernel.trace) into the JSON;
+with --ledger (implies --trace; a kernel built with -DMK_STREAM_LEDGER=1 loaded through
+$MK_MEGAKERNEL_CUBIN, e.g. NVCC_FLAGS=-DMK_STREAM_LEDGER=1 BENCH_ARGS=--ledger scripts/device-kernel.sh),
+also every ring stage's issue and arrival: the rate at which all blocks stream over a MoE layer.
 Where $MK_MEGAKERNEL_CUBIN lists several cubins (a:b:...), each point also times every loaded
 kernel on the same buffers, in KERNEL_ROUNDS alternating rounds (between processes the step time
 varies by 1-3%, in one process far less): `mk_kernel<k>_ms` (the median), `kernel<k>_same_logits`.
-Usage: python benches/decode.py [--json out.json] [--quick | --points 1x8192,8x8192] [--trace] [--plain]
+Usage: python benches/decode.py [--json out.json] [--quick | --points 1x8192,8x8192] [--trace] [--ledger] [--plain]
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ import torch
 from common import HBM_BYTES_PER_S, print_table, pyplot, write_json
 from mk import _native
 from mk.config import PAGE_SIZE, ModelConfig
-from mk.megakernel.launch import MegakernelStep, trace_buffer
-from mk.megakernel.trace import print_summary, summarize
+from mk.megakernel.launch import MegakernelStep, ledger_of, trace_buffer
+from mk.megakernel.trace import print_stream_profile, print_summary, stream_profile, summarize
 from mk.model.names import expected_shapes
 from mk.model.paged import PagedKV
 from mk.model.reference import Model
@@ -127,7 +130,17 @@ def compare_kernels(step, g, buf, tasks, iters: int, row: dict) -> None:
 
 
 def measure(
-    cfg, model, stacked, batch: int, ctx: int, iters: int, trace=False, plain=False, sizes=(), torch_graph=True
+    cfg,
+    model,
+    stacked,
+    batch: int,
+    ctx: int,
+    iters: int,
+    trace=False,
+    plain=False,
+    sizes=(),
+    torch_graph=True,
+    ledger=False,
 ) -> dict:
     kv, tables, pages = kv_for(cfg, batch, ctx)
     positions = [ctx - 1] * batch
@@ -168,11 +181,15 @@ def measure(
     traces = {}
     if trace:
         for name, (variant, graph, graph_tasks) in {"plain": (step, g, tasks), **variants}.items():
-            tr = trace_buffer(graph, buf.x.device)
+            tr = trace_buffer(graph, buf.x.device, ledger=ledger)
             variant.run(graph, buf, graph_tasks, trace=tr)
             torch.cuda.synchronize()
             traces[name] = summarize(graph, tr.cpu().numpy())
             print_summary(f"batch {batch}, context {ctx}, {name}", traces[name])
+            if ledger:
+                profile = stream_profile(graph, tr.cpu().numpy(), ledger_of(tr).cpu().numpy())
+                traces[name]["stream_profile"] = profile
+                print_stream_profile(f"batch {batch}, context {ctx}, {name}", profile)
     experts = int(buf.slot_count[0])
     row = {"batch": batch, "ctx": ctx, "mk_ms": t_mk * 1e3, "mk_tok_s": batch / t_mk, "valid_output": ok}
     compare_kernels(step, g, buf, tasks, iters, row)
@@ -234,6 +251,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="batch 1 and 8 at 8K only")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--trace", action="store_true", help="trace one step per point and variant")
+    parser.add_argument(
+        "--ledger",
+        action="store_true",
+        help="a traced step of a -DMK_STREAM_LEDGER=1 kernel ($MK_MEGAKERNEL_CUBIN): the weight stream over a layer",
+    )
     parser.add_argument("--plain", action="store_true", help="time only the default variant (not the balanced dealing)")
     parser.add_argument("--points", help="BATCHxCONTEXT,... instead of the grid (e.g. 1x8192,8x8192)")
     parser.add_argument(
@@ -254,7 +276,21 @@ def main() -> None:
     rows = []
     for b, c in grid:
         sizes = [s for s in args.sizes.split(",") if s]
-        rows.append(measure(cfg, model, stacked, b, c, args.iters, args.trace, args.plain, sizes, not args.no_torch))
+        rows.append(
+            measure(
+                cfg,
+                model,
+                stacked,
+                b,
+                c,
+                args.iters,
+                args.trace or args.ledger,
+                args.plain,
+                sizes,
+                not args.no_torch,
+                args.ledger,
+            )
+        )
         torch.cuda.empty_cache()  # the last size's KV pools
         print({k: v for k, v in rows[-1].items() if k != "trace"}, flush=True)
     cols = ["batch", "ctx", "mk_ms", "mk_tok_s", "sol_ms", "sol_fraction", "torch_graph_ms", "speedup_vs_torch"]

@@ -80,6 +80,7 @@ extern "C" __device__ const unsigned long long mk_abi_layout[] = {
     offsetof(MkStepArgs, row_masks),
     sizeof(MkTraceEntry),
     MK_TRACE_MARKED,
+    MK_LEDGER_STAGES,
     sizeof(MkRowSample),
     offsetof(MkRowSample, inv_temperature),
     offsetof(MkRowSample, seed_lo),

@@ -73,7 +73,12 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
     AttnScratch& attn = *reinterpret_cast<AttnScratch*>(ops + attn_offset(a.batch));
     uint64_t* barriers = reinterpret_cast<uint64_t*>(smem_raw + kBarrierOffset);
     int* tags = reinterpret_cast<int*>(smem_raw + kTagOffset);
-    const Ring ring{smem_raw + stages_offset(a.batch), barriers, barriers + kMaxRingStages, tags, ring_stages(a.batch)};
+    // A ledger build's rows follow the trace's [gridDim.x][per_sm] entries (cuda/abi.h).
+    uint64_t* ledger = MK_STREAM_LEDGER && a.trace ? ptr<uint64_t>(a.trace) + 4 * ((size_t)gridDim.x * a.per_sm +
+                                                                                   (size_t)blockIdx.x * MK_LEDGER_STAGES)
+                                                   : nullptr;
+    const Ring ring{smem_raw + stages_offset(a.batch), barriers, barriers + kMaxRingStages, tags, ring_stages(a.batch),
+                    ledger};
     if (smem_addr(smem_raw) % kStageAlign != 0) __trap();  // a launch error, not wrong results
     uint32_t* done = reinterpret_cast<uint32_t*>(smem_raw + kDoneOffset);
     if (threadIdx.x == 0) ring_init(ring), *done = 0;

@@ -6,7 +6,7 @@ import pytest
 from mk.config import ModelConfig
 from mk.megakernel import graph as mkgraph
 from mk.megakernel.graph import Op
-from mk.megakernel.trace import TRACE_MARKED, TRACE_WORDS, summarize, task_family
+from mk.megakernel.trace import LEDGER_STAGES, TRACE_MARKED, TRACE_WORDS, stream_profile, summarize, task_family
 
 EPOCH_NS = 1_700_000_000_000_000_000  # a real %globaltimer counts ns since an epoch: too big for float64 ns
 
@@ -153,3 +153,38 @@ def test_layer_phases_are_each_phase_s_last_end_after_the_previous_norm():
         "norm": ["residual_norm"],
     }.items():
         assert phases[phase] == pytest.approx(want(names), abs=2e-3), phase
+
+
+def test_the_stream_profile_recovers_a_steady_stream_s_rate_waits_and_lead():
+    """A ledger (a -DMK_STREAM_LEDGER=1 kernel's rows) in which every block issues a 24 KB stage
+    every 100 ns through the whole step and finds each 700 ns later, waiting for the GEMV tasks'
+    stages only: the profile's rates are the stream's, its lead 0.7 µs, its waits by family."""
+    cfg = ModelConfig.tiny()
+    g = mkgraph.build(cfg, [5, 130, 300], num_sms=7)
+    trace = synthetic_trace(g, 1.5e9, np.random.default_rng(4))
+    sms = g.tasks.shape[0]
+    ledger = np.zeros((sms, LEDGER_STAGES, 4), dtype=np.int64)
+    step, size, lead = 100, 24576, 700
+    span = int(trace[..., 0].max() - EPOCH_NS) + 20_000
+    for s in range(sms):
+        streamed = [i for i in range(g.tasks.shape[1]) if g.tasks[s, i, 0] in (Op.GEMV, Op.ATTN_SPLIT)]
+        for k in range(min(span // step, LEDGER_STAGES - 1)):
+            task = streamed[k % len(streamed)]
+            waited = g.tasks[s, task, 0] == Op.GEMV
+            ledger[s, k] = (
+                EPOCH_NS + k * step,
+                EPOCH_NS + k * step + lead - (1 << 63 if waited else 0),  # bit 63 set: an int64 below zero
+                size | (0 if waited else 1) << 32,
+                task,
+            )
+    p = stream_profile(g, trace, ledger, bin_us=2.0)
+    assert p["layers"] == sum(cfg.is_moe(layer) for layer in range(1, cfg.num_hidden_layers))
+    rate = sms * size / step / 1e3  # TB/s
+    assert p["layer_mb"] / p["layer_us"] == pytest.approx(rate, rel=0.05)
+    inner = [v for v in p["issued_tb_s"][:-1]]  # the last bin is cut by the shortest window
+    assert inner and all(v == pytest.approx(rate, rel=0.06) for v in inner)
+    assert all(v == pytest.approx(rate, rel=0.06) for v in p["found_tb_s"][1:-1])
+    for f in p["families"]:
+        assert f["issue_to_found_us"] == pytest.approx(lead / 1e3)
+        assert f["waited"] == (1.0 if f["name"].startswith("gemv:") else 0.0)
+    assert not p["ledger_full"] and p["stages_recorded"] == sms * min(span // step, LEDGER_STAGES - 1)

@@ -205,8 +205,8 @@ __device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, const Split
     constexpr int kRowPieces = kHeadDim / 8;  // 16-byte pieces of a row
     for (int i = 0; i < sp.pages; ++i, n += 2) {
         const int start = sp.first_page + i * kPage;
-        mbar_wait(r.full_of(n), r.parity(n));
-        mbar_wait(r.full_of(n + 1), r.parity(n + 1));
+        r.wait_full(n);
+        r.wait_full(n + 1);
         if (MK_SPLIT_MARKS && i == 0) marks.mark(1);
         const SwizzledKv ks{r.stage(n)}, vs{r.stage(n + 1)};
         const int first = max(sp.lo - start, 0), end = min(sp.hi - start, kPage);

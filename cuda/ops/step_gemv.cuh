@@ -304,14 +304,17 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t
         r.set_tag(n, copy.tag);  // published by the arrival below
         uint64_t* full = r.full_of(n);
         if (kind == StageWalk::kMarker) {
+            r.record_issue(n, 0, 2, copy.j);
             mbar_arrive(full);  // no bytes: the phase completes at once
         } else if (kind == StageWalk::kKv) {
+            r.record_issue(n, 2 * kKvBoxBytes, 1, copy.j);
             mbar_arrive_expect_tx(full, (uint32_t)(2 * kKvBoxBytes));
             for (int h = 0; h < 2; ++h)
                 tensor_copy_2d(r.stage(n) + h * kKvBoxBytes, map, col + h * kKvBoxCols, row, full, policy);
         } else {
             const int box = copy.box;
             // Whole boxes count, rows past the matrix's end too (the copy zero-fills them).
+            r.record_issue(n, boxes * kStageRows * box * 2, 0, copy.j);
             mbar_arrive_expect_tx(full, (uint32_t)(boxes * kStageRows * box * 2));
             for (int b = 0; b < boxes; ++b)
                 tensor_copy_2d(r.stage(n) + b * kStageRows * box * 2, map, col + b * box, row, full, policy);
@@ -371,7 +374,7 @@ __device__ void gemv_compute(const GemvShape& p, GemvSmem& s, const Ring& r, uin
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         if (p.group_valid(g) > 0) {
             for (int c = 0; c < p.k; c += kc, ++n) {
-                mbar_wait(r.full_of(n), r.parity(n));
+                r.wait_full(n);
                 const unsigned char* st = r.stage(n) + gi * 2 * box + 16 * ti;
                 const int chunks = min(kc, p.k - c) / 32;  // the last stage may run past k
                 for (int ch = warp; ch < chunks; ch += kWarps) {
@@ -501,7 +504,7 @@ __device__ void run_gemv(const MkStepArgs& a, const MkTask& t, GemvSmem& s, cons
 __device__ void run_expert_claim(const MkStepArgs& a, const MkTask& t, GemvSmem& s, const Ring& r, uint32_t& n,
                                  uint64_t& act_key, PhaseMarks& marks) {
     for (;;) {
-        mbar_wait(r.full_of(n), r.parity(n));
+        r.wait_full(n);
         const int tile = r.tag_of(n);
         if (tile == kQueueEnd) {
             __syncwarp();

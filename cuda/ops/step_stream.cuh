@@ -107,6 +107,10 @@ __device__ __forceinline__ void tensor_copy_2d(void* dst, const void* map, int c
         : "memory");
 }
 
+#ifndef MK_STREAM_LEDGER
+#define MK_STREAM_LEDGER 0
+#endif
+
 // The ring of stages and its barriers, carved out of the block's dynamic shared memory.
 struct Ring {
     unsigned char* stages;  // [stages][kStageBytes]
@@ -118,9 +122,17 @@ struct Ring {
     int* tag;
     int count;       // stages (set for the launch's batch: not a compile-time constant)
     uint32_t magic;  // ceil(2^32 / count): n / count = umulhi(n, magic), exact for n < 2^27
+#if MK_STREAM_LEDGER
+    uint64_t* ledger;  // a ledger build with a trace: this block's ledger rows (cuda/abi.h), else null
+#endif
 
-    __device__ Ring(unsigned char* stages, uint64_t* full, uint64_t* empty, int* tag, int count)
-        : stages(stages), full(full), empty(empty), tag(tag), count(count), magic(0xffffffffu / count + 1) {}
+    __device__ Ring(unsigned char* stages, uint64_t* full, uint64_t* empty, int* tag, int count,
+                    [[maybe_unused]] uint64_t* ledger_rows = nullptr)
+        : stages(stages), full(full), empty(empty), tag(tag), count(count), magic(0xffffffffu / count + 1) {
+#if MK_STREAM_LEDGER
+        ledger = ledger_rows;
+#endif
+    }
     // The n-th stage's use of the ring: which round and which slot (a multiply, not a division).
     __device__ uint32_t round(uint32_t n) const { return __umulhi(n, magic); }
     __device__ uint32_t slot(uint32_t n) const { return n - round(n) * count; }
@@ -135,6 +147,30 @@ struct Ring {
     __device__ void set_tag(uint32_t n, int value) const { atomicExch(tag + slot(n), value); }
     // Parity of the n-th use's phase of its slot.
     __device__ uint32_t parity(uint32_t n) const { return round(n) & 1u; }
+
+    // The compute warps wait until the n-th stage is full; a ledger build records when thread 0
+    // first found it so, and whether it had to wait.
+    __device__ void wait_full(uint32_t n) const {
+#if MK_STREAM_LEDGER
+        if (ledger != nullptr && threadIdx.x == 0 && n < MK_LEDGER_STAGES) {
+            const bool ready = mbar_test_wait(full_of(n), parity(n));
+            if (!ready) mbar_wait(full_of(n), parity(n));
+            uint64_t* row = ledger + 4 * (size_t)n;
+            if (row[1] == 0) row[1] = global_ns() | (ready ? 0ull : 1ull << 63);
+            return;
+        }
+#endif
+        mbar_wait(full_of(n), parity(n));
+    }
+    // The producer is issuing the n-th stage (a ledger build): its bytes, kind and task.
+    __device__ void record_issue([[maybe_unused]] uint32_t n, [[maybe_unused]] uint32_t bytes,
+                                 [[maybe_unused]] uint32_t kind, [[maybe_unused]] int task) const {
+#if MK_STREAM_LEDGER
+        if (ledger == nullptr || n >= MK_LEDGER_STAGES) return;
+        uint64_t* row = ledger + 4 * (size_t)n;
+        row[0] = global_ns(), row[2] = bytes | (uint64_t)kind << 32, row[3] = (uint64_t)task;
+#endif
+    }
 };
 
 constexpr int kNoTag = -2;

@@ -19,6 +19,7 @@ STEP_MAX_BATCH: int  # MK_STEP_MAX_BATCH: rows per megakernel launch
 TENSOR_MAP_BYTES: int  # MK_TENSOR_MAP_BYTES: one encoded weight map
 TRACE_ENTRY_BYTES: int  # sizeof(MkTraceEntry): one traced task
 TRACE_MARKED: int  # MK_TRACE_MARKED: an entry's second producer word flags its marks
+LEDGER_STAGES: int  # MK_LEDGER_STAGES: ring stages per block a -DMK_STREAM_LEDGER=1 kernel records
 ROW_SAMPLE_BYTES: int  # sizeof(MkRowSample): how one row's token is drawn
 LAYER_WEIGHT_COUNT: int  # MK_LW_COUNT: entries per layer of the weight tables
 PER_STEP_FIELDS: list[str]  # MkStepArgs fields Rust fills in for every launch

@@ -176,6 +176,9 @@ pub const TRACE_ENTRY_BYTES: usize = 32;
 /// `MK_TRACE_MARKED`: bit 31 of an entry's top-k wait word, set where the two words hold a task's
 /// marks (a `-DMK_TRACE_MARKS=1` kernel).
 pub const TRACE_MARKED: u32 = 0x8000_0000;
+/// `MK_LEDGER_STAGES`: the ring stages per block a `-DMK_STREAM_LEDGER=1` kernel records, in rows
+/// of `TRACE_ENTRY_BYTES` past the trace's entries.
+pub const LEDGER_STAGES: usize = 8192;
 
 /// Must equal `MK_ABI_VERSION` in cuda/abi.h.
 pub const ABI_VERSION: u64 = 12;
@@ -194,6 +197,7 @@ pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
     out.extend(MkStepArgs::layout().into_iter().map(|(name, off, _)| (name, off as u64)));
     out.push(("sizeof(MkTraceEntry)", TRACE_ENTRY_BYTES as u64));
     out.push(("MK_TRACE_MARKED", u64::from(TRACE_MARKED)));
+    out.push(("MK_LEDGER_STAGES", LEDGER_STAGES as u64));
     out.push(("sizeof(MkRowSample)", size_of::<MkRowSample>() as u64));
     out.extend(MkRowSample::layout().into_iter().map(|(name, off, _)| (name, off as u64)));
     out.push(("MK_STEP_MAX_K", STEP_MAX_K as u64));

@@ -87,6 +87,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("TENSOR_MAP_BYTES", gpu::abi::TENSOR_MAP_BYTES)?;
     m.add("TRACE_ENTRY_BYTES", gpu::abi::TRACE_ENTRY_BYTES)?;
     m.add("TRACE_MARKED", gpu::abi::TRACE_MARKED)?;
+    m.add("LEDGER_STAGES", gpu::abi::LEDGER_STAGES)?;
     m.add("ROW_SAMPLE_BYTES", std::mem::size_of::<gpu::MkRowSample>())?;
     m.add("LAYER_WEIGHT_COUNT", gpu::abi::LAYER_WEIGHT_COUNT)?;
     m.add("PER_STEP_FIELDS", gpu::step::PER_STEP_FIELDS.to_vec())?;

@@ -16,7 +16,7 @@ from mk import _native
 from mk.config import PAGE_SIZE
 from mk.megakernel import graph as mkgraph
 from mk.megakernel.buffers import StepBuffers
-from mk.megakernel.trace import TRACE_WORDS
+from mk.megakernel.trace import LEDGER_STAGES, TRACE_WORDS
 from mk.model.paged import PagedKV
 from mk.model.reference import Model
 
@@ -338,11 +338,27 @@ def row_samples_tensor(
     return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
-def trace_buffer(g: mkgraph.StepGraph, device: torch.device) -> torch.Tensor:
+def trace_buffer(g: mkgraph.StepGraph, device: torch.device, ledger: bool = False) -> torch.Tensor:
     """A zeroed MkTraceEntry [num_sms][per_sm] array for `MegakernelStep.run(trace=...)`, as int64
     words (mk.megakernel.trace reads them): [..., 0] the %globaltimer ns when the block reached the
     task, [..., 1] its wait and run cycles; for tasks whose weights were streamed (GEMV and
     expert-claim tasks, attention splits), [..., 2] when the producer issued the first copy and
     [..., 3] its ring and top-k wait cycles (a -DMK_TRACE_MARKS=1 kernel: also the marks of tasks
-    that stream nothing, see cuda/abi.h). Entries of NOPs stay 0."""
-    return torch.zeros(*g.tasks.shape[:2], TRACE_WORDS, dtype=torch.int64, device=device)
+    that stream nothing, see cuda/abi.h). Entries of NOPs stay 0. `ledger`: room past the entries
+    for a -DMK_STREAM_LEDGER=1 kernel's rows of every ring stage (`ledger_of`)."""
+    sms, per_sm = g.tasks.shape[:2]
+    rows = sms * per_sm + (sms * LEDGER_STAGES if ledger else 0)
+    flat = torch.zeros(rows, TRACE_WORDS, dtype=torch.int64, device=device)
+    return flat[: sms * per_sm].view(sms, per_sm, TRACE_WORDS)
+
+
+def ledger_of(trace: torch.Tensor) -> torch.Tensor:
+    """The int64 [num_sms, MK_LEDGER_STAGES, 4] ledger a -DMK_STREAM_LEDGER=1 kernel wrote past the
+    entries of `trace` (a `trace_buffer(..., ledger=True)`): each ring stage's issue time, when the
+    compute warps found it full, its bytes and kind, its task (cuda/abi.h)."""
+    sms, per_sm, words = trace.shape
+    offset = sms * per_sm * words
+    if trace.untyped_storage().nbytes() < (offset + sms * LEDGER_STAGES * words) * 8:
+        raise ValueError("this trace has no room for a ledger: trace_buffer(..., ledger=True)")
+    out = torch.empty(0, dtype=torch.int64, device=trace.device)
+    return out.set_(trace.untyped_storage(), offset, (sms, LEDGER_STAGES, words))

@@ -19,6 +19,8 @@ from mk.megakernel.graph import ARG, Matrix, Op, StepGraph
 
 TRACE_WORDS = _native.TRACE_ENTRY_BYTES // 8  # int64 words of one MkTraceEntry (cuda/abi.h)
 TRACE_MARKED = _native.TRACE_MARKED  # in word 3's high half: the two halves are the task's marks
+LEDGER_STAGES = _native.LEDGER_STAGES  # ring stages per block in a ledger build's rows (cuda/abi.h)
+LEDGER_WAITED = 1 << 63  # in a ledger row's word 1: the compute warps waited for the stage
 
 
 @dataclass(frozen=True)
@@ -55,17 +57,35 @@ def task_family(words: np.ndarray) -> str:
     return op.name.lower()
 
 
-def summarize(g: StepGraph, trace: np.ndarray) -> dict:
-    """Per-family and whole-step figures of one traced step; `trace` is the int64 [num_sms, per_sm,
-    TRACE_WORDS] `trace_buffer` copied to the host."""
-    ops = g.tasks[..., 0]
-    real = ops != Op.NOP
+@dataclass(frozen=True)
+class Times:
+    """When each task of a traced step ran: `start` and `end` in ns from `first` (the earliest
+    start, in %globaltimer ns), `wait` and `run` in cycles of the estimated clock `hz`."""
+
+    real: np.ndarray  # bool [num_sms, per_sm]: not a NOP
+    first: int
+    start: np.ndarray
+    wait: np.ndarray
+    run: np.ndarray
+    hz: float
+    end: np.ndarray
+
+
+def task_times(g: StepGraph, trace: np.ndarray) -> Times:
+    real = g.tasks[..., 0] != Op.NOP
     # %globaltimer counts ns since an epoch (~2^60): subtract the first start before going to float64.
-    first = trace[..., 0][real].min() if real.any() else 0
+    first = int(trace[..., 0][real].min()) if real.any() else 0
     start = np.where(real, trace[..., 0] - first, 0).astype(np.float64)
     wait, run = (c.astype(np.float64) for c in cycles(trace))
     hz = clock_hz(real, start, wait, run)
-    end = start + (wait + run) / hz * 1e9
+    return Times(real, first, start, wait, run, hz, start + (wait + run) / hz * 1e9)
+
+
+def summarize(g: StepGraph, trace: np.ndarray) -> dict:
+    """Per-family and whole-step figures of one traced step; `trace` is the int64 [num_sms, per_sm,
+    TRACE_WORDS] `trace_buffer` copied to the host."""
+    t = task_times(g, trace)
+    real, first, start, wait, run, hz, end = t.real, t.first, t.start, t.wait, t.run, t.hz, t.end
     streamed = real & (trace[..., 2] != 0)
     stream = np.where(streamed, (trace[..., 2] - first).astype(np.float64), np.nan)  # NaN: nothing streamed
     ring_wait, topk_raw = cycles(trace, 3)
@@ -259,3 +279,92 @@ def print_summary(title: str, summary: dict, top: int = 12) -> None:
                 f"{r['name']:>22} {r['count']:>6} {stream:>7} {r['arrive_us']:>7.1f} {r['first_start_us']:>7.1f} "
                 f"{r['median_start_us']:>7.1f} {r['median_end_us']:>7.1f} {r['last_end_us']:>7.1f}"
             )
+
+
+def stream_profile(g: StepGraph, trace: np.ndarray, ledger: np.ndarray, bin_us: float = 2.0) -> dict:
+    """The weight stream of a MoE layer, from a -DMK_STREAM_LEDGER=1 kernel's ledger (`ledger_of`
+    copied to the host) beside its trace: for each `bin_us` after the previous layer's last norm
+    ended (the layer's input ready), averaged over the MoE layers, the rate at which all blocks
+    issued ring stages and the rate at which their compute warps found them full (a stage found
+    full without a wait counts when they looked, later than it landed), in TB/s; and per task
+    family, how many of its stages the compute warps had to wait for and the mean time from a
+    stage's issue to its being found full. Where the issue rate falls well below HBM's (~4.4
+    TB/s), the stream idles."""
+    t = task_times(g, trace)
+    ops, layer_of = g.tasks[..., 0], g.tasks[..., 1]
+    raw = ledger.view(np.uint64)
+    used = raw[..., 0] != 0
+    sm, stage = np.nonzero(used)
+    rows = raw[sm, stage]
+    issue = (rows[:, 0] - np.uint64(t.first)).astype(np.int64).astype(np.float64)
+    seen_word = rows[:, 1]
+    seen = np.where(
+        seen_word != 0, ((seen_word & ~np.uint64(LEDGER_WAITED)) - np.uint64(t.first)).astype(np.int64), -1
+    ).astype(np.float64)
+    seen[seen_word == 0] = np.nan
+    waited = (seen_word & np.uint64(LEDGER_WAITED)) != 0
+    size = (rows[:, 2] & np.uint64(0xFFFFFFFF)).astype(np.float64)
+    task = rows[:, 3].astype(np.int64)
+
+    norms = t.real & (ops == Op.RESIDUAL_NORM)
+    norm_end = {int(layer): float(t.end[norms & (layer_of == layer)].max()) for layer in np.unique(layer_of[norms])}
+    moe = sorted({int(layer) for layer in layer_of[t.real & (ops == Op.TOPK)]})
+    windows = [(norm_end[layer - 1], norm_end[layer]) for layer in moe if layer - 1 in norm_end and layer in norm_end]
+    bin_ns = bin_us * 1e3
+    bins = int(np.ceil(max((b - a for a, b in windows), default=0) / bin_ns))
+    issued, found, cover = np.zeros(bins), np.zeros(bins), np.zeros(bins)
+    for a, b in windows:
+        for k in range(bins):
+            lo, hi = a + k * bin_ns, min(a + (k + 1) * bin_ns, b)
+            if hi <= lo:
+                break
+            cover[k] += (hi - lo) / bin_ns
+            issued[k] += size[(issue >= lo) & (issue < hi)].sum()
+            found[k] += size[(seen >= lo) & (seen < hi)].sum()
+    per_bin = np.maximum(cover, 1e-9) * bin_ns  # ns of windows each bin saw
+    layer_bytes = [size[(issue >= a) & (issue < b)].sum() for a, b in windows]
+    families: dict[str, list[int]] = {}
+    for i, (s, j) in enumerate(zip(sm, task, strict=True)):
+        families.setdefault(task_family(g.tasks[s, j]), []).append(i)
+    fam = []
+    for name, idx in sorted(families.items()):
+        sel = np.array(idx)
+        lead = seen[sel] - issue[sel]
+        fam.append(
+            {
+                "name": name,
+                "stages": len(idx),
+                "mb": float(size[sel].sum() / 1e6),
+                "waited": float(waited[sel].mean()),
+                "issue_to_found_us": float(np.nanmean(lead) / 1e3) if np.isfinite(lead).any() else None,
+            }
+        )
+    return {
+        "bin_us": bin_us,
+        "layers": len(windows),
+        "layer_us": float(np.mean([b - a for a, b in windows]) / 1e3) if windows else None,
+        "layer_mb": float(np.mean(layer_bytes) / 1e6) if windows else None,
+        "issued_tb_s": [float(v) for v in issued / per_bin / 1e3],
+        "found_tb_s": [float(v) for v in found / per_bin / 1e3],
+        "families": sorted(fam, key=lambda f: -f["mb"]),
+        "stages_recorded": int(used.sum()),
+        "ledger_full": bool(used[:, -1].any()),  # a block had more stages than the ledger holds
+    }
+
+
+def print_stream_profile(title: str, p: dict) -> None:
+    if not p["layers"]:
+        print(f"\n{title}: no MoE layer in the ledger")
+        return
+    print(
+        f"\n{title}: the weight stream over a MoE layer (mean of {p['layers']}: {p['layer_us']:.1f} µs, "
+        f"{p['layer_mb']:.1f} MB issued in it, {p['layer_mb'] / p['layer_us']:.2f} TB/s)"
+        + ("; some block's stages overflowed the ledger" if p["ledger_full"] else "")
+    )
+    print(f"{'µs after the norm':>18} {'issued TB/s':>12} {'found TB/s':>11}")
+    for k, (a, b) in enumerate(zip(p["issued_tb_s"], p["found_tb_s"], strict=True)):
+        print(f"{k * p['bin_us']:>18.0f} {a:>12.2f} {b:>11.2f}")
+    print(f"{'family':>22} {'stages':>7} {'MB':>8} {'waited':>7} {'issue→found µs':>15}")
+    for f in p["families"]:
+        lead = "" if f["issue_to_found_us"] is None else f"{f['issue_to_found_us']:.2f}"
+        print(f"{f['name']:>22} {f['stages']:>7} {f['mb']:>8.1f} {f['waited']:>7.0%} {lead:>15}")

@@ -30,11 +30,11 @@ True); a 32K prompt is prefilled once first, so that its buckets' captures are n
 noise in its sample tasks); with `--top-p P` below 1 as well they come back to the host sampler.
 `--grammar` puts the decode streams under a regular expression (GRAMMAR; the built-in model's
 tokenizer is the grammar's vocabulary, so ids past its 16,384 are never allowed): their logits are
-copied back and drawn on the host with the mask, or with `--kernel-masks` drawn by the kernel among
-the mask's tokens (the mask uploaded before each step).
+drawn by the kernel among the mask's tokens (the mask uploaded before each step), or with
+`--kernel-masks off` copied back and drawn on the host with the mask.
 Usage: python benches/engine.py [--json out.json] [--quick] [--launch-ahead auto|on|off] [--prefill-chunk N]
        [--prefill-graphs auto|on|off] [--prefix-graphs] [--decode-prefill-budget N] [--prefill-only]
-       [--cold] [--kv-fraction F] [--temperature T] [--top-p P] [--grammar [--kernel-masks]]
+       [--cold] [--kv-fraction F] [--temperature T] [--top-p P] [--grammar [--kernel-masks auto|on|off]]
 """
 
 from __future__ import annotations
@@ -296,7 +296,9 @@ def main() -> None:
         action="store_true",
         help="decode rows under a grammar (GRAMMAR, the built-in model's tokenizer as its vocabulary)",
     )
-    parser.add_argument("--kernel-masks", action="store_true", help="Engine(kernel_masks=True): see --grammar")
+    parser.add_argument(
+        "--kernel-masks", choices=list(AUTO_ON_OFF), default="auto", help="Engine(kernel_masks=...), auto: on"
+    )
     args = parser.parse_args()
     cfg = ModelConfig.real()
     model = Model(cfg, synthetic_weights(cfg, seed=0, device="cuda", dtype=torch.bfloat16, std=0.01))
@@ -314,7 +316,7 @@ def main() -> None:
         prefill_graphs=AUTO_ON_OFF[args.prefill_graphs],
         prefix_graphs=args.prefix_graphs,
         decode_prefill_budget=args.decode_prefill_budget,
-        kernel_masks=args.kernel_masks,
+        kernel_masks=AUTO_ON_OFF[args.kernel_masks],
         tokenizer_json=Tokenizer.from_dir(Path(mk.__file__).parent / "embedded").hf.to_str() if args.grammar else None,
     )
     grammar = ConstraintSpec("regex", GRAMMAR) if args.grammar else None

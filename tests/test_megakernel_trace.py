@@ -157,8 +157,9 @@ def test_layer_phases_are_each_phase_s_last_end_after_the_previous_norm():
 
 def test_the_stream_profile_recovers_a_steady_stream_s_rate_waits_and_lead():
     """A ledger (a -DMK_STREAM_LEDGER=1 kernel's rows) in which every block issues a 24 KB stage
-    every 100 ns through the whole step and finds each 700 ns later, waiting for the GEMV tasks'
-    stages only: the profile's rates are the stream's, its lead 0.7 µs, its waits by family."""
+    every 100 ns through the whole step and finds each 700 ns later, warps 0 and 2 waiting for the
+    GEMV tasks' stages only: the profile's rates are the stream's, its lead 0.7 µs, its waits by
+    family."""
     cfg = ModelConfig.tiny()
     g = mkgraph.build(cfg, [5, 130, 300], num_sms=7)
     trace = synthetic_trace(g, 1.5e9, np.random.default_rng(4))
@@ -173,9 +174,9 @@ def test_the_stream_profile_recovers_a_steady_stream_s_rate_waits_and_lead():
             waited = g.tasks[s, task, 0] == Op.GEMV
             ledger[s, k] = (
                 EPOCH_NS + k * step,
-                EPOCH_NS + k * step + lead - (1 << 63 if waited else 0),  # bit 63 set: an int64 below zero
+                EPOCH_NS + k * step + lead,
                 size | (0 if waited else 1) << 32,
-                task,
+                task | (0b101 << 32 if waited else 0),
             )
     p = stream_profile(g, trace, ledger, bin_us=2.0)
     assert p["layers"] == sum(cfg.is_moe(layer) for layer in range(1, cfg.num_hidden_layers))
@@ -187,4 +188,5 @@ def test_the_stream_profile_recovers_a_steady_stream_s_rate_waits_and_lead():
     for f in p["families"]:
         assert f["issue_to_found_us"] == pytest.approx(lead / 1e3)
         assert f["waited"] == (1.0 if f["name"].startswith("gemv:") else 0.0)
+        assert f["warps_waited"] == (2.0 if f["name"].startswith("gemv:") else 0.0)
     assert not p["ledger_full"] and p["stages_recorded"] == sms * min(span // step, LEDGER_STAGES - 1)

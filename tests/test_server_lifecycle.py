@@ -57,9 +57,9 @@ def test_server_and_engine_share_their_defaults():
     assert args.prefill_chunk is engine_defaults["prefill_chunk"].default is None
     assert AUTO_ON_OFF[args.launch_ahead] is engine_defaults["launch_ahead"].default is None
     assert AUTO_ON_OFF[args.prefill_graphs] is engine_defaults["prefill_graphs"].default is None
+    assert AUTO_ON_OFF[args.kernel_masks] is engine_defaults["kernel_masks"].default is None
     assert args.decode_prefill_budget is engine_defaults["decode_prefill_budget"].default is None
-    for flag in ("prefix_graphs", "kernel_masks"):  # experimental: off
-        assert getattr(args, flag) is engine_defaults[flag].default is False
+    assert args.prefix_graphs is engine_defaults["prefix_graphs"].default is False  # experimental: off
 
 
 def test_help_documents_every_flag():
@@ -79,8 +79,9 @@ def test_synthetic_needs_a_gpu():
     assert "no GPU" in out.stderr.strip().splitlines()[-1]
 
 
-def test_kernel_masks_need_the_megakernel():
-    argv = [sys.executable, "-m", "mk.server", "--device", "cpu", "--kernel-masks"]
+@pytest.mark.parametrize("flag", [["--kernel-masks"], ["--kernel-masks", "on"]])
+def test_kernel_masks_need_the_megakernel(flag):
+    argv = [sys.executable, "-m", "mk.server", "--device", "cpu", *flag]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "needs the megakernel backend" in out.stderr.strip().splitlines()[-1]

@@ -149,14 +149,16 @@ struct Ring {
     __device__ uint32_t parity(uint32_t n) const { return round(n) & 1u; }
 
     // The compute warps wait until the n-th stage is full; a ledger build records when thread 0
-    // first found it so, and whether it had to wait.
+    // found it so and which warps had to wait for it (no loads: they would slow the warps).
     __device__ void wait_full(uint32_t n) const {
 #if MK_STREAM_LEDGER
-        if (ledger != nullptr && threadIdx.x == 0 && n < MK_LEDGER_STAGES) {
-            const bool ready = mbar_test_wait(full_of(n), parity(n));
-            if (!ready) mbar_wait(full_of(n), parity(n));
+        if (ledger != nullptr && threadIdx.x % 32 == 0 && n < MK_LEDGER_STAGES) {
             uint64_t* row = ledger + 4 * (size_t)n;
-            if (row[1] == 0) row[1] = global_ns() | (ready ? 0ull : 1ull << 63);
+            if (!mbar_test_wait(full_of(n), parity(n))) {
+                mbar_wait(full_of(n), parity(n));
+                atomicOr(reinterpret_cast<unsigned long long*>(row + 3), 1ull << (32 + threadIdx.x / 32));
+            }
+            if (threadIdx.x == 0) row[1] = global_ns();
             return;
         }
 #endif

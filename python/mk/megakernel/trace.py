@@ -20,7 +20,6 @@ from mk.megakernel.graph import ARG, Matrix, Op, StepGraph
 TRACE_WORDS = _native.TRACE_ENTRY_BYTES // 8  # int64 words of one MkTraceEntry (cuda/abi.h)
 TRACE_MARKED = _native.TRACE_MARKED  # in word 3's high half: the two halves are the task's marks
 LEDGER_STAGES = _native.LEDGER_STAGES  # ring stages per block in a ledger build's rows (cuda/abi.h)
-LEDGER_WAITED = 1 << 63  # in a ledger row's word 1: the compute warps waited for the stage
 
 
 @dataclass(frozen=True)
@@ -287,9 +286,9 @@ def stream_profile(g: StepGraph, trace: np.ndarray, ledger: np.ndarray, bin_us: 
     ended (the layer's input ready), averaged over the MoE layers, the rate at which all blocks
     issued ring stages and the rate at which their compute warps found them full (a stage found
     full without a wait counts when they looked, later than it landed), in TB/s; and per task
-    family, how many of its stages the compute warps had to wait for and the mean time from a
-    stage's issue to its being found full. Where the issue rate falls well below HBM's (~4.4
-    TB/s), the stream idles."""
+    family, the share of its stages some compute warp had to wait for, the mean number of warps
+    that did, and the mean time from a stage's issue to its being found full. Where the issue rate
+    falls well below HBM's (~4.4 TB/s), the stream idles; where no warp waits, the stream is ahead."""
     t = task_times(g, trace)
     ops, layer_of = g.tasks[..., 0], g.tasks[..., 1]
     raw = ledger.view(np.uint64)
@@ -297,14 +296,12 @@ def stream_profile(g: StepGraph, trace: np.ndarray, ledger: np.ndarray, bin_us: 
     sm, stage = np.nonzero(used)
     rows = raw[sm, stage]
     issue = (rows[:, 0] - np.uint64(t.first)).astype(np.int64).astype(np.float64)
-    seen_word = rows[:, 1]
-    seen = np.where(
-        seen_word != 0, ((seen_word & ~np.uint64(LEDGER_WAITED)) - np.uint64(t.first)).astype(np.int64), -1
-    ).astype(np.float64)
-    seen[seen_word == 0] = np.nan
-    waited = (seen_word & np.uint64(LEDGER_WAITED)) != 0
+    seen = (rows[:, 1] - np.uint64(t.first)).astype(np.int64).astype(np.float64)
+    seen[rows[:, 1] == 0] = np.nan
     size = (rows[:, 2] & np.uint64(0xFFFFFFFF)).astype(np.float64)
-    task = rows[:, 3].astype(np.int64)
+    task = (rows[:, 3] & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    warps = np.unpackbits((rows[:, 3] >> np.uint64(32)).astype(np.uint32).view(np.uint8).reshape(-1, 4), axis=1)
+    warps_waited = warps.sum(axis=1)
 
     norms = t.real & (ops == Op.RESIDUAL_NORM)
     norm_end = {int(layer): float(t.end[norms & (layer_of == layer)].max()) for layer in np.unique(layer_of[norms])}
@@ -335,7 +332,8 @@ def stream_profile(g: StepGraph, trace: np.ndarray, ledger: np.ndarray, bin_us: 
                 "name": name,
                 "stages": len(idx),
                 "mb": float(size[sel].sum() / 1e6),
-                "waited": float(waited[sel].mean()),
+                "waited": float((warps_waited[sel] > 0).mean()),
+                "warps_waited": float(warps_waited[sel].mean()),
                 "issue_to_found_us": float(np.nanmean(lead) / 1e3) if np.isfinite(lead).any() else None,
             }
         )
@@ -364,7 +362,9 @@ def print_stream_profile(title: str, p: dict) -> None:
     print(f"{'µs after the norm':>18} {'issued TB/s':>12} {'found TB/s':>11}")
     for k, (a, b) in enumerate(zip(p["issued_tb_s"], p["found_tb_s"], strict=True)):
         print(f"{k * p['bin_us']:>18.0f} {a:>12.2f} {b:>11.2f}")
-    print(f"{'family':>22} {'stages':>7} {'MB':>8} {'waited':>7} {'issue→found µs':>15}")
+    print(f"{'family':>22} {'stages':>7} {'MB':>8} {'waited':>7} {'warps':>6} {'issue→found µs':>15}")
     for f in p["families"]:
         lead = "" if f["issue_to_found_us"] is None else f"{f['issue_to_found_us']:.2f}"
-        print(f"{f['name']:>22} {f['stages']:>7} {f['mb']:>8.1f} {f['waited']:>7.0%} {lead:>15}")
+        print(
+            f"{f['name']:>22} {f['stages']:>7} {f['mb']:>8.1f} {f['waited']:>7.0%} {f['warps_waited']:>6.1f} {lead:>15}"
+        )

@@ -149,9 +149,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--kernel-masks",
-        action="store_true",
-        help="with the megakernel backend, draw grammar-constrained rows (greedy, or a temperature alone) on the GPU "
-        "among their mask's tokens instead of copying their logits back; experimental, off until measured",
+        choices=list(AUTO_ON_OFF),
+        nargs="?",
+        const="on",
+        default="auto",
+        help="draw grammar-constrained rows (greedy, or a temperature alone) on the GPU among their mask's tokens "
+        "instead of copying their logits back and drawing on the host; auto = on with the megakernel backend, off "
+        "with the reference one; on with the reference backend is an error (default: %(default)s)",
     )
     p.add_argument(
         "--max-batch", type=_at_least(1), default=8, help="most sequences decoded together (default: %(default)s)"
@@ -312,7 +316,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         prefill_graphs=AUTO_ON_OFF[args.prefill_graphs],
         prefix_graphs=args.prefix_graphs,
         decode_prefill_budget=args.decode_prefill_budget,
-        kernel_masks=args.kernel_masks,
+        kernel_masks=AUTO_ON_OFF[args.kernel_masks],
     )
     log.info(
         "engine ready: %s, %s decode, %s prefill (chunks of %d tokens, CUDA graphs %s), launch-ahead %s, "

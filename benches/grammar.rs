@@ -6,7 +6,9 @@
 //! size and shape: the 256 byte tokens, then the most frequent 2- to 12-byte substrings of this
 //! repository's Rust and Python sources (code-like multi-byte tokens), then EOS. Each of the 8 rows
 //! follows its own JSON document, token by token (greedy longest-match tokenization), under a
-//! tool-call-like JSON schema, `json_object`, or a regex.
+//! tool-call-like JSON schema, `json_object`, or a regex. A step's masks are timed twice: one
+//! row after another, and all together as the engine computes them (`grammar::allowed_all`, one
+//! thread a row).
 //!
 //! `cargo bench --bench grammar` prints a table and writes JSON to `$MK_BENCH_JSON` (default
 //! `target/grammar.json`).
@@ -15,7 +17,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::Instant;
 
-use mk::grammar::{ConstraintSpec, Grammars, TokenMask};
+use mk::grammar::{allowed_all, ConstraintSpec, Grammars, TokenMask};
 
 const VOCAB: usize = 262_144;
 const ROWS: usize = 8;
@@ -112,9 +114,25 @@ fn main() {
             }
             step_us.push(step.elapsed().as_secs_f64() * 1e6);
         }
+        // The same steps again, each step's masks all at once (fresh states).
+        let mut constraints: Vec<_> = (0..ROWS).map(|_| grammars.compile(&spec).expect("compiles")).collect();
+        let mut masks = vec![TokenMask::default(); ROWS];
+        let mut together_us = Vec::new();
+        for s in 0..steps {
+            let step = Instant::now();
+            let mut states: Vec<_> = constraints.iter_mut().collect();
+            let errors = allowed_all(&mut states, &mut masks);
+            together_us.push(step.elapsed().as_secs_f64() * 1e6);
+            assert!(errors.iter().all(Option::is_none), "{name}: step {s}: {errors:?}");
+            for ((c, d), mask) in constraints.iter_mut().zip(&docs).zip(&masks) {
+                assert!(mask.allows(d[s]), "{name}: step {s} forbids the document's token");
+                c.commit(d[s]).expect("the token is allowed");
+            }
+        }
         row_us.sort_by(f64::total_cmp);
         step_us.sort_by(f64::total_cmp);
         let mean = step_us.iter().sum::<f64>() / step_us.len() as f64;
+        let together = together_us.iter().sum::<f64>() / together_us.len() as f64;
         rows.push((
             name,
             compile_us,
@@ -123,23 +141,34 @@ fn main() {
             percentile(&row_us, 0.99),
             mean,
             percentile(&step_us, 0.99),
+            together,
         ));
     }
 
     println!("grammar masks, {VOCAB}-token stand-in vocabulary (built in {vocab_s:.1} s), batch {ROWS}");
     println!(
-        "{:<12} {:>11} {:>6} {:>11} {:>11} {:>13} {:>12}",
-        "constraint", "compile_us", "steps", "row_p50_us", "row_p99_us", "step_mean_us", "step_p99_us"
+        "{:<12} {:>11} {:>6} {:>11} {:>11} {:>13} {:>12} {:>17}",
+        "constraint",
+        "compile_us",
+        "steps",
+        "row_p50_us",
+        "row_p99_us",
+        "step_mean_us",
+        "step_p99_us",
+        "together_mean_us"
     );
     for r in &rows {
-        println!("{:<12} {:>11.0} {:>6} {:>11.1} {:>11.1} {:>13.1} {:>12.1}", r.0, r.1, r.2, r.3, r.4, r.5, r.6);
+        println!(
+            "{:<12} {:>11.0} {:>6} {:>11.1} {:>11.1} {:>13.1} {:>12.1} {:>17.1}",
+            r.0, r.1, r.2, r.3, r.4, r.5, r.6, r.7
+        );
     }
     let json_rows: Vec<String> = rows
         .iter()
         .map(|r| {
             format!(
-                r#"{{"constraint":"{}","compile_us":{:.1},"steps":{},"row_p50_us":{:.2},"row_p99_us":{:.2},"step_mean_us":{:.2},"step_p99_us":{:.2}}}"#,
-                r.0, r.1, r.2, r.3, r.4, r.5, r.6
+                r#"{{"constraint":"{}","compile_us":{:.1},"steps":{},"row_p50_us":{:.2},"row_p99_us":{:.2},"step_mean_us":{:.2},"step_p99_us":{:.2},"together_mean_us":{:.2}}}"#,
+                r.0, r.1, r.2, r.3, r.4, r.5, r.6, r.7
             )
         })
         .collect();

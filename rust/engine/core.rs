@@ -17,7 +17,7 @@
 use std::time::Instant;
 
 use super::backend::{Backend, BackendError, DecodeInput, LaunchTimes, PrefillChunkInput, PrefillInput, PrefillResult};
-use crate::grammar::{Constraint, MaskSet, TokenMask, NO_MASKS};
+use crate::grammar::{allowed_all, Constraint, MaskError, MaskSet, TokenMask, NO_MASKS};
 use crate::sampling::Sampled;
 use crate::sched::{DecodeBatch, Event, PrefillChunk, Scheduler};
 
@@ -410,23 +410,20 @@ impl Lent {
         Some((Lent { states, errors: Vec::new(), eos_only }, MaskSet::pending(constrained)))
     }
 
-    /// Fills `masks` from the states; a grammar that fails or panics allows only EOS and its error
-    /// goes to `errors`, in `states`' order.
+    /// Fills `masks` from the states (`allowed_all`: several at once); a grammar that fails or
+    /// panics allows only EOS and its error goes to `errors`, in `states`' order.
     fn fill(&mut self, masks: &MaskSet) {
         let entries = self.states.last().map_or(0, |&(i, _, _)| i + 1);
+        let mut own = vec![TokenMask::default(); self.states.len()];
+        let mut states: Vec<&mut Constraint> = self.states.iter_mut().map(|(_, _, c)| c).collect();
+        let errors = allowed_all(&mut states, &mut own);
         let mut out = vec![TokenMask::default(); entries];
-        for (i, _, c) in self.states.iter_mut() {
-            let mask = &mut out[*i];
-            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.allowed(mask)));
-            let error = match result {
-                Ok(Ok(())) => None,
-                Ok(Err(e)) => Some(format!("the grammar failed: {e}")),
-                Err(_) => Some("the grammar engine failed".to_string()),
-            };
-            if error.is_some() {
-                *mask = self.eos_only.clone();
-            }
-            self.errors.push(error);
+        for (((i, _, _), mask), error) in self.states.iter().zip(own).zip(errors) {
+            out[*i] = if error.is_some() { self.eos_only.clone() } else { mask };
+            self.errors.push(error.map(|e| match e {
+                MaskError::Grammar(e) => format!("the grammar failed: {e}"),
+                MaskError::Panicked => "the grammar engine failed".to_string(),
+            }));
         }
         masks.fill(out);
     }

@@ -181,13 +181,15 @@ def measure(
     traces = {}
     if trace:
         for name, (variant, graph, graph_tasks) in {"plain": (step, g, tasks), **variants}.items():
-            tr = trace_buffer(graph, buf.x.device, ledger=ledger)
+            tr = trace_buffer(graph, buf.x.device)
             variant.run(graph, buf, graph_tasks, trace=tr)
             torch.cuda.synchronize()
             traces[name] = summarize(graph, tr.cpu().numpy())
             print_summary(f"batch {batch}, context {ctx}, {name}", traces[name])
             if ledger:
                 profile = stream_profile(graph, tr.cpu().numpy(), ledger_of(tr).cpu().numpy())
+                if not profile["stages_recorded"]:
+                    print("--ledger: the kernel recorded no stage (build it with -DMK_STREAM_LEDGER=1)")
                 traces[name]["stream_profile"] = profile
                 print_stream_profile(f"batch {batch}, context {ctx}, {name}", profile)
     experts = int(buf.slot_count[0])

@@ -190,3 +190,22 @@ def test_the_stream_profile_recovers_a_steady_stream_s_rate_waits_and_lead():
         assert f["waited"] == (1.0 if f["name"].startswith("gemv:") else 0.0)
         assert f["warps_waited"] == (2.0 if f["name"].startswith("gemv:") else 0.0)
     assert not p["ledger_full"] and p["stages_recorded"] == sms * min(span // step, LEDGER_STAGES - 1)
+
+
+def test_every_trace_buffer_has_room_for_a_ledger_and_a_bare_trace_is_refused():
+    """A ledger build writes past any trace it is given: `trace_buffer` leaves the room (zeros for
+    `ledger_of` to read), and a trace without it is refused before a launch could overflow it."""
+    import torch
+
+    from mk.megakernel.launch import _ledger_offset, ledger_of, trace_buffer
+
+    g = mkgraph.build(ModelConfig.tiny(), [5, 130, 300], num_sms=7)
+    trace = trace_buffer(g, torch.device("cpu"))
+    assert tuple(trace.shape) == (*g.tasks.shape[:2], TRACE_WORDS) and not trace.any()
+    ledger = ledger_of(trace)
+    assert tuple(ledger.shape) == (7, LEDGER_STAGES, TRACE_WORDS) and not ledger.any()
+    ledger[3, 5, 1] = 42  # the rows follow the entries in the same storage
+    assert trace.untyped_storage().nbytes() == (trace.numel() + ledger.numel()) * 8
+    assert ledger_of(trace)[3, 5, 1] == 42 and not trace.any()
+    with pytest.raises(ValueError, match="room for a ledger"):
+        _ledger_offset(torch.zeros(*g.tasks.shape[:2], TRACE_WORDS, dtype=torch.int64))

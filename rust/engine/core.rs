@@ -416,7 +416,10 @@ impl Lent {
         let entries = self.states.last().map_or(0, |&(i, _, _)| i + 1);
         let mut own = vec![TokenMask::default(); self.states.len()];
         let mut states: Vec<&mut Constraint> = self.states.iter_mut().map(|(_, _, c)| c).collect();
-        let errors = allowed_all(&mut states, &mut own);
+        // A panic outside the grammars (the thread pool failing to start) must still fill the
+        // masks, or the backend would wait for them forever: every row then allows only EOS.
+        let errors = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| allowed_all(&mut states, &mut own)))
+            .unwrap_or_else(|_| vec![Some(MaskError::Panicked); own.len()]);
         let mut out = vec![TokenMask::default(); entries];
         for (((i, _, _), mask), error) in self.states.iter().zip(own).zip(errors) {
             out[*i] = if error.is_some() { self.eos_only.clone() } else { mask };

@@ -288,6 +288,7 @@ class MegakernelStep:
             want = (*g.tasks.shape[:2], TRACE_WORDS)
             if trace.dtype != torch.int64 or tuple(trace.shape) != want or trace.device != self.device:
                 raise ValueError(f"trace must be int64 {want} on {self.device} (see trace_buffer)")
+            _ledger_offset(trace)  # a ledger build writes past the entries
             values["trace"] = trace.data_ptr()
         if row_samples is not None:
             if (
@@ -338,27 +339,34 @@ def row_samples_tensor(
     return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
-def trace_buffer(g: mkgraph.StepGraph, device: torch.device, ledger: bool = False) -> torch.Tensor:
+def trace_buffer(g: mkgraph.StepGraph, device: torch.device) -> torch.Tensor:
     """A zeroed MkTraceEntry [num_sms][per_sm] array for `MegakernelStep.run(trace=...)`, as int64
     words (mk.megakernel.trace reads them): [..., 0] the %globaltimer ns when the block reached the
     task, [..., 1] its wait and run cycles; for tasks whose weights were streamed (GEMV and
     expert-claim tasks, attention splits), [..., 2] when the producer issued the first copy and
     [..., 3] its ring and top-k wait cycles (a -DMK_TRACE_MARKS=1 kernel: also the marks of tasks
-    that stream nothing, see cuda/abi.h). Entries of NOPs stay 0. `ledger`: room past the entries
-    for a -DMK_STREAM_LEDGER=1 kernel's rows of every ring stage (`ledger_of`)."""
+    that stream nothing, see cuda/abi.h). Entries of NOPs stay 0. Past the entries, in the same
+    storage, room for the rows a -DMK_STREAM_LEDGER=1 kernel writes of every ring stage
+    (`ledger_of`; ~34 MB at 132 SMs): whichever kernel is loaded, a trace never overflows."""
     sms, per_sm = g.tasks.shape[:2]
-    rows = sms * per_sm + (sms * LEDGER_STAGES if ledger else 0)
-    flat = torch.zeros(rows, TRACE_WORDS, dtype=torch.int64, device=device)
+    flat = torch.zeros(sms * (per_sm + LEDGER_STAGES), TRACE_WORDS, dtype=torch.int64, device=device)
     return flat[: sms * per_sm].view(sms, per_sm, TRACE_WORDS)
+
+
+def _ledger_offset(trace: torch.Tensor) -> int:
+    """Where a ledger build's rows start in `trace`'s storage (int64 words), after checking that
+    they fit there (`trace_buffer` makes the room)."""
+    sms, per_sm, words = trace.shape
+    offset = trace.storage_offset() + sms * per_sm * words
+    if trace.untyped_storage().nbytes() < (offset + sms * LEDGER_STAGES * words) * 8:
+        raise ValueError("a trace needs room for a ledger build's rows past its entries: make it with trace_buffer")
+    return offset
 
 
 def ledger_of(trace: torch.Tensor) -> torch.Tensor:
     """The int64 [num_sms, MK_LEDGER_STAGES, 4] ledger a -DMK_STREAM_LEDGER=1 kernel wrote past the
-    entries of `trace` (a `trace_buffer(..., ledger=True)`): each ring stage's issue time, when the
-    compute warps found it full, its bytes and kind, its task (cuda/abi.h)."""
-    sms, per_sm, words = trace.shape
-    offset = sms * per_sm * words
-    if trace.untyped_storage().nbytes() < (offset + sms * LEDGER_STAGES * words) * 8:
-        raise ValueError("this trace has no room for a ledger: trace_buffer(..., ledger=True)")
+    entries of `trace` (a `trace_buffer`): each ring stage's issue time, when the compute warps
+    found it full, its bytes and kind, its task (cuda/abi.h); zeros from any other kernel."""
+    sms, _, words = trace.shape
     out = torch.empty(0, dtype=torch.int64, device=trace.device)
-    return out.set_(trace.untyped_storage(), offset, (sms, LEDGER_STAGES, words))
+    return out.set_(trace.untyped_storage(), _ledger_offset(trace), (sms, LEDGER_STAGES, words))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -229,6 +230,22 @@ def test_a_smaller_prefill_budget_while_streams_decode_changes_no_token(model, e
     for bad in (0, -1):
         with pytest.raises(ValueError, match="decode_prefill_budget must be >= 1"):
             Engine(model, max_context=256, decode_prefill_budget=bad)
+
+
+def test_an_engine_that_fails_to_start_drops_its_prefill_graphs(model, monkeypatch):
+    """When the native engine refuses its settings after the runner's warm-up (which captures the
+    prefill's CUDA graphs on a GPU), the graphs are released at once, not left to the garbage
+    collector (which could free them during another engine's capture)."""
+    import mk
+    from mk.runner import PrefillRunner
+    from mk.tokenizer import Tokenizer
+
+    released = []
+    monkeypatch.setattr(PrefillRunner, "release_graphs", lambda self: released.append(self))
+    tok = Tokenizer.from_dir(Path(mk.__file__).parent / "embedded")  # 16,384 tokens: the model has 512
+    with pytest.raises(ValueError, match="tokenizer_json"):
+        Engine(model, max_context=256, tokenizer_json=tok.hf.to_str())
+    assert len(released) == 1
 
 
 @pytest.fixture(scope="module")

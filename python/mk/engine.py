@@ -171,27 +171,34 @@ class Engine:
             )
         else:
             self._runner = ReferenceRunner(model, num_blocks, max_batch, max_context, fast_prefill=fast)
-        self._runner.warm_up()
-        # After the warm-up, which captures them (a capture that failed turned them off).
-        self.prefill_graphs = fast is not None and fast.fresh is not None and fast.fresh.capture
-        self._native = _native.Engine(
-            self._runner,
-            sliding=sliding,
-            window=cfg.sliding_window,
-            num_blocks=num_blocks,
-            vocab_size=cfg.vocab_size,
-            eos_token_id=cfg.eos_token_id,
-            max_batch=max_batch,
-            max_context=max_context,
-            prefill_chunk=prefill_chunk,
-            max_waiting=max_waiting,
-            salt=salt if salt is not None else repr((cfg, model.dtype, _weights_id(model))).encode(),
-            check_invariants=check_invariants,
-            backend=self.backend,
-            tokenizer_json=tokenizer_json,
-            launch_ahead=self.launch_ahead,
-            decode_prefill_budget=decode_prefill_budget,
-        )
+        try:
+            self._runner.warm_up()
+            # After the warm-up, which captures them (a capture that failed turned them off).
+            self.prefill_graphs = fast is not None and fast.fresh is not None and fast.fresh.capture
+            self._native = _native.Engine(
+                self._runner,
+                sliding=sliding,
+                window=cfg.sliding_window,
+                num_blocks=num_blocks,
+                vocab_size=cfg.vocab_size,
+                eos_token_id=cfg.eos_token_id,
+                max_batch=max_batch,
+                max_context=max_context,
+                prefill_chunk=prefill_chunk,
+                max_waiting=max_waiting,
+                salt=salt if salt is not None else repr((cfg, model.dtype, _weights_id(model))).encode(),
+                check_invariants=check_invariants,
+                backend=self.backend,
+                tokenizer_json=tokenizer_json,
+                launch_ahead=self.launch_ahead,
+                decode_prefill_budget=decode_prefill_budget,
+            )
+        except BaseException:
+            # Drop the prefill's CUDA graphs now: left to the garbage collector, their memory pools
+            # could be freed in the middle of another engine's graph capture, which that capture
+            # does not survive (the H200 GPU tests saw captures fail after engines that failed here).
+            self._runner.release_graphs()
+            raise
         self._streams: dict[int, _Stream] = {}
         self._ids = itertools.count(1)
         self._draining = False

@@ -62,17 +62,21 @@ KEY_BUCKETS = tuple(1 << i for i in range(11, 19))  # 2K .. 256K
 
 @dataclass(eq=False)
 class _Bucket:
-    """The static inputs and output of one padded length, and its graph (CUDA)."""
+    """The static inputs and output of one padded shape (fresh prompts: n rows; chunks after a
+    cached prefix: n rows and the full-attention key columns, keys[None].slots' width), and its
+    graph (CUDA)."""
 
     n: int
-    tokens: torch.Tensor  # long [n]: the prompt, then pads
-    source: torch.Tensor  # long [n]: the prompt row each row writes as (its own; a pad: the last one)
+    tokens: torch.Tensor  # long [n]: the prompt or chunk, then pads
+    source: torch.Tensor  # long [n]: the row each row writes as (its own; a pad: the last real one)
     slots: torch.Tensor  # long [layers, n]: the pool slot of each row's source per layer
     out: torch.Tensor  # [1, hidden] (accumulation dtype): the residual at the last real row
-    cos: torch.Tensor
+    cos: torch.Tensor  # [n, head_dim / 2] at each row's source position
     sin: torch.Tensor
-    keys: dict[int | None, PackedKeys]  # per attention window (fresh: causal and windowed over own rows)
-    pieces: list[Piece]
+    # Per attention window. Fresh: causal and windowed over the rows themselves. Prefixed: slots
+    # [layers of the kind, columns] of the keys before and in the chunk, each row's lo/hi [n].
+    keys: dict[int | None, PackedKeys]
+    pieces: list[Piece] = field(default_factory=list)  # the SDPA path's pieces (fresh only)
     graph: torch.cuda.CUDAGraph | None = field(default=None)
 
 
@@ -127,6 +131,23 @@ class _StaticPasses:
     def _attend(self, b, layer: int, q, k, v, pool_k, pool_v, attn_dtype: torch.dtype) -> torch.Tensor:
         """Layer `layer`'s attention output for the bucket's rows (their K and V already written)."""
         raise NotImplementedError
+
+    def _bucket(
+        self, n: int, cos: torch.Tensor, sin: torch.Tensor, keys: dict, pieces: list[Piece] | None = None
+    ) -> _Bucket:
+        """A bucket of n rows with zeroed static inputs and output, besides the given ones."""
+        pf, cfg, device = self.prefill, self.prefill.config, self.prefill.device
+        return _Bucket(
+            n=n,
+            tokens=torch.zeros(n, dtype=torch.long, device=device),
+            source=torch.zeros(n, dtype=torch.long, device=device),
+            slots=torch.zeros(cfg.num_hidden_layers, n, dtype=torch.long, device=device),
+            out=torch.zeros(1, cfg.hidden_size, dtype=pf.acc, device=device),
+            cos=cos,
+            sin=sin,
+            keys=keys,
+            pieces=pieces or [],
+        )
 
     def _capture(self, b, kv: PagedKV) -> None:
         """One eager pass (it compiles and allocates what this length needs, and computes this
@@ -194,17 +215,7 @@ class FreshPrompts(_StaticPasses):
             if pf.attention != "sdpa":
                 ks.backend_data = flex_block_mask(ks, flex_len(n), flex_len(n))
             keys[window] = ks
-        b = _Bucket(
-            n=n,
-            tokens=torch.zeros(n, dtype=torch.long, device=device),
-            source=torch.zeros(n, dtype=torch.long, device=device),
-            slots=torch.zeros(cfg.num_hidden_layers, n, dtype=torch.long, device=device),
-            out=torch.zeros(1, cfg.hidden_size, dtype=pf.acc, device=device),
-            cos=cos,
-            sin=sin,
-            keys=keys,
-            pieces=pieces,
-        )
+        b = self._bucket(n, cos, sin, keys, pieces=pieces)
         self._buckets[n] = b
         return b
 
@@ -217,22 +228,6 @@ class FreshPrompts(_StaticPasses):
             return attend_sdpa(q, kk, vv, ks, b.pieces)
         # fa3 builds its sequence offsets per call; the static pass takes flex.
         return attend_flex(q, kk, vv, ks, compiled=pf.attention != "flex_eager")
-
-
-@dataclass(eq=False)
-class _PrefixedBucket:
-    """The static inputs and output of a chunk with a cached prefix padded to n rows (its full-
-    attention key columns: keys[None].slots' width), and its graph (CUDA)."""
-
-    n: int
-    tokens: torch.Tensor  # long [n]: the chunk, then pads
-    source: torch.Tensor  # long [n]: the chunk row each row writes as (a pad: the last one)
-    slots: torch.Tensor  # long [layers, n]: the pool slot of each row's source per layer
-    cos: torch.Tensor  # [n, head_dim / 2] at each row's source position
-    sin: torch.Tensor
-    keys: dict[int | None, PackedKeys]  # per window: slots [layers of the kind, columns], lo/hi [n]
-    out: torch.Tensor  # [1, hidden] (accumulation dtype): the residual at the last real row
-    graph: torch.cuda.CUDAGraph | None = field(default=None)
 
 
 class PrefixedChunks(_StaticPasses):
@@ -312,7 +307,7 @@ class PrefixedChunks(_StaticPasses):
         if ks.backend_data is not None:
             refresh_block_mask(ks.backend_data, ks.lo, ks.hi, cols)
 
-    def _new_bucket(self, n: int, k_full: int) -> _PrefixedBucket:
+    def _new_bucket(self, n: int, k_full: int) -> _Bucket:
         pf, cfg, device = self.prefill, self.prefill.config, self.prefill.device
         cos, sin = cos_sin(cfg, torch.zeros(n, dtype=torch.long, device=device), pf.dtype)  # rewritten per call
         keys = {}
@@ -328,20 +323,11 @@ class PrefixedChunks(_StaticPasses):
             if pf.attention != "sdpa":
                 ks.backend_data = static_block_mask(ks.lo, ks.hi, cols)
             keys[window] = ks
-        b = _PrefixedBucket(
-            n=n,
-            tokens=torch.zeros(n, dtype=torch.long, device=device),
-            source=torch.zeros(n, dtype=torch.long, device=device),
-            slots=torch.zeros(cfg.num_hidden_layers, n, dtype=torch.long, device=device),
-            cos=cos,
-            sin=sin,
-            keys=keys,
-            out=torch.zeros(1, cfg.hidden_size, dtype=pf.acc, device=device),
-        )
+        b = self._bucket(n, cos, sin, keys)
         self._buckets[n, k_full] = b
         return b
 
-    def _attend(self, b: _PrefixedBucket, layer: int, q, k, v, pool_k, pool_v, attn_dtype: torch.dtype) -> torch.Tensor:
+    def _attend(self, b: _Bucket, layer: int, q, k, v, pool_k, pool_v, attn_dtype: torch.dtype) -> torch.Tensor:
         """Over the prefix and the chunk, gathered from the pool by the static slot tables."""
         pf = self.prefill
         ks = b.keys[pf.config.window(layer)]

@@ -309,17 +309,21 @@ def stream_profile(g: StepGraph, trace: np.ndarray, ledger: np.ndarray, bin_us: 
     windows = [(norm_end[layer - 1], norm_end[layer]) for layer in moe if layer - 1 in norm_end and layer in norm_end]
     bin_ns = bin_us * 1e3
     bins = int(np.ceil(max((b - a for a, b in windows), default=0) / bin_ns))
-    issued, found, cover = np.zeros(bins), np.zeros(bins), np.zeros(bins)
+
+    def binned(times: np.ndarray, a: float, b: float) -> np.ndarray:
+        """Bytes of the stages whose time falls in [a, b), per bin after a (NaN times: none)."""
+        inside = (times >= a) & (times < b)
+        k = ((times[inside] - a) // bin_ns).astype(np.int64)
+        return np.bincount(k, weights=size[inside], minlength=bins)[:bins]
+
+    issued, found, cover, layer_bytes = np.zeros(bins), np.zeros(bins), np.zeros(bins), []
     for a, b in windows:
-        for k in range(bins):
-            lo, hi = a + k * bin_ns, min(a + (k + 1) * bin_ns, b)
-            if hi <= lo:
-                break
-            cover[k] += (hi - lo) / bin_ns
-            issued[k] += size[(issue >= lo) & (issue < hi)].sum()
-            found[k] += size[(seen >= lo) & (seen < hi)].sum()
+        cover += np.clip((b - a) / bin_ns - np.arange(bins), 0, 1)  # the window's share of each bin
+        in_window = binned(issue, a, b)
+        issued += in_window
+        found += binned(seen, a, b)
+        layer_bytes.append(in_window.sum())
     per_bin = np.maximum(cover, 1e-9) * bin_ns  # ns of windows each bin saw
-    layer_bytes = [size[(issue >= a) & (issue < b)].sum() for a, b in windows]
     families: dict[str, list[int]] = {}
     for i, (s, j) in enumerate(zip(sm, task, strict=True)):
         families.setdefault(task_family(g.tasks[s, j]), []).append(i)

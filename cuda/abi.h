@@ -36,7 +36,8 @@ typedef enum MkOp {
     // arg0 = MkMatrix, arg1 = first output row, arg2 = row groups of 16 (1 to MK_GEMV_MAX_GROUPS;
     // gate/up matrices: groups of 16 features, at most half as many, each streaming its gate and
     // its up rows; QKV tasks stay inside one of Q, K and V), arg3 = MoE slot (expert matrices
-    // only). y = act · Wᵀ with the matrix's epilogue.
+    // only), arg5 (expert matrices only: MK_ARG_ROUTERS) = the layer's router tasks or 0.
+    // y = act · Wᵀ with the matrix's epilogue.
     MK_OP_GEMV = 2,
     // arg0 = b, arg1 = kv head, arg2 = split s, arg3 = sliding window (0: full attention),
     // arg4 = the row's splits (the host's only), arg5 = keys per split (chunk). Partial
@@ -47,8 +48,9 @@ typedef enum MkOp {
     // arg0 = b, arg1 = kv head, arg2 = number of splits. Merges the partials into attn_out.
     MK_OP_ATTN_COMBINE = 4,
     // Sigmoid top-k of every row's router logits; builds the layer's active-expert slots. Exactly
-    // one per MoE layer: the weight producer waits for its counter to reach 1 before streaming
-    // the layer's expert tiles.
+    // one per MoE layer; the residual norms wait for its counter to reach 1, and so does the
+    // weight producer before streaming the layer's expert tiles unless they name the router
+    // tasks (MK_ARG_ROUTERS).
     MK_OP_TOPK = 5,
     // arg0 = b. x[b] += attn + ffn; h[b] = bf16(rmsnorm(x[b]) * gamma_{layer+1}) (final norm
     // after the last layer).
@@ -60,12 +62,18 @@ typedef enum MkOp {
     // A MoE layer's expert tiles of one matrix, claimed from the layer's queue by whichever block
     // is free: arg0 = MK_MAT_EXPERT_GATE_UP or MK_MAT_EXPERT_DOWN, arg1 = row groups of 16 per
     // tile (gate/up: features), arg2 = tiles per slot (arg3, arg4: the queue's most tiles and its
-    // claimers, for the host's cost model only). Tile i is slot i / arg2, rows (i % arg2)
+    // claimers, for the host's cost model only), arg5 = MK_ARG_ROUTERS. Tile i is slot i / arg2, rows (i % arg2)
     // * 16 * arg1 ..; the queue holds slot_count * arg2 tiles. The block's weight producer claims
     // (atomic add on the layer's MK_CTR_UP_CLAIM / MK_CTR_DOWN_CLAIM) as it streams; one task per
     // block and matrix, signalled once when the queue is empty and its own tiles are done.
     MK_OP_EXPERT_CLAIM = 9,
 } MkOp;
+
+// The word of an expert task (GEMV of an expert matrix, or claim) that says where its block's
+// weight producer learns the layer's routing: > 0, the number of the layer's router tasks (it
+// chooses the experts itself once they have all signalled MK_CTR_ROUTER: local routing); 0, from
+// the top-k task once it has run.
+#define MK_ARG_ROUTERS 5
 
 typedef enum MkMatrix {
     MK_MAT_QKV = 0,          // q|k|v rows; RoPE where the layer uses it, K/V into the paged cache

@@ -20,7 +20,7 @@ union StepSmem {
     } norm;
     struct {
         int chosen[MK_STEP_MAX_BATCH * MK_STEP_MAX_TOP_K];
-        int slot_of[32 * kTopkPerLane];
+        int slot_of[MK_STEP_MAX_EXPERTS];
     } topk;
     struct {
         float score[kThreads];
@@ -28,7 +28,8 @@ union StepSmem {
     } sample;
 };
 
-// Dynamic shared memory: the ring's barriers and tags, the done word and the list window, then
+// Dynamic shared memory: the ring's barriers and tags, the done word, the list window and the
+// producer's routing of MoE layers (BlockRouting[2]), then
 // the ops' union (StepSmem or the GEMV's, sized for the launch's batch, with the attention's scratch
 // past the GEMV's activations: attn_offset), then as many ring stages
 // as fit: 8 of 24 KB at batch 1 and 2, 7 at 4, 5 at 8.
@@ -38,7 +39,8 @@ constexpr size_t kBarrierOffset = 0;
 constexpr size_t kTagOffset = kBarrierOffset + 2 * kMaxRingStages * sizeof(uint64_t);
 constexpr size_t kDoneOffset = kTagOffset + kMaxRingStages * sizeof(int);  // the tasks done (signal_done)
 constexpr size_t kListOffset = align_up(kDoneOffset + sizeof(uint32_t), 16);
-constexpr size_t kUnionOffset = align_up(kListOffset + kListBatch * sizeof(MkTask), 128);
+constexpr size_t kRoutingOffset = align_up(kListOffset + kListBatch * sizeof(MkTask), 16);  // BlockRouting[2]
+constexpr size_t kUnionOffset = align_up(kRoutingOffset + 2 * sizeof(BlockRouting), 128);
 // The ring's stages start at a multiple of 1024 bytes (the 128-byte swizzle of the KV boxes needs
 // it; kStageBytes is a multiple of 1024, and so is the dynamic shared memory's address, checked).
 constexpr size_t kStageAlign = 1024;
@@ -81,13 +83,14 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
                     ledger};
     if (smem_addr(smem_raw) % kStageAlign != 0) __trap();  // a launch error, not wrong results
     uint32_t* done = reinterpret_cast<uint32_t*>(smem_raw + kDoneOffset);
+    BlockRouting* routing = reinterpret_cast<BlockRouting*>(smem_raw + kRoutingOffset);
     if (threadIdx.x == 0) ring_init(ring), *done = 0;
     __syncthreads();  // the last barrier the producer and signal warps join
 
     uint32_t* counters = ptr<uint32_t>(a.counters) + (size_t)a.parity * a.num_counters;
     const MkTask* list = ptr<const MkTask>(a.tasks) + (size_t)blockIdx.x * a.per_sm;
     if (threadIdx.x / 32 == kProducerWarp) {
-        stream_weights(a, list, counters, ring, reinterpret_cast<MkTask*>(smem_raw + kListOffset));
+        stream_weights(a, list, counters, ring, reinterpret_cast<MkTask*>(smem_raw + kListOffset), routing);
         return;
     }
     if (threadIdx.x / 32 == kSignalWarp) return send_signals(a, list, counters, done);
@@ -115,8 +118,8 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
         PhaseMarks marks;
         switch (t.op) {
             case MK_OP_EMBED: run_embed(a, t, sm.norm.row, sm.norm.scratch); break;
-            case MK_OP_GEMV: run_gemv(a, t, gemv, ring, stage, act_key, marks); break;
-            case MK_OP_EXPERT_CLAIM: run_expert_claim(a, t, gemv, ring, stage, act_key, marks); break;
+            case MK_OP_GEMV: run_gemv(a, t, gemv, ring, stage, act_key, routing, marks); break;
+            case MK_OP_EXPERT_CLAIM: run_expert_claim(a, t, gemv, ring, stage, act_key, routing, marks); break;
             case MK_OP_ATTN_SPLIT: run_attn_split(a, t, split, attn, ring, stage, marks); break;
             case MK_OP_ATTN_COMBINE: run_attn_combine(a, t, marks); break;
             case MK_OP_TOPK: run_topk(a, t, sm.topk.chosen, sm.topk.slot_of, marks); break;

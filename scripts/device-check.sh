@@ -27,17 +27,15 @@ fi
 sanitize=0
 { [ -z "$quick" ] || [ "$quick" = --sanitize ]; } && sanitize=1
 if [ $sanitize = 1 ] || [ "${SANITIZE:-}" = 1 ]; then
-    # Both ways of running expert tiles (claim queues, one task per tile), and the racecheck
-    # probe of a plain shared-memory value handed over through an mbarrier (the ring's tags).
-    for variant in "" --no-expert-queue; do
-        for tool in memcheck racecheck; do
-            report=()
-            [ $tool = racecheck ] && report=(--racecheck-report all)
-            # shellcheck disable=SC2086
-            timeout 400 compute-sanitizer --tool $tool "${report[@]}" --error-exitcode 3 \
-                python3 scripts/megakernel_once.py $variant >>"$OUT/tests.log" 2>&1
-            echo "$tool (megakernel step $variant) exit: $?" >>"$OUT/tests.log"
-        done
+    # Steps of every way of running expert tiles and of learning the routing (megakernel_once.py),
+    # and the racecheck probe of a plain shared-memory value handed over through an mbarrier (the
+    # ring's tags).
+    for tool in memcheck racecheck; do
+        report=()
+        [ $tool = racecheck ] && report=(--racecheck-report all)
+        timeout 400 compute-sanitizer --tool $tool "${report[@]}" --error-exitcode 3 \
+            python3 scripts/megakernel_once.py >>"$OUT/tests.log" 2>&1
+        echo "$tool (megakernel steps) exit: $?" >>"$OUT/tests.log"
     done
     if nvcc -gencode=arch=compute_90a,code=sm_90a -o /tmp/racecheck-probe scripts/racecheck_probe.cu \
         >>"$OUT/tests.log" 2>&1; then

@@ -1,8 +1,9 @@
-"""One decode step of the GPU-test geometry through the megakernel, for compute-sanitizer runs:
-compute-sanitizer --tool memcheck python3 scripts/megakernel_once.py [--no-expert-queue]
-(batch 4: the expert tiles come from the claim queues unless --no-expert-queue)."""
+"""Decode steps of the GPU-test geometry through the megakernel, for compute-sanitizer runs:
+compute-sanitizer --tool memcheck python3 scripts/megakernel_once.py
+(batch 4, one step for each way of running expert tiles (claim queues, one task per tile) and of
+learning the routing (the top-k task's, each block's own))."""
 
-import sys
+import itertools
 
 import torch
 
@@ -17,13 +18,14 @@ model = Model(cfg, synthetic_weights(cfg, seed=1, device="cuda", dtype=torch.bfl
 positions = [100, 4100, 64, 5000]
 max_pages = max(positions) // PAGE_SIZE + 1
 kv, tables, _ = random_step_inputs(model, positions, max_pages, torch.Generator(device="cuda").manual_seed(1))
-step = MegakernelStep(model, kv, max_pages, expert_queue="--no-expert-queue" not in sys.argv[1:])
-g = step.graph(positions, check=True)
-buf = step.buffers(g)
-buf.tokens.copy_(torch.tensor([1, 2, 3, 4], dtype=torch.int32))
-buf.positions.copy_(torch.tensor(positions, dtype=torch.int32))
-buf.block_tables.copy_(torch.stack(tables, dim=1))
-step.run(g, buf)
-torch.cuda.synchronize()
-assert not buf.logits.isnan().any() and (buf.sampled >= 0).all()
-print("one step ok, sampled", buf.sampled.tolist())
+for queue, local in itertools.product((True, False), (False, True)):
+    step = MegakernelStep(model, kv, max_pages, expert_queue=queue, local_routing=local)
+    g = step.graph(positions, check=True)
+    buf = step.buffers(g)
+    buf.tokens.copy_(torch.tensor([1, 2, 3, 4], dtype=torch.int32))
+    buf.positions.copy_(torch.tensor(positions, dtype=torch.int32))
+    buf.block_tables.copy_(torch.stack(tables, dim=1))
+    step.run(g, buf)
+    torch.cuda.synchronize()
+    assert not buf.logits.isnan().any() and (buf.sampled >= 0).all()
+    print(f"one step ok (expert_queue={queue}, local_routing={local}), sampled", buf.sampled.tolist())

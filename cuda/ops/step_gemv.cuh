@@ -3,6 +3,7 @@
 #pragma once
 #include "step_attention.cuh"
 #include "step_common.cuh"
+#include "step_routing.cuh"
 #include "step_stream.cuh"
 
 namespace mk {
@@ -84,19 +85,19 @@ __device__ GemvShape gemv_shape(const MkStepArgs& a, const MkTask& t) {
 
 // The bulk-copy descriptors (CUtensorMap) of the matrix a task streams: maps[0] its matrix (a
 // gate/up task's gate), maps[1] a gate/up task's up. Expert matrices need the expert in the
-// task's slot: read once the layer's top-k has run (the producer waits for it).
+// task's slot, from the block's routing of the layer (the producer's own: StageWalk::routed_slots).
 struct GemvMaps {
     const void* map[2];
     __device__ const void* of(const GemvShape& s, int g) const { return s.paired && g % 2 ? map[1] : map[0]; }
 };
 
-__device__ GemvMaps gemv_maps(const MkStepArgs& a, const MkTask& t) {
+__device__ GemvMaps gemv_maps(const MkStepArgs& a, const MkTask& t, const BlockRouting* routing) {
     const int matrix = t.arg[0], r0 = t.arg[1];
     const int qw = a.heads * a.head_dim, kvw = a.kv_heads * a.head_dim;
     const unsigned char* lmaps = ptr<unsigned char>(a.layer_maps) + (size_t)t.layer * MK_LW_COUNT * MK_TENSOR_MAP_BYTES;
     auto layer_map = [&](int which) -> const void* { return lmaps + (size_t)which * MK_TENSOR_MAP_BYTES; };
     auto expert_map = [&](int which) -> const void* {
-        const int e = ld_i32(ptr<int32_t>(a.slot_expert) + t.arg[3]);
+        const int e = shared_load(&routing[t.layer & 1].expert[t.arg[3]]);
         return ptr<unsigned char>(a.expert_maps) + (((size_t)t.layer * a.experts + e) * 3 + which) * MK_TENSOR_MAP_BYTES;
     };
     switch (matrix) {
@@ -149,6 +150,7 @@ struct StageWalk {
     const MkTask* list;
     int per_sm;
     MkTask* window;  // [kListBatch]: tasks [base, base + kListBatch) of the list (past its end: unread)
+    BlockRouting* routing;  // [2]: the block's routing of MoE layers, by layer parity
     int base = -kListBatch;
     int j = -1;  // the task whose stages are being walked, -1 before the first
     GemvShape s{};
@@ -160,7 +162,7 @@ struct StageWalk {
     SplitPages split{};
     int page = 0, which = 0, block = 0, block_next = 0;
     int slots_layer = -1, slots = 0;  // the layer whose used-slot count `slots` is
-    long long topk_seen = 0;  // a marks build: the clock when the walk saw the last top-k done
+    long long topk_seen = 0;  // a marks build: the clock when the walk learned the last routing
     bool end = false;
     // The expert queue being claimed (MK_OP_EXPERT_CLAIM): the claim task, its head counter and
     // its tiles; `tag` is what the stage next() returned carries.
@@ -186,21 +188,26 @@ struct StageWalk {
 
     // Starts walking the stages of GEMV task (or claimed tile) t; false if it has none.
     __device__ bool start(const MkStepArgs& a, const MkTask& t) {
-        s = gemv_shape(a, t), maps = gemv_maps(a, t), kv = false;
+        s = gemv_shape(a, t), maps = gemv_maps(a, t, routing), kv = false;
         box = box_cols(s.k), kc = box * kStageBoxes, g = 0, c = 0;
         while (g < s.groups && s.group_valid(g) <= 0) ++g;
         return g < s.groups;
     }
 
-    // The layer's used-slot count, once its one top-k task has run (which also says what each
-    // slot holds): the walk waits for it.
-    __device__ int slot_count(const MkStepArgs& a, const uint32_t* counters, int layer) {
-        if (layer != slots_layer) {
-            if (MK_O_L2_AT_TOPK && load_acquire(counters + layer * MK_COUNTERS_PER_LAYER + MK_CTR_TOPK) < 1)
+    // The used-slot count of expert task t's layer: the first expert task of a layer has the
+    // producer warp learn the layer's routing (route_layer: chosen here from the router's logits
+    // when the task names the layer's router tasks, else the top-k task's), which the walk waits
+    // for.
+    __device__ int routed_slots(const MkStepArgs& a, const uint32_t* counters, const MkTask& t) {
+        if (t.layer != slots_layer) {
+            const int layer = t.layer, routers = t.arg[MK_ARG_ROUTERS];
+            if (MK_O_L2_AT_TOPK &&
+                load_acquire(counters + layer * MK_COUNTERS_PER_LAYER + (routers > 0 ? MK_CTR_ROUTER : MK_CTR_TOPK)) <
+                    (uint32_t)max(routers, 1))
                 prefetch_o_tiles(a, layer);
-            spin_until(counters + layer * MK_COUNTERS_PER_LAYER + MK_CTR_TOPK, 1);
+            producer_warp_route(RoutingArgs(a), counters, routing, layer, routers);
             if (MK_TRACE_MARKS) topk_seen = clock64();
-            slots = ld_i32(ptr<int32_t>(a.slot_count)), slots_layer = layer;
+            slots = shared_load(&routing[layer & 1].count), slots_layer = layer;
         }
         return slots;
     }
@@ -215,7 +222,7 @@ struct StageWalk {
             if (u.op == MK_OP_NOP || u.layer != layer) break;
             if (u.op != MK_OP_GEMV || u.arg[0] != MK_MAT_O) continue;
             const GemvShape o = gemv_shape(a, u);
-            const void* map = gemv_maps(a, u).map[0];
+            const void* map = gemv_maps(a, u, nullptr).map[0];
             for (int g = 0; g < o.groups; ++g)
                 if (o.group_valid(g) > 0)
                     for (int c = 0; c < o.k; c += box_cols(o.k)) prefetch_tensor_2d(map, c, o.group_first(g));
@@ -224,8 +231,9 @@ struct StageWalk {
     }
 
     // Moves to the next run of stages: the next tile of the queue being claimed, or the next GEMV
-    // task with weights or split in the list (a claim task opens its queue). kQueueEnd: the queue
-    // being claimed is empty (the walk then reports one marker stage).
+    // task with weights or split in the list (a claim task opens its queue). kMarker: the queue
+    // being claimed is empty, or an expert task's slot is unused (the walk then reports one
+    // marker stage, which the compute warps take for "no stages").
     enum Next { kEnd, kStages, kMarker, kKv };
     __device__ Next advance(const MkStepArgs& a, uint32_t* counters) {
         for (;;) {
@@ -241,7 +249,7 @@ struct StageWalk {
             if (t.op == MK_OP_NOP) return kEnd;  // lists are NOP-padded at the end only
             if (t.op == MK_OP_EXPERT_CLAIM) {
                 claim = t, claiming = true;
-                queue_tiles = slot_count(a, counters, t.layer) * t.arg[2];
+                queue_tiles = routed_slots(a, counters, t) * t.arg[2];
                 const int head = t.arg[0] == MK_MAT_EXPERT_GATE_UP ? MK_CTR_UP_CLAIM : MK_CTR_DOWN_CLAIM;
                 queue_head = counters + t.layer * MK_COUNTERS_PER_LAYER + head;
                 continue;
@@ -253,7 +261,7 @@ struct StageWalk {
                 return kKv;
             }
             if (t.op != MK_OP_GEMV) continue;
-            if (is_expert(t) && t.arg[3] >= slot_count(a, counters, t.layer)) continue;
+            if (is_expert(t) && t.arg[3] >= routed_slots(a, counters, t)) return kMarker;
             if (start(a, t)) return kStages;
         }
     }
@@ -293,15 +301,27 @@ static_assert(kStageBytes >= 2 * kKvBoxBytes, "a ring stage holds a KV page's tw
 // Whether a streamed task's trace words hold its consumer's marks, not the producer's waits.
 __device__ __forceinline__ bool consumer_marks(bool split) { return MK_TRACE_MARKS && (split || MK_GEMV_MARKS); }
 
+// A diagnostic build (-DMK_NO_COPY=1; its outputs are garbage): no stage is copied, each is full
+// as soon as its slot is free, so that the step's time is what the compute warps and the
+// dependencies alone allow (is a step bound by HBM or by its consumers?).
+#ifndef MK_NO_COPY
+#define MK_NO_COPY 0
+#endif
+
 // The producer warp's loop (lane 0): as soon as a ring slot is free, one bulk tensor copy per box
 // of a weight stage, or the two of a split page's K or V. (Prefetching the stages beyond the ring
 // into L2 while it waits was slower, and so was the whole warp copying a split's pages with
 // cp.async: docs/PERF.md.)
 __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t* counters, const Ring& r,
-                               MkTask* window) {
-    if (threadIdx.x % 32 != 0) return;
+                               MkTask* window, BlockRouting* routing) {
+    if (threadIdx.x % 32 != 0) {  // the other lanes help lane 0 learn each MoE layer's routing
+        const RoutingArgs args(a);
+        while (producer_warp_route(args, counters, routing, 0, 0) >= 0) {
+        }
+        return;
+    }
     const uint64_t policy = evict_first_policy();
-    StageWalk copy{list, a.per_sm, window};
+    StageWalk copy{list, a.per_sm, window, routing};
     uint32_t n = 0;  // stages issued
     // The trace's producer fields of the task being streamed (`traced`).
     MkTraceEntry* trace = a.trace ? ptr<MkTraceEntry>(a.trace) + (size_t)blockIdx.x * a.per_sm : nullptr;
@@ -336,6 +356,8 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t
         if (kind == StageWalk::kMarker) {
             r.record_issue(n, 0, 2, copy.j);
             mbar_arrive(full);  // no bytes: the phase completes at once
+        } else if (MK_NO_COPY) {
+            mbar_arrive(full);  // a diagnostic build: the stage as it is, at once
         } else if (kind == StageWalk::kKv) {
             r.record_issue(n, 2 * kKvBoxBytes, 1, copy.j);
             mbar_arrive_expect_tx(full, (uint32_t)(2 * kKvBoxBytes));
@@ -352,16 +374,7 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t
         if (first) trace[copy.j].stream_ns = global_ns();
     }
     if (traced >= 0 && !consumer_marks(traced_kv)) trace[traced].ring_wait_cycles = ring_wait;
-}
-
-// Fills has_row[b] for an expert tile's slot (visible after the next barrier).
-__device__ __forceinline__ void load_slot_rows(const MkStepArgs& a, int slot, int* has_row) {
-    if (threadIdx.x < a.batch) {
-        const int32_t* ts = ptr<int32_t>(a.topk_slot) + threadIdx.x * a.top_k;
-        bool has = false;
-        for (int i = 0; i < a.top_k; ++i) has |= ld_i32(ts + i) == slot;
-        has_row[threadIdx.x] = has;
-    }
+    producer_warp_route(RoutingArgs(a), counters, routing, -1, 0);  // releases the other lanes
 }
 
 // Starts copying the task's activations [batch][k] into shared memory, unless the previous GEMV
@@ -401,19 +414,34 @@ __device__ void gemv_compute(const GemvShape& p, GemvSmem& s, const Ring& r, uin
     const int box_chunks = box / 32, box_bytes = kStageRows * box * 2;
     const unsigned char* act_row = s.act + min(gi, batch - 1) * pitch + 16 * ti;
     for (int g = 0; g < p.groups; ++g) {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        float acc[4] = {0.f, 0.f, 0.f, 0.f}, acc2[4] = {0.f, 0.f, 0.f, 0.f};
         if (p.group_valid(g) > 0) {
             for (int c = 0; c < p.k; c += kc, ++n) {
                 r.wait_full(n);
                 const unsigned char* st = r.stage(n) + gi * 2 * box + 16 * ti;
                 const int chunks = min(kc, p.k - c) / 32;  // the last stage may run past k
-                for (int ch = warp; ch < chunks; ch += kWarps) {
-                    const unsigned char* w = st + (ch / box_chunks) * box_bytes + 64 * (ch % box_chunks);
-                    const uint4 wa = *reinterpret_cast<const uint4*>(w);
-                    const uint4 wb = *reinterpret_cast<const uint4*>(w + 16 * box);
-                    const uint4 x = *reinterpret_cast<const uint4*>(act_row + 2 * c + 64 * ch);
-                    mma_16816(acc, wa.x, wb.x, wa.y, wb.y, x.x, x.y);
-                    mma_16816(acc, wa.z, wb.z, wa.w, wb.w, x.z, x.w);
+                if (box == kBoxCols) {
+                    // Full boxes (every real matrix): shifts for the chunk's box instead of
+                    // divisions, and a chunk's two products into two accumulators (half the
+                    // dependent chain): -7% at batch 1 and -6% at batch 8 (docs/PERF.md).
+                    constexpr int kBoxChunks = kBoxCols / 32, kBoxBytes = kStageRows * kBoxCols * 2;
+                    for (int ch = warp; ch < chunks; ch += kWarps) {
+                        const unsigned char* w = st + (ch / kBoxChunks) * kBoxBytes + 64 * (ch % kBoxChunks);
+                        const uint4 wa = *reinterpret_cast<const uint4*>(w);
+                        const uint4 wb = *reinterpret_cast<const uint4*>(w + 16 * kBoxCols);
+                        const uint4 x = *reinterpret_cast<const uint4*>(act_row + 2 * c + 64 * ch);
+                        mma_16816(acc, wa.x, wb.x, wa.y, wb.y, x.x, x.y);
+                        mma_16816(acc2, wa.z, wb.z, wa.w, wb.w, x.z, x.w);
+                    }
+                } else {
+                    for (int ch = warp; ch < chunks; ch += kWarps) {
+                        const unsigned char* w = st + (ch / box_chunks) * box_bytes + 64 * (ch % box_chunks);
+                        const uint4 wa = *reinterpret_cast<const uint4*>(w);
+                        const uint4 wb = *reinterpret_cast<const uint4*>(w + 16 * box);
+                        const uint4 x = *reinterpret_cast<const uint4*>(act_row + 2 * c + 64 * ch);
+                        mma_16816(acc, wa.x, wb.x, wa.y, wb.y, x.x, x.y);
+                        mma_16816(acc, wa.z, wb.z, wa.w, wb.w, x.z, x.w);
+                    }
                 }
                 __syncwarp();
                 if (lane == 0) mbar_arrive(r.empty_of(n));
@@ -424,7 +452,7 @@ __device__ void gemv_compute(const GemvShape& p, GemvSmem& s, const Ring& r, uin
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int b = 2 * ti + (i & 1);
-            if (b < batch) part[b * 16 + gi + (i >= 2 ? 8 : 0)] = acc[i];
+            if (b < batch) part[b * 16 + gi + (i >= 2 ? 8 : 0)] = acc[i] + acc2[i];
         }
     }
     compute_sync();
@@ -508,19 +536,29 @@ __device__ void gemv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvSh
     }
 }
 
+// The compute warps pass over a marker stage (no bytes: an expert queue's end, an unused slot).
+__device__ __forceinline__ void release_marker(const Ring& r, uint32_t& n) {
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) mbar_arrive(r.empty_of(n));
+    ++n;
+}
+
 // Marks (MK_GEMV_MARKS): the activations in shared memory; every stage multiplied and reduced.
+// An expert task learns its rows from the block's routing once its first stage is full (the
+// producer learned the routing before it issued that stage); a marker there means the batch did
+// not fill its slot.
 __device__ void run_gemv(const MkStepArgs& a, const MkTask& t, GemvSmem& s, const Ring& r, uint32_t& n,
-                         uint64_t& act_key, PhaseMarks& marks) {
+                         uint64_t& act_key, const BlockRouting* routing, PhaseMarks& marks) {
     const GemvShape p = gemv_shape(a, t);
     const bool started = start_activations(p, a.batch, t.layer, s, act_key);
     if (is_expert(t)) {
-        // Both loads go out together (and with the activations' copies).
-        const int slots = ld_i32(ptr<int32_t>(a.slot_count));
-        load_slot_rows(a, t.arg[3], s.has_row);
-        if (t.arg[3] >= slots) {  // a slot the batch did not fill: the producer skipped it too
+        r.wait_full(n);
+        if (r.tag_of(n) == kQueueEnd) {
+            release_marker(r, n);
             if (started) cp_async_wait_all();  // the buffer is complete before the next task's barrier
             return;
         }
+        load_slot_rows(a, routing[t.layer & 1], t.arg[3], s.has_row);
     }
     finish_activations(started);
     if (MK_GEMV_MARKS) marks.mark(0);
@@ -532,17 +570,12 @@ __device__ void run_gemv(const MkStepArgs& a, const MkTask& t, GemvSmem& s, cons
 // A claim task: the tiles the block's producer claimed from the queue, in the order it streamed
 // them (each first stage's tag says which), up to the queue's end marker. Marks: the first tile's.
 __device__ void run_expert_claim(const MkStepArgs& a, const MkTask& t, GemvSmem& s, const Ring& r, uint32_t& n,
-                                 uint64_t& act_key, PhaseMarks& marks) {
+                                 uint64_t& act_key, const BlockRouting* routing, PhaseMarks& marks) {
     for (;;) {
         r.wait_full(n);
         const int tile = r.tag_of(n);
-        if (tile == kQueueEnd) {
-            __syncwarp();
-            if (threadIdx.x % 32 == 0) mbar_arrive(r.empty_of(n));
-            ++n;
-            return;
-        }
-        run_gemv(a, claimed_tile(t, tile), s, r, n, act_key, marks);
+        if (tile == kQueueEnd) return release_marker(r, n);
+        run_gemv(a, claimed_tile(t, tile), s, r, n, act_key, routing, marks);
         compute_sync();  // the epilogue's reads of the tile's shared memory are done
     }
 }

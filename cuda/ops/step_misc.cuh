@@ -2,6 +2,7 @@
 // norm, sampling.
 #pragma once
 #include "step_common.cuh"
+#include "step_routing.cuh"
 
 namespace mk {
 
@@ -9,7 +10,6 @@ namespace mk {
 // row and issues all its loads before the first use (one memory latency per task, not one per
 // value). hidden is a multiple of 32.
 constexpr int kVec = 8;
-constexpr int kMaxTopK = MK_STEP_MAX_TOP_K;
 
 __device__ __forceinline__ void load8_f32(const float* p, float (&v)[kVec]) {
     const float4 lo = __ldcg(reinterpret_cast<const float4*>(p)), hi = __ldcg(reinterpret_cast<const float4*>(p) + 1);
@@ -173,53 +173,31 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, const ui
     store_normed(a, b, v, norm_weight(a, layer + 1), scratch, layer);
 }
 
-// A router logit (a bf16 value held in fp32: its low 16 bits are zero) and its expert as one
-// integer that orders like (logit, -expert): the larger logit wins, ties go to the lower expert.
-__device__ __forceinline__ uint32_t topk_key(float logit, int expert) {
-    const uint32_t u = __float_as_uint(logit);
-    const uint32_t ordered = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // monotonic in the float
-    return (ordered & 0xffff0000u) | (uint32_t)(0xffff - expert);
+// The top-k task: every row's choices (one warp per row: warp_choose), their sigmoid scores, and
+// the slots: the distinct chosen experts in ascending order. Without local routing this task is
+// on every MoE layer's critical path. Marks: the choices made (the logits' loads included); the
+// slots numbered.
+template <int kPer>
+__device__ void topk_rows(const MkStepArgs& a, const MkTask& t, int* chosen, int* slot_of) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    uint32_t used = 0;  // (the slots are numbered from slot_of)
+    for (int b = warp; b < a.batch; b += kWarps)
+        warp_choose<kPer, 1>(a, b, used, [&](int row, int k, int id, uint32_t best) {
+            if (lane != 0) return;
+            chosen[row * kMaxTopK + k] = id;
+            ptr<float>(a.topk_score)[row * a.top_k + k] = 1.f / (1.f + expf(-topk_logit(best)));
+            ptr<int32_t>(a.routing_log)[((size_t)t.layer * a.batch + row) * a.top_k + k] = id;
+            slot_of[id] = 0;
+        });
 }
 
-__device__ __forceinline__ float topk_logit(uint32_t key) {
-    const uint32_t ordered = key & 0xffff0000u;
-    return __uint_as_float((ordered & 0x80000000u) ? (ordered & 0x7fffffffu) : ~ordered & 0xffff0000u);
-}
-
-// Top-k of every row's router logits (ties -> lower expert), sigmoid scores, and the slots:
-// the distinct chosen experts in ascending order. This task is on every MoE layer's critical
-// path: one warp per row, each lane keeping its experts' keys in registers, one redux.sync max
-// per choice. Marks: the choices made (the logits' loads included); the slots numbered.
-constexpr int kTopkPerLane = MK_STEP_MAX_EXPERTS / 32;  // experts per lane of the selecting warp
 __device__ void run_topk(const MkStepArgs& a, const MkTask& t, int* chosen /* [batch * kMaxTopK] */,
                          int* slot_of /* [experts] */, PhaseMarks& marks) {
     for (int e = threadIdx.x; e < a.experts; e += kThreads) slot_of[e] = -1;
     compute_sync();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int b = warp; b < a.batch; b += kWarps) {
-        uint32_t keys[kTopkPerLane];
-#pragma unroll
-        for (int j = 0; j < kTopkPerLane; ++j) {
-            const int e = lane + 32 * j;
-            keys[j] = e < a.experts ? topk_key(ld_f32(ptr<float>(a.router) + b * a.experts + e), e) : 0u;
-        }
-        for (int k = 0; k < a.top_k; ++k) {
-            uint32_t mine = 0;
-#pragma unroll
-            for (int j = 0; j < kTopkPerLane; ++j) mine = max(mine, keys[j]);
-            const uint32_t best = __reduce_max_sync(0xffffffffu, mine);
-            const int id = 0xffff - (int)(best & 0xffffu);
-#pragma unroll
-            for (int j = 0; j < kTopkPerLane; ++j)
-                if (keys[j] == best) keys[j] = 0;  // taken (keys are distinct: one expert each)
-            if (lane == 0) {
-                chosen[b * kMaxTopK + k] = id;
-                ptr<float>(a.topk_score)[b * a.top_k + k] = 1.f / (1.f + expf(-topk_logit(best)));
-                ptr<int32_t>(a.routing_log)[((size_t)t.layer * a.batch + b) * a.top_k + k] = id;
-                slot_of[id] = 0;
-            }
-        }
-    }
+    if (a.experts <= 32 * kFewExpertsPerLane) topk_rows<kFewExpertsPerLane>(a, t, chosen, slot_of);
+    else topk_rows<kExpertsPerLane>(a, t, chosen, slot_of);
     compute_sync();
     marks.mark(0);
     if (warp == 0) {

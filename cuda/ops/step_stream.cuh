@@ -170,7 +170,10 @@ struct Ring {
 #if MK_STREAM_LEDGER
         if (ledger == nullptr || n >= MK_LEDGER_STAGES) return;
         uint64_t* row = ledger + 4 * (size_t)n;
-        row[0] = global_ns(), row[2] = bytes | (uint64_t)kind << 32, row[3] = (uint64_t)task;
+        row[0] = global_ns(), row[2] = bytes | (uint64_t)kind << 32;
+        // An OR: compute warps that began to wait before the issue have set their bits already
+        // (a plain store lost them: every family read "never waited").
+        atomicOr(reinterpret_cast<unsigned long long*>(row + 3), (unsigned long long)task);
 #endif
     }
 };

@@ -58,6 +58,7 @@ def build_step_graph(
     gate_up_groups: int | None = None,
     attention_first: bool | None = None,
     expert_queue: bool | None = None,
+    local_routing: bool | None = None,
 ) -> dict[str, Any]:
     """tasks, order (bytes of int32 [.., 16]), num_sms, per_sm, num_counters, slots, max_splits,
     modelled_ns."""

@@ -224,9 +224,11 @@ pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
         ("MK_CTR_TOPK", Counter::TopK),
         ("MK_CTR_UP_CLAIM", Counter::UpClaim),
         ("MK_CTR_DOWN_CLAIM", Counter::DownClaim),
+        ("MK_CTR_ROUTER", Counter::Router),
     ] {
         out.push((name, c as u64));
     }
+    out.push(("MK_ARG_ROUTERS", crate::graph::task::ARG_ROUTERS as u64));
     out
 }
 

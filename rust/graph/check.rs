@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 
 use super::effects::{effects, external_inputs, Buf, Region};
-use super::task::Op;
+use super::task::{counter, Counter, Op};
 use super::{Geometry, StepGraph};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -145,7 +145,10 @@ impl HappensBefore {
             }
         }
         for (i, t) in graph.order.iter().enumerate() {
-            for (c, _) in t.waits_on() {
+            // A MoE layer's residual norm also waits for the layer's top-k inside the kernel
+            // (run_residual_norm: the combine's routing), beyond its two counters.
+            let topk = (t.op() == Op::ResidualNorm).then(|| counter(t.layer as usize, Counter::TopK));
+            for c in t.waits_on().map(|(c, _)| c).chain(topk) {
                 if let Some(&node) = counter_node.get(&c) {
                     preds[i].push(node);
                 }

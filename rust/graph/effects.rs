@@ -2,7 +2,7 @@
 //! kernel and the CPU interpreter both implement, and what the static checker reasons about.
 //! Weights are constant during a step and not modelled.
 
-use super::task::{Matrix, MkTask, Op};
+use super::task::{Matrix, MkTask, Op, ARG_ROUTERS};
 use super::{split_keys, Geometry, StepGraph};
 
 /// The step's activation and cache buffers. Each is a set of rows of elements; `row` and the
@@ -100,7 +100,7 @@ pub fn effects(t: &MkTask, geom: &Geometry, graph: &StepGraph) -> Effects {
         Op::ExpertClaim => {
             let (m, slots) = (Matrix::from_i32(t.arg[0]).expect("valid matrix"), graph.slots);
             let slot_rows = |buf: Buf, hi: usize| (0..slots * batch).map(move |row| r(buf, row, 0, hi));
-            e.reads.push(r(Buf::Routing, 0, 0, 1));
+            e.reads.extend(routing_reads(t, geom, batch));
             if m == Matrix::ExpertGateUp {
                 e.reads.extend(rows.map(|b| r(Buf::H, b, 0, d)));
                 e.writes.extend(slot_rows(Buf::ExpertAct, geom.expert_ffn));
@@ -153,6 +153,16 @@ pub fn effects(t: &MkTask, geom: &Geometry, graph: &StepGraph) -> Effects {
     e
 }
 
+/// What an expert task learns its slots from: the top-k task's routing, or with local routing
+/// (`ARG_ROUTERS`) the router's logits, from which its block's producer chooses the experts.
+fn routing_reads(t: &MkTask, geom: &Geometry, batch: usize) -> Vec<Region> {
+    if t.arg[ARG_ROUTERS] > 0 {
+        (0..batch).map(|b| r(Buf::Router, b, 0, geom.experts)).collect()
+    } else {
+        vec![r(Buf::Routing, 0, 0, 1)]
+    }
+}
+
 fn gemv_effects(t: &MkTask, geom: &Geometry, positions: &[usize], e: &mut Effects) {
     let batch = positions.len();
     let (d, qw, kvw) = (geom.hidden, geom.q_width(), geom.kv_width());
@@ -197,12 +207,12 @@ fn gemv_effects(t: &MkTask, geom: &Geometry, positions: &[usize], e: &mut Effect
             e.writes.extend(all(Buf::FfnOut, r0, (r0 + n_rows).min(d)));
         }
         Matrix::ExpertGateUp => {
-            e.reads.push(r(Buf::Routing, 0, 0, 1));
+            e.reads.extend(routing_reads(t, geom, batch));
             e.reads.extend(all(Buf::H, 0, d));
             e.writes.extend(slot_rows(Buf::ExpertAct, r0, (r0 + n_rows).min(geom.expert_ffn)));
         }
         Matrix::ExpertDown => {
-            e.reads.push(r(Buf::Routing, 0, 0, 1));
+            e.reads.extend(routing_reads(t, geom, batch));
             e.reads.extend(slot_rows(Buf::ExpertAct, 0, geom.expert_ffn));
             e.writes.extend(slot_rows(Buf::ExpertOut, r0, (r0 + n_rows).min(d)));
         }

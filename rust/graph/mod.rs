@@ -17,7 +17,7 @@ pub use deal::Dealing;
 use crate::gpu::abi::GEMV_MAX_GROUPS;
 use crate::kv::PAGE_SIZE;
 
-use task::{counter, logits_counter, num_counters, sample_counter, Counter, Matrix, MkTask, Op};
+use task::{counter, logits_counter, num_counters, sample_counter, Counter, Matrix, MkTask, Op, ARG_ROUTERS};
 
 /// The model dimensions the graph depends on (from `ModelConfig`).
 #[derive(Debug, Clone, PartialEq)]
@@ -95,7 +95,19 @@ pub struct BuildOptions {
     /// rest as one task per (slot, tile), which leaves the SMs that got one more tile (or fewer
     /// unused slots) finishing last. None: from `EXPERT_QUEUE_MIN_BATCH` rows on.
     pub expert_queue: Option<bool>,
+    /// Every block's weight producer chooses a MoE layer's experts itself from the router's logits
+    /// where the top-k task has not run yet (the expert tasks name the layer's router tasks:
+    /// `ARG_ROUTERS`), and the gate/up tiles wait on the router instead of the top-k task, which
+    /// still runs for the combine: the expert weights can start streaming a task and a counter
+    /// hop sooner. None: for batches up to `LOCAL_ROUTING_MAX_BATCH` rows.
+    pub local_routing: Option<bool>,
 }
+
+/// The largest batch that routes on every block by default. On the H200 at 8K (docs/PERF.md,
+/// thirteenth session, in-process A/B) local routing was 1.5-2% faster at batch 1, 4-6% slower at
+/// batch 2 (a block's producer reaches the expert tiles only after the top-k has run there, and
+/// then waits for its own choice) and -1 to +4% at batch 8.
+pub const LOCAL_ROUTING_MAX_BATCH: usize = 1;
 
 /// The smallest batch whose expert tiles are claimed from queues by default. On the H200 at 8K
 /// (docs/PERF.md) the queues were 1.5%, 5% and 6% faster at batch 2, 4 and 8 but 3-5% slower at
@@ -115,6 +127,7 @@ impl Default for BuildOptions {
             dealing: Dealing::RoundRobin,
             attention_first: true,
             expert_queue: None,
+            local_routing: None,
         }
     }
 }
@@ -273,17 +286,23 @@ impl Builder<'_> {
         // The FFN's first half reads the same h (parallel block): the router's weights stream
         // while attention waits on QKV. The expert tiles wait on the top-k; with attention_first
         // the blocks run attention (whose inputs come sooner) before them.
+        // With local routing the expert tasks name the layer's router tasks (0: routed by the top-k).
+        let mut routers = 0;
         if g.moe[l] {
-            self.gemv(l, (Matrix::Router, g.experts, 1, -1), &[h_ready], counter(l, Counter::Router));
-            self.push(
-                MkTask::new(Op::TopK, l, &[]).waits(counter(l, Counter::Router)).signals(counter(l, Counter::TopK)),
-            );
+            let first_router = self.order.len();
+            let router = counter(l, Counter::Router);
+            self.gemv(l, (Matrix::Router, g.experts, 1, -1), &[h_ready], router);
+            if self.opts.local_routing.unwrap_or(self.batch <= LOCAL_ROUTING_MAX_BATCH) {
+                routers = self.order.len() - first_router;
+            }
+            self.push(MkTask::new(Op::TopK, l, &[]).waits(router).signals(counter(l, Counter::TopK)));
             if self.opts.attention_first {
                 self.attention(l, positions);
             }
             let groups = gate_up_groups(self.opts, g.expert_ffn, g.slots(self.batch));
             let tile = (Matrix::ExpertGateUp, g.expert_ffn, groups);
-            self.experts(l, tile, counter(l, Counter::TopK), counter(l, Counter::FfnUp));
+            let routed = if routers > 0 { router } else { counter(l, Counter::TopK) };
+            self.experts(l, tile, routers, routed, counter(l, Counter::FfnUp));
         } else {
             self.gemv(
                 l,
@@ -300,7 +319,7 @@ impl Builder<'_> {
         self.gemv(l, (Matrix::O, g.hidden, 1, -1), &[counter(l, Counter::Attn)], counter(l, Counter::O));
         let (up_done, down_done) = (counter(l, Counter::FfnUp), counter(l, Counter::FfnDown));
         if g.moe[l] {
-            self.experts(l, (Matrix::ExpertDown, g.hidden, rg), up_done, down_done);
+            self.experts(l, (Matrix::ExpertDown, g.hidden, rg), routers, up_done, down_done);
         } else {
             self.gemv(l, (Matrix::DenseDown, g.hidden, 1, -1), &[up_done], down_done);
         }
@@ -316,20 +335,25 @@ impl Builder<'_> {
 
     /// A MoE layer's tiles of expert matrix `m` (`rows` rows per expert, 16 * `groups` per tile)
     /// for every slot: claim tasks, one per SM (`expert_queue`), or one task per (slot, tile).
-    fn experts(&mut self, l: usize, (m, rows, groups): (Matrix, usize, usize), wait: i32, signal: i32) {
+    /// `routers`: the layer's router tasks with local routing, else 0 (`ARG_ROUTERS`).
+    fn experts(&mut self, l: usize, (m, rows, groups): (Matrix, usize, usize), routers: usize, wait: i32, signal: i32) {
         let slots = self.geom.slots(self.batch);
+        let start = self.order.len();
         if !self.opts.expert_queue.unwrap_or(self.batch >= EXPERT_QUEUE_MIN_BATCH) {
             for s in 0..slots {
                 self.gemv(l, (m, rows, groups, s as i32), &[wait], signal);
             }
-            return;
+        } else {
+            let tiles = rows.div_ceil(16 * groups);
+            let claimers = self.opts.num_sms;
+            // arg3 and arg4 (the queue's most tiles, the claimers) are for the cost model only.
+            let args = [m as i32, groups as i32, tiles as i32, (slots * tiles) as i32, claimers as i32];
+            for _ in 0..claimers {
+                self.push(MkTask::new(Op::ExpertClaim, l, &args).waits(wait).signals(signal));
+            }
         }
-        let tiles = rows.div_ceil(16 * groups);
-        let claimers = self.opts.num_sms;
-        // arg3 and arg4 (the queue's most tiles, the claimers) are for the cost model only.
-        let args = [m as i32, groups as i32, tiles as i32, (slots * tiles) as i32, claimers as i32];
-        for _ in 0..claimers {
-            self.push(MkTask::new(Op::ExpertClaim, l, &args).waits(wait).signals(signal));
+        for t in &mut self.order[start..] {
+            t.arg[ARG_ROUTERS] = routers as i32;
         }
     }
 
@@ -642,7 +666,12 @@ pub(crate) mod tests {
     fn expert_queues_get_one_claim_task_per_sm_and_matrix_and_stay_sound() {
         let geom = gpu_test();
         for positions in [vec![5000], vec![100, 7000, 64, 4159, 9, 300, 2000]] {
-            let opts = BuildOptions { num_sms: 20, expert_queue: Some(true), ..Default::default() };
+            let opts = BuildOptions {
+                num_sms: 20,
+                expert_queue: Some(true),
+                local_routing: Some(false),
+                ..Default::default()
+            };
             let g = build_step(&geom, &positions, &opts).unwrap();
             assert_eq!(check::check(&geom, &g, 5), vec![]);
             let slots = geom.slots(positions.len());
@@ -683,6 +712,57 @@ pub(crate) mod tests {
                 build_step(&geom, &positions, &BuildOptions { expert_queue: Some(false), ..opts }).unwrap();
             assert_eq!(check::check(&geom, &static_tiles, 5), vec![]);
         }
+    }
+
+    #[test]
+    fn local_routing_names_the_router_tasks_and_stays_sound() {
+        let geom = gpu_test();
+        // The default's 132 SMs at batch 1 (one task per slot and tile), queues on fewer SMs.
+        let cases = [(vec![5000], false, 132), (vec![5000], true, 20), (vec![100, 7000, 64, 4159], true, 20)];
+        for (positions, queue, num_sms) in cases {
+            let opts =
+                BuildOptions { num_sms, expert_queue: Some(queue), local_routing: Some(true), ..Default::default() };
+            let g = build_step(&geom, &positions, &opts).unwrap();
+            assert_eq!(check::check(&geom, &g, 5), vec![]);
+            for l in (0..geom.layers()).filter(|&l| geom.moe[l]) {
+                let of_layer = |t: &&MkTask| t.layer == l as i32;
+                let is_router = |t: &&MkTask| t.op() == Op::Gemv && t.arg[0] == Matrix::Router as i32;
+                let routers = g.order.iter().filter(of_layer).filter(is_router).count() as i32;
+                assert_eq!(routers, geom.experts.div_ceil(16) as i32);
+                let experts: Vec<&MkTask> = g
+                    .order
+                    .iter()
+                    .filter(of_layer)
+                    .filter(|t| {
+                        t.op() == Op::ExpertClaim || (t.op() == Op::Gemv && t.arg[0] >= Matrix::ExpertGateUp as i32)
+                    })
+                    .filter(|t| t.arg[0] != Matrix::LmHead as i32)
+                    .collect();
+                assert!(!experts.is_empty());
+                for t in experts {
+                    assert_eq!(t.arg[ARG_ROUTERS], routers, "{t:?}");
+                    if t.arg[0] == Matrix::ExpertGateUp as i32 {
+                        assert_eq!((t.wait0, t.target0), (counter(l, Counter::Router), routers));
+                    }
+                }
+            }
+            // Without it the words stay 0 and the gate/up tiles wait for the top-k.
+            let global = build_step(&geom, &positions, &BuildOptions { local_routing: Some(false), ..opts }).unwrap();
+            assert!(global.order.iter().all(|t| t.op() == Op::AttnSplit || t.arg[ARG_ROUTERS] == 0));
+            assert_eq!(check::check(&geom, &global, 5), vec![]);
+        }
+    }
+
+    #[test]
+    fn local_routing_is_the_default_for_one_row() {
+        let geom = gpu_test();
+        let local = |positions: &[usize]| {
+            let g = build_step(&geom, positions, &BuildOptions::default()).unwrap();
+            g.order.iter().any(|t| t.op() != Op::AttnSplit && t.arg[ARG_ROUTERS] > 0)
+        };
+        assert_eq!(LOCAL_ROUTING_MAX_BATCH, 1);
+        assert!(local(&[100]));
+        assert!(!local(&[100, 200]));
     }
 
     #[test]

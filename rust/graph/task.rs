@@ -7,6 +7,9 @@ pub const COUNTERS_PER_LAYER: usize = 11;
 /// `MK_TASK_WORDS`: int32 words of one task, and the word that holds `arg[0]`.
 pub const TASK_WORDS: usize = 16;
 pub const TASK_ARG_WORD: usize = 7;
+/// `MK_ARG_ROUTERS`: the arg word of an expert task (GEMV of an expert matrix, or claim) that
+/// holds the layer's router tasks when its block routes for itself (local routing), else 0.
+pub const ARG_ROUTERS: usize = 5;
 
 /// See `MkTask` in cuda/abi.h: 16 int32 words.
 #[repr(C)]

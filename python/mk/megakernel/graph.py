@@ -46,12 +46,14 @@ def build(
     gate_up_groups: int | None = None,
     attention_first: bool | None = None,
     expert_queue: bool | None = None,
+    local_routing: bool | None = None,
 ) -> StepGraph:
     """`dealing`: "round_robin" (task i to SM i mod num_sms) or "balanced" (list scheduling under a
     cost model); see rust/graph/deal.rs. `row_groups`, `qkv_groups` and `gate_up_groups` size the
     GEMV tasks and `attention_first` orders a MoE layer's attention before or after its expert
-    gate/up tiles and `expert_queue` has the expert tiles claimed at run time (rust/graph/mod.rs
-    BuildOptions; None: its default)."""
+    gate/up tiles, `expert_queue` has the expert tiles claimed at run time and `local_routing` has
+    every block choose a MoE layer's experts itself (rust/graph/mod.rs BuildOptions; None: its
+    default)."""
     raw = _native.build_step_graph(
         cfg,
         list(positions),
@@ -65,6 +67,7 @@ def build(
         gate_up_groups,
         None if attention_first is None else bool(attention_first),
         None if expert_queue is None else bool(expert_queue),
+        None if local_routing is None else bool(local_routing),
     )
     tasks = np.frombuffer(raw["tasks"], dtype=np.int32).reshape(raw["num_sms"], raw["per_sm"], TASK_WORDS)
     order = np.frombuffer(raw["order"], dtype=np.int32).reshape(-1, TASK_WORDS)

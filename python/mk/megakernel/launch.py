@@ -200,6 +200,7 @@ class MegakernelStep:
         gate_up_groups: int | None = None,
         attention_first: bool | None = None,
         expert_queue: bool | None = None,
+        local_routing: bool | None = None,
     ) -> None:
         if model.device.type != "cuda" or model.dtype != torch.bfloat16:
             raise ValueError("the megakernel runs bf16 models on a CUDA device")
@@ -215,6 +216,7 @@ class MegakernelStep:
         self.qkv_groups, self.gate_up_groups = qkv_groups, gate_up_groups  # GEMV task sizes (None: default)
         self.attention_first = attention_first  # the global order (rust/graph BuildOptions; None: default)
         self.expert_queue = expert_queue  # expert tiles claimed at run time (BuildOptions; None: default)
+        self.local_routing = local_routing  # every block routes for itself (BuildOptions; None: default)
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.tables = ModelTables.build(model)
         cfg = self.cfg
@@ -236,6 +238,7 @@ class MegakernelStep:
             gate_up_groups=self.gate_up_groups,
             attention_first=self.attention_first,
             expert_queue=self.expert_queue,
+            local_routing=self.local_routing,
         )
 
     def buffers(self, g: mkgraph.StepGraph, log_residuals: bool = True, max_splits: int = 0) -> StepBuffers:

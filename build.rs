@@ -12,10 +12,19 @@ use std::process::Command;
 
 const GENCODE: &str = "-gencode=arch=compute_90a,code=sm_90a";
 
+/// A build variant: `MK_WEIGHT_SWIZZLE=1` compiles the kernels with 128-byte-swizzled weight boxes
+/// (cuda/abi.h) and the host with the matching tensor maps (`cfg(mk_weight_swizzle)`).
+const WEIGHT_SWIZZLE: &str = "MK_WEIGHT_SWIZZLE";
+
 fn main() {
     println!("cargo:rerun-if-changed=cuda");
-    for var in ["NVCC", "CUDA_HOME", "PYO3_PYTHON", "PYTHON_SYS_EXECUTABLE", "VIRTUAL_ENV", "PATH"] {
+    for var in ["NVCC", "CUDA_HOME", "PYO3_PYTHON", "PYTHON_SYS_EXECUTABLE", "VIRTUAL_ENV", "PATH", WEIGHT_SWIZZLE] {
         println!("cargo:rerun-if-env-changed={var}");
+    }
+    println!("cargo:rustc-check-cfg=cfg(mk_weight_swizzle)");
+    let swizzle = env::var(WEIGHT_SWIZZLE).is_ok_and(|v| v == "1");
+    if swizzle {
+        println!("cargo:rustc-cfg=mk_weight_swizzle");
     }
     let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
     let nvcc = find_nvcc().unwrap_or_else(|tried| {
@@ -42,7 +51,7 @@ fn main() {
     for src in &sources {
         let stem = src.file_stem().unwrap().to_str().unwrap().to_owned();
         let cubin = out_dir.join(format!("{stem}.cubin"));
-        compile(&nvcc, src, &cubin);
+        compile(&nvcc, src, &cubin, swizzle);
         writeln!(table, "    ({stem:?}, include_bytes!({:?})),", cubin.display().to_string()).unwrap();
     }
     table.push_str("];\n");
@@ -53,9 +62,10 @@ fn main() {
     fs::write(out_dir.join("cubins.rs"), table).unwrap();
 }
 
-fn compile(nvcc: &Path, src: &Path, cubin: &Path) {
+fn compile(nvcc: &Path, src: &Path, cubin: &Path, swizzle: bool) {
     let status = Command::new(nvcc)
         .args(["-cubin", GENCODE, "-O3", "-std=c++17", "-Icuda", "-Xptxas=-warn-spills"])
+        .args(swizzle.then_some("-DMK_WEIGHT_SWIZZLE=1"))
         .arg("-o")
         .arg(cubin)
         .arg(src)

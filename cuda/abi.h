@@ -191,10 +191,21 @@ typedef struct MkRowSample {
     uint32_t masked;  // 1: only the tokens of MkStepArgs.row_masks[b] (the others never win)
 } MkRowSample;
 
-// One stage of the weight ring: a tile of MK_STAGE_ROWS weight rows by MK_STAGE_COLS columns
-// (fewer where k is shorter), one bulk tensor copy.
+// A build variant (`MK_WEIGHT_SWIZZLE=1 make wheel`: build.rs passes it to nvcc and to the Rust
+// side, which must agree): weight boxes of 64 columns (128 bytes) copied with the 128-byte swizzle,
+// so that the compute warps' 16-byte loads of rows g and g + 1 do not share banks (dense rows of
+// 512 bytes do: every weight load takes twice the wavefronts). Every k must then be a multiple of 64.
+#ifndef MK_WEIGHT_SWIZZLE
+#define MK_WEIGHT_SWIZZLE 0
+#endif
+// One box of a weight stage: a tile of MK_STAGE_ROWS weight rows by MK_STAGE_COLS columns (fewer
+// where k is shorter), one bulk tensor copy.
 #define MK_STAGE_ROWS 16
+#if MK_WEIGHT_SWIZZLE
+#define MK_STAGE_COLS 64
+#else
 #define MK_STAGE_COLS 256
+#endif
 #define MK_TENSOR_MAP_BYTES 128
 // Columns of a KV tensor map's box (128 bytes: the widest box the 128-byte swizzle takes).
 #define MK_KV_BOX_COLS 64

@@ -109,4 +109,5 @@ extern "C" __device__ const unsigned long long mk_abi_layout[] = {
     MK_MAT_EXPERT_DOWN, MK_MAT_LM_HEAD,
     MK_CTR_TOPK, MK_CTR_UP_CLAIM, MK_CTR_DOWN_CLAIM, MK_CTR_ROUTER,
     MK_ARG_ROUTERS,
+    MK_WEIGHT_SWIZZLE,
 };

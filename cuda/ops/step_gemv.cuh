@@ -426,14 +426,19 @@ __device__ void gemv_compute(const GemvShape& p, GemvSmem& s, const Ring& r, uin
                     // dependent chain): -7% at batch 1 and -6% at batch 8 (docs/PERF.md).
                     constexpr int kBoxChunks = kBoxCols / 32, kBoxBytes = kStageRows * kBoxCols * 2;
                     for (int ch = warp; ch < chunks; ch += kWarps) {
-                        const unsigned char* w = st + (ch / kBoxChunks) * kBoxBytes + 64 * (ch % kBoxChunks);
+                        const unsigned char* w;
+                        if constexpr (MK_WEIGHT_SWIZZLE) {  // (row gi + 8 is 1 KB on: the same swizzle)
+                            w = r.stage(n) + (ch / kBoxChunks) * kBoxBytes + swizzled_unit(gi, (ch % kBoxChunks) * 4 + ti);
+                        } else {
+                            w = st + (ch / kBoxChunks) * kBoxBytes + 64 * (ch % kBoxChunks);
+                        }
                         const uint4 wa = *reinterpret_cast<const uint4*>(w);
                         const uint4 wb = *reinterpret_cast<const uint4*>(w + 16 * kBoxCols);
                         const uint4 x = *reinterpret_cast<const uint4*>(act_row + 2 * c + 64 * ch);
                         mma_16816(acc, wa.x, wb.x, wa.y, wb.y, x.x, x.y);
                         mma_16816(acc2, wa.z, wb.z, wa.w, wb.w, x.z, x.w);
                     }
-                } else {
+                } else {  // (short rows: dense boxes only, MK_WEIGHT_SWIZZLE needs k % 64 == 0)
                     for (int ch = warp; ch < chunks; ch += kWarps) {
                         const unsigned char* w = st + (ch / box_chunks) * box_bytes + 64 * (ch % box_chunks);
                         const uint4 wa = *reinterpret_cast<const uint4*>(w);

@@ -16,15 +16,17 @@ namespace mk {
 constexpr int kStageRows = MK_STAGE_ROWS;
 constexpr int kBoxCols = MK_STAGE_COLS;  // weight columns per bulk tensor copy (bf16)
 #ifndef MK_STAGE_BOXES
-#define MK_STAGE_BOXES 3
+#define MK_STAGE_BOXES (MK_WEIGHT_SWIZZLE ? 12 : 3)
 #endif
 // Copies per stage, side by side along k: more boxes make fewer, larger stages (longer runs of
 // each weight row per stage). On the H200, 2 were 9-10% faster than 1 and 3 another 5-8% faster
-// than 2 at batch 1 and 8 (docs/PERF.md); 4 leave fewer than 4 stages. A tuning knob
-// (-DMK_STAGE_BOXES=N in the device script's NVCC_FLAGS).
+// than 2 at batch 1 and 8 (docs/PERF.md); 4 leave fewer than 4 stages (the swizzled variant's 12
+// boxes of 64 columns make the same 24 KB stages). A tuning knob (-DMK_STAGE_BOXES=N in the device
+// script's NVCC_FLAGS).
 constexpr int kStageBoxes = MK_STAGE_BOXES;
-// A stage is kStageBoxes dense [kStageRows][box] tiles: rows g and g + 1 read at one column by a
-// quarter-warp share banks (2-way), a small cost beside the copy it saves.
+// A stage is kStageBoxes [kStageRows][box] tiles: dense rows, where rows g and g + 1 read at one
+// column by a quarter-warp share banks (2-way), or 128-byte rows in the 128-byte swizzle
+// (MK_WEIGHT_SWIZZLE: swizzled_unit).
 constexpr int kStageBytes = kStageBoxes * kStageRows * kBoxCols * 2;
 
 // Columns per copy for a reduction length k (a multiple of 32): the box of the host's tensor
@@ -32,6 +34,10 @@ constexpr int kStageBytes = kStageBoxes * kStageRows * kBoxCols * 2;
 // not divide k the last stage runs past the matrix: copies past k are not issued, a copy that
 // straddles k is zero-filled, and the compute skips those columns.
 __device__ __forceinline__ int box_cols(int k) { return min(k, kBoxCols); }
+
+// With MK_WEIGHT_SWIZZLE: the byte offset inside one box of a weight stage of row r's 16-byte unit
+// u (columns 8u to 8u + 7): 128-byte rows, unit u stored at unit u ^ (r % 8) (the 128-byte swizzle).
+__device__ __forceinline__ int swizzled_unit(int r, int u) { return r * 128 + 16 * (u ^ (r & 7)); }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));

@@ -158,10 +158,13 @@ pub const STEP_HEAD_DIM: usize = 128;
 pub const STEP_MAX_GROUP: usize = 8;
 pub const STEP_MAX_TOP_K: usize = 8;
 pub const STEP_MAX_EXPERTS: usize = 512;
-/// `MK_STAGE_ROWS` x `MK_STAGE_COLS`: the box of the weight tensor maps (one ring stage), and
-/// `MK_TENSOR_MAP_BYTES`, the size of one encoded map.
+/// `MK_WEIGHT_SWIZZLE`: the build variant whose weight boxes are 64 columns, 128-byte swizzled
+/// (`MK_WEIGHT_SWIZZLE=1` when building; build.rs).
+pub const WEIGHT_SWIZZLE: bool = cfg!(mk_weight_swizzle);
+/// `MK_STAGE_ROWS` x `MK_STAGE_COLS`: the box of the weight tensor maps (a ring stage holds
+/// several side by side), and `MK_TENSOR_MAP_BYTES`, the size of one encoded map.
 pub const STAGE_ROWS: u32 = 16;
-pub const STAGE_COLS: u32 = 256;
+pub const STAGE_COLS: u32 = if WEIGHT_SWIZZLE { 64 } else { 256 };
 pub const TENSOR_MAP_BYTES: usize = 128;
 /// `MK_KV_BOX_COLS`: the columns of a KV tensor map's box (`MkStepArgs.kv_maps`); its rows are a page.
 pub const KV_BOX_COLS: u32 = 64;
@@ -229,6 +232,7 @@ pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
         out.push((name, c as u64));
     }
     out.push(("MK_ARG_ROUTERS", crate::graph::task::ARG_ROUTERS as u64));
+    out.push(("MK_WEIGHT_SWIZZLE", u64::from(WEIGHT_SWIZZLE)));
     out
 }
 

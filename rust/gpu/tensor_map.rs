@@ -5,7 +5,7 @@
 
 use cudarc::driver::sys;
 
-use super::abi::{KV_BOX_COLS, STAGE_COLS, STAGE_ROWS, TENSOR_MAP_BYTES};
+use super::abi::{KV_BOX_COLS, STAGE_COLS, STAGE_ROWS, TENSOR_MAP_BYTES, WEIGHT_SWIZZLE};
 use super::GpuError;
 
 /// One weight matrix to describe: the device address of a row-major bf16 [rows, cols] tensor
@@ -36,15 +36,28 @@ fn check(m: &MatrixSpec) -> Result<(), GpuError> {
     Ok(())
 }
 
+/// A weight matrix's map: boxes of one stage's rows, dense, or in the swizzled build variant 64
+/// columns in the 128-byte swizzle (whole boxes only).
+fn check_weights(m: &MatrixSpec) -> Result<sys::CUtensorMapSwizzle, GpuError> {
+    check(m)?;
+    if !WEIGHT_SWIZZLE {
+        return Ok(sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE);
+    }
+    if m.cols % u64::from(STAGE_COLS) != 0 {
+        let why = format!("the swizzled build needs cols a multiple of {STAGE_COLS}");
+        return Err(GpuError::InvalidArgument(format!("tensor map of {m:?}: {why}")));
+    }
+    Ok(sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B)
+}
+
 /// The encoded maps of `matrices`, TENSOR_MAP_BYTES each, in order (zeros for address 0), with
 /// boxes of one ring stage (MK_STAGE_ROWS rows). Needs the CUDA driver, not a context.
 pub fn encode(matrices: &[MatrixSpec]) -> Result<Vec<u8>, GpuError> {
     let mut out = vec![0u8; matrices.len() * TENSOR_MAP_BYTES];
     for (m, bytes) in matrices.iter().zip(out.chunks_exact_mut(TENSOR_MAP_BYTES)) {
         if m.address != 0 {
-            check(m)?;
-            let boxes = [stage_cols(m.cols), STAGE_ROWS];
-            encode_one(m, boxes, sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE, bytes)?;
+            let swizzle = check_weights(m)?;
+            encode_one(m, [stage_cols(m.cols), STAGE_ROWS], swizzle, bytes)?;
         }
     }
     Ok(out)
@@ -120,6 +133,15 @@ mod tests {
     fn stage_columns_are_capped_by_the_box() {
         assert_eq!(stage_cols(2048), STAGE_COLS);
         assert_eq!(stage_cols(64), 64);
+    }
+
+    #[test]
+    fn the_swizzled_build_takes_whole_boxes_only() {
+        let m = MatrixSpec { address: 256, rows: 16, cols: 96 };
+        assert_eq!(check_weights(&m).is_ok(), !WEIGHT_SWIZZLE);
+        let whole = MatrixSpec { cols: 128, ..m };
+        let swizzle = check_weights(&whole).unwrap();
+        assert_eq!(swizzle == sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B, WEIGHT_SWIZZLE);
     }
 
     #[test]

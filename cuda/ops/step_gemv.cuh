@@ -410,6 +410,10 @@ __device__ __forceinline__ void finish_activations(bool started) {
 // products do not depend on the order of k.
 __device__ void gemv_compute(const GemvShape& p, GemvSmem& s, const Ring& r, uint32_t& n, int batch) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
+    // The weight row (of 0-7; + 8 for the fragment's second half) behind the fragment's row gi:
+    // gi itself, or with swizzled boxes 0, 4, 1, 5, ... so that the two rows of a quarter-warp
+    // sit 4 apart and their swizzled 16-byte units in opposite halves of the banks.
+    const int wrow = MK_WEIGHT_SWIZZLE ? (gi & 1) * 4 + gi / 2 : gi;
     const int box = box_cols(p.k), kc = box * kStageBoxes, pitch = act_pitch(p.k);
     const int box_chunks = box / 32, box_bytes = kStageRows * box * 2;
     const unsigned char* act_row = s.act + min(gi, batch - 1) * pitch + 16 * ti;
@@ -428,7 +432,7 @@ __device__ void gemv_compute(const GemvShape& p, GemvSmem& s, const Ring& r, uin
                     for (int ch = warp; ch < chunks; ch += kWarps) {
                         const unsigned char* w;
                         if constexpr (MK_WEIGHT_SWIZZLE) {  // (row gi + 8 is 1 KB on: the same swizzle)
-                            w = r.stage(n) + (ch / kBoxChunks) * kBoxBytes + swizzled_unit(gi, (ch % kBoxChunks) * 4 + ti);
+                            w = r.stage(n) + (ch / kBoxChunks) * kBoxBytes + swizzled_unit(wrow, (ch % kBoxChunks) * 4 + ti);
                         } else {
                             w = st + (ch / kBoxChunks) * kBoxBytes + 64 * (ch % kBoxChunks);
                         }
@@ -452,12 +456,12 @@ __device__ void gemv_compute(const GemvShape& p, GemvSmem& s, const Ring& r, uin
                 if (lane == 0) mbar_arrive(r.empty_of(n));
             }
         }
-        // acc[i] is (row gi + 8 (i >= 2), column 2 ti + (i & 1)) of the group's 16 x 8 tile.
+        // acc[i] is (row wrow + 8 (i >= 2), column 2 ti + (i & 1)) of the group's 16 x 8 tile.
         float* part = s.partial + (size_t)(g * kWarps + warp) * batch * 16;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int b = 2 * ti + (i & 1);
-            if (b < batch) part[b * 16 + gi + (i >= 2 ? 8 : 0)] = acc[i] + acc2[i];
+            if (b < batch) part[b * 16 + wrow + (i >= 2 ? 8 : 0)] = acc[i] + acc2[i];
         }
     }
     compute_sync();

@@ -37,6 +37,7 @@ __device__ __forceinline__ int box_cols(int k) { return min(k, kBoxCols); }
 
 // With MK_WEIGHT_SWIZZLE: the byte offset inside one box of a weight stage of row r's 16-byte unit
 // u (columns 8u to 8u + 7): 128-byte rows, unit u stored at unit u ^ (r % 8) (the 128-byte swizzle).
+// Rows r and r + 4 of one quarter-warp then read opposite halves of the banks (gemv_compute).
 __device__ __forceinline__ int swizzled_unit(int r, int u) { return r * 128 + 16 * (u ^ (r & 7)); }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {

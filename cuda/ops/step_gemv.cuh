@@ -130,16 +130,6 @@ __device__ __forceinline__ MkTask claimed_tile(const MkTask& claim, int i) {
     return t;
 }
 
-#ifndef MK_O_L2_AT_TOPK
-#define MK_O_L2_AT_TOPK 0
-#endif
-
-// Asks L2 for a [rows][box] tile of `map` at (c0, r0), into no shared memory and no barrier.
-__device__ __forceinline__ void prefetch_tensor_2d(const void* map, int c0, int r0) {
-    asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(map), "r"(c0), "r"(r0)
-                 : "memory");
-}
-
 // The producer warp's walk: every stage of every GEMV task of the block's list, and every page of
 // every attention split, K then V, in list order: the stage sequence gemv_compute
 // and run_attn_split consume. Lane 0 walks; the list is read kListBatch tasks at a time into
@@ -195,39 +185,17 @@ struct StageWalk {
     }
 
     // The used-slot count of expert task t's layer: the first expert task of a layer has the
-    // producer warp learn the layer's routing (route_layer: chosen here from the router's logits
-    // when the task names the layer's router tasks, else the top-k task's), which the walk waits
-    // for.
+    // producer warp learn the layer's routing (route_layer: the top-k task's, or chosen here from
+    // the router's logits where the task names the layer's router tasks and the top-k has not
+    // run), which the walk waits for.
     __device__ int routed_slots(const MkStepArgs& a, const uint32_t* counters, const MkTask& t) {
         if (t.layer != slots_layer) {
-            const int layer = t.layer, routers = t.arg[MK_ARG_ROUTERS];
-            if (MK_O_L2_AT_TOPK &&
-                load_acquire(counters + layer * MK_COUNTERS_PER_LAYER + (routers > 0 ? MK_CTR_ROUTER : MK_CTR_TOPK)) <
-                    (uint32_t)max(routers, 1))
-                prefetch_o_tiles(a, layer);
-            producer_warp_route(RoutingArgs(a), counters, routing, layer, routers);
+            const int layer = t.layer;
+            producer_warp_route(RoutingArgs(a), counters, routing, layer, t.arg[MK_ARG_ROUTERS]);
             if (MK_TRACE_MARKS) topk_seen = clock64();
             slots = shared_load(&routing[layer & 1].count), slots_layer = layer;
         }
         return slots;
-    }
-
-    // A variant (-DMK_O_L2_AT_TOPK=1): while the walk would wait for the layer's top-k (HBM then
-    // moves almost nothing: the stream ledger's 6-10 µs after a norm at batch 1, docs/PERF.md), the
-    // block's O tiles of the layer that the list window already holds are asked of L2, so that
-    // their copies later hit it: at most one O task's bytes a block, ~17 MB over the GPU at batch 1.
-    __device__ void prefetch_o_tiles(const MkStepArgs& a, int layer) {
-        for (int k = j + 1; k < base + kListBatch && k < per_sm; ++k) {
-            const MkTask& u = window[k - base];
-            if (u.op == MK_OP_NOP || u.layer != layer) break;
-            if (u.op != MK_OP_GEMV || u.arg[0] != MK_MAT_O) continue;
-            const GemvShape o = gemv_shape(a, u);
-            const void* map = gemv_maps(a, u, nullptr).map[0];
-            for (int g = 0; g < o.groups; ++g)
-                if (o.group_valid(g) > 0)
-                    for (int c = 0; c < o.k; c += box_cols(o.k)) prefetch_tensor_2d(map, c, o.group_first(g));
-            return;
-        }
     }
 
     // Moves to the next run of stages: the next tile of the queue being claimed, or the next GEMV

@@ -284,9 +284,9 @@ impl Builder<'_> {
             self.gemv_from(l, base, tile, &[h_ready], counter(l, Counter::Qkv));
         }
         // The FFN's first half reads the same h (parallel block): the router's weights stream
-        // while attention waits on QKV. The expert tiles wait on the top-k; with attention_first
-        // the blocks run attention (whose inputs come sooner) before them.
-        // With local routing the expert tasks name the layer's router tasks (0: routed by the top-k).
+        // while attention waits on QKV. The expert tiles wait on the top-k, or with local routing
+        // on the router (they then name its tasks: `routers`, else 0); with attention_first the
+        // blocks run attention (whose inputs come sooner) before them.
         let mut routers = 0;
         if g.moe[l] {
             let first_router = self.order.len();

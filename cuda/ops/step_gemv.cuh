@@ -424,12 +424,13 @@ __device__ void gemv_compute(const GemvShape& p, GemvSmem& s, const Ring& r, uin
                 if (lane == 0) mbar_arrive(r.empty_of(n));
             }
         }
-        // acc[i] is (row wrow + 8 (i >= 2), column 2 ti + (i & 1)) of the group's 16 x 8 tile.
+        // acc[i] is (row wrow + 8 (i >= 2), column 2 ti + (i & 1)) of the group's 16 x 8 tile
+        // (row gi for short boxes, read dense).
         float* part = s.partial + (size_t)(g * kWarps + warp) * batch * 16;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int b = 2 * ti + (i & 1);
-            if (b < batch) part[b * 16 + wrow + (i >= 2 ? 8 : 0)] = acc[i] + acc2[i];
+            if (b < batch) part[b * 16 + (box == kBoxCols ? wrow : gi) + (i >= 2 ? 8 : 0)] = acc[i] + acc2[i];
         }
     }
     compute_sync();

@@ -232,7 +232,7 @@ typedef struct MkTraceEntry {
 // A kernel built with -DMK_STREAM_LEDGER=1 (a diagnostic build) also writes, past the trace's
 // [gridDim.x][per_sm] entries (in memory the host must provide with every trace), each block's first MK_LEDGER_STAGES ring stages as rows of four
 // uint64 words (the size of an MkTraceEntry): [0] %globaltimer when the producer issued the stage's
-// copies, [1] when compute thread 0 last found it full, [2] its bytes (low half) and kind (high
+// copies, [1] when compute thread 0 first found it full, [2] its bytes (low half) and kind (high
 // half: 0 weights, 1 KV page, 2 a claim queue's end marker), [3] the index of its task in the
 // block's list (low half) and the compute warps that had to wait for it (bit 32 + warp). 0 rows
 // past the block's last stage.

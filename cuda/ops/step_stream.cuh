@@ -156,7 +156,8 @@ struct Ring {
     __device__ uint32_t parity(uint32_t n) const { return round(n) & 1u; }
 
     // The compute warps wait until the n-th stage is full; a ledger build records when thread 0
-    // found it so and which warps had to wait for it (no loads: they would slow the warps).
+    // first found it so (an expert task's first stage is waited on twice) and which warps had to
+    // wait for it.
     __device__ void wait_full(uint32_t n) const {
 #if MK_STREAM_LEDGER
         if (ledger != nullptr && threadIdx.x % 32 == 0 && n < MK_LEDGER_STAGES) {
@@ -165,7 +166,7 @@ struct Ring {
                 mbar_wait(full_of(n), parity(n));
                 atomicOr(reinterpret_cast<unsigned long long*>(row + 3), 1ull << (32 + threadIdx.x / 32));
             }
-            if (threadIdx.x == 0) row[1] = global_ns();
+            if (threadIdx.x == 0 && row[1] == 0) row[1] = global_ns();
             return;
         }
 #endif

@@ -154,7 +154,8 @@ pub fn effects(t: &MkTask, geom: &Geometry, graph: &StepGraph) -> Effects {
 }
 
 /// What an expert task learns its slots from: the top-k task's routing, or with local routing
-/// (`ARG_ROUTERS`) the router's logits, from which its block's producer chooses the experts.
+/// (`ARG_ROUTERS`) the router's logits, from which its block's producer chooses the experts (it
+/// copies the top-k's routing instead only after that task's counter says it has run).
 fn routing_reads(t: &MkTask, geom: &Geometry, batch: usize) -> Vec<Region> {
     if t.arg[ARG_ROUTERS] > 0 {
         (0..batch).map(|b| r(Buf::Router, b, 0, geom.experts)).collect()

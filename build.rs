@@ -15,16 +15,30 @@ const GENCODE: &str = "-gencode=arch=compute_90a,code=sm_90a";
 /// A build variant: `MK_WEIGHT_SWIZZLE=1` compiles the kernels with 128-byte-swizzled weight boxes
 /// (cuda/abi.h) and the host with the matching tensor maps (`cfg(mk_weight_swizzle)`).
 const WEIGHT_SWIZZLE: &str = "MK_WEIGHT_SWIZZLE";
+/// A build variant: `MK_STEP_MAX_BATCH=16` compiles the kernels for up to 16 rows per launch (two
+/// n-tiles, cuda/abi.h) and the host to match (`cfg(mk_step_max_batch_16)`); 8, the default, or 16.
+const STEP_MAX_BATCH: &str = "MK_STEP_MAX_BATCH";
 
 fn main() {
     println!("cargo:rerun-if-changed=cuda");
-    for var in ["NVCC", "CUDA_HOME", "PYO3_PYTHON", "PYTHON_SYS_EXECUTABLE", "VIRTUAL_ENV", "PATH", WEIGHT_SWIZZLE] {
+    let vars = ["NVCC", "CUDA_HOME", "PYO3_PYTHON", "PYTHON_SYS_EXECUTABLE", "VIRTUAL_ENV", "PATH"];
+    for var in vars.into_iter().chain([WEIGHT_SWIZZLE, STEP_MAX_BATCH]) {
         println!("cargo:rerun-if-env-changed={var}");
     }
     println!("cargo:rustc-check-cfg=cfg(mk_weight_swizzle)");
-    let swizzle = env::var(WEIGHT_SWIZZLE).is_ok_and(|v| v == "1");
-    if swizzle {
+    println!("cargo:rustc-check-cfg=cfg(mk_step_max_batch_16)");
+    let mut defines = Vec::new();
+    if env::var(WEIGHT_SWIZZLE).is_ok_and(|v| v == "1") {
         println!("cargo:rustc-cfg=mk_weight_swizzle");
+        defines.push("-DMK_WEIGHT_SWIZZLE=1");
+    }
+    match env::var(STEP_MAX_BATCH).as_deref() {
+        Err(_) | Ok("8") => {}
+        Ok("16") => {
+            println!("cargo:rustc-cfg=mk_step_max_batch_16");
+            defines.push("-DMK_STEP_MAX_BATCH=16");
+        }
+        Ok(other) => panic!("mk: {STEP_MAX_BATCH} must be 8 or 16, got {other:?}"),
     }
     let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
     let nvcc = find_nvcc().unwrap_or_else(|tried| {
@@ -51,7 +65,7 @@ fn main() {
     for src in &sources {
         let stem = src.file_stem().unwrap().to_str().unwrap().to_owned();
         let cubin = out_dir.join(format!("{stem}.cubin"));
-        compile(&nvcc, src, &cubin, swizzle);
+        compile(&nvcc, src, &cubin, &defines);
         writeln!(table, "    ({stem:?}, include_bytes!({:?})),", cubin.display().to_string()).unwrap();
     }
     table.push_str("];\n");
@@ -62,10 +76,10 @@ fn main() {
     fs::write(out_dir.join("cubins.rs"), table).unwrap();
 }
 
-fn compile(nvcc: &Path, src: &Path, cubin: &Path, swizzle: bool) {
+fn compile(nvcc: &Path, src: &Path, cubin: &Path, defines: &[&str]) {
     let status = Command::new(nvcc)
         .args(["-cubin", GENCODE, "-O3", "-std=c++17", "-Icuda", "-Xptxas=-warn-spills"])
-        .args(swizzle.then_some("-DMK_WEIGHT_SWIZZLE=1"))
+        .args(defines)
         .arg("-o")
         .arg(cubin)
         .arg(src)

@@ -126,10 +126,15 @@ typedef enum MkLayerWeight {
 // block: 8 compute warps, the weight producer warp and the signal warp.
 #define MK_STEP_SMEM_BYTES (227 * 1024)
 #define MK_STEP_THREADS 320
-// The longest reduction (k) of any GEMV task and the most rows per launch: the activation
-// buffer in shared memory holds [MK_STEP_MAX_BATCH][MK_STEP_MAX_K].
+// The longest reduction (k) of any GEMV task and the most rows per launch. Up to 8 rows the
+// activation buffer in shared memory holds [rows][MK_STEP_MAX_K]; a launch of 9-16 rows (the build
+// variant `MK_STEP_MAX_BATCH=16 make wheel`: build.rs passes it to nvcc and to the Rust side,
+// which must agree) multiplies two n-tiles and stages a long reduction's activations in passes
+// of the same buffer size (docs/MEGAKERNEL.md, "Batch size").
 #define MK_STEP_MAX_K 4096
+#ifndef MK_STEP_MAX_BATCH
 #define MK_STEP_MAX_BATCH 8
+#endif
 // The most 16-row weight groups one GEMV task multiplies (128 output rows).
 #define MK_GEMV_MAX_GROUPS 8
 // The geometry the kernel's tasks are built for: the attention's head size and query heads per KV

@@ -30,6 +30,7 @@ from test_engine import common, prompt, run
 
 from mk.config import ModelConfig
 from mk.engine import Engine
+from mk.megakernel.support import MAX_STEP_ROWS
 from mk.model import synthetic_weights
 from mk.model.reference import Model
 from mk.sampling import ConstraintSpec, SamplingParams
@@ -159,29 +160,30 @@ def test_logprobs_of_the_kernels_logits_match_the_reference(model, reference):
     assert median <= LOGPROB_TOL
 
 
-def test_a_batch_of_ten_runs_as_two_launches(model):
-    # max_batch 10 > 8 rows per launch: every step with more than 8 live rows is two launches.
+def test_a_batch_past_one_launch_runs_as_two_launches(model):
+    # Two rows more than one launch takes: every step with more live rows than that is two launches.
+    rows = MAX_STEP_ROWS + 2
     requests = [
         (0.0, prompt(20 + 37 * i, 50 + i), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2))
-        for i in range(10)
+        for i in range(rows)
     ]
-    with engine(model, "reference", max_batch=10) as e:
+    with engine(model, "reference", max_batch=rows) as e:
         ref = run(e, requests)
-    # One prefill chunk takes every prompt, so the ten decode side by side.
-    with engine(model, "megakernel", max_batch=10, prefill_chunk=2048) as e:
+    # One prefill chunk takes every prompt, so the rows decode side by side.
+    with engine(model, "megakernel", max_batch=rows, prefill_chunk=2048) as e:
         mk = run(e, [(t, p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)) for t, p, _ in requests])
         s = e.native_stats()
-    # 230 decode rows in fewer than 230 / 8 steps: some steps had more than 8 rows.
-    assert s["decode_rows"] == 230 and 8 * s["decode_steps"] < s["decode_rows"], s
-    agreed = compare("ten rows", mk, ref, requests)
+    # 23 decode rows each, in fewer steps than one launch's rows would need: some steps took two.
+    assert s["decode_rows"] == 23 * rows and MAX_STEP_ROWS * s["decode_steps"] < s["decode_rows"], s
+    agreed = compare(f"{rows} rows", mk, ref, requests)
     assert agreed >= 10
 
 
-@pytest.mark.parametrize("rows", [6, 10])
+@pytest.mark.parametrize("rows", [6, MAX_STEP_ROWS + 2])
 def test_launch_ahead_agrees_with_synchronous_steps(model, rows):
     """With launch-ahead the megakernel backend queues each greedy step of up to one launch's rows
     behind the step before on the GPU, its tokens forwarded on the device (6 rows); a batch of two
-    launches steps one at a time until no more than 8 rows are left, then queues (10 rows). Against
+    launches steps one at a time until no more than one launch's rows are left, then queues. Against
     synchronous steps (whose rows ask for log-probabilities, so they are not queued) the tokens agree
     until the first near-tie, as in `compare`: arrival timing may cut the prompts into different
     prefill chunks (seen once on the H200: a divergence at token 12), while a token forwarded to the

@@ -26,6 +26,14 @@ from mk.model import moe, synthetic_weights
 from mk.model.reference import Model
 
 SEED = int(os.environ.get("MK_TEST_SEED", str(int.from_bytes(os.urandom(4), "little") % 2**31)))
+# Steps of 9-16 rows (two n-tiles in every GEMV, long reductions in passes) need a kernel built for
+# them; the default build takes 8 rows a launch.
+WIDE = pytest.mark.skipif(_native.STEP_MAX_BATCH < 16, reason="needs the MK_STEP_MAX_BATCH=16 build")
+# 11 ragged rows (the second n-tile partly used) and 16 (both full), across pages and windows.
+WIDE_POSITIONS = [
+    [100, 5000, 64, 8191, 1, 700, 4159, 300, 4095, 63, 2048],
+    [100 + 509 * i for i in range(16)],
+]
 
 
 def test_pack_step_args_names_missing_and_unknown_fields():
@@ -173,8 +181,13 @@ def gpu_test_weights():
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "positions",
-    [[0], [63], [64, 4095, 4096, 4200], [100, 5000, 64, 8191, 1, 700, 4159, 300]],
-    ids=["b1-first", "b1-page-edge", "b4-window-edges", "b8-ragged"],
+    [
+        pytest.param([0], id="b1-first"),
+        pytest.param([63], id="b1-page-edge"),
+        pytest.param([64, 4095, 4096, 4200], id="b4-window-edges"),
+        pytest.param([100, 5000, 64, 8191, 1, 700, 4159, 300], id="b8-ragged"),
+        *(pytest.param(p, marks=WIDE, id=f"b{len(p)}-wide") for p in WIDE_POSITIONS),
+    ],
 )
 def test_step_matches_reference_at_gpu_test_geometry(gpu_test_weights, positions):
     cfg = ModelConfig.gpu_test()
@@ -321,7 +334,10 @@ def test_consecutive_steps_reuse_the_counters():
 
 
 @pytest.mark.gpu
-def test_dealing_order_trace_and_spare_splits_change_no_output():
+@pytest.mark.parametrize(
+    "positions", [pytest.param([100, 5000, 64, 4159], id="b4"), pytest.param(WIDE_POSITIONS[0], marks=WIDE, id="b11")]
+)
+def test_dealing_order_trace_and_spare_splits_change_no_output(positions):
     """Where tasks run (round-robin or the cost model's dealing, expert tiles claimed at run time
     or dealt as tasks), the global order (MoE attention before or after the expert tiles), where
     the blocks learn the routing (local routing or the top-k task's), the task trace and buffers
@@ -332,7 +348,6 @@ def test_dealing_order_trace_and_spare_splits_change_no_output():
     cfg = ModelConfig.gpu_test()
     w = synthetic_weights(cfg, seed=SEED + 2, device="cuda", dtype=torch.bfloat16, std=0.02)
     model = Model(cfg, w)
-    positions = [100, 5000, 64, 4159]
     outs = []
     variants = (
         ("round_robin", False, None, 0, None, False),
@@ -347,13 +362,14 @@ def test_dealing_order_trace_and_spare_splits_change_no_output():
         ("round_robin", True, None, 0, False, True),
         ("balanced", False, False, 0, None, True),
     )
+    max_pages = max(positions) // PAGE_SIZE + 1
     for dealing, traced, attention_first, spare, expert_queue, local_routing in variants:
         gen = torch.Generator(device="cuda").manual_seed(SEED)
-        kv, tables, tokens = setup_step(model, positions, 80, gen)
+        kv, tables, tokens = setup_step(model, positions, max_pages, gen)
         step = MegakernelStep(
             model,
             kv,
-            80,
+            max_pages,
             dealing=dealing,
             attention_first=attention_first,
             expert_queue=expert_queue,
@@ -401,7 +417,7 @@ def test_dealing_order_trace_and_spare_splits_change_no_output():
     for other in outs[1:]:
         for a, b in zip(outs[0], other, strict=True):
             assert torch.equal(a, b)
-    finer = MegakernelStep(model, kv, 80, attn_chunk=64)
+    finer = MegakernelStep(model, kv, max_pages, attn_chunk=64)
     g_finer = finer.graph(positions)
     assert g_finer.max_splits > g.max_splits
     with pytest.raises(ValueError, match="cannot run a graph"):
@@ -414,7 +430,14 @@ def real_weights():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("positions", [[8191], [1000, 9000, 4096, 12000, 64, 5555, 4159, 300]], ids=["b1-8k", "b8"])
+@pytest.mark.parametrize(
+    "positions",
+    [
+        pytest.param([8191], id="b1-8k"),
+        pytest.param([1000, 9000, 4096, 12000, 64, 5555, 4159, 300], id="b8"),
+        pytest.param(WIDE_POSITIONS[1], marks=WIDE, id="b16"),
+    ],
+)
 def test_step_matches_reference_at_real_geometry(real_weights, positions):
     cfg = ModelConfig.real()
     weights = real_weights

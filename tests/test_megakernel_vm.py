@@ -57,7 +57,17 @@ def step_buffers(g, tokens, positions, tables) -> StepBuffers:
     return buf
 
 
-@pytest.mark.parametrize("lengths", [[1], [63], [64, 96, 97], [5, 130, 300, 64, 200, 17, 95, 250]])
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [1],
+        [63],
+        [64, 96, 97],
+        [5, 130, 300, 64, 200, 17, 95, 250],
+        # 16 rows: one launch of the MK_STEP_MAX_BATCH=16 build
+        [5, 130, 300, 64, 200, 17, 95, 250, 1, 33, 65, 128, 129, 191, 96, 299],
+    ],
+)
 @pytest.mark.parametrize("num_sms,row_groups,chunk", [(7, 3, 64), (132, 1, 0), (132, 8, 512)])
 def test_vm_step_equals_reference_decode(model, lengths, num_sms, row_groups, chunk):
     kv, tables, tokens = prefilled(model, lengths)

@@ -16,28 +16,63 @@ __host__ __device__ constexpr int act_pitch(int k) { return (2 * k + 127) / 128 
 
 constexpr int kMaxGroups = MK_GEMV_MAX_GROUPS;
 
+// Batch columns of one tensor-core product (m16n8k16's N). A launch of more rows (the build
+// variant MK_STEP_MAX_BATCH=16) multiplies each weight fragment with two n-tiles of activations
+// (gemv_compute_wide).
+constexpr int kTileN = 8;
+constexpr bool kWideBatch = kMaxBatch > kTileN;
+static_assert(kMaxBatch <= 2 * kTileN, "a GEMV multiplies at most two n-tiles");
+static_assert(kMaxBatch * 16 <= kThreads, "a group's reduction takes one thread per (row, column)");
+
+// Activation columns one GEMV holds in shared memory at a time: all of k up to kTileN rows (the
+// buffer is [rows][kMaxK]); past that, whole boxes that keep the buffer [kTileN][kMaxK]'s size,
+// and a longer reduction (O, the dense down projection) goes in passes of that many columns.
+__host__ __device__ constexpr int act_cols(int batch) {
+    return !kWideBatch || batch <= kTileN ? kMaxK : kMaxK * kTileN / batch / kBoxCols * kBoxCols;
+}
+
+// Groups whose per-warp partial sums shared memory holds at once: every group of a task up to
+// kTileN rows (reduced at the task's end); past that two, each group reduced as soon as it is done.
+__host__ __device__ constexpr int partial_groups(int batch) {
+    return !kWideBatch || batch <= kTileN ? kMaxGroups : 2;
+}
+
+// Columns of a GEMV task's outputs in shared memory: one n-tile's, or two in a wide launch.
+__host__ __device__ constexpr int out_cols(int batch) { return kWideBatch && batch > kTileN ? 2 * kTileN : kTileN; }
+
 // Shared memory of a GEMV task (outside the weight ring), sized by the launch's batch so that a
 // small batch leaves the ring more stages: the activations [batch][act_pitch(k)], the per-warp
 // partial sums [group][warp][batch][16] (only the batch's columns of each mma tile), the
-// outputs [group][16 rows][kMaxBatch] and an expert tile's routed rows.
+// outputs [group][16 rows][out_cols(batch)] and an expert tile's routed rows.
 struct GemvSmem {
     unsigned char* act;
     float* partial;
-    float (*out)[16][kMaxBatch];
+    float* out_base;
     int* has_row;  // [kMaxBatch]: which batch rows routed to an expert tile's slot
+    int cols;      // out_cols(batch)
 
-    __host__ __device__ static constexpr size_t act_bytes(int batch) { return (size_t)batch * act_pitch(kMaxK); }
-    __host__ __device__ static constexpr size_t partial_bytes(int batch) {
-        return (size_t)kMaxGroups * kWarps * batch * 16 * sizeof(float);
+    __host__ __device__ static constexpr size_t act_bytes(int batch) {
+        return (size_t)batch * act_pitch(act_cols(batch));
     }
-    __host__ __device__ static constexpr size_t out_bytes() { return (size_t)kMaxGroups * 16 * kMaxBatch * sizeof(float); }
+    __host__ __device__ static constexpr size_t partial_bytes(int batch) {
+        return (size_t)partial_groups(batch) * kWarps * batch * 16 * sizeof(float);
+    }
+    __host__ __device__ static constexpr size_t out_bytes(int batch) {
+        return (size_t)kMaxGroups * 16 * out_cols(batch) * sizeof(float);
+    }
     __host__ __device__ static constexpr size_t bytes(int batch) {
-        return act_bytes(batch) + partial_bytes(batch) + out_bytes() + kMaxBatch * sizeof(int);
+        return act_bytes(batch) + partial_bytes(batch) + out_bytes(batch) + kMaxBatch * sizeof(int);
     }
     __device__ GemvSmem(unsigned char* base, int batch)
         : act(base), partial(reinterpret_cast<float*>(base + act_bytes(batch))),
-          out(reinterpret_cast<float(*)[16][kMaxBatch]>(base + act_bytes(batch) + partial_bytes(batch))),
-          has_row(reinterpret_cast<int*>(base + act_bytes(batch) + partial_bytes(batch) + out_bytes())) {}
+          out_base(reinterpret_cast<float*>(base + act_bytes(batch) + partial_bytes(batch))),
+          has_row(reinterpret_cast<int*>(base + act_bytes(batch) + partial_bytes(batch) + out_bytes(batch))),
+          cols(out_cols(batch)) {}
+    // Output (row, column b) of group grp.
+    __device__ float& out(int grp, int row, int b) const {
+        if constexpr (kWideBatch) return out_base[(grp * 16 + row) * cols + b];
+        else return reinterpret_cast<float(*)[16][kTileN]>(out_base)[grp][row][b];
+    }
 };
 
 // What a task multiplies, from its words and the step's dimensions alone (no loads): `groups`
@@ -146,6 +181,7 @@ struct StageWalk {
     GemvShape s{};
     GemvMaps maps{};
     int g = 0, c = 0, box = 0, kc = 0;
+    int pass = kMaxK;  // a wide launch: the columns of one activation pass (act_cols)
     // The split being walked (kv): its pages, the next page and which of K (0) and V (1), and the
     // pool blocks of that page and the one after (loaded a stage ahead of its use).
     bool kv = false;
@@ -180,6 +216,7 @@ struct StageWalk {
     __device__ bool start(const MkStepArgs& a, const MkTask& t) {
         s = gemv_shape(a, t), maps = gemv_maps(a, t, routing), kv = false;
         box = box_cols(s.k), kc = box * kStageBoxes, g = 0, c = 0;
+        if constexpr (kWideBatch) pass = act_cols(a.batch);
         while (g < s.groups && s.group_valid(g) <= 0) ++g;
         return g < s.groups;
     }
@@ -253,8 +290,11 @@ struct StageWalk {
             return kKv;
         }
         map = maps.of(s, g), col = c, row = s.group_first(g);
-        boxes = min(kStageBoxes, (s.k - c + box - 1) / box);
+        int end = s.k;
+        if constexpr (kWideBatch) end = min(s.k, (c / pass + 1) * pass);  // a stage stays inside a pass
+        boxes = min(kStageBoxes, (end - c + box - 1) / box);
         c += kc;
+        if constexpr (kWideBatch) c = min(c, end);
         if (c >= s.k) {
             c = 0;
             do ++g;
@@ -345,18 +385,31 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t
     producer_warp_route(RoutingArgs(a), counters, routing, -1, 0);  // releases the other lanes
 }
 
-// Starts copying the task's activations [batch][k] into shared memory, unless the previous GEMV
-// task of this block already did: `key` names what the buffer holds (the source address and
-// layer; activation buffers are rewritten only after every reader of the layer has finished), 0
-// when another op has reused the memory. The copies are asynchronous, so the loads an expert tile
+// The pitch of a task's activation rows in shared memory: every column of k, or a wide launch's
+// pass of act_cols(batch).
+__device__ __forceinline__ int task_act_pitch(const GemvShape& p, int batch) {
+    return act_pitch(kWideBatch ? min(p.k, act_cols(batch)) : p.k);
+}
+
+// Starts copying the task's activations [batch][k] into shared memory (in a wide launch columns
+// [c0, c0 + act_cols(batch)) of them), unless the previous GEMV task of this block already did:
+// `key` names what the buffer holds (the source address of its first column and the layer;
+// activation buffers are rewritten only after every reader of the layer has finished), 0 when
+// another op has reused the memory. The copies are asynchronous, so the loads an expert tile
 // still has to make go out with them; finish_activations waits for them.
-__device__ bool start_activations(const GemvShape& p, int batch, int layer, GemvSmem& s, uint64_t& key) {
-    const uint64_t want = reinterpret_cast<uint64_t>(p.act) ^ ((uint64_t)layer << 56);
+__device__ __forceinline__ uint64_t act_key_of(const GemvShape& p, int layer, int c0) {
+    return reinterpret_cast<uint64_t>(p.act + c0) ^ ((uint64_t)layer << 56);
+}
+
+__device__ bool start_activations(const GemvShape& p, int batch, int layer, GemvSmem& s, uint64_t& key, int c0 = 0) {
+    const uint64_t want = act_key_of(p, layer, c0);
     if (key == want) return false;
-    const int vecs = p.k / 8, pitch = act_pitch(p.k);
+    int cols = p.k;
+    if constexpr (kWideBatch) cols = min(p.k - c0, act_cols(batch));
+    const int vecs = cols / 8, pitch = task_act_pitch(p, batch);
     for (int i = threadIdx.x; i < batch * vecs; i += kThreads) {
         const int b = i / vecs, v = i % vecs;
-        cp_async16(s.act + b * pitch + 16 * v, p.act + (size_t)b * p.k + 8 * v);
+        cp_async16(s.act + b * pitch + 16 * v, p.act + (size_t)b * p.k + c0 + 8 * v);
     }
     key = want;  // true once every thread has waited for its copies (the next barrier)
     return true;
@@ -442,7 +495,76 @@ __device__ void gemv_compute(const GemvShape& p, GemvSmem& s, const Ring& r, uin
         float sum = 0.f;
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) sum += part[w * batch * 16];
-        s.out[grp][row][b] = sum;
+        s.out(grp, row, b) = sum;
+    }
+    compute_sync();
+}
+
+// gemv_compute for 9-16 rows (a wide launch): each weight fragment multiplies two n-tiles, the
+// activation rows gi and gi + 8 (the second tile's columns past the batch read row batch - 1 and
+// are dropped); a reduction longer than act_cols(batch) stages its activations again between
+// passes (the producer's stages never straddle one: StageWalk::next); and each group is reduced as
+// soon as its stages are done, its partial sums double-buffered by group parity (partial_groups).
+__device__ void gemv_compute_wide(const GemvShape& p, GemvSmem& s, const Ring& r, uint32_t& n, int batch, int layer,
+                                  uint64_t& act_key) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
+    const int wrow = MK_WEIGHT_SWIZZLE ? (gi & 1) * 4 + gi / 2 : gi;  // as in gemv_compute
+    const int box = box_cols(p.k), kc = box * kStageBoxes, pass = act_cols(batch), pitch = task_act_pitch(p, batch);
+    const int box_chunks = box / 32, box_bytes = kStageRows * box * 2;
+    const bool swizzled = MK_WEIGHT_SWIZZLE && box == kBoxCols;  // (short rows: dense boxes)
+    const unsigned char* act0 = s.act + gi * pitch + 16 * ti;
+    const int act1 = (min(gi + kTileN, batch - 1) - gi) * pitch;  // the second tile's row, from act0
+    for (int g = 0; g < p.groups; ++g) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};  // n-tiles 0 and 1
+        for (int c0 = 0; p.group_valid(g) > 0 && c0 < p.k; c0 += pass) {
+            if (act_key != act_key_of(p, layer, c0)) {  // (run_gemv staged the task's first pass)
+                compute_sync();  // every warp is done with the columns the buffer holds
+                finish_activations(start_activations(p, batch, layer, s, act_key, c0));
+            }
+            const int c1 = min(p.k, c0 + pass);
+            for (int c = c0; c < c1; c += kc, ++n) {
+                r.wait_full(n);
+                const int chunks = min(kc, c1 - c) / 32;
+                for (int ch = warp; ch < chunks; ch += kWarps) {
+                    // Weight rows wrow and wrow + 8 (16 box columns on) of the chunk, and the two
+                    // tiles' activations at the same columns.
+                    constexpr int kBoxChunks = kBoxCols / 32, kBoxBytes = kStageRows * kBoxCols * 2;
+                    const unsigned char* w =
+                        swizzled ? r.stage(n) + (ch / kBoxChunks) * kBoxBytes + swizzled_unit(wrow, (ch % kBoxChunks) * 4 + ti)
+                                 : r.stage(n) + (ch / box_chunks) * box_bytes + gi * 2 * box + 16 * ti + 64 * (ch % box_chunks);
+                    const uint4 wa = *reinterpret_cast<const uint4*>(w);
+                    const uint4 wb = *reinterpret_cast<const uint4*>(w + 16 * box);
+                    const int col = 2 * (c - c0) + 64 * ch;
+                    const uint4 x = *reinterpret_cast<const uint4*>(act0 + col);
+                    const uint4 y = *reinterpret_cast<const uint4*>(act0 + col + act1);
+                    mma_16816(acc, wa.x, wb.x, wa.y, wb.y, x.x, x.y);
+                    mma_16816(acc, wa.z, wb.z, wa.w, wb.w, x.z, x.w);
+                    mma_16816(acc1, wa.x, wb.x, wa.y, wb.y, y.x, y.y);
+                    mma_16816(acc1, wa.z, wb.z, wa.w, wb.w, y.z, y.w);
+                }
+                __syncwarp();
+                if (lane == 0) mbar_arrive(r.empty_of(n));
+            }
+        }
+        // acc[i] is (row, column 2 ti + (i & 1)) of the group's first 16 x 8 tile, acc1[i] the same
+        // of the second (columns + 8), row as in gemv_compute.
+        float* part = s.partial + (size_t)((g % 2) * kWarps + warp) * batch * 16;
+        const int row0 = swizzled ? wrow : gi;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int b = 2 * ti + (i & 1), row = row0 + (i >= 2 ? 8 : 0);
+            part[b * 16 + row] = acc[i];  // b < 8 < batch
+            if (b + kTileN < batch) part[(b + kTileN) * 16 + row] = acc1[i];
+        }
+        compute_sync();
+        // One (column, row) sum per thread: batch * 16 <= kThreads.
+        if ((int)threadIdx.x < batch * 16) {
+            const float* mine = s.partial + (size_t)(g % 2) * kWarps * batch * 16 + threadIdx.x;
+            float sum = 0.f;
+#pragma unroll
+            for (int w = 0; w < kWarps; ++w) sum += mine[w * batch * 16];
+            s.out(g, threadIdx.x % 16, threadIdx.x / 16) = sum;
+        }
     }
     compute_sync();
 }
@@ -457,7 +579,7 @@ __device__ void qkv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvSha
         const int pair = idx / a.batch, b = idx % a.batch, grp = pair / 8;
         const int row = p.first + 2 * pair;  // within Q, K or V
         if (row >= p.rows) continue;
-        float ye = round_bf16(s.out[grp][2 * (pair % 8)][b]), yo = round_bf16(s.out[grp][2 * (pair % 8) + 1][b]);
+        float ye = round_bf16(s.out(grp, 2 * (pair % 8), b)), yo = round_bf16(s.out(grp, 2 * (pair % 8) + 1, b));
         const int dim = row % a.head_dim;
         const int pos = ld_i32(ptr<int32_t>(a.positions) + b);
         if (rope) {
@@ -486,7 +608,7 @@ __device__ void gemv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvSh
         const int row = idx / a.batch, b = idx % a.batch;
         const int grp = row / 16, r = row % 16;
         if (r >= p.group_valid(grp)) continue;
-        const float v = round_bf16(s.out[grp][r][b]);
+        const float v = round_bf16(s.out(grp, r, b));
         const int out_row = r0 + row;
         switch (matrix) {
             case MK_MAT_O: ptr<float>(a.y_attn)[b * a.hidden + out_row] = v; break;
@@ -500,7 +622,7 @@ __device__ void gemv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvSh
             case MK_MAT_DENSE_GATE_UP:
             case MK_MAT_EXPERT_GATE_UP: {
                 if (grp % 2 != 0) break;  // one thread per (feature, row) does both halves
-                const float gate = v, up = round_bf16(s.out[grp + 1][r][b]);
+                const float gate = v, up = round_bf16(s.out(grp + 1, r, b));
                 const bf16 act = __float2bfloat16(gate / (1.f + __expf(-gate)) * up);
                 const int feature = p.group_first(grp) + r;
                 if (matrix == MK_MAT_DENSE_GATE_UP) {
@@ -540,7 +662,8 @@ __device__ void run_gemv(const MkStepArgs& a, const MkTask& t, GemvSmem& s, cons
     }
     finish_activations(started);
     if (MK_GEMV_MARKS) marks.mark(0);
-    gemv_compute(p, s, r, n, a.batch);  // its barriers publish has_row
+    if (kWideBatch && a.batch > kTileN) gemv_compute_wide(p, s, r, n, a.batch, t.layer, act_key);
+    else gemv_compute(p, s, r, n, a.batch);  // their barriers publish has_row
     if (MK_GEMV_MARKS) marks.mark(1);
     gemv_epilogue(a, t, p, s);
 }

@@ -96,7 +96,13 @@ __device__ void choose_experts(const RoutingArgs& a, BlockRouting& out) {
     // Few keys a lane: every row's keys in registers at once, their choices interleaved.
     if constexpr (kPer == kFewExpertsPerLane) {
         if (a.batch > 1) {
-            warp_choose<kPer, MK_STEP_MAX_BATCH>(a, 0, used, chose);
+            // (at most kChooseRows rows' keys in registers at once: a wide launch takes 16 rows)
+            constexpr int kChooseRows = MK_STEP_MAX_BATCH < 8 ? MK_STEP_MAX_BATCH : 8;
+            if constexpr (kChooseRows == MK_STEP_MAX_BATCH) {
+                warp_choose<kPer, kChooseRows>(a, 0, used, chose);
+            } else {
+                for (int row0 = 0; row0 < a.batch; row0 += kChooseRows) warp_choose<kPer, kChooseRows>(a, row0, used, chose);
+            }
         } else {
             warp_choose<kPer, 1>(a, 0, used, chose);
         }

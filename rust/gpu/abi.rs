@@ -147,9 +147,10 @@ unsafe impl cudarc::driver::DeviceRepr for MkStepArgs {}
 /// `MK_STEP_SMEM_BYTES` and `MK_STEP_THREADS`: how mk_decode_step is launched.
 pub const STEP_SMEM_BYTES: u32 = 227 * 1024;
 pub const STEP_THREADS: u32 = 320;
-/// `MK_STEP_MAX_K` and `MK_STEP_MAX_BATCH`: the longest GEMV reduction and the most rows per launch.
+/// `MK_STEP_MAX_K` and `MK_STEP_MAX_BATCH`: the longest GEMV reduction and the most rows per launch
+/// (16 in the build variant `MK_STEP_MAX_BATCH=16`; build.rs).
 pub const STEP_MAX_K: usize = 4096;
-pub const STEP_MAX_BATCH: usize = 8;
+pub const STEP_MAX_BATCH: usize = if cfg!(mk_step_max_batch_16) { 16 } else { 8 };
 /// `MK_GEMV_MAX_GROUPS`: the most 16-row weight groups of one GEMV task.
 pub const GEMV_MAX_GROUPS: usize = 8;
 /// `MK_STEP_HEAD_DIM`, `MK_STEP_MAX_GROUP`, `MK_STEP_MAX_TOP_K`, `MK_STEP_MAX_EXPERTS`: the

@@ -21,7 +21,8 @@ use crate::graph::task::MkTask;
 use crate::graph::{BuildOptions, Geometry};
 use crate::sched::PageTable;
 
-/// Rows one launch can take (`MK_STEP_MAX_BATCH`: the GEMV tile's one n-tile of 8).
+/// Rows one launch can take (`MK_STEP_MAX_BATCH`: one n-tile of 8 for the GEMV, two in the
+/// `MK_STEP_MAX_BATCH=16` build).
 pub const MAX_STEP_ROWS: usize = crate::gpu::abi::STEP_MAX_BATCH;
 
 /// The `MkStepArgs` fields `launch` fills in for every step (its buffers, or per-step values); Python
@@ -719,7 +720,8 @@ mod tests {
         let mut s = setup();
         s.args.routing_log = 0; // written by every TOPK task: it must exist
         assert!(err(s).contains("routing_log is a null pointer"));
-        assert!(err(StepSetup { rows: 9, ..setup() }).contains("1 to 8 rows"));
+        let too_many = err(StepSetup { rows: MAX_STEP_ROWS + 1, ..setup() });
+        assert!(too_many.contains(&format!("1 to {MAX_STEP_ROWS} rows")), "{too_many}");
         assert!(err(StepSetup { max_splits: 133, ..setup() }).contains("133 splits"));
         assert!(err(StepSetup { slots: 31, ..setup() }).contains("31 slots"));
         let fixed = BuildOptions { attn_chunk: 256, ..setup().options };

@@ -130,7 +130,14 @@ fn thread(steps: u64) -> (Row, f64) {
     let (sched, kv) = config(batch, batch * 9000 + 4000);
     let engine = std::sync::Arc::new(
         Engine::start(
-            EngineConfig { sched, kv, max_waiting: 1024, check_invariants: false, launch_ahead: false },
+            EngineConfig {
+                sched,
+                kv,
+                max_waiting: 1024,
+                check_invariants: false,
+                launch_ahead: false,
+                layer_sliced_prefill: false,
+            },
             NoopBackend::new(17),
         )
         .unwrap(),

@@ -23,6 +23,7 @@ leaving room for the kernel-only measurement); `--launch-ahead off` runs one ste
 graphs, `--prefix-graphs` runs chunks after a cached prefix as CUDA graphs too (Engine(prefix_graphs=
 True); a 32K prompt is prefilled once first, so that its buckets' captures are not timed),
 `--decode-prefill-budget N` prefills at most N prompt tokens an iteration while a stream decodes;
+`--sliced-prefill` (with it) keeps whole chunks and runs them a few layers an iteration instead;
 `--prefill-only` runs the ttft and admit rows alone (with `--quick`: 512 and 8K prompts, and admit);
 `--cold` leaves `--prefix-graphs`' captures to the timed rows (a new server's first long prompts),
 `--kv-fraction F` gives the KV pool the server's share (0.9) instead of 0.6.
@@ -33,7 +34,7 @@ tokenizer is the grammar's vocabulary, so ids past its 16,384 are never allowed)
 drawn by the kernel among the mask's tokens (the mask uploaded before each step), or with
 `--kernel-masks off` copied back and drawn on the host with the mask.
 Usage: python benches/engine.py [--json out.json] [--quick] [--launch-ahead auto|on|off] [--prefill-chunk N]
-       [--prefill-graphs auto|on|off] [--prefix-graphs] [--decode-prefill-budget N] [--prefill-only]
+       [--prefill-graphs auto|on|off] [--prefix-graphs] [--decode-prefill-budget N [--sliced-prefill]] [--prefill-only]
        [--cold] [--kv-fraction F] [--temperature T] [--top-p P] [--grammar [--kernel-masks auto|on|off]]
 """
 
@@ -285,6 +286,9 @@ def main() -> None:
         "--decode-prefill-budget", type=int, default=None, help="Engine(decode_prefill_budget=...): default none"
     )
     parser.add_argument(
+        "--sliced-prefill", action="store_true", help="Engine(sliced_prefill=True): needs --decode-prefill-budget"
+    )
+    parser.add_argument(
         "--temperature",
         type=float,
         default=0.0,
@@ -316,6 +320,7 @@ def main() -> None:
         prefill_graphs=AUTO_ON_OFF[args.prefill_graphs],
         prefix_graphs=args.prefix_graphs,
         decode_prefill_budget=args.decode_prefill_budget,
+        sliced_prefill=args.sliced_prefill,
         kernel_masks=AUTO_ON_OFF[args.kernel_masks],
         tokenizer_json=Tokenizer.from_dir(Path(mk.__file__).parent / "embedded").hf.to_str() if args.grammar else None,
     )

@@ -232,6 +232,31 @@ def test_a_smaller_prefill_budget_while_streams_decode_changes_no_token(model, e
             Engine(model, max_context=256, decode_prefill_budget=bad)
 
 
+def test_a_sliced_prefill_changes_no_token(model, engine):
+    """sliced_prefill runs a prompt admitted beside a decoding stream in whole chunks, a few layers
+    an iteration (rust/engine/tests.rs checks the slices and the budget): both requests' tokens are
+    what an engine without it gives, the prompt went in slices, and without the fast prefill or a
+    budget the option is refused."""
+    greedy = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+
+    async def main(e: Engine):
+        first = aiter(e.submit(prompt(10), greedy))
+        events = [await anext(first)]  # a token: the first stream decodes from here on
+        second = e.submit(prompt(150, 1), dataclasses.replace(greedy, max_tokens=5))
+        events += [ev async for ev in first]
+        later = [ev async for ev in second]
+        tokens = [[ev.token_id for ev in evs if ev.token_id is not None] for evs in (events, later)]
+        return tokens, e.native_stats()["prefill_slices"]
+
+    plain = asyncio.run(main(engine(prefill="fast")))
+    sliced = asyncio.run(main(engine(prefill="fast", decode_prefill_budget=8, sliced_prefill=True)))
+    assert plain[0] == sliced[0]
+    assert plain[1] == 0 and sliced[1] >= model.config.num_hidden_layers, (plain[1], sliced[1])
+    for options in ({"prefill": "reference", "decode_prefill_budget": 8}, {"prefill": "fast"}):
+        with pytest.raises(ValueError, match="sliced_prefill needs"):
+            Engine(model, max_context=256, sliced_prefill=True, **options)
+
+
 def test_an_engine_that_fails_to_start_drops_its_prefill_graphs(model, monkeypatch):
     """When the native engine refuses its settings after the runner's warm-up (which captures the
     prefill's CUDA graphs on a GPU), the graphs are released at once, not left to the garbage

@@ -354,6 +354,38 @@ def test_before_chunk_sees_each_chunks_spans(weights64):
     assert seen == [[Span(0, 0, 64)], [Span(0, 64, 70), Span(1, 170, 200)]]
 
 
+def test_a_sliced_prefill_equals_the_whole_call(weights64):
+    """Prefill.sliced runs the same operations a slice of layers at a time: after a cached prefix
+    and beside a fresh prompt, the K/V written and the logits are bit for bit the whole call's;
+    slices out of order, logits before the last layer and more than one chunk are refused."""
+    model = model_of(weights64, torch.float64)
+    toks, other = tokens_of(150), tokens_of(40, salt=3)
+    outs = []
+    for slices in (None, [(0, 1), (1, 3), (3, L)]):
+        pool = Pool(model)
+        tables = [pool.table(150), pool.table(40)]
+        model.forward(toks[:100], 0, pool.kv, tables[0])  # a cached prefix
+        requests = [PrefillRequest(toks[100:], 100, tables[0]), PrefillRequest(other, 0, tables[1])]
+        prefill = Prefill(model, chunk=128)
+        if slices is None:
+            logits = prefill(requests, pool.kv).logits
+        else:
+            sliced = prefill.sliced(requests, pool.kv)
+            with pytest.raises(ValueError, match="do not follow"):
+                sliced.run(1, 2)
+            for start, end in slices:
+                if start > 0:
+                    with pytest.raises(ValueError, match="layers have run"):
+                        sliced.logits()
+                sliced.run(start, end)
+            logits = sliced.logits()
+        outs.append((logits, pool.kv.k.clone(), pool.kv.v.clone()))
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="at most one chunk"):
+        Prefill(model, chunk=64).sliced([PrefillRequest(toks[:100], 0, Pool(model).table(100))], Pool(model).kv)
+
+
 # ---- prefix reuse -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("attention,moe,dtype", PATHS[:2] + PATHS[3:])
 def test_prefix_reuse(weights64, attention, moe, dtype):

@@ -36,6 +36,8 @@ from mk.tokenizer import Tokenizer
         (["--prefill", "flash"], "--prefill"),
         (["--launch-ahead", "maybe"], "--launch-ahead"),
         (["--decode-prefill-budget", "0"], "--decode-prefill-budget"),
+        (["--sliced-prefill"], "--sliced-prefill"),
+        (["--sliced-prefill", "--decode-prefill-budget", "8", "--prefill", "reference"], "--sliced-prefill"),
     ],
 )
 def test_bad_flags_are_refused_with_one_line(argv, flag, capsys):
@@ -60,6 +62,7 @@ def test_server_and_engine_share_their_defaults():
     assert AUTO_ON_OFF[args.kernel_masks] is engine_defaults["kernel_masks"].default is None
     assert args.decode_prefill_budget is engine_defaults["decode_prefill_budget"].default is None
     assert args.prefix_graphs is engine_defaults["prefix_graphs"].default is False  # experimental: off
+    assert args.sliced_prefill is engine_defaults["sliced_prefill"].default is False  # experimental: off
 
 
 def test_help_documents_every_flag():
@@ -68,7 +71,7 @@ def test_help_documents_every_flag():
     for flag in ("--host", "--port", "--model", "--synthetic", "--served-model-name", "--max-batch", "--max-context",
                  "--kv-fraction", "--prefill-chunk", "--api-key", "--log-level", "--drain-timeout", "--backend",
                  "--prefill", "--launch-ahead", "--prefill-graphs", "--prefix-graphs", "--decode-prefill-budget",
-                 "--kernel-masks"):  # fmt: skip
+                 "--sliced-prefill", "--kernel-masks"):  # fmt: skip
         assert flag in out.stdout
 
 

@@ -86,9 +86,15 @@ class PrefillRunner(Protocol):
     """What both backends call to prefill (mk.runner.PrefillRunner). `dirty` lists the batch rows
     whose page-table entries changed: (row, bytes of int32 [layer][page])."""
 
-    def prefill(self, pieces: list[tuple[int, list[int], int, bool]], dirty: list[tuple[int, bytes]]) -> Any:
+    def prefill(
+        self,
+        pieces: list[tuple[int, list[int], int, bool]],
+        dirty: list[tuple[int, bytes]],
+        layers: tuple[int, int] | None = None,
+    ) -> Any:
         """Chunks (row, tokens, start, last) of distinct sequences in one call; a float32 buffer
-        [pieces with `last`, vocab] of their logits, in order."""
+        [pieces with `last`, vocab] of their logits, in order. `layers` (start, end): one slice of a
+        layer-sliced call, logits only from the one that ends at the last layer ([0, vocab] before)."""
 
 class Runner(PrefillRunner, Protocol):
     """What the Reference backend calls (mk.runner.ReferenceRunner): prefill, and decode."""
@@ -144,6 +150,7 @@ class Engine:
         tokenizer_json: str | None = None,
         launch_ahead: bool = False,
         decode_prefill_budget: int | None = None,
+        layer_sliced_prefill: bool = False,
     ) -> Engine: ...
     def submit(
         self,

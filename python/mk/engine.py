@@ -88,6 +88,12 @@ class Engine:
     `decode_prefill_budget`: the same while some stream decodes (at most `prefill_chunk`): smaller
     chunks shorten a stream's longest wait while a long prompt is admitted, at the cost of more
     chunks for that prompt (cheap ones with `prefix_graphs`). None (the default): `prefill_chunk`.
+    `sliced_prefill`: while some stream decodes, a prompt keeps its `prefill_chunk`-sized chunks and
+    each chunk runs over several iterations, a few layers each, so that an iteration's prefill is
+    at most `decode_prefill_budget` tokens through the whole model (tokens x layers), with a decode
+    step between the slices: the streams' pause shrinks like the budget's, while the prompt's time
+    to first token grows only by the decode steps in between (rust/engine/core.rs). Needs the fast
+    prefill and a `decode_prefill_budget`. Off by default until measured on a GPU.
 
     `launch_ahead`: each decode step is launched before the previous step's tokens are handed
     over (rust/engine/core.rs); the streams are the same. The megakernel backend then queues steps
@@ -139,6 +145,7 @@ class Engine:
         launch_ahead: bool | None = None,
         prefill_graphs: bool | None = None,
         decode_prefill_budget: int | None = None,
+        sliced_prefill: bool = False,
         kernel_masks: bool | None = None,
         prefix_graphs: bool = False,
     ) -> None:
@@ -154,6 +161,9 @@ class Engine:
         self.kernel_masks = self.backend == "megakernel" if kernel_masks is None else kernel_masks
         fast = _fast_prefill(model, prefill, prefill_chunk, prefill_graphs, prefix_graphs)
         self.prefill = "reference" if fast is None else "fast"
+        if sliced_prefill and (fast is None or decode_prefill_budget is None):
+            raise ValueError("sliced_prefill needs the fast prefill (prefill='fast') and a decode_prefill_budget")
+        self.sliced_prefill = sliced_prefill
         self.launch_ahead = self.backend == "megakernel" if launch_ahead is None else launch_ahead
         self.config = cfg
         self.max_batch = max_batch
@@ -192,6 +202,7 @@ class Engine:
                 tokenizer_json=tokenizer_json,
                 launch_ahead=self.launch_ahead,
                 decode_prefill_budget=decode_prefill_budget,
+                layer_sliced_prefill=sliced_prefill,
             )
         except BaseException:
             # Drop the prefill's CUDA graphs now: left to the garbage collector, their memory pools

@@ -270,23 +270,9 @@ class Prefill:
         """Prefill every request (each a distinct sequence); returns each one's last-position
         logits. See the module doc for the page contract; `before_chunk(spans)` runs before each
         chunk, after which the block tables are read again."""
-        if not requests:
-            raise ValueError("no requests")
         if kv.device != self.device:
             raise ValueError(f"KV cache is on {kv.device}, the model on {self.device}")
-        cfg = self.config
-        tokens = [self._check_tokens(r.tokens) for r in requests]
-        for r in requests:
-            if r.start < 0:
-                raise ValueError(f"start must be >= 0, got {r.start}")
-            t = r.block_table
-            if t.dim() != 2 or t.shape[0] != cfg.num_hidden_layers:
-                raise ValueError(
-                    f"block table must be [num_layers={cfg.num_hidden_layers}, max_pages], got {tuple(t.shape)}"
-                )
-        if len({id(r.block_table) for r in requests}) != len(requests):
-            raise ValueError("each request needs its own sequence: a block table appears twice")
-
+        tokens = self._check_requests(requests)
         last_x: list[torch.Tensor | None] = [None] * len(requests)
         for plan in plan_chunks([len(t) for t in tokens], self.chunk):
             if before_chunk is not None:
@@ -301,10 +287,50 @@ class Prefill:
                 if off + n == len(tokens[r]):
                     last_x[r] = x_last[i]
         x = torch.stack(last_x)  # type: ignore[arg-type]
+        return PrefillOutput(self.head(x), x if return_hidden else None)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of residual rows x [n, D]: the final norm and the LM head."""
+        cfg = self.config
         h = rms_norm(x, self.model.weights["model.norm.weight"], cfg.rms_norm_eps).to(self.dtype)
         out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-        logits = (h @ self.model.weights["model.embed_tokens.weight"].T).to(out_dtype) * cfg.logit_scale
-        return PrefillOutput(logits, x if return_hidden else None)
+        return (h @ self.model.weights["model.embed_tokens.weight"].T).to(out_dtype) * cfg.logit_scale
+
+    @torch.no_grad()
+    def sliced(self, requests: Sequence[PrefillRequest], kv: PagedKV) -> SlicedPrefill:
+        """The same prefill as `self(requests, kv)`, its layers run a slice at a time
+        (`SlicedPrefill.run`), so that a caller can run other work between the slices (the engine's
+        decode steps). The requests' tokens must fit one chunk; the usual path (no static passes),
+        whose operations are exactly the unsliced call's."""
+        tokens = self._check_requests(requests)
+        plan = plan_chunks([len(t) for t in tokens], self.chunk)
+        if len(plan) != 1:
+            raise ValueError(f"a sliced prefill takes at most one chunk ({self.chunk} tokens) of requests")
+        pieces, q_off = [], 0
+        for r, off, n in plan[0]:
+            # (a copy: the caller's table may be a view it updates in place before the last slice)
+            table = requests[r].block_table.to(device="cpu", dtype=torch.int32, copy=True)
+            pieces.append(Piece(requests[r].start + off, n, q_off, table, table.to(self.device)))
+            q_off += n
+        return SlicedPrefill(self, torch.cat(tokens), pieces, kv)
+
+    def _check_requests(self, requests: Sequence[PrefillRequest]) -> list[torch.Tensor]:
+        """Each request's tokens on the device, once every request is checked."""
+        if not requests:
+            raise ValueError("no requests")
+        cfg = self.config
+        tokens = [self._check_tokens(r.tokens) for r in requests]
+        for r in requests:
+            if r.start < 0:
+                raise ValueError(f"start must be >= 0, got {r.start}")
+            t = r.block_table
+            if t.dim() != 2 or t.shape[0] != cfg.num_hidden_layers:
+                raise ValueError(
+                    f"block table must be [num_layers={cfg.num_hidden_layers}, max_pages], got {tuple(t.shape)}"
+                )
+        if len({id(r.block_table) for r in requests}) != len(requests):
+            raise ValueError("each request needs its own sequence: a block table appears twice")
+        return tokens
 
     # ---- one chunk -------------------------------------------------------------------------------
     def _chunk(self, tokens: torch.Tensor, pieces: list[Piece], kv: PagedKV) -> torch.Tensor:
@@ -325,30 +351,9 @@ class Prefill:
             except Exception as e:  # as above
                 warnings.warn(f"the prefixed-chunk pass failed ({type(e).__name__}: {e}); the usual path", stacklevel=2)
                 self.prefixed = None
-        cfg = self.config
-        positions = torch.cat([torch.arange(p.first, p.first + p.n) for p in pieces]).to(self.device)
-        cos, sin = cos_sin(cfg, positions, self.dtype)
-        keys: dict[int | None, PackedKeys] = {}
-        if self._full_layers:
-            keys[None] = pack_keys(pieces, self._full_layers, None, self.device)
-        if self._sliding_layers:
-            keys[cfg.sliding_window] = pack_keys(pieces, self._sliding_layers, cfg.sliding_window, self.device)
-        pool_k, pool_v = self.pools(kv)
-        attn_dtype = self.attn_dtype(kv)
-
-        def write_and_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            ks = keys[cfg.window(layer)]
-            slots = ks.slots[ks.row_of[layer]]
-            written = slots.index_select(0, ks.write_cols)
-            pool_k.index_copy_(0, written, k)
-            pool_v.index_copy_(0, written, v)
-            kk = pool_k.index_select(0, slots).to(attn_dtype)
-            vv = pool_v.index_select(0, slots).to(attn_dtype)
-            return self._attend(q, kk, vv, ks, pieces)
-
-        x = self.layers(self.embed(tokens), cos, sin, kv.dtype, attn_dtype, write_and_attend)
-        last_rows = torch.tensor([pc.q_off + pc.n - 1 for pc in pieces], device=self.device)
-        return x.index_select(0, last_rows)
+        sliced = SlicedPrefill(self, tokens, pieces, kv)
+        sliced.run(0, self.config.num_hidden_layers)
+        return sliced.last_rows()
 
     def pools(self, kv: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V pools as [slots, kv_heads, head_dim] (a slot: block * page size + offset)."""
@@ -373,14 +378,16 @@ class Prefill:
         kv_dtype: torch.dtype,
         attn_dtype: torch.dtype,
         write_and_attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        first: int = 0,
+        end: int | None = None,
     ) -> torch.Tensor:
-        """Every layer over the residual x [n, D] of rows at the positions cos/sin are for.
-        `write_and_attend(layer, q, k, v)` stores the rows' K and V (post-RoPE, in the cache's
-        dtype) and returns their attention output [n, heads * head_dim]."""
+        """Layers [first, end) (default: every layer) over the residual x [n, D] of rows at the
+        positions cos/sin are for. `write_and_attend(layer, q, k, v)` stores the rows' K and V
+        (post-RoPE, in the cache's dtype) and returns their attention output [n, heads * head_dim]."""
         cfg, w = self.config, self.model.weights
         n = x.shape[0]
         hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        for layer in range(cfg.num_hidden_layers):
+        for layer in range(first, cfg.num_hidden_layers if end is None else end):
             p = f"model.layers.{layer}."
             h = self._norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps, self.dtype)
             q = (h @ w[p + "self_attn.q_proj.weight"].T).view(n, hq, hd)
@@ -429,6 +436,61 @@ class Prefill:
         return t.to(self.device)
 
 
+class SlicedPrefill:
+    """One packed chunk of a prefill on the usual path, its layers run in order by `run` calls
+    (`Prefill.sliced`; `Prefill._chunk` runs them all at once). Holds the chunk's residual between
+    calls; the pages are the caller's as in the page contract, and must stay mapped until the last
+    layer has run."""
+
+    def __init__(self, prefill: Prefill, tokens: torch.Tensor, pieces: list[Piece], kv: PagedKV) -> None:
+        cfg = prefill.config
+        self.prefill, self.pieces, self.kv = prefill, pieces, kv
+        positions = torch.cat([torch.arange(p.first, p.first + p.n) for p in pieces]).to(prefill.device)
+        self.cos, self.sin = cos_sin(cfg, positions, prefill.dtype)
+        self.keys: dict[int | None, PackedKeys] = {}
+        if prefill._full_layers:
+            self.keys[None] = pack_keys(pieces, prefill._full_layers, None, prefill.device)
+        if prefill._sliding_layers:
+            self.keys[cfg.sliding_window] = pack_keys(
+                pieces, prefill._sliding_layers, cfg.sliding_window, prefill.device
+            )
+        self.x = prefill.embed(tokens)
+        self.done = 0  # layers run so far
+
+    def run(self, start: int, end: int) -> None:
+        """Layers [start, end): the next ones (start is the number run so far)."""
+        layers = self.prefill.config.num_hidden_layers
+        if start != self.done or not start < end <= layers:
+            raise ValueError(f"layers {start}..{end} do not follow the {self.done} run so far (of {layers})")
+        p, kv = self.prefill, self.kv
+        pool_k, pool_v = p.pools(kv)
+        attn_dtype = p.attn_dtype(kv)
+
+        def write_and_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            ks = self.keys[p.config.window(layer)]
+            slots = ks.slots[ks.row_of[layer]]
+            written = slots.index_select(0, ks.write_cols)
+            pool_k.index_copy_(0, written, k)
+            pool_v.index_copy_(0, written, v)
+            kk = pool_k.index_select(0, slots).to(attn_dtype)
+            vv = pool_v.index_select(0, slots).to(attn_dtype)
+            return p._attend(q, kk, vv, ks, self.pieces)
+
+        self.x = p.layers(self.x, self.cos, self.sin, kv.dtype, attn_dtype, write_and_attend, start, end)
+        self.done = end
+
+    def last_rows(self) -> torch.Tensor:
+        """The residual at each piece's last row [pieces, D]."""
+        rows = torch.tensor([pc.q_off + pc.n - 1 for pc in self.pieces], device=self.prefill.device)
+        return self.x.index_select(0, rows)
+
+    def logits(self) -> torch.Tensor:
+        """Each request's last-position logits, once every layer has run (as `Prefill.__call__`)."""
+        if self.done != self.prefill.config.num_hidden_layers:
+            raise ValueError(f"only {self.done} layers have run")
+        return self.prefill.head(self.last_rows())
+
+
 def prefill_flops(cfg: ModelConfig, start: int, n: int) -> float:
     """Matrix FLOPs of prefilling positions [start, start+n) of one sequence: weights (active
     experts only) for every token, attention over the visible keys, the LM head for the last token."""
@@ -462,6 +524,7 @@ __all__ = [
     "Prefill",
     "PrefillOutput",
     "PrefillRequest",
+    "SlicedPrefill",
     "Span",
     "plan_chunks",
     "prefill_flops",

@@ -20,7 +20,7 @@ import torch
 
 from mk.config import PAGE_SIZE
 from mk.model.reference import Model
-from mk.prefill import Prefill, PrefillRequest
+from mk.prefill import Prefill, PrefillRequest, SlicedPrefill
 
 log = logging.getLogger("mk")
 
@@ -38,6 +38,7 @@ class PrefillRunner:
         self.max_pages = -(-max_context // PAGE_SIZE)
         # [row, layer, page] on the CPU: the model reads block tables per sequence.
         self.tables = torch.full((max_batch, self.layers, self.max_pages), -1, dtype=torch.int32)
+        self.sliced: SlicedPrefill | None = None  # a layer-sliced prefill call in progress
 
     def warm_up(self) -> None:
         """Run the fast prefill on scratch pages before serving, so its first-call compilation (tens of
@@ -88,11 +89,20 @@ class PrefillRunner:
         for row, data in dirty:
             self.tables[row] = torch.frombuffer(bytearray(data), dtype=torch.int32).view(self.layers, self.max_pages)
 
-    def prefill(self, pieces: list[tuple[int, list[int], int, bool]], dirty: list[tuple[int, bytes]]):
+    def prefill(
+        self,
+        pieces: list[tuple[int, list[int], int, bool]],
+        dirty: list[tuple[int, bytes]],
+        layers: tuple[int, int] | None = None,
+    ):
         """Prefill chunks `(row, tokens, start, last)` of distinct sequences; returns the logits of the
-        pieces with `last` set, [count, vocab], in order."""
+        pieces with `last` set, [count, vocab], in order. `layers` (start, end): one slice of a
+        layer-sliced call (rust/engine/core.rs), the same pieces in every slice from layer 0 on;
+        logits only from the slice that ends at the last layer, [0, vocab] before it."""
         self._sync(dirty)
         last = [i for i, (_, _, _, is_last) in enumerate(pieces) if is_last]
+        if layers is not None:
+            return self._prefill_slice(pieces, last, *layers)
         if self.fast_prefill is not None:
             # One packed forward pass. Rust mapped every page of every chunk before calling (the
             # page contract of mk.prefill).
@@ -106,6 +116,26 @@ class PrefillRunner:
                     rows.append(out[-1])
             logits = torch.stack(rows) if rows else torch.empty(0, self.model.config.vocab_size)
         return _host(logits)
+
+    def _prefill_slice(self, pieces, last: list[int], start: int, end: int):
+        if self.fast_prefill is None:
+            raise ValueError("a layer-sliced prefill needs the fast prefill (mk.prefill)")
+        if start == 0:
+            self.sliced = None  # (a call dropped half way is forgotten)
+            requests = [PrefillRequest(tokens, first, self.tables[row]) for row, tokens, first, _ in pieces]
+            self.sliced = self.fast_prefill.sliced(requests, self.kv)
+        if self.sliced is None:
+            raise ValueError(f"prefill slice {start}..{end} of a call that did not start at layer 0")
+        sliced = self.sliced
+        try:
+            sliced.run(start, end)
+        except BaseException:
+            self.sliced = None
+            raise
+        if end < self.layers:
+            return np.zeros((0, self.model.config.vocab_size), dtype=np.float32)
+        self.sliced = None
+        return _host(sliced.logits()[last])
 
 
 class ReferenceRunner(PrefillRunner):

@@ -37,6 +37,20 @@ pub struct PrefillInput<'a> {
     pub masks: &'a MaskSet,
     pub table: &'a PageTable,
     pub dirty_rows: &'a [usize],
+    /// None: the whole model. Some: one slice of a layer-sliced prefill (`Core::layer_slices`).
+    pub layers: Option<LayerSlice>,
+}
+
+/// Layers `start..end` of a prefill spread over several iterations, a decode step between each:
+/// the same chunks in every call, the slices in order from layer 0 to the model's last. Only the
+/// call that ends at the last layer (`last`) computes the chunks' results; the others leave `out`
+/// empty. A backend keeps the chunks' state from one slice to the next (a call from layer 0
+/// starts over).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerSlice {
+    pub start: usize,
+    pub end: usize,
+    pub last: bool,
 }
 
 impl<'a> PrefillInput<'a> {
@@ -107,6 +121,8 @@ pub trait Backend: Send {
     /// Computes K/V for every chunk; `out` receives one result per chunk, in order: the sampled
     /// next token for a last chunk, else None (or the error that ended that chunk). `Err`: the call
     /// as a whole failed and `out` is untouched (the engine then retries the chunks one by one).
+    /// A slice that is not the last (`input.layers`) only advances the chunks' layers: `out` stays
+    /// empty.
     fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) -> Result<(), BackendError>;
 
     /// Runs one decode step; `out` receives one `Sampled` per row, in row order.

@@ -13,13 +13,48 @@
 //! ahead: it runs synchronously (one planned behind a queued step runs before that step lands,
 //! while its rows still hold their pages, and lands right after it), so no token is handed over
 //! an iteration late. Launch-ahead changes when tokens are handed over, never what they are.
+//!
+//! Layer-sliced prefill (`Core::layer_slices`): while a sequence decodes, a prefill call holds up
+//! to `prefill_chunk` tokens (not just the decode budget) and runs over several iterations, a few
+//! layers each, so that each iteration's prefill work is at most the budget's tokens through the
+//! whole model (tokens × layers ≤ budget × layers) and a decode step runs between the slices: a
+//! decoding stream waits at most one slice, and the admitted prompt keeps its large chunks. The
+//! call's sequences are checked before every slice; if one has left (cancelled, preempted) the
+//! call is dropped and its other sequences are planned again (their progress only moves when the
+//! last slice lands).
 
 use std::time::Instant;
 
-use super::backend::{Backend, BackendError, DecodeInput, LaunchTimes, PrefillChunkInput, PrefillInput, PrefillResult};
+use super::backend::{
+    Backend, BackendError, DecodeInput, LaunchTimes, LayerSlice, PrefillChunkInput, PrefillInput, PrefillResult,
+};
 use crate::grammar::{allowed_all, Constraint, MaskError, MaskSet, TokenMask, NO_MASKS};
 use crate::sampling::Sampled;
-use crate::sched::{DecodeBatch, Event, PrefillChunk, Scheduler};
+use crate::sched::{DecodeBatch, Event, Phase, PrefillChunk, Scheduler};
+
+/// A layer-sliced prefill call in progress: its chunks, who each was planned for, and its slices.
+struct Sliced {
+    chunks: Vec<PrefillChunk>,
+    owners: Vec<Owner>,
+    /// Layers per slice, the next slice's first layer and the model's layers.
+    per_slice: usize,
+    next: usize,
+    layers: usize,
+}
+
+/// A chunk's sequence as planned: a sequence that was cancelled and resubmitted under the same id
+/// (another arrival), preempted (another count) or has moved on is not the one the chunk is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Owner {
+    arrival: u64,
+    preemptions: u32,
+    computed: usize,
+}
+
+fn owner(sched: &Scheduler, chunk: &PrefillChunk) -> Option<Owner> {
+    let seq = sched.seq(chunk.row).filter(|s| s.id == chunk.id && matches!(s.phase, Phase::Prefill { .. }))?;
+    Some(Owner { arrival: seq.arrival, preemptions: seq.preemptions, computed: seq.computed })
+}
 
 /// A decode step launched and not yet landed: its batch and what it gives when it lands.
 struct Flight {
@@ -45,6 +80,8 @@ pub struct LoopMetrics {
     /// Decode steps queued behind the one before (launch-ahead), not run at once.
     pub queued_steps: u64,
     pub prefill_chunks: u64,
+    /// Prefill calls that ran one slice of a layer-sliced prefill (`Core::layer_slices`).
+    pub prefill_slices: u64,
     pub iterations: u64,
     pub host_ns: u64,
     pub backend_ns: u64,
@@ -66,8 +103,12 @@ pub struct Core<B> {
     pub check_invariants: bool,
     /// Launch decode step n + 1 before landing step n (module docs).
     pub launch_ahead: bool,
+    /// The model's layers, where prefill is layer-sliced while a sequence decodes (module docs);
+    /// None: every prefill call runs the whole model.
+    pub layer_slices: Option<usize>,
     in_flight: Option<Flight>,
     previous: Vec<Option<usize>>,
+    sliced: Option<Sliced>,
 }
 
 impl<B: Backend> Core<B> {
@@ -82,9 +123,50 @@ impl<B: Backend> Core<B> {
             metrics: LoopMetrics::default(),
             check_invariants: false,
             launch_ahead: false,
+            layer_slices: None,
             in_flight: None,
             previous: Vec::new(),
+            sliced: None,
         }
+    }
+
+    /// This iteration's prefill call into `chunks`: the next slice of a sliced call whose
+    /// sequences all still wait for it, else newly planned chunks, sliced (module docs) where
+    /// `layer_slices` is set, a sequence decodes and they hold more tokens than the budget. None:
+    /// the call runs the whole model.
+    fn plan_prefill_call(&mut self, chunks: &mut Vec<PrefillChunk>, out: &mut Vec<Event>) -> Option<LayerSlice> {
+        if let Some(sl) = self.sliced.take() {
+            if sl.chunks.iter().zip(&sl.owners).all(|(c, o)| owner(&self.sched, c) == Some(*o)) {
+                chunks.clone_from(&sl.chunks);
+                return Some(self.next_slice(sl));
+            }
+            // A sequence of the call has left: the call is dropped, the others are planned again.
+        }
+        let budget = self.sched.prefill_budget();
+        let chunk = self.sched.config().prefill_chunk;
+        let layers = self.layer_slices.filter(|&l| l > 1 && budget < chunk);
+        // Sliced: up to a chunk, and at most the budget's tokens through one layer a slice.
+        self.sched.plan_prefill(layers.map_or(budget, |l| chunk.min(budget * l)), chunks, out);
+        let layers = layers?;
+        let tokens: usize = chunks.iter().map(|c| c.end - c.start).sum();
+        if tokens <= budget {
+            return None;
+        }
+        let owners = chunks.iter().map(|c| owner(&self.sched, c).expect("a planned chunk's sequence")).collect();
+        let per_slice = (budget * layers / tokens).max(1);
+        Some(self.next_slice(Sliced { chunks: chunks.clone(), owners, per_slice, next: 0, layers }))
+    }
+
+    /// The next slice of `sl`, which is kept for the one after unless this is its last.
+    fn next_slice(&mut self, mut sl: Sliced) -> LayerSlice {
+        let start = sl.next;
+        let end = (start + sl.per_slice).min(sl.layers);
+        let last = end == sl.layers;
+        sl.next = end;
+        if !last {
+            self.sliced = Some(sl);
+        }
+        LayerSlice { start, end, last }
     }
 
     /// Whether an iteration would do anything: a live or waiting request, or a step to land.
@@ -107,7 +189,8 @@ impl<B: Backend> Core<B> {
         // Every prefill chunk of this iteration (one per sequence, a chunk's worth of tokens in
         // all) goes to the backend as one call, which packs them into one forward pass.
         let mut chunks = std::mem::take(&mut self.chunks);
-        self.sched.plan_prefill(self.sched.prefill_budget(), &mut chunks, out);
+        let layers = self.plan_prefill_call(&mut chunks, out);
+        let results_due = layers.is_none_or(|s| s.last);
         if !chunks.is_empty() {
             // The step in flight first: the prefill writes K/V the scheduler has just mapped.
             if let Some(flight) = self.in_flight.take() {
@@ -115,7 +198,8 @@ impl<B: Backend> Core<B> {
             }
             // A prompt's last chunk samples its first token: under a grammar, with its mask, which a
             // helper thread computes while the backend runs the forward pass.
-            let (mut lent, masks) = Lent::take(&mut self.sched, chunks.iter().map(|c| c.last.then_some(c.row))).unzip();
+            let sampling = chunks.iter().map(|c| (c.last && results_due).then_some(c.row));
+            let (mut lent, masks) = Lent::take(&mut self.sched, sampling).unzip();
             let sched = &self.sched;
             let inputs: Vec<PrefillChunkInput<'_>> = chunks
                 .iter()
@@ -135,6 +219,7 @@ impl<B: Backend> Core<B> {
                 masks: masks.as_ref().unwrap_or(&NO_MASKS),
                 table: sched.page_table(),
                 dirty_rows: sched.dirty_rows(),
+                layers,
             };
             let mut results = std::mem::take(&mut self.prefilled);
             results.clear();
@@ -146,10 +231,11 @@ impl<B: Backend> Core<B> {
                 }
                 if let Err(e) = backend.prefill(&input, &mut results) {
                     // A failed packed call is retried chunk by chunk, so an error ends only the
-                    // requests it concerns (a retried chunk rewrites the same K/V).
+                    // requests it concerns (a retried chunk rewrites the same K/V). A sliced call's
+                    // earlier slices cannot be retried: its chunks all fail.
                     results.clear();
-                    if inputs.len() == 1 {
-                        results.push(Err(e));
+                    if inputs.len() == 1 || layers.is_some() {
+                        results.resize(inputs.len(), Err(e));
                     } else {
                         for chunk in &inputs {
                             let alone = PrefillInput { chunks: std::slice::from_ref(chunk), ..input };
@@ -166,15 +252,21 @@ impl<B: Backend> Core<B> {
                 l.give_back(&mut self.sched);
             }
             self.sched.clear_dirty();
-            self.metrics.prefill_chunks += chunks.len() as u64;
-            if results.len() != chunks.len() {
-                let n = results.len();
-                results.resize_with(chunks.len(), || Err(BackendError(format!("prefill returned {n} results"))));
-            }
-            for (chunk, result) in chunks.iter().zip(results.drain(..)) {
-                match result {
-                    Ok(sampled) => self.sched.prefill_done(chunk, sampled.as_ref(), out),
-                    Err(e) => self.sched.fail(chunk.row, &format!("prefill failed: {e}"), out),
+            self.metrics.prefill_slices += u64::from(layers.is_some());
+            // A slice before the last that went through leaves its chunks waiting for the next
+            // (`plan_prefill_call` kept them); anything else lands now.
+            if results_due || !results.is_empty() {
+                self.sliced = None;
+                self.metrics.prefill_chunks += chunks.len() as u64;
+                if results.len() != chunks.len() {
+                    let n = results.len();
+                    results.resize_with(chunks.len(), || Err(BackendError(format!("prefill returned {n} results"))));
+                }
+                for (chunk, result) in chunks.iter().zip(results.drain(..)) {
+                    match result {
+                        Ok(sampled) => self.sched.prefill_done(chunk, sampled.as_ref(), out),
+                        Err(e) => self.sched.fail(chunk.row, &format!("prefill failed: {e}"), out),
+                    }
                 }
             }
             self.prefilled = results;

@@ -113,6 +113,8 @@ pub struct MockBackend {
     pub prefill_batches: Vec<usize>,
     /// Prompt tokens per `prefill` call, in call order.
     pub prefill_tokens: Vec<usize>,
+    /// Layers per `prefill` call (all of them, or a slice's), in call order.
+    pub prefill_layers: Vec<usize>,
     /// Per `prefill` call: whether the next decode step had a row the call did not just finish
     /// prefilling (a stream that was decoding while the call was planned).
     pub prefill_decoding: Vec<bool>,
@@ -148,6 +150,7 @@ impl MockBackend {
             prefill_calls: 0,
             prefill_batches: Vec::new(),
             prefill_tokens: Vec::new(),
+            prefill_layers: Vec::new(),
             prefill_decoding: Vec::new(),
             just_prefilled: None,
             decode_calls: 0,
@@ -169,7 +172,18 @@ impl MockBackend {
     }
 
     fn write(&mut self, table: &PageTable, row: usize, token: u32, pos: usize) -> Result<(), String> {
-        for layer in 0..self.model.sliding.len() {
+        self.write_layers(table, row, token, pos, 0..self.model.sliding.len())
+    }
+
+    fn write_layers(
+        &mut self,
+        table: &PageTable,
+        row: usize,
+        token: u32,
+        pos: usize,
+        layers: std::ops::Range<usize>,
+    ) -> Result<(), String> {
+        for layer in layers {
             let slot = self.slot(table, row, layer, pos)?;
             self.store[slot] = (token, pos as u32);
         }
@@ -196,16 +210,18 @@ impl MockBackend {
 }
 
 impl MockBackend {
+    /// The call's layers of chunk `c` (all, or its slice's), and on the last slice its result.
     fn prefill_chunk(&mut self, input: &PrefillInput<'_>, c: &PrefillChunkInput<'_>) -> PrefillResult {
         let table = input.table;
         self.prefill_calls += 1;
         if self.fail_request == Some(c.request) {
             return Err(BackendError("injected failure".into()));
         }
+        let layers = input.layers.map_or(0..self.model.sliding.len(), |s| s.start..s.end);
         for (i, &t) in c.tokens.iter().enumerate() {
-            self.write(table, c.row, t, c.start + i).map_err(BackendError)?;
+            self.write_layers(table, c.row, t, c.start + i, layers.clone()).map_err(BackendError)?;
         }
-        if !c.last {
+        if !c.last || input.layers.is_some_and(|s| !s.last) {
             return Ok(None);
         }
         let last = c.start + c.tokens.len() - 1;
@@ -241,17 +257,24 @@ impl Backend for MockBackend {
     fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) -> Result<(), BackendError> {
         let rows: std::collections::HashSet<usize> = input.chunks.iter().map(|c| c.row).collect();
         assert_eq!(rows.len(), input.chunks.len(), "one chunk per sequence and call");
+        let results_due = input.layers.is_none_or(|s| s.last);
         self.prefill_batches.push(input.chunks.len());
         self.prefill_tokens.push(input.chunks.iter().map(|c| c.tokens.len()).sum());
+        self.prefill_layers.push(input.layers.map_or(self.model.sliding.len(), |s| s.end - s.start));
         self.prefill_decoding.push(false);
         let (calls, rows) = self.just_prefilled.get_or_insert_with(Default::default);
         calls.push(self.prefill_tokens.len() - 1);
-        rows.extend(input.chunks.iter().filter(|c| c.last).map(|c| c.row));
+        rows.extend(input.chunks.iter().filter(|c| c.last && results_due).map(|c| c.row));
         let poisoned = input.chunks.iter().any(|c| self.fail_packed_request == Some(c.request));
         if poisoned && input.chunks.len() > 1 {
             return Err(BackendError("injected failure of the packed call".into()));
         }
-        out.extend(input.chunks.iter().map(|c| self.prefill_chunk(input, c)));
+        let results = input.chunks.iter().map(|c| self.prefill_chunk(input, c)).collect::<Vec<_>>();
+        if results_due {
+            out.extend(results);
+        } else if let Some(Err(e)) = results.into_iter().find(Result::is_err) {
+            return Err(e); // a slice before the last: the call fails as a whole
+        }
         Ok(())
     }
 

@@ -24,7 +24,9 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 pub use self::core::{Core, LoopMetrics};
-pub use backend::{Backend, BackendError, DecodeInput, LaunchTimes, PrefillChunkInput, PrefillInput, PrefillResult};
+pub use backend::{
+    Backend, BackendError, DecodeInput, LaunchTimes, LayerSlice, PrefillChunkInput, PrefillInput, PrefillResult,
+};
 pub use events::EventQueue;
 pub use noop::NoopBackend;
 pub use sampling_backend::{LogitsModel, SamplingBackend};
@@ -42,6 +44,9 @@ pub struct EngineConfig {
     pub check_invariants: bool,
     /// Launch each decode step before the previous one lands (`core` module docs).
     pub launch_ahead: bool,
+    /// While a sequence decodes, prefill whole chunks a few layers an iteration (`core` module
+    /// docs); the backend must take `LayerSlice`s.
+    pub layer_sliced_prefill: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -95,10 +100,12 @@ pub struct Engine {
 impl Engine {
     /// Validates the configuration and starts the loop thread over `backend`.
     pub fn start<B: Backend + 'static>(config: EngineConfig, backend: B) -> Result<Self, EngineError> {
+        let layers = config.kv.sliding.len();
         let sched = Scheduler::new(config.sched.clone(), config.kv)?;
         let mut core = Core::new(sched, backend);
         core.check_invariants = config.check_invariants;
         core.launch_ahead = config.launch_ahead;
+        core.layer_slices = config.layer_sliced_prefill.then_some(layers);
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Inbox { commands: Vec::new(), closing: false }),
             wake: Condvar::new(),

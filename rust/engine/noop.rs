@@ -38,7 +38,9 @@ impl NoopBackend {
 impl Backend for NoopBackend {
     fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) -> Result<(), BackendError> {
         self.upload(input.table, input.dirty_rows);
-        out.extend(input.chunks.iter().map(|c| Ok(c.last.then(|| Sampled::token(self.token)))));
+        if input.layers.is_none_or(|s| s.last) {
+            out.extend(input.chunks.iter().map(|c| Ok(c.last.then(|| Sampled::token(self.token)))));
+        }
         Ok(())
     }
 

@@ -7,7 +7,7 @@
 use proptest::prelude::*;
 
 use super::mock::MockModel;
-use super::tests::{budgeted_core, core, run};
+use super::tests::{budgeted_core, run};
 use crate::kv::KvManager;
 use crate::sched::{FinishReason, Request, SamplingParams};
 
@@ -68,11 +68,15 @@ proptest! {
         // With queueing: the backend refuses every step after this many (a batch that stops
         // being queueable, mid-run).
         queue_limit in proptest::option::of(0usize..30),
+        // Layer-sliced prefill within this budget while a stream decodes (cancellations and
+        // preemptions then drop sliced calls half done).
+        sliced_budget in proptest::option::of(1usize..40),
     ) {
         let model = MockModel::small();
         let probe = KvManager::new(model.kv_config(1)).unwrap();
         let blocks = probe.prefill_blocks_needed(MAX_CONTEXT, chunk) + spare;
-        let mut c = core(&model, blocks, max_batch, chunk, MAX_CONTEXT);
+        let mut c = budgeted_core(&model, blocks, max_batch, chunk, sliced_budget, MAX_CONTEXT);
+        c.layer_slices = sliced_budget.map(|_| model.sliding.len());
         c.launch_ahead = launch_ahead > 0;
         c.backend.queueing = launch_ahead == 2;
         c.backend.queue_limit = queue_limit;
@@ -97,8 +101,9 @@ proptest! {
     /// no prefill call ever carries more prompt tokens than the budget, and while long prompts are
     /// admitted (in chunks, several iterations each) every stream that has started gets a token
     /// in every iteration until it ends, with or without a smaller budget while streams decode
-    /// (`decode_prefill_budget`), which calls made while a stream decodes never exceed. Blocks are
-    /// ample, so nothing is preempted.
+    /// (`decode_prefill_budget`), which calls made while a stream decodes never exceed, in tokens
+    /// through the whole model (a layer-sliced call: tokens × its layers ≤ the budget × all
+    /// layers). Blocks are ample, so nothing is preempted.
     #[test]
     fn prefill_stays_within_its_budget_and_never_stalls_a_decoding_stream(
         long in proptest::collection::vec((0..10usize, 20..44usize), 1..5),
@@ -107,8 +112,10 @@ proptest! {
         decode_budget in proptest::option::of(1usize..24),
         // 0: off; 1: on over a backend that cannot queue (so: synchronous steps); 2: on, steps queued as on a device.
         launch_ahead in 0u8..3,
+        sliced in proptest::bool::ANY,
     ) {
         let model = MockModel::small();
+        let layers = model.sliding.len();
         let mut arrivals = Vec::new();
         let greedy = |n: usize| SamplingParams::greedy(n).with_ignore_eos();
         for (i, &(at, len)) in long.iter().enumerate() {
@@ -125,14 +132,20 @@ proptest! {
         let mut c = budgeted_core(&model, blocks, arrivals.len(), budget, decode_budget, MAX_CONTEXT);
         c.launch_ahead = launch_ahead > 0;
         c.backend.queueing = launch_ahead == 2;
+        c.layer_slices = sliced.then_some(layers);
         let out = run(&mut c, &arrivals, &[]);
-        prop_assert!(c.backend.prefill_tokens.iter().all(|&t| t <= budget), "{:?}", c.backend.prefill_tokens);
+        let b = &c.backend;
+        prop_assert!(b.prefill_tokens.iter().all(|&t| t <= budget), "{:?}", b.prefill_tokens);
         if let Some(small) = decode_budget {
             // A call made while streams decode: one whose iteration also delivers a token to a
             // stream that had one before.
-            let decoding = c.backend.prefill_decoding.iter().zip(&c.backend.prefill_tokens);
-            prop_assert!(decoding.filter(|(d, _)| **d).all(|(_, &t)| t <= small.min(budget)),
-                "{:?} {:?}", c.backend.prefill_tokens, c.backend.prefill_decoding);
+            let work = b.prefill_tokens.iter().zip(&b.prefill_layers).map(|(t, l)| t * l);
+            let decoding = b.prefill_decoding.iter().zip(work);
+            prop_assert!(decoding.filter(|(d, _)| **d).all(|(_, w)| w <= small.min(budget) * layers),
+                "{:?} {:?} {:?}", b.prefill_tokens, b.prefill_layers, b.prefill_decoding);
+        }
+        if !sliced {
+            prop_assert!(b.prefill_layers.iter().all(|&l| l == layers));
         }
         for (_, r) in &arrivals {
             let first = out.per_iteration.iter().position(|m| m.contains_key(&r.id)).unwrap();

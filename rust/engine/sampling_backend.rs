@@ -45,6 +45,9 @@ fn rows(logits: &[f32], vocab: usize, expected: usize) -> Result<std::slice::Chu
 impl<M: LogitsModel> Backend for SamplingBackend<M> {
     fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) -> Result<(), BackendError> {
         self.model.prefill(input, &mut self.logits)?;
+        if input.layers.is_some_and(|s| !s.last) {
+            return Ok(()); // a slice before the last: no logits yet
+        }
         let mut rows = rows(&self.logits, self.model.vocab(), input.chunks.iter().filter(|c| c.last).count())?;
         for chunk in input.chunks {
             out.push(match chunk.last {
@@ -136,8 +139,13 @@ mod tests {
             },
         ];
         let mut out = Vec::new();
-        let prefill =
-            PrefillInput { chunks: &chunks, masks: &crate::grammar::NO_MASKS, table: &table, dirty_rows: &[] };
+        let prefill = PrefillInput {
+            chunks: &chunks,
+            masks: &crate::grammar::NO_MASKS,
+            table: &table,
+            dirty_rows: &[],
+            layers: None,
+        };
         b.prefill(&prefill, &mut out).unwrap();
         assert_eq!(out.len(), 2);
         assert_eq!(out[0], Ok(None));

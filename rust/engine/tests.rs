@@ -390,6 +390,7 @@ fn engine_config_and_submission_errors() {
         max_waiting: 2,
         check_invariants: true,
         launch_ahead: false,
+        layer_sliced_prefill: false,
     };
     // 64 tokens need 16 pages on the full layer + 2 × 4 on sliding ones... with a 64-token chunk
     // the sliding transient is the whole chunk: 48 blocks.
@@ -416,6 +417,7 @@ fn the_loop_thread_serves_concurrent_clients() {
         max_waiting: 100,
         check_invariants: true,
         launch_ahead: true,
+        layer_sliced_prefill: false,
     };
     let engine = std::sync::Arc::new(Engine::start(config, MockBackend::new(model.clone(), 300)).unwrap());
     let arrivals = mixed_workload(24);
@@ -477,6 +479,7 @@ fn shutdown_cancels_everything_in_flight() {
         max_waiting: 100,
         check_invariants: false,
         launch_ahead: false,
+        layer_sliced_prefill: false,
     };
     let engine = Engine::start(config, MockBackend::new(model, 300)).unwrap();
     for i in 0..6 {
@@ -500,6 +503,7 @@ fn queue_limit_counts_only_unadmitted_requests() {
         max_waiting: 2,
         check_invariants: false,
         launch_ahead: false,
+        layer_sliced_prefill: false,
     };
     let engine = Engine::start(config, NoopBackend::new(5)).unwrap();
     let mut accepted = 0;
@@ -702,4 +706,58 @@ fn a_request_resubmitted_under_its_id_while_a_step_is_in_flight_gets_none_of_its
     let out = run(&mut c, &[(0, again.clone())], &[]);
     let (solo, reason) = model.solo(&again.prompt, &again.params, 1234, 64);
     assert_eq!((&out.tokens[&1], out.finish[&1]), (&solo, reason));
+}
+
+/// A long prompt admitted while a stream decodes, with layer-sliced prefill: its chunks are whole
+/// (the prefill chunk, not the decode budget), each call runs a slice of the layers whose work
+/// (tokens × layers) stays within the budget, the stream gets a token every iteration, and both
+/// give their solo outputs.
+#[test]
+fn a_sliced_prefill_keeps_its_chunks_and_the_stream_its_pace() {
+    let model = MockModel::small();
+    let layers = model.sliding.len();
+    let (chunk, budget) = (12, 4);
+    let streaming = (0, req(1, 3, SamplingParams::greedy(40).with_ignore_eos()));
+    let admitted = (3, req(2, 30, SamplingParams::greedy(5).with_ignore_eos()));
+    let arrivals = [streaming, admitted];
+    let mut c = budgeted_core(&model, 200, 2, chunk, Some(budget), 64);
+    c.layer_slices = Some(layers);
+    let out = run(&mut c, &arrivals, &[]);
+    assert_solo(&model, &arrivals, &out, 64);
+    let b = &c.backend;
+    let sliced: Vec<_> = b.prefill_layers.iter().zip(&b.prefill_tokens).filter(|(&l, _)| l < layers).collect();
+    // The 30 prompt tokens go in chunks of 12, 12 and 6: slices of one layer (12 × 1 ≤ 4 × 3) for
+    // the first two, of two layers and one for the last (6 × 2 ≤ 4 × 3).
+    let expect = [(1, 12), (1, 12), (1, 12), (1, 12), (1, 12), (1, 12), (2, 6), (1, 6)];
+    let got: Vec<(usize, usize)> = sliced.iter().map(|(&l, &t)| (l, t)).collect();
+    assert_eq!(got, expect, "{:?} {:?}", b.prefill_layers, b.prefill_tokens);
+    assert_eq!(c.metrics.prefill_slices, expect.len() as u64);
+    let first = out.per_iteration.iter().position(|m| m.contains_key(&1)).unwrap();
+    let last = out.per_iteration.iter().rposition(|m| m.contains_key(&1)).unwrap();
+    assert!(out.per_iteration[first + 1..=last].iter().all(|m| m.get(&1) == Some(&1)), "the stream skipped a step");
+}
+
+/// A sliced call whose sequence is cancelled half way is dropped (nothing more is written for it,
+/// its blocks come back); one whose packed neighbour leaves is planned again from its start and
+/// still gives its solo output.
+#[test]
+fn a_sliced_prefill_whose_sequence_leaves_is_dropped() {
+    let model = MockModel::small();
+    let layers = model.sliding.len();
+    let streaming = (0, req(1, 3, SamplingParams::greedy(30).with_ignore_eos()));
+    let cancelled = (3, req(2, 10, SamplingParams::greedy(5).with_ignore_eos()));
+    let neighbour = (3, req(3, 9, SamplingParams::greedy(5).with_ignore_eos()));
+    let arrivals = [streaming.clone(), cancelled, neighbour.clone()];
+    let mut c = budgeted_core(&model, 200, 3, 24, Some(4), 64);
+    c.layer_slices = Some(layers);
+    // Submitted before iteration 3 and planned there; cancelled before iteration 4 (its first slice ran).
+    let out = run(&mut c, &arrivals, &[(4, 2)]);
+    assert_eq!(out.finish[&2], FinishReason::Cancelled);
+    assert!(!out.tokens.contains_key(&2));
+    assert_solo(&model, &[streaming, neighbour], &out, 64);
+    let b = &c.backend;
+    // After the stream's own prompt, a call of 12 tokens (all 10 of the cancelled prompt, 2 of its
+    // neighbour's) ran one slice; the neighbour then went alone from its start, in slices.
+    let calls: Vec<(usize, usize)> = b.prefill_tokens.iter().copied().zip(b.prefill_layers.iter().copied()).collect();
+    assert_eq!(calls, [(3, layers), (12, 1), (9, 1), (9, 1), (9, 1)]);
 }

@@ -65,12 +65,15 @@ impl PyEngine {
     /// need (their grammars compile against its vocabulary). `launch_ahead`: each decode step is
     /// launched before the previous one's tokens are handed over (rust/engine/core.rs).
     /// `decode_prefill_budget`: prompt tokens an iteration prefills while some sequence decodes
-    /// (None: `prefill_chunk`).
+    /// (None: `prefill_chunk`). `layer_sliced_prefill`: while some sequence decodes, prefill whole
+    /// chunks over several iterations, a few layers each, within that budget (the runner's
+    /// `prefill` takes layer slices; rust/engine/core.rs).
     #[new]
     #[pyo3(signature = (
         runner, *, sliding, window, num_blocks, vocab_size, eos_token_id=None, max_batch=8,
         max_context=4096, prefill_chunk=512, max_waiting=1024, salt=Vec::new(), check_invariants=false,
-        noop_token=1, backend="reference", tokenizer_json=None, launch_ahead=false, decode_prefill_budget=None
+        noop_token=1, backend="reference", tokenizer_json=None, launch_ahead=false, decode_prefill_budget=None,
+        layer_sliced_prefill=false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -92,6 +95,7 @@ impl PyEngine {
         tokenizer_json: Option<String>,
         launch_ahead: bool,
         decode_prefill_budget: Option<usize>,
+        layer_sliced_prefill: bool,
     ) -> PyResult<Self> {
         let grammars = match (&tokenizer_json, eos_token_id) {
             (None, _) => None,
@@ -114,6 +118,7 @@ impl PyEngine {
             max_waiting,
             check_invariants,
             launch_ahead,
+            layer_sliced_prefill,
         };
         let engine = match (runner, backend) {
             (Some(r), "reference") => Engine::start(cfg, reference_backend(r, vocab_size)),
@@ -212,6 +217,7 @@ impl PyEngine {
             ("decode_rows", m.decode_rows),
             ("queued_steps", m.queued_steps),
             ("prefill_chunks", m.prefill_chunks),
+            ("prefill_slices", m.prefill_slices),
             ("host_ns", m.host_ns),
             ("backend_ns", m.backend_ns),
             ("max_host_ns", m.max_host_ns),

@@ -30,7 +30,8 @@ impl Scheduler {
             last = Some(seq.arrival);
             let len = self.kv.len(seq.id).map_err(|e| e.to_string())?;
             let ok = match seq.phase {
-                Phase::Prefill { target } => len == seq.computed && seq.computed < target,
+                // (mapped past `computed`: a layer-sliced prefill call in progress, or dropped)
+                Phase::Prefill { target } => seq.computed <= len && len <= target && seq.computed < target,
                 Phase::Decode => len == seq.computed + seq.in_flight && seq.computed + 1 == seq.tokens.len(),
                 Phase::Waiting => false,
             };

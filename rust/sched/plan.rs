@@ -72,7 +72,10 @@ impl Scheduler {
             let seq = self.rows[row].as_ref().expect("live row");
             let Phase::Prefill { target } = seq.phase else { continue };
             let start = seq.computed;
-            let end = target.min(start + budget);
+            // A layer-sliced call that was dropped (rust/engine/core.rs) may have mapped the
+            // sequence further: the chunk takes those positions too (blocks never shrink).
+            let mapped = self.kv.len(seq.id).unwrap_or(start);
+            let end = target.min(start + budget).max(mapped);
             if self.grow_or_preempt(row, end, out) {
                 let seq = self.rows[row].as_ref().expect("still live");
                 return Some(PrefillChunk { row, id: seq.id, start, end, last: end == target, spec: seq.spec() });

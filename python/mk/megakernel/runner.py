@@ -70,9 +70,9 @@ class MegakernelRunner(PrefillRunner):
         # The engine's stream starts on weights, pools and buffers made on the default stream.
         torch.cuda.synchronize(device)
 
-    def prefill(self, pieces, dirty):
+    def prefill(self, pieces, dirty, layers=None):
         with torch.cuda.stream(self.stream):
-            return super().prefill(pieces, dirty)
+            return super().prefill(pieces, dirty, layers)
 
     def warm_up(self) -> None:
         with torch.cuda.stream(self.stream):

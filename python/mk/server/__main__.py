@@ -148,6 +148,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "streams' longest pause while a long prompt is admitted, in more chunks (default: --prefill-chunk)",
     )
     p.add_argument(
+        "--sliced-prefill",
+        action="store_true",
+        help="while streams decode, run each prompt chunk over several loop iterations, a few layers each, within "
+        "--decode-prefill-budget tokens through the whole model, a decode step between them: the streams pause as "
+        "little as with small chunks while the prompt keeps whole chunks (needs --decode-prefill-budget and the fast "
+        "prefill; off by default until measured on a GPU)",
+    )
+    p.add_argument(
         "--kernel-masks",
         choices=list(AUTO_ON_OFF),
         nargs="?",
@@ -244,6 +252,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--stats-interval must be above 0")
     if args.replica_base_port is not None and args.data_parallel_size == 1:
         p.error("--replica-base-port is for --data-parallel-size 2 or more")
+    if args.sliced_prefill and (args.decode_prefill_budget is None or args.prefill == "reference"):
+        p.error("--sliced-prefill needs --decode-prefill-budget and the fast prefill (not --prefill reference)")
     return args
 
 
@@ -316,6 +326,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         prefill_graphs=AUTO_ON_OFF[args.prefill_graphs],
         prefix_graphs=args.prefix_graphs,
         decode_prefill_budget=args.decode_prefill_budget,
+        sliced_prefill=args.sliced_prefill,
         kernel_masks=AUTO_ON_OFF[args.kernel_masks],
     )
     log.info(

@@ -103,6 +103,7 @@ class PrefillRunner:
         last = [i for i, (_, _, _, is_last) in enumerate(pieces) if is_last]
         if layers is not None:
             return self._prefill_slice(pieces, last, *layers)
+        self.sliced = None  # (a sliced call the engine dropped: its state goes)
         if self.fast_prefill is not None:
             # One packed forward pass. Rust mapped every page of every chunk before calling (the
             # page contract of mk.prefill).

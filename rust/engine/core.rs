@@ -42,6 +42,15 @@ struct Sliced {
     layers: usize,
 }
 
+/// What a prefill call gave (`Core::step_with`): results to land, a slice before the last that went
+/// through, or a failed sliced call of several chunks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Called {
+    Land,
+    SliceDone,
+    Isolate,
+}
+
 /// A chunk's sequence as planned: a sequence that was cancelled and resubmitted under the same id
 /// (another arrival), preempted (another count) or has moved on is not the one the chunk is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,6 +118,9 @@ pub struct Core<B> {
     in_flight: Option<Flight>,
     previous: Vec<Option<usize>>,
     sliced: Option<Sliced>,
+    /// Prefill calls still to plan with one chunk each, after a sliced call of several failed (so
+    /// that the error ends only the request it concerns).
+    isolate: usize,
 }
 
 impl<B: Backend> Core<B> {
@@ -127,6 +139,7 @@ impl<B: Backend> Core<B> {
             in_flight: None,
             previous: Vec::new(),
             sliced: None,
+            isolate: 0,
         }
     }
 
@@ -147,6 +160,11 @@ impl<B: Backend> Core<B> {
         let layers = self.layer_slices.filter(|&l| l > 1 && budget < chunk);
         // Sliced: up to a chunk, and at most the budget's tokens through one layer a slice.
         self.sched.plan_prefill(layers.map_or(budget, |l| chunk.min(budget * l)), chunks, out);
+        if self.isolate > 0 && !chunks.is_empty() {
+            // (the others stay mapped; their next chunks take those positions: Scheduler::plan_prefill)
+            self.isolate -= 1;
+            chunks.truncate(1);
+        }
         let layers = layers?;
         let tokens: usize = chunks.iter().map(|c| c.end - c.start).sum();
         if tokens <= budget {
@@ -225,24 +243,42 @@ impl<B: Backend> Core<B> {
             results.clear();
             let t = Instant::now();
             let backend = &mut self.backend;
-            std::thread::scope(|s| {
+            let outcome = std::thread::scope(|s| {
                 if let (Some(l), Some(masks)) = (&mut lent, &masks) {
                     s.spawn(move || l.fill(masks));
                 }
-                if let Err(e) = backend.prefill(&input, &mut results) {
-                    // A failed packed call is retried chunk by chunk, so an error ends only the
-                    // requests it concerns (a retried chunk rewrites the same K/V). A sliced call's
-                    // earlier slices cannot be retried: its chunks all fail.
-                    results.clear();
-                    if inputs.len() == 1 || layers.is_some() {
+                match backend.prefill(&input, &mut results) {
+                    Ok(()) if results_due => Called::Land,
+                    Ok(()) if results.is_empty() => Called::SliceDone,
+                    Ok(()) => {
+                        let n = results.len();
+                        results.clear();
+                        let e = BackendError(format!("the backend returned {n} results before the last slice"));
                         results.resize(inputs.len(), Err(e));
-                    } else {
+                        Called::Land
+                    }
+                    Err(e) if inputs.len() == 1 => {
+                        results.clear();
+                        results.push(Err(e));
+                        Called::Land
+                    }
+                    // A sliced call cannot be retried from here (its mask-free slices before the
+                    // last, its earlier slices' writes): its chunks go again one call each.
+                    Err(_) if layers.is_some() => {
+                        results.clear();
+                        Called::Isolate
+                    }
+                    Err(_) => {
+                        // A failed packed call is retried chunk by chunk, so an error ends only the
+                        // requests it concerns (a retried chunk rewrites the same K/V).
+                        results.clear();
                         for chunk in &inputs {
                             let alone = PrefillInput { chunks: std::slice::from_ref(chunk), ..input };
                             if let Err(e) = backend.prefill(&alone, &mut results) {
                                 results.push(Err(e));
                             }
                         }
+                        Called::Land
                     }
                 }
             });
@@ -254,8 +290,13 @@ impl<B: Backend> Core<B> {
             self.sched.clear_dirty();
             self.metrics.prefill_slices += u64::from(layers.is_some());
             // A slice before the last that went through leaves its chunks waiting for the next
-            // (`plan_prefill_call` kept them); anything else lands now.
-            if results_due || !results.is_empty() {
+            // (`plan_prefill_call` kept them); a failed sliced call is dropped, its chunks planned
+            // again one a call; anything else lands now.
+            if outcome == Called::Isolate {
+                self.sliced = None;
+                self.isolate = chunks.len();
+            }
+            if outcome == Called::Land {
                 self.sliced = None;
                 self.metrics.prefill_chunks += chunks.len() as u64;
                 if results.len() != chunks.len() {

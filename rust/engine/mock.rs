@@ -218,6 +218,16 @@ impl MockBackend {
             return Err(BackendError("injected failure".into()));
         }
         let layers = input.layers.map_or(0..self.model.sliding.len(), |s| s.start..s.end);
+        // The chunk's first query attends to the cached keys in its window: they must be there.
+        for layer in layers.clone() {
+            for pos in self.model.visible(layer, c.start).filter(|&p| p < c.start) {
+                let (_, at) = self.store[self.slot(table, c.row, layer, pos).map_err(BackendError)?];
+                if at as usize != pos {
+                    let e = format!("row {} layer {layer} position {pos}: stale K/V (holds position {at})", c.row);
+                    return Err(BackendError(e));
+                }
+            }
+        }
         for (i, &t) in c.tokens.iter().enumerate() {
             self.write_layers(table, c.row, t, c.start + i, layers.clone()).map_err(BackendError)?;
         }

@@ -757,7 +757,45 @@ fn a_sliced_prefill_whose_sequence_leaves_is_dropped() {
     assert_solo(&model, &[streaming, neighbour], &out, 64);
     let b = &c.backend;
     // After the stream's own prompt, a call of 12 tokens (all 10 of the cancelled prompt, 2 of its
-    // neighbour's) ran one slice; the neighbour then went alone from its start, in slices.
+    // neighbour's) ran one slice; the neighbour then went alone: the 2 positions that call had
+    // mapped (whole, within the budget), then its other 7 in slices.
     let calls: Vec<(usize, usize)> = b.prefill_tokens.iter().copied().zip(b.prefill_layers.iter().copied()).collect();
-    assert_eq!(calls, [(3, layers), (12, 1), (9, 1), (9, 1), (9, 1)]);
+    assert_eq!(calls, [(3, layers), (12, 1), (2, layers), (7, 1), (7, 1), (7, 1)]);
+}
+
+/// A sliced call of two prompts fails in a slice (the backend fails one of them): the call is
+/// dropped and its chunks go again one call each, so only the prompt at fault ends with an error.
+#[test]
+fn a_failed_sliced_call_ends_only_its_own_request() {
+    let model = MockModel::small();
+    let streaming = (0, req(1, 3, SamplingParams::greedy(30).with_ignore_eos()));
+    let bad = (3, req(2, 6, SamplingParams::greedy(5).with_ignore_eos()));
+    let good = (3, req(3, 5, SamplingParams::greedy(5).with_ignore_eos()));
+    let mut c = budgeted_core(&model, 200, 3, 24, Some(4), 64);
+    c.layer_slices = Some(model.sliding.len());
+    c.backend.fail_request = Some(2);
+    let out = run(&mut c, &[streaming.clone(), bad, good.clone()], &[]);
+    assert_eq!(out.finish[&2], FinishReason::Error);
+    assert_solo(&model, &[streaming, good], &out, 64);
+    let b = &c.backend;
+    assert_eq!(b.prefill_batches[1], 2, "the two prompts were packed: {:?}", b.prefill_batches);
+    assert!(b.prefill_batches[2..].iter().all(|&n| n == 1), "{:?}", b.prefill_batches);
+}
+
+/// A sliced call's survivor mapped far past its progress (its chunk was planned in full when the
+/// call was dropped): its next chunk is exactly those positions, so no grow releases the sliding
+/// pages that chunk writes and reads (a grow releases relative to the mapped end).
+#[test]
+fn a_dropped_calls_survivor_keeps_the_pages_its_chunk_needs() {
+    let model = MockModel::small(); // window 10, pages of 4
+    let streaming = (0, req(1, 3, SamplingParams::greedy(40).with_ignore_eos()));
+    let short = (3, req(2, 1, SamplingParams::greedy(5).with_ignore_eos()));
+    let long = (3, req(3, 40, SamplingParams::greedy(5).with_ignore_eos()));
+    let mut c = budgeted_core(&model, 300, 3, 24, Some(8), 64);
+    c.layer_slices = Some(model.sliding.len());
+    let out = run(&mut c, &[streaming.clone(), short, long.clone()], &[(4, 2)]);
+    assert_eq!(out.finish[&2], FinishReason::Cancelled);
+    assert_solo(&model, &[streaming, long], &out, 64);
+    let b = &c.backend;
+    assert_eq!(b.prefill_tokens[1..3], [24, 23], "{:?}", b.prefill_tokens);
 }

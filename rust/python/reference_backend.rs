@@ -5,11 +5,11 @@
 //!
 //! Runner protocol (positional arguments; `dirty` is a list of `(row, bytes)`, each the row's
 //! entries of every layer as little-endian int32 `[layer][page]`):
-//! - `prefill(pieces, dirty, layers)`, `pieces` a list of `(row, tokens, start, last)` chunks of
-//!   distinct sequences, `layers` None (the whole model) or `(start, end)`, one slice of a
-//!   layer-sliced prefill (`crate::engine::LayerSlice`: the same pieces from layer 0 on, slice by
-//!   slice) → float32 buffer `[number of pieces with last, vocab]`, in piece order (`[0, vocab]`
-//!   for a slice that does not end at the last layer)
+//! - `prefill(pieces, dirty[, layers])`, `pieces` a list of `(row, tokens, start, last)` chunks of
+//!   distinct sequences, `layers` (only passed for a layer-sliced prefill, `crate::engine::LayerSlice`)
+//!   `(start, end)`: one slice, the same pieces from layer 0 on, slice by slice → float32 buffer
+//!   `[number of pieces with last, vocab]`, in piece order (`[0, vocab]` for a slice that does not
+//!   end at the last layer)
 //! - `decode(rows, tokens, positions, dirty)` → float32 buffer `[len(rows), vocab]`
 
 use pyo3::buffer::PyBuffer;
@@ -75,8 +75,10 @@ impl LogitsModel for PythonModel {
             for c in input.chunks {
                 pieces.append((c.row, c.tokens, c.start, c.last))?;
             }
-            let layers = input.layers.map(|s| (s.start, s.end));
-            let out = me.runner.call_method1(py, "prefill", (pieces, dirty, layers))?;
+            let out = match input.layers {
+                None => me.runner.call_method1(py, "prefill", (pieces, dirty))?,
+                Some(s) => me.runner.call_method1(py, "prefill", (pieces, dirty, (s.start, s.end)))?,
+            };
             copy_logits(py, out.bind(py), logits)
         })
     }

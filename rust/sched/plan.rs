@@ -57,7 +57,7 @@ impl Scheduler {
         let mut cursor = 0;
         while budget > 0 {
             let Some(chunk) = self.next_prefill(&mut cursor, budget, out) else { break };
-            budget -= chunk.end - chunk.start;
+            budget = budget.saturating_sub(chunk.end - chunk.start); // (a mapped rest may exceed it)
             chunks.push(chunk);
         }
     }
@@ -72,10 +72,12 @@ impl Scheduler {
             let seq = self.rows[row].as_ref().expect("live row");
             let Phase::Prefill { target } = seq.phase else { continue };
             let start = seq.computed;
-            // A layer-sliced call that was dropped (rust/engine/core.rs) may have mapped the
-            // sequence further: the chunk takes those positions too (blocks never shrink).
+            // A layer-sliced call that was dropped or cut to one chunk (rust/engine/core.rs) may
+            // have mapped the sequence further: the chunk is then exactly those positions, so that
+            // nothing grows (a grow releases the sliding-window pages out of reach of the mapped
+            // end, which this chunk's first queries still read, and blocks never shrink).
             let mapped = self.kv.len(seq.id).unwrap_or(start);
-            let end = target.min(start + budget).max(mapped);
+            let end = if mapped > start { mapped } else { target.min(start + budget) };
             if self.grow_or_preempt(row, end, out) {
                 let seq = self.rows[row].as_ref().expect("still live");
                 return Some(PrefillChunk { row, id: seq.id, start, end, last: end == target, spec: seq.spec() });

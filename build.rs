@@ -40,6 +40,10 @@ fn main() {
         }
         Ok(other) => panic!("mk: {STEP_MAX_BATCH} must be 8 or 16, got {other:?}"),
     }
+    assert!(
+        defines.len() < 2,
+        "mk: {WEIGHT_SWIZZLE}=1 with {STEP_MAX_BATCH}=16 spills registers: not a supported build"
+    );
     let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
     let nvcc = find_nvcc().unwrap_or_else(|tried| {
         panic!(
@@ -73,6 +77,8 @@ fn main() {
     writeln!(table, "pub const NVCC_VERSION: &str = {version:?};").unwrap();
     writeln!(table, "/// The nvcc target flag the cubins were built with.").unwrap();
     writeln!(table, "pub const GENCODE: &str = {GENCODE:?};").unwrap();
+    writeln!(table, "/// The build variant's nvcc defines (none: the default build).").unwrap();
+    writeln!(table, "pub const DEFINES: &[&str] = &{defines:?};").unwrap();
     fs::write(out_dir.join("cubins.rs"), table).unwrap();
 }
 

@@ -25,7 +25,7 @@ for v in $VARIANTS; do
     case $kind in
         src)
             # shellcheck disable=SC2086
-            "$nvcc" -cubin -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -I"$dir" ${flags//,/ } \
+            "$nvcc" -cubin -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -I"$dir" $WHEEL_DEFINES ${flags//,/ } \
                 -o "/tmp/ab-$name.cubin" "$dir/megakernel.cu" >"$OUT/nvcc-$name.log" 2>&1 \
                 || { cat "$OUT/nvcc-$name.log"; exit 1; }
             cubins+=("/tmp/ab-$name.cubin") names+=("$name") ;;

@@ -23,3 +23,7 @@ if [ -d "$server_wheels" ]; then
         "$server_wheels"/*.whl || echo "server wheels failed to install: the server's GPU tests will skip"
 fi
 export PYTHONPATH=/tmp/site
+# The installed wheel's build variant (cuda/abi.h): a kernel compiled here from source and loaded by
+# that wheel (device-kernel.sh, device-ab.sh) must be built with the same defines.
+WHEEL_DEFINES=$(python3 -c 'import mk._native as n; print(" ".join(n.build_info()["defines"]))')
+export WHEEL_DEFINES

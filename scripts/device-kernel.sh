@@ -18,7 +18,7 @@ export MK_MEGAKERNEL_CUBIN=/tmp/mk-megakernel.cubin
 # The flags of build.rs.
 # shellcheck disable=SC2086
 src=${KERNEL_SRC:-cuda}
-"$nvcc" -cubin -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -I"$src" -Xptxas=-v,-warn-spills ${NVCC_FLAGS:-} \
+"$nvcc" -cubin -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -I"$src" -Xptxas=-v,-warn-spills $WHEEL_DEFINES ${NVCC_FLAGS:-} \
     -o "$MK_MEGAKERNEL_CUBIN" "$src/megakernel.cu" >"$OUT/nvcc.log" 2>&1 || { cat "$OUT/nvcc.log"; exit 1; }
 
 status=0

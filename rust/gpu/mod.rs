@@ -17,7 +17,7 @@ use cudarc::nvrtc::Ptx;
 mod embedded {
     include!(concat!(env!("OUT_DIR"), "/cubins.rs"));
 }
-pub use embedded::{CUBINS, GENCODE, NVCC_VERSION};
+pub use embedded::{CUBINS, DEFINES, GENCODE, NVCC_VERSION};
 
 /// The embedded cubin built from `cuda/<name>.cu`.
 pub fn cubin(name: &str) -> Option<&'static [u8]> {

@@ -24,6 +24,7 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let info = PyDict::new(py);
     info.set_item("nvcc", gpu::NVCC_VERSION)?;
     info.set_item("gencode", gpu::GENCODE)?;
+    info.set_item("defines", gpu::DEFINES.to_vec())?;
     let cubins = PyDict::new(py);
     for (name, bytes) in gpu::CUBINS {
         cubins.set_item(*name, bytes.len())?;

@@ -18,10 +18,10 @@
 //! to `prefill_chunk` tokens (not just the decode budget) and runs over several iterations, a few
 //! layers each, so that each iteration's prefill work is at most the budget's tokens through the
 //! whole model (tokens × layers ≤ budget × layers) and a decode step runs between the slices: a
-//! decoding stream waits at most one slice, and the admitted prompt keeps its large chunks. The
-//! call's sequences are checked before every slice; if one has left (cancelled, preempted) the
-//! call is dropped and its other sequences are planned again (their progress only moves when the
-//! last slice lands).
+//! decoding stream waits at most one slice, and the admitted prompt keeps its large chunks (once
+//! nothing decodes, a call's remaining layers run at once). The call's sequences are checked
+//! before every slice; if one has left (cancelled, preempted) the call is dropped and its other
+//! sequences are planned again (their progress only moves when the last slice lands).
 
 use std::time::Instant;
 
@@ -148,8 +148,11 @@ impl<B: Backend> Core<B> {
     /// `layer_slices` is set, a sequence decodes and they hold more tokens than the budget. None:
     /// the call runs the whole model.
     fn plan_prefill_call(&mut self, chunks: &mut Vec<PrefillChunk>, out: &mut Vec<Event>) -> Option<LayerSlice> {
-        if let Some(sl) = self.sliced.take() {
+        if let Some(mut sl) = self.sliced.take() {
             if sl.chunks.iter().zip(&sl.owners).all(|(c, o)| owner(&self.sched, c) == Some(*o)) {
+                if self.sched.prefill_budget() >= self.sched.config().prefill_chunk {
+                    sl.per_slice = sl.layers; // nothing decodes any more: the rest at once
+                }
                 chunks.clone_from(&sl.chunks);
                 return Some(self.next_slice(sl));
             }

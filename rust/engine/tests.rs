@@ -799,3 +799,23 @@ fn a_dropped_calls_survivor_keeps_the_pages_its_chunk_needs() {
     let b = &c.backend;
     assert_eq!(b.prefill_tokens[1..3], [24, 23], "{:?}", b.prefill_tokens);
 }
+
+/// When the last decoding stream ends in the middle of a sliced call, the call's other layers run
+/// at once in the next iteration, and later chunks are whole calls again.
+#[test]
+fn a_sliced_call_finishes_at_once_when_nothing_decodes() {
+    let model = MockModel::small();
+    let layers = model.sliding.len();
+    // The stream's tokens: 2 in iteration 0 (its prefill's and a step's), then one an iteration.
+    let streaming = (0, req(1, 3, SamplingParams::greedy(4).with_ignore_eos()));
+    let admitted = (2, req(2, 30, SamplingParams::greedy(4).with_ignore_eos()));
+    let mut c = budgeted_core(&model, 200, 2, 12, Some(4), 64);
+    c.layer_slices = Some(layers);
+    let out = run(&mut c, &[streaming.clone(), admitted.clone()], &[]);
+    assert_solo(&model, &[streaming, admitted], &out, 64);
+    let b = &c.backend;
+    let calls: Vec<(usize, usize)> = b.prefill_tokens.iter().copied().zip(b.prefill_layers.iter().copied()).collect();
+    // The stream's prompt; the first 12-token chunk: one layer while the stream decodes, the other
+    // two at once after it ended; then whole chunks of 12 and 6.
+    assert_eq!(calls, [(3, layers), (12, 1), (12, layers - 1), (12, layers), (6, layers)]);
+}

@@ -302,6 +302,8 @@ class Prefill:
         (`SlicedPrefill.run`), so that a caller can run other work between the slices (the engine's
         decode steps). The requests' tokens must fit one chunk; the usual path (no static passes),
         whose operations are exactly the unsliced call's."""
+        if kv.device != self.device:
+            raise ValueError(f"KV cache is on {kv.device}, the model on {self.device}")
         tokens = self._check_requests(requests)
         plan = plan_chunks([len(t) for t in tokens], self.chunk)
         if len(plan) != 1:

@@ -21,6 +21,9 @@ also every ring stage's issue and arrival: the rate at which all blocks stream o
 Where $MK_MEGAKERNEL_CUBIN lists several cubins (a:b:...), each point also times every loaded
 kernel on the same buffers, in KERNEL_ROUNDS alternating rounds (between processes the step time
 varies by 1-3%, in one process far less): `mk_kernel<k>_ms` (the median), `kernel<k>_same_logits`.
+A batch larger than one launch takes (MK_STEP_MAX_BATCH: 8, or 16 in that build) runs as the
+engine runs it: consecutive launches of at most that many rows, timed together, each reading the
+weights again (`launches` in its row; the variants, traces and kernel comparisons are skipped).
 Usage: python benches/decode.py [--json out.json] [--quick | --points 1x8192,8x8192] [--trace] [--ledger] [--plain]
 """
 
@@ -36,6 +39,7 @@ from common import HBM_BYTES_PER_S, print_table, pyplot, write_json
 from mk import _native
 from mk.config import PAGE_SIZE, ModelConfig
 from mk.megakernel.launch import MegakernelStep, ledger_of, trace_buffer
+from mk.megakernel.support import MAX_STEP_ROWS
 from mk.megakernel.trace import print_stream_profile, print_summary, stream_profile, summarize
 from mk.model.names import expected_shapes
 from mk.model.paged import PagedKV
@@ -193,7 +197,7 @@ def measure(
                 traces[name]["stream_profile"] = profile
                 print_stream_profile(f"batch {batch}, context {ctx}, {name}", profile)
     experts = int(buf.slot_count[0])
-    row = {"batch": batch, "ctx": ctx, "mk_ms": t_mk * 1e3, "mk_tok_s": batch / t_mk, "valid_output": ok}
+    row = {"batch": batch, "ctx": ctx, "mk_ms": t_mk * 1e3, "mk_tok_s": batch / t_mk, "valid_output": ok, "launches": 1}
     compare_kernels(step, g, buf, tasks, iters, row)
     for name, t in times.items():
         row[f"mk_{name}_ms"] = t * 1e3
@@ -209,9 +213,56 @@ def measure(
     if not torch_graph:
         row["torch_graph_ms"] = None
         return row
+    return yardstick(row, cfg, model, stacked, kv, tables, buf.positions, buf.tokens, iters)
+
+
+def measure_launches(cfg, model, stacked, batch: int, ctx: int, iters: int, torch_graph=True) -> dict:
+    """`batch` rows past one launch's, as consecutive launches of at most MAX_STEP_ROWS rows
+    (the engine's backend does the same), timed together."""
+    kv, tables, pages = kv_for(cfg, batch, ctx)
+    launches = []
+    for r0 in range(0, batch, MAX_STEP_ROWS):
+        rows = min(MAX_STEP_ROWS, batch - r0)
+        step = MegakernelStep(model, kv, pages)
+        g = step.graph([ctx - 1] * rows)
+        buf = step.buffers(g, log_residuals=False)
+        buf.tokens.copy_(torch.randint(0, cfg.vocab_size, (rows,), dtype=torch.int32))
+        buf.positions.fill_(ctx - 1)
+        buf.block_tables.copy_(tables[:, r0 : r0 + rows])
+        launches.append((step, g, buf, torch.from_numpy(g.tasks.copy()).cuda()))
+
+    def run_all():
+        for step, g, buf, tasks in launches:
+            step.run(g, buf, tasks)
+
+    for _ in range(3):
+        run_all()
+    torch.cuda.synchronize()
+    t_mk = time_events(run_all, iters)
+    bufs = [buf for _, _, buf, _ in launches]
+    ok = all(bool((b.sampled >= 0).all() and (b.sampled < cfg.vocab_size).all()) for b in bufs)
+    ok = ok and not any(bool(b.logits.isnan().any()) for b in bufs)
+    # The experts the whole batch touches in the last MoE layer: the union of the launches' slots.
+    experts = len({e for b in bufs for e in b.slot_expert[: int(b.slot_count[0])].tolist()})
+    row = {"batch": batch, "ctx": ctx, "mk_ms": t_mk * 1e3, "mk_tok_s": batch / t_mk, "valid_output": ok}
+    row["launches"] = len(launches)
+    row["sol_ms"] = step_bytes(cfg, batch, ctx, experts) / HBM_BYTES_PER_S * 1e3
+    row["sol_fraction"] = row["sol_ms"] / row["mk_ms"]
+    row["experts_last_layer"] = experts
+    if not torch_graph:
+        row["torch_graph_ms"] = None
+        return row
+    positions = torch.cat([b.positions for b in bufs])
+    tokens = torch.cat([b.tokens for b in bufs])
+    return yardstick(row, cfg, model, stacked, kv, tables, positions, tokens, iters)
+
+
+def yardstick(row: dict, cfg, model, stacked, kv, tables, positions, tokens, iters: int) -> dict:
+    """benches/yardstick.py's CUDA-graph step of the same batch into `row` (torch_graph_ms)."""
+    t_mk = row["mk_ms"] / 1e3
     try:
-        ys = TorchDecode(cfg, model.weights, stacked, kv.k, kv.v, tables, buf.positions)
-        tok = buf.tokens.long()
+        ys = TorchDecode(cfg, model.weights, stacked, kv.k, kv.v, tables, positions)
+        tok = tokens.long()
         ys.step_checked(tok)
         row["yardstick_moe"] = "grouped_mm" if ys.grouped else "gathered"
         graph = torch.cuda.CUDAGraph()
@@ -278,6 +329,11 @@ def main() -> None:
     rows = []
     for b, c in grid:
         sizes = [s for s in args.sizes.split(",") if s]
+        if b > MAX_STEP_ROWS:
+            rows.append(measure_launches(cfg, model, stacked, b, c, args.iters, not args.no_torch))
+            torch.cuda.empty_cache()
+            print(rows[-1], flush=True)
+            continue
         rows.append(
             measure(
                 cfg,
@@ -295,7 +351,17 @@ def main() -> None:
         )
         torch.cuda.empty_cache()  # the last size's KV pools
         print({k: v for k, v in rows[-1].items() if k != "trace"}, flush=True)
-    cols = ["batch", "ctx", "mk_ms", "mk_tok_s", "sol_ms", "sol_fraction", "torch_graph_ms", "speedup_vs_torch"]
+    cols = [
+        "batch",
+        "ctx",
+        "launches",
+        "mk_ms",
+        "mk_tok_s",
+        "sol_ms",
+        "sol_fraction",
+        "torch_graph_ms",
+        "speedup_vs_torch",
+    ]
     cols += ["mk_balanced_ms", "balanced_gain", "model_rr_us", "model_balanced_us"]
     cols += [f"mk_{s}_ms" for s in args.sizes.split(",") if s]
     cols += sorted({k for r in rows for k in r if re.fullmatch(r"mk_kernel\d+_ms", k)})

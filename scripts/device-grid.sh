@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs ON the GPU machine: the decode grid of record (~90 s on the H200). benches/decode.py over batch
-# {1, 2, 4, 8} (and 16 with a 16-row build) x context {1K, 8K, 32K, 128K} and batch 1 at 256K, and the yardstick of record
+# {1, 2, 4, 8, 16} x context {1K, 8K, 32K, 128K} and batch 1 at 256K (batch 16 in one launch with the
+# MK_STEP_MAX_BATCH=16 build, else as two, as the engine runs it), and the yardstick of record
 # (.whl/yardstick.py, a copy of shared/tools/yardstick.py) at the same points in the same call,
 # in chunks with their own time limits so that one slow or failing point costs only its chunk.
 #   device run:  bash scripts/device-grid.sh      (carry: [".whl"])
@@ -13,11 +14,8 @@ chunks=(
     "2x1024,2x8192,2x32768,2x131072"
     "4x1024,4x8192,4x32768,4x131072"
     "8x1024,8x8192,8x32768,8x131072"
+    "16x1024,16x8192,16x32768,16x131072"
 )
-# Batch 16 in one launch needs the MK_STEP_MAX_BATCH=16 build (cuda/abi.h).
-if [ "$(python3 -c 'from mk import _native; print(_native.STEP_MAX_BATCH)')" -ge 16 ]; then
-    chunks+=("16x1024,16x8192,16x32768,16x131072")
-fi
 status=0
 for i in "${!chunks[@]}"; do
     timeout "${CHUNK_S:-80}" python3 benches/decode.py --plain --no-torch --iters 10 --points "${chunks[$i]}" \

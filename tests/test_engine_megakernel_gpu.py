@@ -1,6 +1,7 @@
 """The engine on the megakernel backend against the engine on the PyTorch reference, on the GPU at the
 GPU-test geometry (synthetic bf16 weights): staggered greedy requests, a batch larger than one
-launch, seeded sampling, and the server end to end with `--synthetic`.
+launch, seeded sampling, a layer-sliced prefill beside a decoding stream, and the server end to end
+with `--synthetic`.
 
 Both backends prefill with the same PyTorch code, mk.prefill (arrival timing may cut a prompt into different
 chunks), and decode tokens agree until the first near-tie. With these random weights the logits
@@ -15,6 +16,7 @@ row or position gives unrelated tokens at once, which (1) and (3) catch.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -61,6 +63,7 @@ def engine(
     tokenizer_json: str | None = None,
     launch_ahead: bool | None = None,  # the engine's default: on with this backend
     kernel_masks: bool | None = None,  # likewise
+    **options,
 ):
     """A fresh engine (no prefix cache shared between the runs compared), checked for leaks."""
     e = Engine(
@@ -74,6 +77,7 @@ def engine(
         tokenizer_json=tokenizer_json,
         launch_ahead=launch_ahead,
         kernel_masks=kernel_masks,
+        **options,
     )
     assert e.backend == backend and e.prefill == "fast"  # mk.prefill on the GPU, by default
     try:
@@ -197,6 +201,36 @@ def test_launch_ahead_agrees_with_synchronous_steps(model, rows):
     with engine(model, "megakernel", max_batch=rows, prefill_chunk=2048, launch_ahead=True) as e:
         ahead = run(e, requests)
     assert compare(f"launch-ahead, {rows} rows", ahead, sync, requests) >= 10 * rows
+
+
+def test_a_sliced_prefill_beside_a_decoding_stream_agrees(model):
+    """sliced_prefill on the megakernel backend (mk.prefill.SlicedPrefill on CUDA): a 1,500-token
+    prompt submitted once a stream decodes goes in whole 1,024-token chunks, a layer an iteration
+    (budget 128 tokens x 5 layers), a decode step between; both requests' tokens agree with the
+    same engine cutting that prompt into 128-token chunks instead, until the first near-tie, as in
+    `compare` (the two chunkings round differently in bf16)."""
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in (160, 12)]
+    prompts = [prompt(20, 31), prompt(1500, 32)]
+
+    async def main(e: Engine):
+        async def rest(stream, events):
+            events += [ev async for ev in stream]
+            return [ev.token_id for ev in events if ev.token_id is not None], events[-1].finish_reason, events
+
+        first = aiter(e.submit(prompts[0], params[0]))
+        head = [await anext(first)]  # the stream decodes from here on
+        second = aiter(e.submit(prompts[1], params[1]))
+        return await asyncio.gather(rest(first, head), rest(second, []))
+
+    options = {"prefill_chunk": 1024, "decode_prefill_budget": 128}
+    with engine(model, "megakernel", **options) as e:
+        plain = asyncio.run(main(e))
+        assert e.native_stats()["prefill_slices"] == 0
+    with engine(model, "megakernel", sliced_prefill=True, **options) as e:
+        sliced = asyncio.run(main(e))
+        assert e.native_stats()["prefill_slices"] >= model.config.num_hidden_layers
+    requests = list(zip([0.0, 0.0], prompts, params, strict=True))
+    assert compare("sliced prefill", sliced, plain, requests) >= 40
 
 
 def test_temperature_rows_draw_on_the_gpu_as_the_host_sampler_would(model):

@@ -8,6 +8,8 @@
 //   wgmma         wgmma m64n8k16: each warpgroup multiplies [64][64] boxes in the 128-byte swizzle
 //                 straight from shared memory (no loads of the weights into registers); a stage
 //                 is then 64 rows x 192 columns instead of 16 x 768
+//   mma_dense_16  mma_dense with 16 activation rows: each weight fragment times two n-tiles
+//                 (gemv_compute_wide, the MK_STEP_MAX_BATCH=16 build)
 // Each block runs `reps` passes over the 4 stages (one pass = the whole 64 x 768 product), the
 // results are checked against the host's float64 product, and the time per stage is printed as
 // one JSON line per way (benches/consumer.py builds, runs and tabulates this).
@@ -24,21 +26,23 @@
 
 namespace {
 
-constexpr int kRows = 64, kCols = 768, kBatch = 8, kStages = 4;
+constexpr int kRows = 64, kCols = 768, kBatch = 16, kStages = 4;  // (8 rows but for mma_dense_16)
 constexpr int kStageBytes = 24 * 1024;
 constexpr int kThreads = 256;
 constexpr int kActPitch = 2 * kCols + 64;  // as the megakernel's act_pitch(768)
-constexpr int kActBytes = 12 * 1024 + 256;  // [8][kActPitch] (12.5 KB), or wgmma's [96][8][8] core matrices
+constexpr int kActBytes = kBatch * kActPitch;  // [16][kActPitch], or wgmma's [96][8][8] core matrices
 constexpr int kSmemBytes = kStages * kStageBytes + kActBytes + kRows * kBatch * 4 * 8;
 
-enum Way { kMmaDense = 0, kMmaSwizzled = 1, kWgmma = 2 };
-const char* const kWayNames[] = {"mma_dense", "mma_swizzled", "wgmma"};
+enum Way { kMmaDense = 0, kMmaSwizzled = 1, kWgmma = 2, kMmaDense16 = 3 };
+constexpr int kWays = 4;
+const char* const kWayNames[] = {"mma_dense", "mma_swizzled", "wgmma", "mma_dense_16"};
+__host__ __device__ constexpr int rows_of(int way) { return way == kMmaDense16 ? 16 : 8; }  // activation rows
 
 __device__ __forceinline__ int swz(int r, int unit) { return r * 128 + 16 * (unit ^ (r & 7)); }
 
 // Byte offset of weight (row r, column c) in the stages, for each way.
 __device__ __forceinline__ int weight_offset(int way, int r, int c) {
-    if (way == kMmaDense) {  // stage = 16 rows, 3 boxes of [16][256]
+    if (way == kMmaDense || way == kMmaDense16) {  // stage = 16 rows, 3 boxes of [16][256]
         return (r / 16) * kStageBytes + (c / 256) * 8192 + (r % 16) * 512 + (c % 256) * 2;
     }
     if (way == kMmaSwizzled) {  // stage = 16 rows, 12 boxes of [16][64] swizzled
@@ -76,12 +80,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     extern __shared__ __align__(1024) unsigned char smem[];
     unsigned char* stages = smem;
     unsigned char* act = smem + kStages * kStageBytes;
-    float* partial = reinterpret_cast<float*>(act + kActBytes);  // [8 warps][64 rows][8]
+    float* partial = reinterpret_cast<float*>(act + kActBytes);  // [8 warps][64 rows][kBatch]
     for (int i = threadIdx.x; i < kRows * kCols; i += kThreads) {
         const int r = i / kCols, c = i % kCols;
         *reinterpret_cast<__nv_bfloat16*>(stages + weight_offset(way, r, c)) = w[i];
     }
-    for (int i = threadIdx.x; i < kBatch * kCols; i += kThreads) {
+    for (int i = threadIdx.x; i < rows_of(way) * kCols; i += kThreads) {
         const int b = i / kCols, c = i % kCols;
         *reinterpret_cast<__nv_bfloat16*>(act + act_offset(way, b, c)) = x[i];
     }
@@ -120,6 +124,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int wrow = way == kMmaSwizzled ? (gi & 1) * 4 + gi / 2 : gi;
         float acc[kStages][4] = {}, acc2[kStages][4] = {};
         const unsigned char* x_row = act + gi * kActPitch + 16 * ti;
+        float acc3[way == kMmaDense16 ? kStages : 1][4] = {};  // the second n-tile (rows gi + 8)
         for (int rep = 0; rep < reps; ++rep) {
 #pragma unroll
             for (int s = 0; s < kStages; ++s) {
@@ -133,8 +138,16 @@ __global__ void __launch_bounds__(kThreads, 1)
                     const uint4 wa = *reinterpret_cast<const uint4*>(wp);
                     const uint4 wb = *reinterpret_cast<const uint4*>(wp + next8);
                     const uint4 xv = *reinterpret_cast<const uint4*>(x_row + 64 * ch);
-                    mk::mma_16816(acc[s], wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
-                    mk::mma_16816(acc2[s], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
+                    if constexpr (way == kMmaDense16) {  // as gemv_compute_wide: one accumulator a tile
+                        const uint4 yv = *reinterpret_cast<const uint4*>(x_row + 8 * kActPitch + 64 * ch);
+                        mk::mma_16816(acc[s], wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
+                        mk::mma_16816(acc[s], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
+                        mk::mma_16816(acc3[s], wa.x, wb.x, wa.y, wb.y, yv.x, yv.y);
+                        mk::mma_16816(acc3[s], wa.z, wb.z, wa.w, wb.w, yv.z, yv.w);
+                    } else {
+                        mk::mma_16816(acc[s], wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
+                        mk::mma_16816(acc2[s], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
+                    }
                 }
             }
         }
@@ -142,8 +155,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int s = 0; s < kStages; ++s)
 #pragma unroll
-            for (int i = 0; i < 4; ++i)
-                part[(16 * s + wrow + (i >= 2 ? 8 : 0)) * kBatch + 2 * ti + (i & 1)] = acc[s][i] + acc2[s][i];
+            for (int i = 0; i < 4; ++i) {
+                const int row = 16 * s + wrow + (i >= 2 ? 8 : 0), col = 2 * ti + (i & 1);
+                part[row * kBatch + col] = acc[s][i] + acc2[s][i];
+                if constexpr (way == kMmaDense16) part[row * kBatch + col + 8] = acc3[s][i];
+            }
     }
     __syncthreads();
     if (blockIdx.x == 0) {
@@ -170,7 +186,7 @@ int main(int argc, char** argv) {
     const int reps = argc > 1 ? atoi(argv[1]) : 2000;
     int sms = 0;
     CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    std::vector<__nv_bfloat16> w(kRows * kCols), x(kBatch * kCols);
+    std::vector<__nv_bfloat16> w(kRows * kCols), x(kBatch * kCols);  // (the 8-row ways use x's first 8 rows)
     uint32_t seed = 12345;
     auto next = [&] { return ((seed = seed * 1664525u + 1013904223u) >> 8) / float(1 << 24) - 0.5f; };
     for (auto& v : w) v = __float2bfloat16(next());
@@ -187,13 +203,13 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&dout, kRows * kBatch * 4));
     CHECK(cudaMemcpy(dw, w.data(), w.size() * 2, cudaMemcpyHostToDevice));
     CHECK(cudaMemcpy(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
-    void (*const kernels[3])(int, const __nv_bfloat16*, const __nv_bfloat16*, float*) = {
-        consume<kMmaDense>, consume<kMmaSwizzled>, consume<kWgmma>};
+    void (*const kernels[kWays])(int, const __nv_bfloat16*, const __nv_bfloat16*, float*) = {
+        consume<kMmaDense>, consume<kMmaSwizzled>, consume<kWgmma>, consume<kMmaDense16>};
     for (auto k : kernels) CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
     cudaEvent_t t0, t1;
     CHECK(cudaEventCreate(&t0));
     CHECK(cudaEventCreate(&t1));
-    for (int way = 0; way < 3; ++way) {
+    for (int way = 0; way < kWays; ++way) {
         // Correctness: one pass, every output against the float64 product.
         CHECK(cudaMemset(dout, 0xff, kRows * kBatch * 4));  // poisoned (NaN)
         kernels[way]<<<1, kThreads, kSmemBytes>>>(1, dw, dx, dout);
@@ -203,6 +219,7 @@ int main(int argc, char** argv) {
         CHECK(cudaMemcpy(got.data(), dout, got.size() * 4, cudaMemcpyDeviceToHost));
         double err = 0.0, norm = 0.0;
         for (int i = 0; i < kRows * kBatch; ++i) {
+            if (i % kBatch >= rows_of(way)) continue;  // columns the way does not compute
             err += (got[i] - want[i]) * (got[i] - want[i]);
             norm += want[i] * want[i];
         }
@@ -221,8 +238,8 @@ int main(int argc, char** argv) {
         }
         const double us_per_stage = best * 1e3 / ((double)reps * kStages);
         printf("{\"way\": \"%s\", \"us_per_stage\": %.5f, \"stage_bytes\": %d, \"sms\": %d, \"reps\": %d, "
-               "\"rel_err\": %.3e, \"ok\": %s}\n",
-               kWayNames[way], us_per_stage, kStageBytes, sms, reps, rel, rel < 1e-3 ? "true" : "false");
+               "\"rel_err\": %.3e, \"ok\": %s, \"batch\": %d}\n",
+               kWayNames[way], us_per_stage, kStageBytes, sms, reps, rel, rel < 1e-3 ? "true" : "false", rows_of(way));
         fflush(stdout);
     }
     return 0;

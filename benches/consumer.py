@@ -1,6 +1,7 @@
 """The megakernel's consumer side alone: one 24 KB weight stage times 8 activation rows, by
 mma.sync from dense rows (the default kernel), mma.sync from 128-byte-swizzled boxes
-(MK_WEIGHT_SWIZZLE) and wgmma m64n8k16 straight from shared memory (benches/consumer.cu: nothing
+(MK_WEIGHT_SWIZZLE) and wgmma m64n8k16 straight from shared memory, and times 16 rows by the
+dense mma.sync with two n-tiles (the MK_STEP_MAX_BATCH=16 build) (benches/consumer.cu: nothing
 copied, no ring hand-off, every SM busy; each way checked against a float64 product first).
 
 Batch 1 is bound by what the compute warps do per stage, not by HBM (docs/PERF.md, thirteenth
@@ -61,8 +62,8 @@ def main() -> None:
         r["consumer_tb_s"] = r["sms"] * r["stage_bytes"] / (r["us_per_stage"] * 1e-6) / 1e12
         r["vs_hbm"] = r["consumer_tb_s"] * 1e12 / HBM_BYTES_PER_S
         r["vs_mma_dense"] = dense / r["us_per_stage"]
-    columns = ["way", "us_per_stage", "consumer_tb_s", "vs_hbm", "vs_mma_dense", "rel_err", "ok"]
-    print_table("one 24 KB weight stage x 8 rows, consumers alone (all SMs)", rows, columns)
+    columns = ["way", "batch", "us_per_stage", "consumer_tb_s", "vs_hbm", "vs_mma_dense", "rel_err", "ok"]
+    print_table("one 24 KB weight stage x 8 or 16 rows, consumers alone (all SMs)", rows, columns)
     for line in advisories:
         print("ptxas:", line)
     if not all(r["ok"] for r in rows):

@@ -7,7 +7,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MK_ABI_VERSION 12
+#define MK_ABI_VERSION 13
 
 // ---- The decode megakernel's task graph (docs/MEGAKERNEL.md) ------------------------------------
 // A step is a list of tasks per SM, built by the host (rust/graph). Each block runs its list in
@@ -165,7 +165,7 @@ typedef struct MkStepArgs {
     int32_t layers, hidden, heads, kv_heads;
     int32_t head_dim, experts, top_k, expert_ffn;
     int32_t dense_ffn, vocab, max_pages, max_splits;
-    int32_t slots, sample_parts, flags, reserved1;  // flags: none defined, must be 0
+    int32_t slots, sample_parts, flags, mask_epoch;  // flags: none defined, must be 0; mask_epoch: see mask_ready
     float eps, logit_scale, rope_theta, reserved2;
     uint64_t routing_log;   // int32 [layers][batch][top_k]: every layer's chosen experts (tests, debugging)
     uint64_t residual_log;  // fp32 [layers][batch][hidden]: x after every layer, or 0 (off)
@@ -184,6 +184,11 @@ typedef struct MkStepArgs {
     // uint32 [batch][ceil(vocab / 32)]: the tokens row b may take (bit t % 32 of word t / 32), read
     // for the rows whose MkRowSample.masked is 1 (a grammar's mask); 0 when no row is masked.
     uint64_t row_masks;
+    // uint32 in host-mapped memory, or 0: the masks are in row_masks when the launch starts. Else
+    // they come while it runs (a step queued before the host knows them): a masked row's sample
+    // tasks wait until this word equals mask_epoch (written by the host after the masks) and then
+    // read row_masks, which is host-mapped memory too.
+    uint64_t mask_ready;
 } MkStepArgs;
 
 // How the sample tasks pick row b's token: inv_temperature 0 takes the largest logit (ties to the

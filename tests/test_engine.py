@@ -257,6 +257,12 @@ def test_a_sliced_prefill_changes_no_token(model, engine):
             Engine(model, max_context=256, sliced_prefill=True, **options)
 
 
+def test_late_masks_need_the_kernels_masks(model):
+    # (what they do is the megakernel's: rust/engine/tests.rs and the engine's GPU tests)
+    with pytest.raises(ValueError, match="late_masks needs kernel_masks"):
+        Engine(model, max_context=256, late_masks=True)
+
+
 def test_an_engine_that_fails_to_start_drops_its_prefill_graphs(model, monkeypatch):
     """When the native engine refuses its settings after the runner's warm-up (which captures the
     prefill's CUDA graphs on a GPU), the graphs are released at once, not left to the garbage

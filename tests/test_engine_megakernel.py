@@ -187,6 +187,7 @@ def test_the_rust_glue_checks_its_arguments():
         "sample_parts": 16,
         "dealing": "round_robin",
         "kernel_masks": False,
+        "late_masks": False,
     }
     with pytest.raises(ValueError, match='backend must be "reference" or "megakernel", got "fast"'):
         native_engine(FakeRunner(good, cfg), backend="fast")
@@ -196,8 +197,9 @@ def test_the_rust_glue_checks_its_arguments():
         native_engine(FakeRunner({**good, "step_args": b"abc"}, cfg))
     with pytest.raises(ValueError, match="dealing must be 'round_robin' or 'balanced'"):
         native_engine(FakeRunner({**good, "dealing": "random"}, cfg))
-    with pytest.raises(ValueError, match='megakernel_setup\\(\\) has no "kernel_masks"'):
-        native_engine(FakeRunner({k: v for k, v in good.items() if k != "kernel_masks"}, cfg))
+    for key in ("kernel_masks", "late_masks"):
+        with pytest.raises(ValueError, match=f'megakernel_setup\\(\\) has no "{key}"'):
+            native_engine(FakeRunner({k: v for k, v in good.items() if k != key}, cfg))
     if _native.gpu_available():
         # An all-zero template describes no model: refused before anything is allocated.
         with pytest.raises(ValueError, match="MkStepArgs.layers is 0, the model's geometry says 5"):

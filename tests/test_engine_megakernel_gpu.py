@@ -334,7 +334,8 @@ def test_constrained_requests_on_the_megakernel_follow_their_grammar(model):
     """Rows under a grammar sample on the host from their copied-back logits with the mask applied,
     beside free rows that the kernel samples (the embedded model's tokenizer: ids past its 16,384
     are never allowed); with `kernel_masks` the kernel draws them among their masks' tokens, and
-    every token is the same."""
+    with `late_masks` too their steps are queued and the masks reach the running kernel through
+    mapped memory; every token is the same."""
     import mk
 
     tok = Tokenizer.from_dir(Path(mk.__file__).parent / "embedded")
@@ -354,6 +355,11 @@ def test_constrained_requests_on_the_megakernel_follow_their_grammar(model):
     with engine(model, "megakernel", tokenizer_json=tok.hf.to_str(), kernel_masks=True) as e:
         on_gpu = run(e, reqs)
     assert [r[0] for r in on_gpu] == [r[0] for r in results], "the kernel's masked draws are the host's"
+    with engine(model, "megakernel", tokenizer_json=tok.hf.to_str(), kernel_masks=True, late_masks=True) as e:
+        late = run(e, reqs)
+        queued = e.native_stats()["queued_steps"]
+    assert [r[0] for r in late] == [r[0] for r in results], "masks delivered while the step runs draw the same"
+    assert queued > 20, f"only {queued} steps were queued"
     texts = [b"".join(tok.token_bytes(t) for t in r[0] if t != model.config.eos_token_id).decode() for r in results]
     print("constrained outputs:", [(t, r[1]) for t, r in zip(texts, results, strict=True)])
     assert results[0][1] == "stop" and re.fullmatch(word, texts[0]), texts[0]

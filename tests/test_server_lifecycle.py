@@ -63,6 +63,7 @@ def test_server_and_engine_share_their_defaults():
     assert args.decode_prefill_budget is engine_defaults["decode_prefill_budget"].default is None
     assert args.prefix_graphs is engine_defaults["prefix_graphs"].default is False  # experimental: off
     assert args.sliced_prefill is engine_defaults["sliced_prefill"].default is False  # experimental: off
+    assert args.late_masks is engine_defaults["late_masks"].default is False  # experimental: off
 
 
 def test_help_documents_every_flag():
@@ -71,7 +72,7 @@ def test_help_documents_every_flag():
     for flag in ("--host", "--port", "--model", "--synthetic", "--served-model-name", "--max-batch", "--max-context",
                  "--kv-fraction", "--prefill-chunk", "--api-key", "--log-level", "--drain-timeout", "--backend",
                  "--prefill", "--launch-ahead", "--prefill-graphs", "--prefix-graphs", "--decode-prefill-budget",
-                 "--sliced-prefill", "--kernel-masks"):  # fmt: skip
+                 "--sliced-prefill", "--kernel-masks", "--late-masks"):  # fmt: skip
         assert flag in out.stdout
 
 

@@ -85,6 +85,13 @@ __device__ __forceinline__ uint32_t load_acquire(const uint32_t* p) {
     return v;
 }
 
+// A word the host writes into mapped memory while the kernel runs (MkStepArgs.mask_ready).
+__device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* p) {
+    uint32_t v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 __device__ __forceinline__ uint64_t global_ns() {
     uint64_t t;
     asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));

@@ -284,7 +284,21 @@ __device__ void run_sample_part(const MkStepArgs& a, const MkTask& t, float* sv,
     const int b = t.arg[0], part = t.arg[1], lo = t.arg[2], hi = t.arg[3];
     const MkRowSample rule = row_sample(a, b);
     const bool draw = rule.inv_temperature > 0.f;
-    // Written by the host before the launch: read through the read-only path.
+    // Written by the host before the launch: read through the read-only path. Or, for a step
+    // queued before the host knew its masks (mask_ready), while it runs: wait for them (thread 0;
+    // the barrier extends what it saw to the block), then read them uncached.
+    const bool late = rule.masked && a.mask_ready != 0;
+    if (late) {
+        if (threadIdx.x == 0) {
+            const uint32_t* ready = ptr<const uint32_t>(a.mask_ready);
+            const uint64_t start = global_ns();
+            while (load_acquire_sys(ready) != (uint32_t)a.mask_epoch) {
+                __nanosleep(256);
+                if (global_ns() - start > kWaitLimitNs) __trap();
+            }
+        }
+        compute_sync();
+    }
     const uint32_t* mask =
         rule.masked ? ptr<const uint32_t>(a.row_masks) + (size_t)b * ((a.vocab + 31) / 32) : nullptr;
     const uint64_t seed = ((uint64_t)rule.seed_hi << 32) | rule.seed_lo;
@@ -300,7 +314,10 @@ __device__ void run_sample_part(const MkStepArgs& a, const MkTask& t, float* sv,
         for (int j = 0; j < kSampleBatch; ++j) {
             const int i = i0 + j * kThreads;
             v[j] = i < hi ? ld_f32(row + i) : -INFINITY;
-            if (mask != nullptr && i < hi && ((__ldg(mask + i / 32) >> (i % 32)) & 1u) == 0) v[j] = -INFINITY;
+            if (mask != nullptr && i < hi) {
+                const uint32_t word = late ? __ldcv(mask + i / 32) : __ldg(mask + i / 32);
+                if (((word >> (i % 32)) & 1u) == 0) v[j] = -INFINITY;
+            }
         }
 #pragma unroll
         for (int j = 0; j < kSampleBatch; ++j) {

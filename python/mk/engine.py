@@ -119,6 +119,11 @@ class Engine:
     then waits for the masks the host path computes during the step, which costs less than the
     logits copied back and the host draw it saves (batch 1 × 8K under a grammar: 261 → 337 tok/s,
     batch 8: 558 → 694, docs/PERF.md). None (the default): on with the megakernel backend.
+    `late_masks` (with `kernel_masks` and launch-ahead): a step with such rows is launched ahead
+    too, before their masks are known; the masks are computed once the previous step's tokens
+    have landed, while the step runs, and the kernel's sample tasks wait for them
+    (rust/engine/core.rs, `Backend::deliver_masks`), so that a grammar no longer adds host time
+    between steps. The tokens are the same. Off by default until measured on a GPU.
 
     KV pool: `kv_blocks` blocks, else `kv_bytes`, else on a GPU `kv_fraction` of the memory free
     after the weights, else (CPU) room for one sequence of `max_context` tokens or `max_batch` of
@@ -147,6 +152,7 @@ class Engine:
         decode_prefill_budget: int | None = None,
         sliced_prefill: bool = False,
         kernel_masks: bool | None = None,
+        late_masks: bool = False,
         prefix_graphs: bool = False,
     ) -> None:
         cfg = model.config
@@ -159,6 +165,9 @@ class Engine:
         if kernel_masks and self.backend != "megakernel":
             raise ValueError(f"kernel_masks needs the megakernel backend; this engine decodes with {self.backend!r}")
         self.kernel_masks = self.backend == "megakernel" if kernel_masks is None else kernel_masks
+        if late_masks and not self.kernel_masks:
+            raise ValueError("late_masks needs kernel_masks (the megakernel backend's)")
+        self.late_masks = late_masks
         fast = _fast_prefill(model, prefill, prefill_chunk, prefill_graphs, prefix_graphs)
         self.prefill = "reference" if fast is None else "fast"
         if sliced_prefill and (fast is None or decode_prefill_budget is None):
@@ -177,7 +186,13 @@ class Engine:
         num_blocks = _pool_blocks(model, kv_blocks, kv_bytes, kv_fraction, cpu_blocks)
         if self.backend == "megakernel":
             self._runner = MegakernelRunner(
-                model, num_blocks, max_batch, max_context, fast_prefill=fast, kernel_masks=self.kernel_masks
+                model,
+                num_blocks,
+                max_batch,
+                max_context,
+                fast_prefill=fast,
+                kernel_masks=self.kernel_masks,
+                late_masks=late_masks,
             )
         else:
             self._runner = ReferenceRunner(model, num_blocks, max_batch, max_context, fast_prefill=fast)

@@ -128,10 +128,26 @@ pub trait Backend: Send {
     /// Runs one decode step; `out` receives one `Sampled` per row, in row order.
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError>;
 
-    /// Whether `queue` takes this step (no row under a grammar: the loop never queues those). A
-    /// backend that runs steps when they are called takes none.
+    /// Whether `queue` takes this step. A backend that runs steps when they are called takes none;
+    /// one takes rows under a grammar (`input.is_constrained`, their masks not yet known) only
+    /// where it has `late_masks`.
     fn can_queue(&self, _input: &DecodeInput<'_>) -> bool {
         false
+    }
+
+    /// Whether a queued step may hold rows under a grammar whose masks come after it is queued
+    /// (`deliver_masks`): the device waits for them only where it samples those rows, so the
+    /// masks of step n + 1 are computed while it runs, once step n's tokens have landed.
+    fn late_masks(&self) -> bool {
+        false
+    }
+
+    /// The masks of the step queued last, one per row in its order (None: any token, for a row
+    /// that is not under a grammar or whose request has left), once every token before them has
+    /// landed. A step queued with rows under a grammar gets exactly one call, before its
+    /// `collect`; a backend must not sample those rows before it.
+    fn deliver_masks(&mut self, _masks: &[Option<&TokenMask>]) -> Result<(), BackendError> {
+        Err(BackendError("this backend does not take late masks".into()))
     }
 
     /// Queues one decode step behind the steps queued before it and returns before it has run: row
@@ -165,6 +181,14 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
 
     fn can_queue(&self, input: &DecodeInput<'_>) -> bool {
         (**self).can_queue(input)
+    }
+
+    fn late_masks(&self) -> bool {
+        (**self).late_masks()
+    }
+
+    fn deliver_masks(&mut self, masks: &[Option<&TokenMask>]) -> Result<(), BackendError> {
+        (**self).deliver_masks(masks)
     }
 
     fn queue(&mut self, input: &DecodeInput<'_>, previous: &[Option<usize>]) -> Result<(), BackendError> {

@@ -65,10 +65,12 @@ fn owner(sched: &Scheduler, chunk: &PrefillChunk) -> Option<Owner> {
     Some(Owner { arrival: seq.arrival, preemptions: seq.preemptions, computed: seq.computed })
 }
 
-/// A decode step launched and not yet landed: its batch and what it gives when it lands.
+/// A decode step launched and not yet landed: its batch, what it gives when it lands, and whether
+/// it was queued with rows under a grammar whose masks are still to be delivered (`late_masks`).
 struct Flight {
     batch: DecodeBatch,
     landing: Landing,
+    masks_due: bool,
 }
 
 /// A launched step's tokens: known (the backend ran it when it was launched, or it failed), or
@@ -330,10 +332,15 @@ impl<B: Backend> Core<B> {
                 Landing::Ran(Err(_)) => false,
                 Landing::Queued => true,
             };
-            if usable && self.sched.plan_ahead(&flight.batch, &mut batch, &mut previous) && !batch.is_empty() {
+            let late = usable && self.late_masks_ahead();
+            if usable && self.sched.plan_ahead(&flight.batch, &mut batch, &mut previous, late) && !batch.is_empty() {
+                let masks = pending_masks(&self.sched, &batch);
                 if matches!(flight.landing, Landing::Queued)
-                    && !self.backend.can_queue(&unmasked_input(&self.sched, &batch))
+                    && !self.backend.can_queue(&DecodeInput { masks: &masks, ..unmasked_input(&self.sched, &batch) })
                 {
+                    // (`late_masks_ahead` asked this of every decoding row: a step with a row under
+                    // a grammar is queueable, or plan_ahead would not have planned it.)
+                    debug_assert!(!masks.any_constrained(), "a step under a grammar must be queued");
                     // Step n's tokens are on the device and this step cannot follow them there.
                     backend_ns += self.collect(&mut flight);
                 }
@@ -368,10 +375,13 @@ impl<B: Backend> Core<B> {
         }
         if !launched && !self.batch.is_empty() {
             let batch = std::mem::take(&mut self.batch);
-            let constrained = batch.rows.iter().any(|&r| self.sched.seq(r).is_some_and(|s| s.constrained()));
+            let masks = pending_masks(&self.sched, &batch);
             // Only a step the backend can queue goes out ahead: one it would run at once would
-            // hand its tokens over an iteration late (a step's time added to every token).
-            if self.launch_ahead && !constrained && self.backend.can_queue(&unmasked_input(&self.sched, &batch)) {
+            // hand its tokens over an iteration late (a step's time added to every token). Rows
+            // under a grammar go with it where the backend takes their masks late.
+            let input = DecodeInput { masks: &masks, ..unmasked_input(&self.sched, &batch) };
+            let queueable = (!masks.any_constrained() || self.backend.late_masks()) && self.backend.can_queue(&input);
+            if self.launch_ahead && queueable {
                 backend_ns += self.launch(batch, &[], true);
                 backend_ns += self.land_if_ran(out); // the queue refused it: its rows fail now
             } else {
@@ -379,6 +389,7 @@ impl<B: Backend> Core<B> {
             }
         }
 
+        backend_ns += self.deliver_masks();
         let host = (started.elapsed().as_nanos() as u64).saturating_sub(backend_ns);
         let m = &mut self.metrics;
         m.iterations += 1;
@@ -401,7 +412,9 @@ impl<B: Backend> Core<B> {
     /// Returns the backend's time in ns.
     fn launch(&mut self, batch: DecodeBatch, previous: &[Option<usize>], queue: bool) -> u64 {
         let t = Instant::now();
-        let input = unmasked_input(&self.sched, &batch);
+        // A queued step's rows under a grammar get their masks at the end of the iteration.
+        let masks = if queue { pending_masks(&self.sched, &batch) } else { MaskSet::pending(Vec::new()) };
+        let input = DecodeInput { masks: &masks, ..unmasked_input(&self.sched, &batch) };
         let landing = if queue {
             match self.backend.queue(&input, previous) {
                 Ok(()) => {
@@ -419,7 +432,60 @@ impl<B: Backend> Core<B> {
         };
         let ns = t.elapsed().as_nanos() as u64;
         self.finish_call(&batch);
-        self.in_flight = Some(Flight { batch, landing });
+        let masks_due = matches!(landing, Landing::Queued) && masks.any_constrained();
+        self.in_flight = Some(Flight { batch, landing, masks_due });
+        ns
+    }
+
+    /// Whether the next step may be planned ahead with rows under a grammar: the backend takes
+    /// their masks late and can queue a step of every decoding row as they sample now (so any
+    /// step `plan_ahead` plans from them: `can_queue` holds for a subset of a queueable step).
+    fn late_masks_ahead(&self) -> bool {
+        if !self.backend.late_masks() {
+            return false;
+        }
+        let (mut rows, mut specs, mut constrained) = (Vec::new(), Vec::new(), Vec::new());
+        self.sched.decoding_rows(&mut rows, &mut specs, &mut constrained);
+        if !constrained.contains(&true) {
+            return false; // (no grammar: plan_ahead needs no leave)
+        }
+        let zeros = vec![0u32; rows.len()];
+        let masks = MaskSet::pending(constrained);
+        let input = DecodeInput {
+            rows: &rows,
+            tokens: &zeros,
+            positions: &zeros,
+            specs: &specs,
+            masks: &masks,
+            table: self.sched.page_table(),
+            dirty_rows: &[],
+        };
+        self.backend.can_queue(&input)
+    }
+
+    /// The masks of the step in flight where it was queued with rows under a grammar: computed now,
+    /// every token before it having landed, while it runs (`Backend::deliver_masks`). A row whose
+    /// request has left gets none (its token is dropped when the step lands). Returns the
+    /// backend's time in ns.
+    fn deliver_masks(&mut self) -> u64 {
+        let Some(mut flight) = self.in_flight.take_if(|f| f.masks_due) else { return 0 };
+        flight.masks_due = false;
+        let batch = &flight.batch;
+        let rows: Vec<Option<usize>> = (0..batch.len())
+            .map(|i| self.sched.seq(batch.rows[i]).filter(|s| s.id == batch.ids[i]).map(|_| batch.rows[i]))
+            .collect();
+        let (lent, masks) = Lent::take(&mut self.sched, rows.into_iter()).unzip();
+        if let (Some(mut l), Some(m)) = (lent, &masks) {
+            l.fill(m);
+            l.give_back(&mut self.sched);
+        }
+        let list: Vec<Option<&TokenMask>> = (0..batch.len()).map(|i| masks.as_ref().and_then(|m| m.get(i))).collect();
+        let t = Instant::now();
+        if let Err(e) = self.backend.deliver_masks(&list) {
+            flight.landing = Landing::Ran(Err(e)); // its rows fail as it lands
+        }
+        let ns = t.elapsed().as_nanos() as u64;
+        self.in_flight = Some(flight);
         ns
     }
 
@@ -472,7 +538,7 @@ impl<B: Backend> Core<B> {
         }
         let ns = t.elapsed().as_nanos() as u64;
         self.finish_call(&batch);
-        let flight = Flight { batch, landing: Landing::Ran(result.map(|()| sampled)) };
+        let flight = Flight { batch, landing: Landing::Ran(result.map(|()| sampled)), masks_due: false };
         ns + self.land(flight, out)
     }
 
@@ -487,8 +553,9 @@ impl<B: Backend> Core<B> {
     /// Hands a step's tokens to the scheduler (or fails its rows), waiting for them if the step is
     /// queued; the tokens' buffer is kept for reuse. Returns the backend's time in ns.
     fn land(&mut self, mut flight: Flight, out: &mut Vec<Event>) -> u64 {
+        debug_assert!(!flight.masks_due, "a step lands after its masks were delivered");
         let ns = self.collect(&mut flight);
-        let Flight { batch, landing } = flight;
+        let Flight { batch, landing, .. } = flight;
         let Landing::Ran(result) = landing else { unreachable!("collected above") };
         let result = result.and_then(|sampled| match sampled.len() == batch.len() {
             true => Ok(sampled),
@@ -503,6 +570,11 @@ impl<B: Backend> Core<B> {
         }
         ns
     }
+}
+
+/// Which rows of `batch` are under a grammar, their masks to come.
+fn pending_masks(sched: &Scheduler, batch: &DecodeBatch) -> MaskSet {
+    MaskSet::pending(batch.rows.iter().map(|&r| sched.seq(r).is_some_and(|s| s.constrained())).collect())
 }
 
 /// `batch` as a backend call's input, without masks (no row under a grammar).

@@ -14,6 +14,7 @@
 use super::backend::{BackendError, DecodeInput, LaunchTimes};
 use crate::gpu::step::{GpuLauncher, StepRows};
 use crate::gpu::MkRowSample;
+use crate::grammar::TokenMask;
 use crate::sampling::{inverse_temperature, sample_rows, Job, SampleError, SampleSpec, Sampled, Sampler};
 
 /// Runs one launch (the GPU's `GpuLauncher`; a mock in tests).
@@ -35,6 +36,10 @@ pub trait StepLauncher {
 
     /// Waits for the oldest queued launch; `sampled` gets its rows' tokens.
     fn collect(&mut self, sampled: &mut Vec<u32>) -> Result<(), BackendError>;
+
+    /// The masks of the launch queued last with `late_masks`, one per row (Some exactly for its
+    /// masked rows), once the launch before it has been collected.
+    fn deliver_masks(&mut self, masks: &[Option<&TokenMask>]) -> Result<(), BackendError>;
 
     /// Where the launches' host time went so far.
     fn launch_times(&self) -> LaunchTimes {
@@ -66,6 +71,10 @@ impl StepLauncher for GpuLauncher {
 
     fn collect(&mut self, sampled: &mut Vec<u32>) -> Result<(), BackendError> {
         GpuLauncher::collect(self, sampled).map_err(|e| BackendError(format!("megakernel step: {e}")))
+    }
+
+    fn deliver_masks(&mut self, masks: &[Option<&TokenMask>]) -> Result<(), BackendError> {
+        GpuLauncher::deliver_masks(self, masks).map_err(|e| BackendError(format!("megakernel step: {e}")))
     }
 
     fn launch_times(&self) -> LaunchTimes {
@@ -117,10 +126,19 @@ pub struct MegakernelDecoder<L> {
     /// (a mask costs ~35-400 µs, the host draw it saves 0.2-4 ms). Off by default until that is
     /// measured (its tokens equal the host path's on the H200).
     pub kernel_masks: bool,
+    /// With `kernel_masks`: a step with rows under a grammar is queued too, its masks delivered
+    /// while it runs (`deliver_masks`; the kernel's sample tasks wait for them), so that the masks
+    /// of step n + 1 are computed while it runs instead of between the steps. Off by default
+    /// until measured on a GPU.
+    pub late_masks: bool,
+    /// Every token allowed: the mask of a masked row whose request has left.
+    all_tokens: Option<TokenMask>,
     sampled: Vec<u32>,
     logits: Vec<f32>,
     /// The rows of each queued step, oldest first.
     queued: std::collections::VecDeque<Vec<usize>>,
+    /// The masked rows of the step queued last, until its masks are delivered.
+    late_rows: Option<Vec<bool>>,
 }
 
 impl<L: StepLauncher> MegakernelDecoder<L> {
@@ -132,17 +150,36 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
             want: Vec::new(),
             draws: Vec::new(),
             kernel_masks: false,
+            late_masks: false,
+            all_tokens: None,
             sampled: Vec::new(),
             logits: Vec::new(),
             queued: std::collections::VecDeque::new(),
+            late_rows: None,
         }
     }
 
     /// Whether `queue` takes this step: one launch's rows at most, every token drawn on the GPU
-    /// (`kernel_draw`) and no row under a grammar.
+    /// (`kernel_draw`), and no row under a grammar unless their masks may come late.
     pub fn can_queue(&self, input: &DecodeInput<'_>) -> bool {
+        let late = self.kernel_masks && self.late_masks;
         input.len() <= self.launcher.max_rows()
-            && (0..input.len()).all(|i| !needs_logits(&input.specs[i]) && !input.is_constrained(i))
+            && (0..input.len()).all(|i| !needs_logits(&input.specs[i]) && (late || !input.is_constrained(i)))
+    }
+
+    /// The masks of the step queued last with rows under a grammar (`Backend::deliver_masks`): a
+    /// masked row whose request has left (None) allows every token (its token is dropped).
+    pub fn deliver_masks(&mut self, masks: &[Option<&TokenMask>]) -> Result<(), BackendError> {
+        let vocab = self.launcher.vocab();
+        let all =
+            self.all_tokens.get_or_insert_with(|| TokenMask { words: vec![u32::MAX; TokenMask::words_for(vocab)] });
+        let masked = self.late_rows.take().ok_or_else(|| BackendError("no step waits for masks".into()))?;
+        let full: Vec<Option<&TokenMask>> = masked
+            .iter()
+            .zip(masks.iter().chain(std::iter::repeat(&None)))
+            .map(|(&m, &k)| m.then(|| k.unwrap_or(all)))
+            .collect();
+        self.launcher.deliver_masks(&full)
     }
 
     /// Queues the step as one launch (`Backend::queue`).
@@ -153,7 +190,11 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
         self.want.clear();
         self.want.resize(input.len(), false);
         self.draws.clear();
-        self.draws.extend(input.specs.iter().map(|s| kernel_draw(s).expect("can_queue checked it")));
+        for (i, spec) in input.specs.iter().enumerate() {
+            let draw = kernel_draw(spec).expect("can_queue checked it");
+            self.draws.push(if input.is_constrained(i) { draw.with_mask() } else { draw });
+        }
+        let late_masks = (0..input.len()).any(|i| input.is_constrained(i));
         let step = StepRows {
             rows: input.rows,
             tokens: input.tokens,
@@ -162,9 +203,11 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
             want_logits: &self.want,
             samples: &self.draws,
             masks: &[],
+            late_masks,
             launch: 0,
         };
         self.launcher.queue(&step, previous)?;
+        self.late_rows = late_masks.then(|| (0..input.len()).map(|i| input.is_constrained(i)).collect());
         self.queued.push_back(input.rows.to_vec());
         Ok(())
     }
@@ -228,6 +271,7 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
                 want_logits: &self.want,
                 samples: &self.draws,
                 masks: &masks,
+                late_masks: false,
                 launch: start / per_launch,
             };
             self.launcher.launch(&step, &mut self.sampled, &mut self.logits)?;
@@ -274,6 +318,9 @@ mod tests {
         (0..vocab).map(|v| if v == best { 5.0 } else { (v % 7) as f32 * 0.5 }).collect()
     }
 
+    /// A queued launch's rows, tokens, positions and draws, run when its masks come.
+    type Awaiting = (Vec<usize>, Vec<u32>, Vec<u32>, Vec<MkRowSample>);
+
     struct Mock {
         max_rows: usize,
         vocab: usize,
@@ -284,10 +331,13 @@ mod tests {
         drawn: Vec<usize>,
         /// The rows the kernel drew among their mask's tokens, in launch order.
         masked: Vec<usize>,
+        /// A queued launch with late masks, run when they come: its rows, tokens, positions and draws.
+        awaiting: Option<Awaiting>,
     }
 
     fn mock(max_rows: usize, vocab: usize) -> Mock {
-        Mock { max_rows, vocab, launches: Vec::new(), queued: Vec::new(), drawn: Vec::new(), masked: Vec::new() }
+        let (launches, queued, drawn, masked) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        Mock { max_rows, vocab, launches, queued, drawn, masked, awaiting: None }
     }
 
     impl StepLauncher for Mock {
@@ -344,9 +394,34 @@ mod tests {
                     *t = self.queued.last().expect("a queued launch to follow")[*j];
                 }
             }
+            if s.late_masks {
+                assert!(self.awaiting.is_none(), "one launch waits for its masks at a time");
+                self.awaiting = Some((s.rows.to_vec(), tokens, s.positions.to_vec(), s.samples.to_vec()));
+                return Ok(());
+            }
             let (mut sampled, mut logits) = (Vec::new(), Vec::new());
             self.launch(&StepRows { tokens: &tokens, launch: self.launches.len(), ..*s }, &mut sampled, &mut logits)?;
             assert!(logits.is_empty(), "a queued launch returns no logits");
+            self.queued.push(sampled);
+            Ok(())
+        }
+        fn deliver_masks(&mut self, masks: &[Option<&TokenMask>]) -> Result<(), BackendError> {
+            let (rows, tokens, positions, samples) = self.awaiting.take().expect("a launch waiting for masks");
+            let table = PageTable::new(1, self.max_rows.max(rows.iter().max().map_or(0, |r| r + 1)), 1);
+            let want = vec![false; rows.len()];
+            let step = StepRows {
+                rows: &rows,
+                tokens: &tokens,
+                positions: &positions,
+                table: &table,
+                want_logits: &want,
+                samples: &samples,
+                masks,
+                late_masks: false,
+                launch: self.launches.len(),
+            };
+            let (mut sampled, mut logits) = (Vec::new(), Vec::new());
+            self.launch(&step, &mut sampled, &mut logits)?;
             self.queued.push(sampled);
             Ok(())
         }
@@ -463,6 +538,46 @@ mod tests {
         for i in [0, 4, 5] {
             assert!(masks[i].allows(want[i].token), "row {i} keeps to its mask");
         }
+    }
+
+    #[test]
+    fn with_late_masks_a_step_under_a_grammar_queues_and_draws_among_masks_delivered_later() {
+        use crate::grammar::MaskSet;
+        let vocab = 64;
+        let (rows, tokens, positions) = (vec![0, 2, 5], vec![3u32, 8, 13], vec![5u32, 9, 2]);
+        let specs = [SampleSpec::greedy(0), heated(1), SampleSpec::greedy(2)];
+        let constrained = vec![true, false, true];
+        let set = MaskSet::pending(constrained.clone()); // never filled: the masks come later
+        let table = PageTable::new(1, 8, 4);
+        let input = DecodeInput {
+            rows: &rows,
+            tokens: &tokens,
+            positions: &positions,
+            specs: &specs,
+            masks: &set,
+            table: &table,
+            dirty_rows: &[],
+        };
+        let mut dec = MegakernelDecoder::new(mock(4, vocab));
+        dec.kernel_masks = true;
+        assert!(!dec.can_queue(&input), "without late masks a step under a grammar runs synchronously");
+        dec.late_masks = true;
+        assert!(dec.can_queue(&input));
+        dec.queue(&input, &[None; 3]).unwrap();
+        assert!(dec.launcher.queued.is_empty(), "nothing is drawn before the masks come");
+        // Row 0's mask excludes its best token; row 2's request has left (None: every token).
+        let best = |i: usize| argmax(&fake_logits(tokens[i], positions[i], vocab));
+        let mask0 = mask_of(vocab, |t| t != best(0));
+        dec.deliver_masks(&[Some(&mask0), None, None]).unwrap();
+        let mut out = Vec::new();
+        dec.collect(&mut out).unwrap();
+        let host = |i: usize, mask: Option<&TokenMask>| {
+            Sampler::new().sample_allowed(&fake_logits(tokens[i], positions[i], vocab), &specs[i], mask).unwrap()
+        };
+        assert_eq!(out, vec![host(0, Some(&mask0)), host(1, None), host(2, None)]);
+        assert_ne!(out[0].token, best(0));
+        assert_eq!(dec.launcher.masked, vec![0, 5], "rows 0 and 2 were drawn under masks");
+        assert!(dec.deliver_masks(&[None, None, None]).is_err(), "no step waits for masks");
     }
 
     #[test]

@@ -96,6 +96,9 @@ impl MockModel {
     }
 }
 
+/// A queued step's logits (or why a row has none) and specs, its rows drawn when its masks come.
+type Awaiting = (Vec<Result<Vec<f32>, String>>, Vec<SampleSpec>);
+
 /// `MockModel` behind the backend trait, over its own slot store.
 pub struct MockBackend {
     pub model: MockModel,
@@ -132,6 +135,14 @@ pub struct MockBackend {
     pub queued_steps: usize,
     /// Queue at most this many steps, then refuse (a batch that stops being queueable).
     pub queue_limit: Option<usize>,
+    /// Queue steps with rows under a grammar too, their masks delivered later
+    /// (`Backend::late_masks`): such a step's logits are computed when it is queued and its rows
+    /// sampled when the masks come; collecting it before that fails it.
+    pub late_masks: bool,
+    /// The last queued step's logits and specs while its masks have not come.
+    awaiting: Option<Awaiting>,
+    /// `deliver_masks` calls so far.
+    pub masks_delivered: usize,
     queued: std::collections::VecDeque<Result<Vec<Sampled>, BackendError>>,
     /// The tokens of the last queued step (None where it failed): the device's copy.
     last_queued: Option<Vec<u32>>,
@@ -158,6 +169,9 @@ impl MockBackend {
             queueing: false,
             queued_steps: 0,
             queue_limit: None,
+            late_masks: false,
+            awaiting: None,
+            masks_delivered: 0,
             queued: std::collections::VecDeque::new(),
             last_queued: None,
         }
@@ -198,14 +212,19 @@ impl MockBackend {
         spec: &SampleSpec,
         allowed: Option<&TokenMask>,
     ) -> Result<Sampled, String> {
-        let logits = self.model.logits_with(p, |layer, pos| {
+        let logits = self.logits_at(table, row, p)?;
+        self.sampler.sample_allowed(&logits, spec, allowed).map_err(|e| e.to_string())
+    }
+
+    /// The logits of row `row`'s query at `p`, from the K/V its pages hold.
+    fn logits_at(&self, table: &PageTable, row: usize, p: usize) -> Result<Vec<f32>, String> {
+        self.model.logits_with(p, |layer, pos| {
             let (token, at) = self.store[self.slot(table, row, layer, pos)?];
             if at as usize != pos {
                 return Err(format!("row {row} layer {layer} position {pos}: stale K/V (holds position {at})"));
             }
             Ok(token)
-        })?;
-        self.sampler.sample_allowed(&logits, spec, allowed).map_err(|e| e.to_string())
+        })
     }
 }
 
@@ -296,7 +315,33 @@ impl Backend for MockBackend {
     fn can_queue(&self, input: &DecodeInput<'_>) -> bool {
         self.queueing
             && self.queue_limit.is_none_or(|limit| self.queued_steps < limit)
-            && (0..input.len()).all(|i| !input.is_constrained(i))
+            && (0..input.len()).all(|i| !input.is_constrained(i) || self.late_masks)
+    }
+
+    fn late_masks(&self) -> bool {
+        self.late_masks
+    }
+
+    fn deliver_masks(&mut self, masks: &[Option<&TokenMask>]) -> Result<(), BackendError> {
+        let (logits, specs) = self.awaiting.take().expect("masks for a step queued with rows under a grammar");
+        assert_eq!(masks.len(), specs.len(), "one mask (or none) per row");
+        self.masks_delivered += 1;
+        let mut sampled = Vec::new();
+        let mut result = Ok(());
+        for ((l, spec), mask) in logits.iter().zip(&specs).zip(masks) {
+            match l
+                .as_ref()
+                .map_err(|e| e.clone())
+                .and_then(|l| self.sampler.sample_allowed(l, spec, *mask).map_err(|e| e.to_string()))
+            {
+                Ok(s) => sampled.push(s),
+                Err(e) => result = Err(BackendError(e)),
+            }
+        }
+        let step = result.map(|()| sampled);
+        self.last_queued = step.as_ref().ok().map(|s| s.iter().map(|s| s.token).collect());
+        *self.queued.back_mut().expect("the step awaiting its masks") = step;
+        Ok(())
     }
 
     fn queue(&mut self, input: &DecodeInput<'_>, previous: &[Option<usize>]) -> Result<(), BackendError> {
@@ -312,6 +357,25 @@ impl Backend for MockBackend {
                     None => followed = false,
                 }
             }
+        }
+        if (0..input.len()).any(|i| input.is_constrained(i)) {
+            // Rows under a grammar: K/V written and logits computed now, the tokens drawn when the
+            // masks come (`deliver_masks`).
+            assert!(followed, "a step under a grammar follows a step whose tokens are on the device");
+            self.decode_calls += 1;
+            let step = DecodeInput { tokens: &tokens, ..*input };
+            let mut logits = Vec::new();
+            for i in 0..step.len() {
+                let (row, pos) = (step.rows[i], step.positions[i] as usize);
+                self.write(step.table, row, step.tokens[i], pos).map_err(BackendError)?;
+            }
+            for i in 0..step.len() {
+                logits.push(self.logits_at(step.table, step.rows[i], step.positions[i] as usize));
+            }
+            self.awaiting = Some((logits, step.specs.to_vec()));
+            self.last_queued = None;
+            self.queued.push_back(Err(BackendError("collected before its masks came".into())));
+            return Ok(());
         }
         let mut out = Vec::new();
         let result = match followed {

@@ -549,10 +549,20 @@ fn constrained_requests_follow_their_grammar_beside_free_ones() {
         (1, constrained(3, "(ab|cd)+e", seeded.clone())),
         (2, constrained(4, "[a-u]*", SamplingParams { ignore_eos: true, ..SamplingParams::greedy(6) })),
     ];
-    for (max_batch, ahead) in [(1, false), (4, false), (4, true)] {
+    // (batch, launch-ahead, a backend that queues steps with late masks): without late masks rows
+    // under a grammar step synchronously; with them they queue, their masks computed once the
+    // tokens before have landed (Backend::deliver_masks).
+    for (max_batch, ahead, late) in
+        [(1, false, false), (4, false, false), (4, true, false), (4, true, true), (1, true, true)]
+    {
         let mut c = core(&model, 64, max_batch, 4, 64);
-        c.launch_ahead = ahead; // rows under a grammar always step synchronously
+        c.launch_ahead = ahead;
+        c.backend.queueing = late;
+        c.backend.late_masks = late;
         let out = run(&mut c, &arrivals, &[]);
+        if late {
+            assert!(c.backend.masks_delivered > 5 && c.metrics.queued_steps >= c.backend.masks_delivered as u64);
+        }
         for (_, r) in &arrivals {
             let (want, finish) = model.solo_request(r.clone(), 1234, 64);
             assert_eq!(out.tokens[&r.id], want, "request {} at batch {max_batch}", r.id);
@@ -818,4 +828,29 @@ fn a_sliced_call_finishes_at_once_when_nothing_decodes() {
     // The stream's prompt; the first 12-token chunk: one layer while the stream decodes, the other
     // two at once after it ended; then whole chunks of 12 and 6.
     assert_eq!(calls, [(3, layers), (12, 1), (12, layers - 1), (12, layers), (6, layers)]);
+}
+
+/// With late masks, a request under a grammar cancelled while its step is queued: the step's masks
+/// come without it (that row's token is dropped), and the others keep their solo streams.
+#[test]
+fn late_masks_survive_a_cancel_while_the_step_is_queued() {
+    use crate::grammar::ConstraintSpec;
+    let model = MockModel::small();
+    let grammars = mock_grammars(&model);
+    let constrained = |id: u64, rx: &str, n: usize| Request {
+        constraint: Some(grammars.compile(&ConstraintSpec::Regex(rx.into())).unwrap()),
+        ..req(id, 5 + id as usize, SamplingParams { ignore_eos: true, ..SamplingParams::greedy(n) })
+    };
+    let arrivals = vec![(0, constrained(1, "[a-u]*", 30)), (0, constrained(2, "[0-9a-c]*", 12))];
+    let mut c = core(&model, 64, 4, 8, 64);
+    c.launch_ahead = true;
+    c.backend.queueing = true;
+    c.backend.late_masks = true;
+    let out = run(&mut c, &arrivals, &[(6, 1)]);
+    assert_eq!(out.finish[&1], FinishReason::Cancelled);
+    let (want, finish) = model.solo_request(arrivals[1].1.clone(), 1234, 64);
+    assert_eq!((&out.tokens[&2], out.finish[&2]), (&want, finish));
+    let (solo1, _) = model.solo_request(arrivals[0].1.clone(), 1234, 64);
+    assert!(solo1.starts_with(&out.tokens[&1]), "the cancelled stream kept to its solo tokens");
+    assert!(c.backend.masks_delivered >= 5, "{}", c.backend.masks_delivered);
 }

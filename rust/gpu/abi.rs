@@ -75,7 +75,7 @@ abi_struct! {
         slots: i32,
         sample_parts: i32,
         flags: i32,
-        reserved1: i32,
+        mask_epoch: i32,
         eps: f32,
         logit_scale: f32,
         rope_theta: f32,
@@ -90,6 +90,7 @@ abi_struct! {
         kv_maps: u64,
         row_samples: u64,
         row_masks: u64,
+        mask_ready: u64,
     }
 }
 
@@ -185,7 +186,7 @@ pub const TRACE_MARKED: u32 = 0x8000_0000;
 pub const LEDGER_STAGES: usize = 8192;
 
 /// Must equal `MK_ABI_VERSION` in cuda/abi.h.
-pub const ABI_VERSION: u64 = 12;
+pub const ABI_VERSION: u64 = 13;
 
 /// The values `mk_abi_layout` in cuda/abi_probe.cu holds, in its order, computed on the Rust side.
 pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {

@@ -27,7 +27,7 @@ pub const MAX_STEP_ROWS: usize = crate::gpu::abi::STEP_MAX_BATCH;
 
 /// The `MkStepArgs` fields `launch` fills in for every step (its buffers, or per-step values); Python
 /// leaves them 0 in the template (`_native.PER_STEP_FIELDS`).
-pub const PER_STEP_FIELDS: [&str; 15] = [
+pub const PER_STEP_FIELDS: [&str; 17] = [
     "tasks",
     "counters",
     "tokens",
@@ -35,6 +35,8 @@ pub const PER_STEP_FIELDS: [&str; 15] = [
     "block_tables",
     "row_samples",
     "row_masks",
+    "mask_ready",
+    "mask_epoch",
     "per_sm",
     "num_counters",
     "parity",
@@ -78,8 +80,12 @@ pub struct StepRows<'a> {
     pub want_logits: &'a [bool],
     /// How the kernel draws each row's token (nothing is uploaded when every row is greedy).
     pub samples: &'a [MkRowSample],
-    /// The mask of each row whose sample is `masked` (None for the others; empty: no row is).
+    /// The mask of each row whose sample is `masked` (None for the others; empty: no row is, or
+    /// `late_masks`).
     pub masks: &'a [Option<&'a TokenMask>],
+    /// The masked rows' masks come after the launch (`GpuLauncher::deliver_masks`; queued launches
+    /// only): the kernel's sample tasks wait for them.
+    pub late_masks: bool,
     /// Which launch of the engine's step this is (0 unless the batch exceeds one launch's rows):
     /// each keeps its own cached task lists.
     pub launch: usize,
@@ -115,6 +121,8 @@ pub struct GpuLauncher {
     /// and their host staging (one copy a step).
     masks: Option<CudaSlice<u32>>,
     host_masks: Vec<u32>,
+    /// Masks delivered while their launch runs (allocated with the first such launch).
+    late: Option<LateMasks>,
     /// uint32 [2][num_counters]; launch s uses set s % 2 and zeroes the other.
     counters: CudaSlice<u32>,
     num_counters: usize,
@@ -138,6 +146,20 @@ pub struct GpuLauncher {
     pinned: Vec<(PinnedHostSlice<i32>, CudaEvent)>,
 }
 
+/// Page-locked memory the device reads in place (`CU_MEMHOSTALLOC_DEVICEMAP`): word 0 says which
+/// launch's masks are there (`MkStepArgs.mask_ready`, `mask_epoch`), the masks follow from word
+/// `LATE_MASKS_AT` as [rows][words].
+struct LateMasks {
+    host: PinnedHostSlice<u32>,
+    device: u64,
+    /// The last launch queued with late masks, and its masked rows until they are delivered.
+    epoch: u32,
+    awaiting: Option<Vec<bool>>,
+}
+
+/// Where the masks start in `LateMasks` (128 bytes past the flag word).
+const LATE_MASKS_AT: usize = 32;
+
 impl Drop for GpuLauncher {
     /// A queued launch still copies its tokens into page-locked memory that drops with this.
     fn drop(&mut self) {
@@ -149,6 +171,12 @@ impl Drop for GpuLauncher {
 
 /// Every masked row has a mask of the vocabulary's words, and only those rows have one.
 fn check_masks(step: &StepRows<'_>, words: usize) -> Result<(), GpuError> {
+    if step.late_masks {
+        return match step.masks.is_empty() {
+            true => Ok(()),
+            false => Err(invalid("a launch with late masks has none yet".into())),
+        };
+    }
     if step.masks.is_empty() {
         return match step.samples.iter().any(|s| s.masked != 0) {
             true => Err(invalid("a masked row has no mask".into())),
@@ -212,6 +240,7 @@ impl GpuLauncher {
             samples,
             masks: None,
             host_masks: Vec::new(),
+            late: None,
             counters,
             num_counters,
             parity: 0,
@@ -247,6 +276,9 @@ impl GpuLauncher {
         if !self.pending.is_empty() {
             return Err(invalid("a queued launch has not been collected".into()));
         }
+        if step.late_masks {
+            return Err(invalid("only a queued launch takes its masks late".into()));
+        }
         self.launch(step, &[])?;
         let launched = Instant::now();
         self.download(step, sampled, logits)?;
@@ -268,11 +300,19 @@ impl GpuLauncher {
         if self.pending.len() >= 2 {
             return Err(invalid("two launches are queued already".into()));
         }
+        if self.late.as_ref().is_some_and(|l| l.awaiting.is_some()) {
+            return Err(invalid("the launch queued before still waits for its masks".into()));
+        }
         let before = self.pending.back().map_or(0, |&(_, rows)| rows);
         if let Some(j) = previous.iter().flatten().find(|&&j| j >= before) {
             return Err(invalid(format!("row {j} of the launch before does not exist (it had {before} rows)")));
         }
-        self.launch(step, previous)?;
+        if let Err(e) = self.launch(step, previous) {
+            if let Some(late) = self.late.as_mut() {
+                late.awaiting = None; // nothing waits for masks now
+            }
+            return Err(e);
+        }
         if self.pinned.is_empty() {
             for _ in 0..2 {
                 let ctx = self.stream.context();
@@ -387,7 +427,10 @@ impl GpuLauncher {
         args.positions = ptr(&self.positions, &self.stream);
         args.block_tables = ptr(&self.tables, &self.stream);
         args.row_samples = self.upload_samples(step.samples)?;
-        args.row_masks = self.upload_masks(step.masks)?;
+        (args.row_masks, args.mask_ready, args.mask_epoch) = match step.late_masks {
+            true => self.await_masks(step.samples)?,
+            false => (self.upload_masks(step.masks)?, 0, 0),
+        };
         args.per_sm = per_sm as i32;
         args.num_counters = self.num_counters as i32;
         args.parity = self.parity;
@@ -468,6 +511,74 @@ impl GpuLauncher {
             .memcpy_htod(samples, &mut self.samples.slice_mut(..samples.len()))
             .map_err(driver("upload the row samples"))?;
         Ok(ptr(&self.samples, &self.stream))
+    }
+
+    /// A launch whose masks come later: its masked rows, and MkStepArgs.row_masks, mask_ready and
+    /// mask_epoch (the mapped buffer, its flag word and this launch's epoch).
+    fn await_masks(&mut self, samples: &[MkRowSample]) -> Result<(u64, u64, i32), GpuError> {
+        if self.late.is_none() {
+            let words = TokenMask::words_for(self.setup.geometry.vocab);
+            let ctx = self.stream.context();
+            // SAFETY: page-locked and mapped; the host writes it only while no launch reads it
+            // (`deliver_masks`: the launch before has been collected) and the device reads it only
+            // after the flag word says so.
+            let mut host = unsafe {
+                ctx.alloc_pinned_with_flags::<u32>(
+                    LATE_MASKS_AT + self.setup.rows * words,
+                    sys::CU_MEMHOSTALLOC_DEVICEMAP,
+                )
+            }
+            .map_err(driver("allocate mapped memory"))?;
+            let p = host.as_mut_ptr().map_err(driver("map the mask memory"))?;
+            let mut device = 0;
+            // SAFETY: `p` is the start of a mapped page-locked allocation of this context.
+            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, p.cast(), 0) }
+                .result()
+                .map_err(driver("map the mask memory"))?;
+            self.late = Some(LateMasks { host, device, epoch: 0, awaiting: None });
+        }
+        let late = self.late.as_mut().expect("allocated above");
+        late.epoch = late.epoch.wrapping_add(1).max(1); // (0 is what the flag word starts at)
+        late.awaiting = Some(samples.iter().map(|s| s.masked != 0).collect());
+        let at = |words: usize| late.device + (words * size_of::<u32>()) as u64;
+        Ok((at(LATE_MASKS_AT), at(0), late.epoch as i32))
+    }
+
+    /// The masks of the launch queued last with late masks (one per row, None: every token, for a
+    /// row whose request has left), written where the device reads them, then the word its sample
+    /// tasks wait for. Only once the launch before it has been collected (nothing else reads the
+    /// buffer then).
+    pub fn deliver_masks(&mut self, masks: &[Option<&TokenMask>]) -> Result<(), GpuError> {
+        let words = TokenMask::words_for(self.setup.geometry.vocab);
+        let pending = self.pending.len();
+        let late = self.late.as_mut().ok_or_else(|| invalid("no launch waits for masks".into()))?;
+        let rows = late.awaiting.take().ok_or_else(|| invalid("no launch waits for masks".into()))?;
+        let host = late.host.as_mut_slice().map_err(driver("reach the mask memory"))?;
+        // Whatever goes wrong, the word is written: the launch must not wait forever (its rows
+        // fail through the error instead).
+        let mut error = None;
+        if pending != 1 || masks.len() != rows.len() {
+            // (the launch before may still read the buffer: its masks stay as they are)
+            let (n, r) = (masks.len(), rows.len());
+            error =
+                Some(invalid(format!("masks for {n} rows, with {pending} launches queued, for a launch of {r} rows")));
+        } else {
+            for (i, (&masked, mask)) in rows.iter().zip(masks).enumerate() {
+                let dst = &mut host[LATE_MASKS_AT + i * words..LATE_MASKS_AT + (i + 1) * words];
+                match mask {
+                    _ if !masked => {}
+                    Some(m) if m.words.len() == words => dst.copy_from_slice(&m.words),
+                    Some(_) => error = Some(invalid(format!("row {i}'s mask does not cover the vocabulary"))),
+                    None => dst.fill(u32::MAX), // its request has left: the token is dropped
+                }
+            }
+        }
+        // The masks before the word that releases them (the device reads both over the bus).
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        // SAFETY: word 0 of the mapped allocation, which the device only reads.
+        unsafe { std::ptr::write_volatile(&mut host[0], late.epoch) };
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        error.map_or(Ok(()), Err)
     }
 
     /// Uploads each masked row's mask to its row of the mask buffer; returns MkStepArgs.row_masks
@@ -734,7 +845,7 @@ mod tests {
         let mask = TokenMask { words: vec![!0; TokenMask::words_for(100)] };
         let short = TokenMask { words: vec![!0; 3] };
         let (plain, masked) = (MkRowSample::default(), MkRowSample::default().with_mask());
-        let check = |samples: &[MkRowSample], masks: &[Option<&TokenMask>]| {
+        let check_late = |samples: &[MkRowSample], masks: &[Option<&TokenMask>], late_masks: bool| {
             let step = StepRows {
                 rows: &[0, 1],
                 tokens: &[0, 0],
@@ -743,10 +854,14 @@ mod tests {
                 want_logits: &[false, false],
                 samples,
                 masks,
+                late_masks,
                 launch: 0,
             };
             check_masks(&step, TokenMask::words_for(100)).is_ok()
         };
+        let check = |samples: &[MkRowSample], masks: &[Option<&TokenMask>]| check_late(samples, masks, false);
+        assert!(check_late(&[plain, masked], &[], true), "late masks come after the launch");
+        assert!(!check_late(&[plain, masked], &[None, Some(&mask)], true), "late masks given at the launch");
         assert!(check(&[plain, plain], &[]));
         assert!(check(&[plain, masked], &[None, Some(&mask)]));
         assert!(!check(&[plain, masked], &[]), "a masked row without its mask");

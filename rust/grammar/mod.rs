@@ -101,6 +101,10 @@ impl MaskSet {
         self.constrained.get(row).copied().unwrap_or(false)
     }
 
+    pub fn any_constrained(&self) -> bool {
+        self.constrained.contains(&true)
+    }
+
     /// Row `row`'s mask, waiting until the masks are filled; None for an unconstrained row.
     pub fn get(&self, row: usize) -> Option<&TokenMask> {
         self.is_constrained(row).then(|| &self.masks.wait()[row])

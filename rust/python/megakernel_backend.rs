@@ -6,7 +6,8 @@
 //! once at construction (mk.megakernel.runner.MegakernelRunner): `device`, `stream` (the CUstream
 //! prefill runs on, which the launches share, so they follow the prefill's K/V writes),
 //! `step_args` (bytes of an MkStepArgs template holding every address Python owns), `rows`,
-//! `max_splits`, `slots`, `max_pages`, `num_blocks`, `attn_chunk`, `row_groups`, `sample_parts`.
+//! `max_splits`, `slots`, `max_pages`, `num_blocks`, `attn_chunk`, `row_groups`, `sample_parts`,
+//! `dealing`, `kernel_masks` and `late_masks` (`MegakernelDecoder`'s).
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -20,6 +21,7 @@ use crate::engine::megakernel::MegakernelDecoder;
 use crate::engine::{Backend, BackendError, DecodeInput, LaunchTimes, PrefillInput, PrefillResult};
 use crate::gpu::step::{GpuLauncher, StepSetup};
 use crate::gpu::{Gpu, MkStepArgs};
+use crate::grammar::TokenMask;
 use crate::graph::BuildOptions;
 use crate::sampling::Sampled;
 
@@ -70,6 +72,7 @@ impl MegakernelBackend {
             },
         };
         let kernel_masks: bool = get(d, "kernel_masks")?;
+        let late_masks: bool = get(d, "late_masks")?;
         let device: usize = get(d, "device")?;
         let stream: u64 = get(d, "stream")?;
         let launcher = py
@@ -83,6 +86,7 @@ impl MegakernelBackend {
             .map_err(errors::to_py)?;
         let mut decoder = MegakernelDecoder::new(launcher);
         decoder.kernel_masks = kernel_masks;
+        decoder.late_masks = late_masks;
         Ok(Self { decoder, python: reference_backend(runner, vocab), unseen: UnseenRows::default() })
     }
 }
@@ -111,6 +115,14 @@ impl Backend for MegakernelBackend {
 
     fn collect(&mut self, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
         self.decoder.collect(out)
+    }
+
+    fn late_masks(&self) -> bool {
+        self.decoder.kernel_masks && self.decoder.late_masks
+    }
+
+    fn deliver_masks(&mut self, masks: &[Option<&TokenMask>]) -> Result<(), BackendError> {
+        self.decoder.deliver_masks(masks)
     }
 
     fn launch_times(&self) -> LaunchTimes {

@@ -28,6 +28,7 @@ use std::collections::{HashSet, VecDeque};
 
 use crate::grammar::{Constraint, TokenMask};
 use crate::kv::{KvConfig, KvError, KvManager, KvStats};
+use crate::sampling::SampleSpec;
 pub use pagetable::PageTable;
 pub use plan::{DecodeBatch, PrefillChunk};
 pub use request::{Event, FinishReason, Phase, Request, RequestId, SamplingParams, Seq};
@@ -182,6 +183,19 @@ impl Scheduler {
     /// The live sequence in batch row `row`.
     pub fn seq(&self, row: usize) -> Option<&Seq> {
         self.rows.get(row).and_then(Option::as_ref)
+    }
+
+    /// The decoding rows (ascending), each one's sampling spec and whether it samples under a
+    /// grammar: what a step of all of them would sample (a backend is asked whether it could
+    /// queue such a step before one is planned ahead).
+    pub fn decoding_rows(&self, rows: &mut Vec<usize>, specs: &mut Vec<SampleSpec>, constrained: &mut Vec<bool>) {
+        for (row, seq) in self.rows.iter().enumerate().filter_map(|(r, s)| s.as_ref().map(|s| (r, s))) {
+            if seq.phase == Phase::Decode {
+                rows.push(row);
+                specs.push(seq.spec());
+                constrained.push(seq.constrained());
+            }
+        }
     }
 
     /// Lends row `row`'s grammar state out (to compute its mask on another thread); give it back

@@ -140,21 +140,23 @@ impl Scheduler {
     /// next generation step; one whose pending token is its last (`max_tokens`, the context
     /// limit) gets no entry. Any other decoding row feeds its last token, as in `plan_decode`.
     /// Maps every position without preempting; false when the blocks are not there, or a row
-    /// samples under a grammar (whose mask needs the pending token): the caller then lands
-    /// `flight` and plans with `plan_decode`. Rows that finish with the pending token (EOS, a
-    /// stop id) are in the step too; `decoded` drops their tokens.
+    /// samples under a grammar (whose mask needs the pending token) unless `late_masks` (the
+    /// backend takes the masks after the step is queued, once the pending tokens have landed):
+    /// the caller then lands `flight` and plans with `plan_decode`. Rows that finish with the
+    /// pending token (EOS, a stop id) are in the step too; `decoded` drops their tokens.
     pub fn plan_ahead(
         &mut self,
         flight: &DecodeBatch,
         batch: &mut DecodeBatch,
         previous: &mut Vec<Option<usize>>,
+        late_masks: bool,
     ) -> bool {
         batch.clear();
         previous.clear();
         let max_context = self.cfg.max_context;
         for row in 0..self.rows.len() {
             let Some(seq) = self.rows[row].as_ref().filter(|s| s.phase == Phase::Decode) else { continue };
-            if seq.constrained() {
+            if seq.constrained() && !late_masks {
                 return false;
             }
             let pending = (0..flight.len()).find(|&j| seq.landing(flight.rows[j] == row, flight.ids[j]));

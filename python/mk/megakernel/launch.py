@@ -180,6 +180,8 @@ def fixed_step_args(model: Model, kv: PagedKV, tables: ModelTables, buf: StepBuf
         trace=0,
         row_samples=0,
         row_masks=0,
+        mask_ready=0,
+        mask_epoch=0,
     )
     return values
 

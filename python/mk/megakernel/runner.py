@@ -48,6 +48,7 @@ class MegakernelRunner(PrefillRunner):
         sample_parts: int = _native.SAMPLE_PARTS,
         fast_prefill: Prefill | None = None,
         kernel_masks: bool = False,
+        late_masks: bool = False,
     ) -> None:
         why = megakernel_unsupported(model)
         if why is not None:
@@ -62,6 +63,7 @@ class MegakernelRunner(PrefillRunner):
         self.max_splits = torch.cuda.get_device_properties(device).multi_processor_count
         self.row_groups, self.sample_parts = row_groups, sample_parts
         self.kernel_masks = kernel_masks  # grammar rows drawn by the kernel (Engine's kernel_masks)
+        self.late_masks = late_masks  # their steps queued, masks delivered while they run (Engine's)
         self.model_tables = ModelTables.build(model)
         # tokens, positions and block_tables of these buffers stay unused (Rust uploads its own).
         self.buffers = StepBuffers.allocate(
@@ -96,4 +98,5 @@ class MegakernelRunner(PrefillRunner):
             # An experiment until a GPU run compares it (docs/MEGAKERNEL.md): MK_DEALING=balanced.
             "dealing": os.environ.get("MK_DEALING", "round_robin"),
             "kernel_masks": self.kernel_masks,
+            "late_masks": self.late_masks,
         }

@@ -286,18 +286,23 @@ __device__ void run_sample_part(const MkStepArgs& a, const MkTask& t, float* sv,
     const bool draw = rule.inv_temperature > 0.f;
     // Written by the host before the launch: read through the read-only path. Or, for a step
     // queued before the host knew its masks (mask_ready), while it runs: wait for them (thread 0;
-    // the barrier extends what it saw to the block), then read them uncached.
+    // the barrier extends what it saw to the block), then read them uncached. Masks that never
+    // come leave the row without a token (the host fails it), not the context trapped.
     const bool late = rule.masked && a.mask_ready != 0;
+    bool gave_up = false;
     if (late) {
         if (threadIdx.x == 0) {
             const uint32_t* ready = ptr<const uint32_t>(a.mask_ready);
             const uint64_t start = global_ns();
-            while (load_acquire_sys(ready) != (uint32_t)a.mask_epoch) {
+            while (load_acquire_sys(ready) != (uint32_t)a.mask_epoch && !gave_up) {
                 __nanosleep(256);
-                if (global_ns() - start > kWaitLimitNs) __trap();
+                gave_up = global_ns() - start > kWaitLimitNs;
             }
+            si[0] = gave_up;
         }
         compute_sync();
+        gave_up = si[0] != 0;
+        compute_sync();  // (si is written again below)
     }
     const uint32_t* mask =
         rule.masked ? ptr<const uint32_t>(a.row_masks) + (size_t)b * ((a.vocab + 31) / 32) : nullptr;
@@ -308,7 +313,7 @@ __device__ void run_sample_part(const MkStepArgs& a, const MkTask& t, float* sv,
     // kSampleBatch loads in flight before the compares (one latency per batch, not per value).
     constexpr int kSampleBatch = 8;
     const float* row = ptr<float>(a.logits) + (size_t)b * a.vocab;
-    for (int i0 = lo + threadIdx.x; i0 < hi; i0 += kSampleBatch * kThreads) {
+    for (int i0 = lo + threadIdx.x; i0 < hi && !gave_up; i0 += kSampleBatch * kThreads) {
         float v[kSampleBatch];
 #pragma unroll
         for (int j = 0; j < kSampleBatch; ++j) {

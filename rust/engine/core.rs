@@ -65,12 +65,15 @@ fn owner(sched: &Scheduler, chunk: &PrefillChunk) -> Option<Owner> {
     Some(Owner { arrival: seq.arrival, preemptions: seq.preemptions, computed: seq.computed })
 }
 
-/// A decode step launched and not yet landed: its batch, what it gives when it lands, and whether
-/// it was queued with rows under a grammar whose masks are still to be delivered (`late_masks`).
+/// A decode step launched and not yet landed: its batch, what it gives when it lands, whether it
+/// was queued with rows under a grammar whose masks are still to be delivered (`late_masks`), and
+/// an error that fails its rows when it lands (their masks could not be delivered; it is still
+/// collected, so that the backend's queue stays in step).
 struct Flight {
     batch: DecodeBatch,
     landing: Landing,
     masks_due: bool,
+    failed: Option<BackendError>,
 }
 
 /// A launched step's tokens: known (the backend ran it when it was launched, or it failed), or
@@ -433,7 +436,7 @@ impl<B: Backend> Core<B> {
         let ns = t.elapsed().as_nanos() as u64;
         self.finish_call(&batch);
         let masks_due = matches!(landing, Landing::Queued) && masks.any_constrained();
-        self.in_flight = Some(Flight { batch, landing, masks_due });
+        self.in_flight = Some(Flight { batch, landing, masks_due, failed: None });
         ns
     }
 
@@ -482,7 +485,7 @@ impl<B: Backend> Core<B> {
         let list: Vec<Option<&TokenMask>> = (0..batch.len()).map(|i| masks.as_ref().and_then(|m| m.get(i))).collect();
         let t = Instant::now();
         if let Err(e) = self.backend.deliver_masks(&list) {
-            flight.landing = Landing::Ran(Err(e)); // its rows fail as it lands
+            flight.failed = Some(e); // its rows fail as it lands
         }
         let ns = t.elapsed().as_nanos() as u64;
         self.in_flight = Some(flight);
@@ -538,7 +541,7 @@ impl<B: Backend> Core<B> {
         }
         let ns = t.elapsed().as_nanos() as u64;
         self.finish_call(&batch);
-        let flight = Flight { batch, landing: Landing::Ran(result.map(|()| sampled)), masks_due: false };
+        let flight = Flight { batch, landing: Landing::Ran(result.map(|()| sampled)), masks_due: false, failed: None };
         ns + self.land(flight, out)
     }
 
@@ -555,8 +558,12 @@ impl<B: Backend> Core<B> {
     fn land(&mut self, mut flight: Flight, out: &mut Vec<Event>) -> u64 {
         debug_assert!(!flight.masks_due, "a step lands after its masks were delivered");
         let ns = self.collect(&mut flight);
-        let Flight { batch, landing, .. } = flight;
+        let Flight { batch, landing, failed, .. } = flight;
         let Landing::Ran(result) = landing else { unreachable!("collected above") };
+        let result = match failed {
+            Some(e) => Err(e),
+            None => result,
+        };
         let result = result.and_then(|sampled| match sampled.len() == batch.len() {
             true => Ok(sampled),
             false => Err(BackendError(format!("decode returned {} tokens for {} rows", sampled.len(), batch.len()))),

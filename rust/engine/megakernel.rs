@@ -394,8 +394,8 @@ mod tests {
                     *t = self.queued.last().expect("a queued launch to follow")[*j];
                 }
             }
+            assert!(self.awaiting.is_none(), "no launch is queued behind one waiting for its masks");
             if s.late_masks {
-                assert!(self.awaiting.is_none(), "one launch waits for its masks at a time");
                 self.awaiting = Some((s.rows.to_vec(), tokens, s.positions.to_vec(), s.samples.to_vec()));
                 return Ok(());
             }

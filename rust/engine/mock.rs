@@ -143,6 +143,9 @@ pub struct MockBackend {
     awaiting: Option<Awaiting>,
     /// `deliver_masks` calls so far.
     pub masks_delivered: usize,
+    /// Fail the `deliver_masks` call with this index (0-based); the step still lands through
+    /// `collect`, in queue order.
+    pub fail_masks_call: Option<usize>,
     queued: std::collections::VecDeque<Result<Vec<Sampled>, BackendError>>,
     /// The tokens of the last queued step (None where it failed): the device's copy.
     last_queued: Option<Vec<u32>>,
@@ -172,6 +175,7 @@ impl MockBackend {
             late_masks: false,
             awaiting: None,
             masks_delivered: 0,
+            fail_masks_call: None,
             queued: std::collections::VecDeque::new(),
             last_queued: None,
         }
@@ -323,9 +327,16 @@ impl Backend for MockBackend {
     }
 
     fn deliver_masks(&mut self, masks: &[Option<&TokenMask>]) -> Result<(), BackendError> {
-        let (logits, specs) = self.awaiting.take().expect("masks for a step queued with rows under a grammar");
+        let (logits, specs) = self.awaiting.take().ok_or_else(|| BackendError("no step waits for masks".into()))?;
         assert_eq!(masks.len(), specs.len(), "one mask (or none) per row");
         self.masks_delivered += 1;
+        if self.fail_masks_call == Some(self.masks_delivered - 1) {
+            // (as the launcher: the step runs with every token allowed, the call fails)
+            let e = BackendError("injected failure of the masks".into());
+            *self.queued.back_mut().expect("the step awaiting its masks") = Err(e.clone());
+            self.last_queued = None;
+            return Err(e);
+        }
         let mut sampled = Vec::new();
         let mut result = Ok(());
         for ((l, spec), mask) in logits.iter().zip(&specs).zip(masks) {
@@ -346,6 +357,7 @@ impl Backend for MockBackend {
 
     fn queue(&mut self, input: &DecodeInput<'_>, previous: &[Option<usize>]) -> Result<(), BackendError> {
         assert!(self.queued.len() < 2, "the loop keeps at most one step queued behind another");
+        assert!(self.awaiting.is_none(), "a step is queued behind one still waiting for its masks");
         assert!(previous.is_empty() || previous.len() == input.len(), "one source per row, or none");
         self.queued_steps += 1;
         let mut tokens = input.tokens.to_vec();
@@ -361,16 +373,20 @@ impl Backend for MockBackend {
         if (0..input.len()).any(|i| input.is_constrained(i)) {
             // Rows under a grammar: K/V written and logits computed now, the tokens drawn when the
             // masks come (`deliver_masks`).
-            assert!(followed, "a step under a grammar follows a step whose tokens are on the device");
             self.decode_calls += 1;
             let step = DecodeInput { tokens: &tokens, ..*input };
             let mut logits = Vec::new();
-            for i in 0..step.len() {
-                let (row, pos) = (step.rows[i], step.positions[i] as usize);
-                self.write(step.table, row, step.tokens[i], pos).map_err(BackendError)?;
+            if followed {
+                for i in 0..step.len() {
+                    let (row, pos) = (step.rows[i], step.positions[i] as usize);
+                    self.write(step.table, row, step.tokens[i], pos).map_err(BackendError)?;
+                }
             }
             for i in 0..step.len() {
-                logits.push(self.logits_at(step.table, step.rows[i], step.positions[i] as usize));
+                logits.push(match followed {
+                    true => self.logits_at(step.table, step.rows[i], step.positions[i] as usize),
+                    false => Err("the step this one follows failed".into()),
+                });
             }
             self.awaiting = Some((logits, step.specs.to_vec()));
             self.last_queued = None;

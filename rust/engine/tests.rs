@@ -854,3 +854,26 @@ fn late_masks_survive_a_cancel_while_the_step_is_queued() {
     assert!(solo1.starts_with(&out.tokens[&1]), "the cancelled stream kept to its solo tokens");
     assert!(c.backend.masks_delivered >= 5, "{}", c.backend.masks_delivered);
 }
+
+/// With late masks, a step whose masks could not be delivered fails its rows when it lands, and
+/// is still collected in its turn: a request that comes later gets its solo stream.
+#[test]
+fn a_failed_mask_delivery_fails_its_step_and_nothing_after() {
+    use crate::grammar::ConstraintSpec;
+    let model = MockModel::small();
+    let grammars = mock_grammars(&model);
+    let constrained = |id: u64, n: usize| Request {
+        constraint: Some(grammars.compile(&ConstraintSpec::Regex("[a-u]*".into())).unwrap()),
+        ..req(id, 5 + id as usize, SamplingParams { ignore_eos: true, ..SamplingParams::greedy(n) })
+    };
+    let later = (30, req(3, 7, SamplingParams::greedy(10).with_ignore_eos()));
+    let arrivals = vec![(0, constrained(1, 20)), (0, constrained(2, 20)), later.clone()];
+    let mut c = core(&model, 64, 4, 8, 64);
+    c.launch_ahead = true;
+    c.backend.queueing = true;
+    c.backend.late_masks = true;
+    c.backend.fail_masks_call = Some(2);
+    let out = run(&mut c, &arrivals, &[]);
+    assert_eq!((out.finish[&1], out.finish[&2]), (FinishReason::Error, FinishReason::Error));
+    assert_solo(&model, &[later], &out, 64);
+}

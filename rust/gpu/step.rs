@@ -161,9 +161,11 @@ struct LateMasks {
 const LATE_MASKS_AT: usize = 32;
 
 impl Drop for GpuLauncher {
-    /// A queued launch still copies its tokens into page-locked memory that drops with this.
+    /// A queued launch still copies its tokens into page-locked memory that drops with this (and
+    /// one waiting for its masks gets them first, every token allowed, or it would not finish).
     fn drop(&mut self) {
-        if !self.pending.is_empty() {
+        let _ = self.release_masks();
+        if !self.pending.is_empty() || self.late.is_some() {
             let _ = self.stream.synchronize();
         }
     }
@@ -307,12 +309,6 @@ impl GpuLauncher {
         if let Some(j) = previous.iter().flatten().find(|&&j| j >= before) {
             return Err(invalid(format!("row {j} of the launch before does not exist (it had {before} rows)")));
         }
-        if let Err(e) = self.launch(step, previous) {
-            if let Some(late) = self.late.as_mut() {
-                late.awaiting = None; // nothing waits for masks now
-            }
-            return Err(e);
-        }
         if self.pinned.is_empty() {
             for _ in 0..2 {
                 let ctx = self.stream.context();
@@ -323,8 +319,18 @@ impl GpuLauncher {
                 self.pinned.push((buf, ctx.new_event(None).map_err(driver("create an event"))?));
             }
         }
+        // Once launched, a launch waiting for masks gets them even if what follows fails (every
+        // token allowed: its rows fail through the error), or it would wait until it gives up.
+        let queued = self.launch(step, previous).and_then(|()| self.copy_back(step.rows.len()));
+        if queued.is_err() {
+            let _ = self.release_masks();
+        }
+        queued
+    }
+
+    /// After a queued launch: its tokens into the next page-locked slot behind an event.
+    fn copy_back(&mut self, b: usize) -> Result<(), GpuError> {
         let slot = (self.queued % 2) as usize;
-        let b = step.rows.len();
         self.stream.context().bind_to_thread().map_err(driver("bind the context"))?;
         let (buf, event) = &mut self.pinned[slot];
         let host = buf.as_mut_slice().map_err(driver("reuse pinned memory"))?;
@@ -337,6 +343,17 @@ impl GpuLauncher {
         self.queued += 1;
         self.pending.push_back((slot, b));
         Ok(())
+    }
+
+    /// A launch that waits for masks which will not come gets every token allowed and its word.
+    fn release_masks(&mut self) -> Result<(), GpuError> {
+        match self.late.as_ref().and_then(|l| l.awaiting.as_ref()) {
+            Some(rows) => {
+                let none = vec![None; rows.len()];
+                self.write_masks(&none).map(|_| ())
+            }
+            None => Ok(()),
+        }
     }
 
     /// Waits for the oldest queued launch; `sampled` receives its rows' greedy tokens.
@@ -529,6 +546,7 @@ impl GpuLauncher {
                 )
             }
             .map_err(driver("allocate mapped memory"))?;
+            host.as_mut_slice().map_err(driver("map the mask memory"))?.fill(0); // word 0: no epoch yet
             let p = host.as_mut_ptr().map_err(driver("map the mask memory"))?;
             let mut device = 0;
             // SAFETY: `p` is the start of a mapped page-locked allocation of this context.
@@ -549,11 +567,20 @@ impl GpuLauncher {
     /// tasks wait for. Only once the launch before it has been collected (nothing else reads the
     /// buffer then).
     pub fn deliver_masks(&mut self, masks: &[Option<&TokenMask>]) -> Result<(), GpuError> {
+        if self.late.as_ref().is_none_or(|l| l.awaiting.is_none()) {
+            return Err(invalid("no launch waits for masks".into()));
+        }
+        self.write_masks(masks)?.map_or(Ok(()), Err)
+    }
+
+    /// `deliver_masks`'s writes, the word always; the outer error: nothing could be written, the
+    /// inner one: the masks were not what the launch needs (it got every token allowed).
+    fn write_masks(&mut self, masks: &[Option<&TokenMask>]) -> Result<Option<GpuError>, GpuError> {
         let words = TokenMask::words_for(self.setup.geometry.vocab);
         let pending = self.pending.len();
         let late = self.late.as_mut().ok_or_else(|| invalid("no launch waits for masks".into()))?;
-        let rows = late.awaiting.take().ok_or_else(|| invalid("no launch waits for masks".into()))?;
         let host = late.host.as_mut_slice().map_err(driver("reach the mask memory"))?;
+        let rows = late.awaiting.take().ok_or_else(|| invalid("no launch waits for masks".into()))?;
         // Whatever goes wrong, the word is written: the launch must not wait forever (its rows
         // fail through the error instead).
         let mut error = None;
@@ -578,7 +605,7 @@ impl GpuLauncher {
         // SAFETY: word 0 of the mapped allocation, which the device only reads.
         unsafe { std::ptr::write_volatile(&mut host[0], late.epoch) };
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-        error.map_or(Ok(()), Err)
+        Ok(error)
     }
 
     /// Uploads each masked row's mask to its row of the mask buffer; returns MkStepArgs.row_masks

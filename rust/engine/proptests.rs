@@ -1,5 +1,5 @@
 //! Property test of the whole loop: random arrivals, prompt families sharing prefixes (so the
-//! prefix cache attaches), greedy and seeded requests, cancellations, batch sizes and arenas
+//! prefix cache attaches), greedy and seeded requests, some under a grammar, cancellations, batch sizes and arenas
 //! from the smallest that can serve the context upwards (so preemption happens). Every step is
 //! checked against the scheduler's invariants; at the end every block is free, every request
 //! ended exactly once, and every uncancelled stream equals the request's solo run.
@@ -7,7 +7,8 @@
 use proptest::prelude::*;
 
 use super::mock::MockModel;
-use super::tests::{budgeted_core, run};
+use super::tests::{budgeted_core, mock_grammars, run};
+use crate::grammar::{ConstraintSpec, Grammars};
 use crate::kv::KvManager;
 use crate::sched::{FinishReason, Request, SamplingParams};
 
@@ -22,11 +23,14 @@ struct Spec {
     max_tokens: usize,
     seeded: bool,
     ignore_eos: bool,
+    /// Under a grammar (`GRAMMARS`: letters only, or digits and a-c), or free.
+    grammar: Option<u8>,
 }
 
 fn spec() -> impl Strategy<Value = Spec> {
-    (0..12usize, 0..3u32, 0..20usize, 1..8usize, 1..30usize, any::<bool>(), any::<bool>()).prop_map(
-        |(arrival, family, shared, own, max_tokens, seeded, ignore_eos)| Spec {
+    let grammar = proptest::option::weighted(0.3, 0..2u8);
+    (0..12usize, 0..3u32, 0..20usize, 1..8usize, 1..30usize, any::<bool>(), any::<bool>(), grammar).prop_map(
+        |(arrival, family, shared, own, max_tokens, seeded, ignore_eos, grammar)| Spec {
             arrival,
             family,
             shared,
@@ -34,11 +38,14 @@ fn spec() -> impl Strategy<Value = Spec> {
             max_tokens,
             seeded,
             ignore_eos,
+            grammar,
         },
     )
 }
 
-fn request(id: u64, s: &Spec) -> Request {
+const GRAMMARS: [&str; 2] = ["[a-u]*", "[0-9a-c]*"];
+
+fn request(id: u64, s: &Spec, grammars: &Grammars) -> Request {
     let shared = (0..s.shared as u32).map(|i| 1 + (i * 5 + s.family * 11) % 31);
     let own = (0..s.own as u32).map(|i| 1 + (i * 3 + id as u32 * 7) % 31);
     let mut prompt: Vec<u32> = shared.chain(own).collect();
@@ -50,7 +57,8 @@ fn request(id: u64, s: &Spec) -> Request {
         ignore_eos: s.ignore_eos,
         ..Default::default()
     };
-    Request::new(id, prompt, params)
+    let constraint = s.grammar.map(|g| grammars.compile(&ConstraintSpec::Regex(GRAMMARS[g as usize].into())).unwrap());
+    Request { constraint, ..Request::new(id, prompt, params) }
 }
 
 proptest! {
@@ -71,8 +79,11 @@ proptest! {
         // Layer-sliced prefill within this budget while a stream decodes (cancellations and
         // preemptions then drop sliced calls half done).
         sliced_budget in proptest::option::of(1usize..40),
+        // With queueing: rows under a grammar are queued too, their masks delivered late.
+        late_masks in any::<bool>(),
     ) {
         let model = MockModel::small();
+        let grammars = mock_grammars(&model);
         let probe = KvManager::new(model.kv_config(1)).unwrap();
         let blocks = probe.prefill_blocks_needed(MAX_CONTEXT, chunk) + spare;
         let mut c = budgeted_core(&model, blocks, max_batch, chunk, sliced_budget, MAX_CONTEXT);
@@ -80,12 +91,14 @@ proptest! {
         c.launch_ahead = launch_ahead > 0;
         c.backend.queueing = launch_ahead == 2;
         c.backend.queue_limit = queue_limit;
-        let arrivals: Vec<_> = specs.iter().enumerate().map(|(i, s)| (s.arrival, request(i as u64, s))).collect();
+        c.backend.late_masks = late_masks;
+        let arrivals: Vec<_> =
+            specs.iter().enumerate().map(|(i, s)| (s.arrival, request(i as u64, s, &grammars))).collect();
         let out = run(&mut c, &arrivals, &cancels);
         prop_assert_eq!(out.finish.len(), arrivals.len());
         let cancelled: Vec<u64> = cancels.iter().map(|c| c.1).collect();
         for (_, r) in &arrivals {
-            let (solo, reason) = model.solo(&r.prompt, &r.params, 1234, MAX_CONTEXT);
+            let (solo, reason) = model.solo_request(r.clone(), 1234, MAX_CONTEXT);
             let got = out.tokens.get(&r.id).cloned().unwrap_or_default();
             if out.finish[&r.id] == FinishReason::Cancelled {
                 prop_assert!(cancelled.contains(&r.id));

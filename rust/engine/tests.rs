@@ -519,7 +519,7 @@ fn queue_limit_counts_only_unadmitted_requests() {
 }
 
 /// The mock's tokens as text for grammars: 1..=10 are the digits, 11..=31 the letters a..u; EOS 0.
-fn mock_grammars(model: &MockModel) -> crate::grammar::Grammars {
+pub(crate) fn mock_grammars(model: &MockModel) -> crate::grammar::Grammars {
     let mut words = vec![b"\xff<eos>".to_vec()];
     words.extend((b'0'..=b'9').chain(b'a'..=b'u').map(|b| vec![b]));
     crate::grammar::Grammars::from_token_bytes(words, model.vocab as usize, 0).unwrap()

@@ -1,7 +1,7 @@
 // The compute warps' side of a GEMV weight stage, alone: how long a block's eight compute warps
-// take to multiply one 24 KB stage of bf16 weights with 8 activation rows, with nothing copied
-// and no ring hand-off (a lower bound on what a stage costs the megakernel's consumers). Three
-// ways, on the same 64 x 768 weights and 8 x 768 activations held in shared memory:
+// take to multiply one 24 KB stage of bf16 weights with 8 (or 16) activation rows, with nothing
+// copied and no ring hand-off (a lower bound on what a stage costs the megakernel's consumers).
+// Four ways, on the same 64 x 768 weights and 8 (16) x 768 activations held in shared memory:
 //   mma_dense     mma.sync m16n8k16, weights the A operand loaded by each thread from dense
 //                 [16][256] boxes (the default megakernel, cuda/ops/step_gemv.cuh)
 //   mma_swizzled  the same from [16][64] boxes in the 128-byte swizzle (MK_WEIGHT_SWIZZLE)

@@ -233,11 +233,12 @@ def test_a_smaller_prefill_budget_while_streams_decode_changes_no_token(model, e
 
 
 def test_a_sliced_prefill_changes_no_token(model, engine):
-    """sliced_prefill runs a prompt admitted beside a decoding stream in whole chunks, a few layers
-    an iteration (rust/engine/tests.rs checks the slices and the budget): both requests' tokens are
+    """sliced_prefill runs a prompt admitted beside a decoding stream in chunks of up to 24 tokens
+    (budget 8 x 3 layers) instead of 8, a layer an iteration (rust/engine/tests.rs checks the slices
+    and the budget): both requests' tokens are
     what an engine without it gives, the prompt went in slices, and without the fast prefill or a
     budget the option is refused."""
-    greedy = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 
     async def main(e: Engine):
         first = aiter(e.submit(prompt(10), greedy))

@@ -205,10 +205,10 @@ def test_launch_ahead_agrees_with_synchronous_steps(model, rows):
 
 def test_a_sliced_prefill_beside_a_decoding_stream_agrees(model):
     """sliced_prefill on the megakernel backend (mk.prefill.SlicedPrefill on CUDA): a 1,500-token
-    prompt submitted once a stream decodes goes in whole 1,024-token chunks, a layer an iteration
-    (budget 128 tokens x 5 layers), a decode step between; both requests' tokens agree with the
-    same engine cutting that prompt into 128-token chunks instead, until the first near-tie, as in
-    `compare` (the two chunkings round differently in bf16)."""
+    prompt submitted once a stream decodes goes in chunks of 640 tokens (budget 128 x 5 layers), a
+    layer an iteration, a decode step between; both requests' tokens agree with the same engine
+    cutting that prompt into 128-token chunks instead, until the first near-tie, as in `compare`
+    (the two chunkings round differently in bf16)."""
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in (160, 12)]
     prompts = [prompt(20, 31), prompt(1500, 32)]
 

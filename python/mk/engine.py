@@ -88,8 +88,9 @@ class Engine:
     `decode_prefill_budget`: the same while some stream decodes (at most `prefill_chunk`): smaller
     chunks shorten a stream's longest wait while a long prompt is admitted, at the cost of more
     chunks for that prompt (cheap ones with `prefix_graphs`). None (the default): `prefill_chunk`.
-    `sliced_prefill`: while some stream decodes, a prompt keeps its `prefill_chunk`-sized chunks and
-    each chunk runs over several iterations, a few layers each, so that an iteration's prefill is
+    `sliced_prefill`: while some stream decodes, a prompt keeps chunks of up to `prefill_chunk`
+    tokens (at most `decode_prefill_budget` times the layers) and each chunk runs over several
+    iterations, a few layers each, so that an iteration's prefill is
     at most `decode_prefill_budget` tokens through the whole model (tokens x layers), with a decode
     step between the slices: the streams' pause shrinks like the budget's, while the prompt's time
     to first token grows only by the decode steps in between (rust/engine/core.rs). Needs the fast
@@ -119,7 +120,7 @@ class Engine:
     then waits for the masks the host path computes during the step, which costs less than the
     logits copied back and the host draw it saves (batch 1 × 8K under a grammar: 261 → 337 tok/s,
     batch 8: 558 → 694, docs/PERF.md). None (the default): on with the megakernel backend.
-    `late_masks` (with `kernel_masks` and launch-ahead): a step with such rows is launched ahead
+    `late_masks` (needs `kernel_masks` and launch-ahead): a step with such rows is launched ahead
     too, before their masks are known; the masks are computed once the previous step's tokens
     have landed, while the step runs, and the kernel's sample tasks wait for them
     (rust/engine/core.rs, `Backend::deliver_masks`), so that a grammar no longer adds host time
@@ -174,6 +175,8 @@ class Engine:
             raise ValueError("sliced_prefill needs the fast prefill (prefill='fast') and a decode_prefill_budget")
         self.sliced_prefill = sliced_prefill
         self.launch_ahead = self.backend == "megakernel" if launch_ahead is None else launch_ahead
+        if late_masks and not self.launch_ahead:
+            raise ValueError("late_masks needs launch-ahead (launch_ahead=False turns it off)")
         self.config = cfg
         self.max_batch = max_batch
         self.max_context = max_context

@@ -15,7 +15,8 @@
 //! an iteration late. Launch-ahead changes when tokens are handed over, never what they are.
 //!
 //! Layer-sliced prefill (`Core::layer_slices`): while a sequence decodes, a prefill call holds up
-//! to `prefill_chunk` tokens (not just the decode budget) and runs over several iterations, a few
+//! to `prefill_chunk` tokens (not just the decode budget; at most the budget times the layers, one
+//! layer a slice) and runs over several iterations, a few
 //! layers each, so that each iteration's prefill work is at most the budget's tokens through the
 //! whole model (tokens × layers ≤ budget × layers) and a decode step runs between the slices: a
 //! decoding stream waits at most one slice, and the admitted prompt keeps its large chunks (once

@@ -162,7 +162,7 @@ const LATE_MASKS_AT: usize = 32;
 
 impl Drop for GpuLauncher {
     /// A queued launch still copies its tokens into page-locked memory that drops with this (and
-    /// one waiting for its masks gets them first, every token allowed, or it would not finish).
+    /// one waiting for its masks gets its word first, or it would not finish before giving up).
     fn drop(&mut self) {
         let _ = self.release_masks();
         if !self.pending.is_empty() || self.late.is_some() {
@@ -319,8 +319,8 @@ impl GpuLauncher {
                 self.pinned.push((buf, ctx.new_event(None).map_err(driver("create an event"))?));
             }
         }
-        // Once launched, a launch waiting for masks gets them even if what follows fails (every
-        // token allowed: its rows fail through the error), or it would wait until it gives up.
+        // Once launched, a launch waiting for masks gets its word even if what follows fails (its
+        // rows fail through the error), or it would wait until it gives up.
         let queued = self.launch(step, previous).and_then(|()| self.copy_back(step.rows.len()));
         if queued.is_err() {
             let _ = self.release_masks();
@@ -345,7 +345,8 @@ impl GpuLauncher {
         Ok(())
     }
 
-    /// A launch that waits for masks which will not come gets every token allowed and its word.
+    /// A launch that waits for masks which will not come gets its word (its masks as the buffer
+    /// can hold them; its rows fail through the caller's error).
     fn release_masks(&mut self) -> Result<(), GpuError> {
         match self.late.as_ref().and_then(|l| l.awaiting.as_ref()) {
             Some(rows) => {

@@ -209,22 +209,28 @@ def test_unknown_prefill_mode_is_refused(model):
         Engine(model, prefill="flash")
 
 
-def test_a_smaller_prefill_budget_while_streams_decode_changes_no_token(model, engine):
-    """decode_prefill_budget cuts a prompt admitted beside a decoding stream into more, smaller chunks
-    (rust/engine/proptests.rs checks the budget per call); both requests' tokens are what a default
-    engine gives, and a budget below 1 is refused."""
+def admitted_beside_a_stream(e: Engine, stat: str) -> tuple[list[list[int]], int]:
+    """A 150-token prompt submitted once a 200-token greedy stream decodes: both requests' tokens,
+    and the engine's counter `stat` at the end."""
     greedy = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 
-    async def main(e: Engine):
+    async def main():
         first = aiter(e.submit(prompt(10), greedy))
         events = [await anext(first)]  # a token: the first stream decodes from here on
         second = e.submit(prompt(150, 1), dataclasses.replace(greedy, max_tokens=5))
         events += [ev async for ev in first]
         later = [ev async for ev in second]
-        tokens = [[ev.token_id for ev in evs if ev.token_id is not None] for evs in (events, later)]
-        return tokens, e.native_stats()["prefill_chunks"]
+        return [[ev.token_id for ev in evs if ev.token_id is not None] for evs in (events, later)]
 
-    runs = [asyncio.run(main(engine(decode_prefill_budget=budget))) for budget in (None, 8)]
+    tokens = asyncio.run(main())
+    return tokens, e.native_stats()[stat]
+
+
+def test_a_smaller_prefill_budget_while_streams_decode_changes_no_token(model, engine):
+    """decode_prefill_budget cuts a prompt admitted beside a decoding stream into more, smaller chunks
+    (rust/engine/proptests.rs checks the budget per call); both requests' tokens are what a default
+    engine gives, and a budget below 1 is refused."""
+    runs = [admitted_beside_a_stream(engine(decode_prefill_budget=b), "prefill_chunks") for b in (None, 8)]
     assert runs[0][0] == runs[1][0]
     assert runs[1][1] >= runs[0][1] + 10, f"the budget did not cut the long prompt finer: {runs[0][1]}, {runs[1][1]}"
     for bad in (0, -1):
@@ -238,19 +244,10 @@ def test_a_sliced_prefill_changes_no_token(model, engine):
     and the budget): both requests' tokens are
     what an engine without it gives, the prompt went in slices, and without the fast prefill or a
     budget the option is refused."""
-    greedy = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-
-    async def main(e: Engine):
-        first = aiter(e.submit(prompt(10), greedy))
-        events = [await anext(first)]  # a token: the first stream decodes from here on
-        second = e.submit(prompt(150, 1), dataclasses.replace(greedy, max_tokens=5))
-        events += [ev async for ev in first]
-        later = [ev async for ev in second]
-        tokens = [[ev.token_id for ev in evs if ev.token_id is not None] for evs in (events, later)]
-        return tokens, e.native_stats()["prefill_slices"]
-
-    plain = asyncio.run(main(engine(prefill="fast")))
-    sliced = asyncio.run(main(engine(prefill="fast", decode_prefill_budget=8, sliced_prefill=True)))
+    plain = admitted_beside_a_stream(engine(prefill="fast"), "prefill_slices")
+    sliced = admitted_beside_a_stream(
+        engine(prefill="fast", decode_prefill_budget=8, sliced_prefill=True), "prefill_slices"
+    )
     assert plain[0] == sliced[0]
     assert plain[1] == 0 and sliced[1] >= model.config.num_hidden_layers, (plain[1], sliced[1])
     for options in ({"prefill": "reference", "decode_prefill_budget": 8}, {"prefill": "fast"}):

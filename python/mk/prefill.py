@@ -277,11 +277,7 @@ class Prefill:
         for plan in plan_chunks([len(t) for t in tokens], self.chunk):
             if before_chunk is not None:
                 before_chunk([Span(r, requests[r].start + off, requests[r].start + off + n) for r, off, n in plan])
-            pieces, q_off = [], 0
-            for r, off, n in plan:
-                table = requests[r].block_table.to(device="cpu", dtype=torch.int32)
-                pieces.append(Piece(requests[r].start + off, n, q_off, table, table.to(self.device)))
-                q_off += n
+            pieces = self._pieces(requests, plan)
             x_last = self._chunk(torch.cat([tokens[r][off : off + n] for r, off, n in plan]), pieces, kv)
             for i, (r, off, n) in enumerate(plan):
                 if off + n == len(tokens[r]):
@@ -308,13 +304,17 @@ class Prefill:
         plan = plan_chunks([len(t) for t in tokens], self.chunk)
         if len(plan) != 1:
             raise ValueError(f"a sliced prefill takes at most one chunk ({self.chunk} tokens) of requests")
+        # (tables copied: the caller's may be views it updates in place before the last slice)
+        return SlicedPrefill(self, torch.cat(tokens), self._pieces(requests, plan[0], copy=True), kv)
+
+    def _pieces(self, requests: Sequence[PrefillRequest], plan: list[tuple[int, int, int]], copy=False) -> list[Piece]:
+        """One chunk's pieces (`plan_chunks`' (request, offset, count)), packed back to back."""
         pieces, q_off = [], 0
-        for r, off, n in plan[0]:
-            # (a copy: the caller's table may be a view it updates in place before the last slice)
-            table = requests[r].block_table.to(device="cpu", dtype=torch.int32, copy=True)
+        for r, off, n in plan:
+            table = requests[r].block_table.to(device="cpu", dtype=torch.int32, copy=copy)
             pieces.append(Piece(requests[r].start + off, n, q_off, table, table.to(self.device)))
             q_off += n
-        return SlicedPrefill(self, torch.cat(tokens), pieces, kv)
+        return pieces
 
     def _check_requests(self, requests: Sequence[PrefillRequest]) -> list[torch.Tensor]:
         """Each request's tokens on the device, once every request is checked."""

@@ -338,7 +338,7 @@ impl<B: Backend> Core<B> {
             };
             let late = usable && self.late_masks_ahead();
             if usable && self.sched.plan_ahead(&flight.batch, &mut batch, &mut previous, late) && !batch.is_empty() {
-                let masks = pending_masks(&self.sched, &batch);
+                let masks = self.pending_masks(&batch);
                 if matches!(flight.landing, Landing::Queued)
                     && !self.backend.can_queue(&DecodeInput { masks: &masks, ..unmasked_input(&self.sched, &batch) })
                 {
@@ -379,12 +379,13 @@ impl<B: Backend> Core<B> {
         }
         if !launched && !self.batch.is_empty() {
             let batch = std::mem::take(&mut self.batch);
-            let masks = pending_masks(&self.sched, &batch);
+            let constrained = batch.rows.iter().any(|&r| self.sched.seq(r).is_some_and(|s| s.constrained()));
             // Only a step the backend can queue goes out ahead: one it would run at once would
             // hand its tokens over an iteration late (a step's time added to every token). Rows
             // under a grammar go with it where the backend takes their masks late.
+            let masks = self.pending_masks(&batch);
             let input = DecodeInput { masks: &masks, ..unmasked_input(&self.sched, &batch) };
-            let queueable = (!masks.any_constrained() || self.backend.late_masks()) && self.backend.can_queue(&input);
+            let queueable = (!constrained || self.backend.late_masks()) && self.backend.can_queue(&input);
             if self.launch_ahead && queueable {
                 backend_ns += self.launch(batch, &[], true);
                 backend_ns += self.land_if_ran(out); // the queue refused it: its rows fail now
@@ -417,7 +418,7 @@ impl<B: Backend> Core<B> {
     fn launch(&mut self, batch: DecodeBatch, previous: &[Option<usize>], queue: bool) -> u64 {
         let t = Instant::now();
         // A queued step's rows under a grammar get their masks at the end of the iteration.
-        let masks = if queue { pending_masks(&self.sched, &batch) } else { MaskSet::pending(Vec::new()) };
+        let masks = if queue { self.pending_masks(&batch) } else { MaskSet::pending(Vec::new()) };
         let input = DecodeInput { masks: &masks, ..unmasked_input(&self.sched, &batch) };
         let landing = if queue {
             match self.backend.queue(&input, previous) {
@@ -439,6 +440,15 @@ impl<B: Backend> Core<B> {
         let masks_due = matches!(landing, Landing::Queued) && masks.any_constrained();
         self.in_flight = Some(Flight { batch, landing, masks_due, failed: None });
         ns
+    }
+
+    /// Which rows of `batch` are under a grammar, their masks to come: built only where the backend
+    /// takes masks late (otherwise no such step is queued, and a step builds no mask set).
+    fn pending_masks(&self, batch: &DecodeBatch) -> MaskSet {
+        if !self.backend.late_masks() {
+            return MaskSet::pending(Vec::new());
+        }
+        MaskSet::pending(batch.rows.iter().map(|&r| self.sched.seq(r).is_some_and(|s| s.constrained())).collect())
     }
 
     /// Whether the next step may be planned ahead with rows under a grammar: the backend takes
@@ -578,11 +588,6 @@ impl<B: Backend> Core<B> {
         }
         ns
     }
-}
-
-/// Which rows of `batch` are under a grammar, their masks to come.
-fn pending_masks(sched: &Scheduler, batch: &DecodeBatch) -> MaskSet {
-    MaskSet::pending(batch.rows.iter().map(|&r| sched.seq(r).is_some_and(|s| s.constrained())).collect())
 }
 
 /// `batch` as a backend call's input, without masks (no row under a grammar).

@@ -37,8 +37,8 @@ pub trait StepLauncher {
     /// Waits for the oldest queued launch; `sampled` gets its rows' tokens.
     fn collect(&mut self, sampled: &mut Vec<u32>) -> Result<(), BackendError>;
 
-    /// The masks of the launch queued last with `late_masks`, one per row (Some exactly for its
-    /// masked rows), once the launch before it has been collected.
+    /// The masks of the launch queued last with `late_masks`, one per row (None for a masked row:
+    /// every token; read only for its masked rows), once the launch before it has been collected.
     fn deliver_masks(&mut self, masks: &[Option<&TokenMask>]) -> Result<(), BackendError>;
 
     /// Where the launches' host time went so far.
@@ -131,14 +131,10 @@ pub struct MegakernelDecoder<L> {
     /// of step n + 1 are computed while it runs instead of between the steps. Off by default
     /// until measured on a GPU.
     pub late_masks: bool,
-    /// Every token allowed: the mask of a masked row whose request has left.
-    all_tokens: Option<TokenMask>,
     sampled: Vec<u32>,
     logits: Vec<f32>,
     /// The rows of each queued step, oldest first.
     queued: std::collections::VecDeque<Vec<usize>>,
-    /// The masked rows of the step queued last, until its masks are delivered.
-    late_rows: Option<Vec<bool>>,
 }
 
 impl<L: StepLauncher> MegakernelDecoder<L> {
@@ -151,11 +147,9 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
             draws: Vec::new(),
             kernel_masks: false,
             late_masks: false,
-            all_tokens: None,
             sampled: Vec::new(),
             logits: Vec::new(),
             queued: std::collections::VecDeque::new(),
-            late_rows: None,
         }
     }
 
@@ -167,19 +161,10 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
             && (0..input.len()).all(|i| !needs_logits(&input.specs[i]) && (late || !input.is_constrained(i)))
     }
 
-    /// The masks of the step queued last with rows under a grammar (`Backend::deliver_masks`): a
-    /// masked row whose request has left (None) allows every token (its token is dropped).
+    /// The masks of the step queued last with rows under a grammar (`Backend::deliver_masks`; a
+    /// masked row whose request has left gets None: the launcher allows it every token).
     pub fn deliver_masks(&mut self, masks: &[Option<&TokenMask>]) -> Result<(), BackendError> {
-        let vocab = self.launcher.vocab();
-        let all =
-            self.all_tokens.get_or_insert_with(|| TokenMask { words: vec![u32::MAX; TokenMask::words_for(vocab)] });
-        let masked = self.late_rows.take().ok_or_else(|| BackendError("no step waits for masks".into()))?;
-        let full: Vec<Option<&TokenMask>> = masked
-            .iter()
-            .zip(masks.iter().chain(std::iter::repeat(&None)))
-            .map(|(&m, &k)| m.then(|| k.unwrap_or(all)))
-            .collect();
-        self.launcher.deliver_masks(&full)
+        self.launcher.deliver_masks(masks)
     }
 
     /// Queues the step as one launch (`Backend::queue`).
@@ -207,7 +192,6 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
             launch: 0,
         };
         self.launcher.queue(&step, previous)?;
-        self.late_rows = late_masks.then(|| (0..input.len()).map(|i| input.is_constrained(i)).collect());
         self.queued.push_back(input.rows.to_vec());
         Ok(())
     }
@@ -406,7 +390,15 @@ mod tests {
             Ok(())
         }
         fn deliver_masks(&mut self, masks: &[Option<&TokenMask>]) -> Result<(), BackendError> {
-            let (rows, tokens, positions, samples) = self.awaiting.take().expect("a launch waiting for masks");
+            let (rows, tokens, positions, samples) =
+                self.awaiting.take().ok_or_else(|| BackendError("no launch waits for masks".into()))?;
+            // As the launcher: a masked row without a mask allows every token, the others read none.
+            let all = TokenMask { words: vec![u32::MAX; TokenMask::words_for(self.vocab)] };
+            let masks: Vec<Option<&TokenMask>> = samples
+                .iter()
+                .zip(masks.iter().chain(std::iter::repeat(&None)))
+                .map(|(s, &m)| (s.masked != 0).then(|| m.unwrap_or(&all)))
+                .collect();
             let table = PageTable::new(1, self.max_rows.max(rows.iter().max().map_or(0, |r| r + 1)), 1);
             let want = vec![false; rows.len()];
             let step = StepRows {
@@ -416,7 +408,7 @@ mod tests {
                 table: &table,
                 want_logits: &want,
                 samples: &samples,
-                masks,
+                masks: &masks,
                 late_masks: false,
                 launch: self.launches.len(),
             };

@@ -533,15 +533,27 @@ fn text(tokens: &[u32]) -> String {
         .collect()
 }
 
+/// Request `id` (`req`'s prompt of 5 + id tokens) under the regular expression `rx`.
+fn constrained_req(grammars: &crate::grammar::Grammars, id: u64, rx: &str, params: SamplingParams) -> Request {
+    let spec = crate::grammar::ConstraintSpec::Regex(rx.into());
+    Request { constraint: Some(grammars.compile(&spec).unwrap()), ..req(id, 5 + id as usize, params) }
+}
+
+/// `core` launching ahead over a mock backend that queues steps, rows under a grammar too (their
+/// masks delivered late).
+fn late_masks_core(model: &MockModel, blocks: usize, max_batch: usize, chunk: usize) -> Core<MockBackend> {
+    let mut c = core(model, blocks, max_batch, chunk, 64);
+    c.launch_ahead = true;
+    c.backend.queueing = true;
+    c.backend.late_masks = true;
+    c
+}
+
 #[test]
 fn constrained_requests_follow_their_grammar_beside_free_ones() {
-    use crate::grammar::ConstraintSpec;
     let model = MockModel::small();
     let grammars = mock_grammars(&model);
-    let constrained = |id: u64, rx: &str, params: SamplingParams| Request {
-        constraint: Some(grammars.compile(&ConstraintSpec::Regex(rx.into())).unwrap()),
-        ..req(id, 5 + id as usize, params)
-    };
+    let constrained = |id: u64, rx: &str, params: SamplingParams| constrained_req(&grammars, id, rx, params);
     let seeded = SamplingParams { seed: Some(5), temperature: 0.9, ..SamplingParams::greedy(20) };
     let arrivals = vec![
         (0, constrained(1, "[0-9]{2}[a-c]", SamplingParams::greedy(20))),
@@ -834,18 +846,12 @@ fn a_sliced_call_finishes_at_once_when_nothing_decodes() {
 /// come without it (that row's token is dropped), and the others keep their solo streams.
 #[test]
 fn late_masks_survive_a_cancel_while_the_step_is_queued() {
-    use crate::grammar::ConstraintSpec;
     let model = MockModel::small();
     let grammars = mock_grammars(&model);
-    let constrained = |id: u64, rx: &str, n: usize| Request {
-        constraint: Some(grammars.compile(&ConstraintSpec::Regex(rx.into())).unwrap()),
-        ..req(id, 5 + id as usize, SamplingParams { ignore_eos: true, ..SamplingParams::greedy(n) })
-    };
+    let constrained =
+        |id: u64, rx: &str, n: usize| constrained_req(&grammars, id, rx, SamplingParams::greedy(n).with_ignore_eos());
     let arrivals = vec![(0, constrained(1, "[a-u]*", 30)), (0, constrained(2, "[0-9a-c]*", 12))];
-    let mut c = core(&model, 64, 4, 8, 64);
-    c.launch_ahead = true;
-    c.backend.queueing = true;
-    c.backend.late_masks = true;
+    let mut c = late_masks_core(&model, 64, 4, 8);
     let out = run(&mut c, &arrivals, &[(6, 1)]);
     assert_eq!(out.finish[&1], FinishReason::Cancelled);
     let (want, finish) = model.solo_request(arrivals[1].1.clone(), 1234, 64);
@@ -859,19 +865,12 @@ fn late_masks_survive_a_cancel_while_the_step_is_queued() {
 /// is still collected in its turn: a request that comes later gets its solo stream.
 #[test]
 fn a_failed_mask_delivery_fails_its_step_and_nothing_after() {
-    use crate::grammar::ConstraintSpec;
     let model = MockModel::small();
     let grammars = mock_grammars(&model);
-    let constrained = |id: u64, n: usize| Request {
-        constraint: Some(grammars.compile(&ConstraintSpec::Regex("[a-u]*".into())).unwrap()),
-        ..req(id, 5 + id as usize, SamplingParams { ignore_eos: true, ..SamplingParams::greedy(n) })
-    };
+    let constrained = |id: u64| constrained_req(&grammars, id, "[a-u]*", SamplingParams::greedy(20).with_ignore_eos());
     let later = (30, req(3, 7, SamplingParams::greedy(10).with_ignore_eos()));
-    let arrivals = vec![(0, constrained(1, 20)), (0, constrained(2, 20)), later.clone()];
-    let mut c = core(&model, 64, 4, 8, 64);
-    c.launch_ahead = true;
-    c.backend.queueing = true;
-    c.backend.late_masks = true;
+    let arrivals = vec![(0, constrained(1)), (0, constrained(2)), later.clone()];
+    let mut c = late_masks_core(&model, 64, 4, 8);
     c.backend.fail_masks_call = Some(2);
     let out = run(&mut c, &arrivals, &[]);
     assert_eq!((out.finish[&1], out.finish[&2]), (FinishReason::Error, FinishReason::Error));

@@ -32,11 +32,13 @@ noise in its sample tasks); with `--top-p P` below 1 as well they come back to t
 `--grammar` puts the decode streams under a regular expression (GRAMMAR; the built-in model's
 tokenizer is the grammar's vocabulary, so ids past its 16,384 are never allowed): their logits are
 drawn by the kernel among the mask's tokens (the mask uploaded before each step), or with
-`--kernel-masks off` copied back and drawn on the host with the mask; `--late-masks` launches their
-steps ahead too, the masks computed while each step runs (Engine(late_masks=True)).
+`--kernel-masks off` copied back and drawn on the host with the mask; their steps are launched ahead
+too, the masks computed while each step runs (Engine(late_masks=...), on by default; `--late-masks off`
+uploads the masks before each step instead).
 Usage: python benches/engine.py [--json out.json] [--quick] [--launch-ahead auto|on|off] [--prefill-chunk N]
        [--prefill-graphs auto|on|off] [--prefix-graphs] [--decode-prefill-budget N [--sliced-prefill]] [--prefill-only]
-       [--cold] [--kv-fraction F] [--temperature T] [--top-p P] [--grammar [--kernel-masks auto|on|off] [--late-masks]]
+       [--cold] [--kv-fraction F] [--temperature T] [--top-p P]
+       [--grammar [--kernel-masks auto|on|off] [--late-masks auto|on|off]]
 """
 
 from __future__ import annotations
@@ -304,7 +306,9 @@ def main() -> None:
     parser.add_argument(
         "--kernel-masks", choices=list(AUTO_ON_OFF), default="auto", help="Engine(kernel_masks=...), auto: on"
     )
-    parser.add_argument("--late-masks", action="store_true", help="Engine(late_masks=True): needs kernel masks")
+    parser.add_argument(
+        "--late-masks", choices=list(AUTO_ON_OFF), default="auto", help="Engine(late_masks=...), auto: on"
+    )
     args = parser.parse_args()
     cfg = ModelConfig.real()
     model = Model(cfg, synthetic_weights(cfg, seed=0, device="cuda", dtype=torch.bfloat16, std=0.01))
@@ -324,7 +328,7 @@ def main() -> None:
         decode_prefill_budget=args.decode_prefill_budget,
         sliced_prefill=args.sliced_prefill,
         kernel_masks=AUTO_ON_OFF[args.kernel_masks],
-        late_masks=args.late_masks,
+        late_masks=AUTO_ON_OFF[args.late_masks],
         tokenizer_json=Tokenizer.from_dir(Path(mk.__file__).parent / "embedded").hf.to_str() if args.grammar else None,
     )
     grammar = ConstraintSpec("regex", GRAMMAR) if args.grammar else None

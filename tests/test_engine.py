@@ -86,18 +86,47 @@ def common(a: list[int], b: list[int]) -> int:
 
 
 def run(engine: Engine, requests: list[tuple[float, list[int], SamplingParams]]):
-    """Submits request i after a delay of requests[i][0] s; returns (tokens, finish, events) each."""
+    """Submits request i after a delay of requests[i][0] s (those of no delay together, so that
+    they start in the same iteration); returns (tokens, finish, events) each."""
 
-    async def one(delay, tokens, params):
-        await asyncio.sleep(delay)
-        stream = engine.submit(tokens, params)
+    async def one(delay, tokens, params, stream=None):
+        if stream is None:
+            await asyncio.sleep(delay)
+            stream = engine.submit(tokens, params)
         events = [e async for e in stream]
         return [e.token_id for e in events if e.token_id is not None], events[-1].finish_reason, events
 
     async def main():
-        return await asyncio.gather(*(one(*r) for r in requests))
+        with engine.together():
+            streams = [engine.submit(t, p) if delay == 0 else None for delay, t, p in requests]
+        return await asyncio.gather(*(one(*r, s) for r, s in zip(requests, streams, strict=True)))
 
     return asyncio.run(main())
+
+
+def test_requests_submitted_together_start_in_the_same_iteration(engine):
+    """Engine.together: requests submitted in the block, with pauses in which the loop would have
+    started each alone, share one prefill iteration and every decode step; a cancel inside the
+    block acts at once."""
+    e = engine(max_batch=4)
+    params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        with e.together():
+            streams = []
+            for i in range(4):
+                streams.append(e.submit(prompt(8 + 5 * i, i), params))
+                await asyncio.sleep(0.05)
+            streams[3].cancel()
+            cancelled = [ev async for ev in streams.pop()]
+            assert e.native_stats()["prefill_chunks"] == 0
+        return cancelled, [[ev async for ev in s] for s in streams]
+
+    cancelled, results = asyncio.run(main())
+    assert [ev.finish_reason for ev in cancelled] == ["cancelled"]
+    assert all(len([ev for ev in r if ev.token_id is not None]) == 9 for r in results)
+    s = e.native_stats()
+    assert (s["decode_steps"], s["decode_rows"]) == (8, 24), s
 
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
@@ -259,6 +288,8 @@ def test_late_masks_need_the_kernels_masks(model):
     # (what they do is the megakernel's: rust/engine/tests.rs and the engine's GPU tests)
     with pytest.raises(ValueError, match="late_masks needs kernel_masks"):
         Engine(model, max_context=256, late_masks=True)
+    # By default, on only where the kernel draws masked rows and steps launch ahead.
+    assert Engine(model, max_context=256).late_masks is False
 
 
 def test_an_engine_that_fails_to_start_drops_its_prefill_graphs(model, monkeypatch):

@@ -167,13 +167,12 @@ def test_logprobs_of_the_kernels_logits_match_the_reference(model, reference):
 def test_a_batch_past_one_launch_runs_as_two_launches(model):
     # Two rows more than one launch takes: every step with more live rows than that is two launches.
     rows = MAX_STEP_ROWS + 2
-    requests = [
-        (0.0, prompt(20 + 37 * i, 50 + i), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2))
-        for i in range(rows)
-    ]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    requests = [(0.0, prompt(20 + 23 * (i % 8), 50 + i), params) for i in range(rows)]
+    assert sum(len(p) for _, p, _ in requests) <= 2048
     with engine(model, "reference", max_batch=rows) as e:
         ref = run(e, requests)
-    # One prefill chunk takes every prompt, so the rows decode side by side.
+    # One prefill chunk takes every prompt (submitted together: `run`), so the rows decode side by side.
     with engine(model, "megakernel", max_batch=rows, prefill_chunk=2048) as e:
         mk = run(e, [(t, p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)) for t, p, _ in requests])
         s = e.native_stats()
@@ -352,10 +351,11 @@ def test_constrained_requests_on_the_megakernel_follow_their_grammar(model):
     ]
     with engine(model, "megakernel", tokenizer_json=tok.hf.to_str(), kernel_masks=False) as e:
         results = run(e, reqs)
-    with engine(model, "megakernel", tokenizer_json=tok.hf.to_str(), kernel_masks=True) as e:
+    with engine(model, "megakernel", tokenizer_json=tok.hf.to_str(), kernel_masks=True, late_masks=False) as e:
         on_gpu = run(e, reqs)
     assert [r[0] for r in on_gpu] == [r[0] for r in results], "the kernel's masked draws are the host's"
-    with engine(model, "megakernel", tokenizer_json=tok.hf.to_str(), kernel_masks=True, late_masks=True) as e:
+    with engine(model, "megakernel", tokenizer_json=tok.hf.to_str()) as e:  # late masks: the default
+        assert e.late_masks
         late = run(e, reqs)
         queued = e.native_stats()["queued_steps"]
     assert [r[0] for r in late] == [r[0] for r in results], "masks delivered while the step runs draw the same"

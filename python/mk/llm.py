@@ -139,13 +139,15 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         done: queue.SimpleQueue[int] = queue.SimpleQueue()
         results, pending = [], 0
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            ids = self.encode(prompt)
+        for prompt, p in zip(prompts, params, strict=True):
             choices = [_Choice(self._text, _choice_params(p, j), j) for j in range(p.n)]
-            results.append((prompt, ids, choices))
-            for c in choices:
-                c.stream = self.engine.submit_callback(ids, c.params, _collector(c, done, i))
-                pending += 1
+            results.append((prompt, self.encode(prompt), choices))
+        # Submitted together, the batch runs the same way every time (Engine.together).
+        with self.engine.together():
+            for i, (_, ids, choices) in enumerate(results):
+                for c in choices:
+                    c.stream = self.engine.submit_callback(ids, c.params, _collector(c, done, i))
+                    pending += 1
         bar = _progress(len(prompts), use_tqdm)
         left = [len(r[2]) for r in results]
         while pending:

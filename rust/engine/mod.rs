@@ -80,6 +80,39 @@ enum Command {
 struct Inbox {
     commands: Vec<Command>,
     closing: bool,
+    /// Open holds (`Engine::hold`): while any is, submissions stay here, so that the ones made
+    /// under a hold reach the scheduler in one iteration.
+    holds: usize,
+}
+
+impl Inbox {
+    /// The commands the loop may apply now: all of them, or while held all but the submissions
+    /// that no later cancel names (a cancel acts at once, on its request too; a closing engine
+    /// takes everything).
+    fn take(&mut self, into: &mut Vec<Command>) {
+        if self.holds == 0 || self.closing {
+            std::mem::swap(into, &mut self.commands);
+            return;
+        }
+        let (mut all, mut named) = (false, Vec::new());
+        let mut held = vec![false; self.commands.len()];
+        for (k, c) in self.commands.iter().enumerate().rev() {
+            match c {
+                Command::Submit(req, _) => held[k] = !all && !named.contains(&req.id),
+                Command::Cancel(id) => named.push(*id),
+                Command::CancelAll => all = true,
+            }
+        }
+        let mut keep = held.into_iter();
+        let (stay, now): (Vec<_>, Vec<_>) = self.commands.drain(..).partition(|_| keep.next().unwrap());
+        self.commands = stay;
+        *into = now;
+    }
+
+    /// Whether `take` would give the loop anything to do.
+    fn has_work(&self) -> bool {
+        self.closing || self.commands.iter().any(|c| self.holds == 0 || !matches!(c, Command::Submit(..)))
+    }
 }
 
 struct Shared {
@@ -107,7 +140,7 @@ impl Engine {
         core.launch_ahead = config.launch_ahead;
         core.layer_slices = config.layer_sliced_prefill.then_some(layers);
         let shared = Arc::new(Shared {
-            inbox: Mutex::new(Inbox { commands: Vec::new(), closing: false }),
+            inbox: Mutex::new(Inbox { commands: Vec::new(), closing: false, holds: 0 }),
             wake: Condvar::new(),
             events: EventQueue::new(),
             pending: AtomicUsize::new(0),
@@ -146,6 +179,22 @@ impl Engine {
         drop(inbox);
         self.shared.wake.notify_one();
         Ok(())
+    }
+
+    /// Keeps later submissions from the scheduler until `release`: requests submitted under a
+    /// hold start together, so their prefill chunks and decode batches do not depend on when
+    /// each submission met the loop thread (offline batches that run the same every time).
+    /// Holds nest; cancels act at once.
+    pub fn hold(&self) {
+        self.shared.inbox.lock().unwrap_or_else(|p| p.into_inner()).holds += 1;
+    }
+
+    /// Ends one `hold`; when none is left, the held submissions go to the scheduler together.
+    pub fn release(&self) {
+        let mut inbox = self.shared.inbox.lock().unwrap_or_else(|p| p.into_inner());
+        inbox.holds = inbox.holds.saturating_sub(1);
+        drop(inbox);
+        self.shared.wake.notify_one();
     }
 
     /// Ends request `id` (if still running) within one iteration, freeing its blocks.

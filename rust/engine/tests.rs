@@ -470,6 +470,85 @@ fn the_loop_thread_serves_concurrent_clients() {
     assert!(engine.next_events(Duration::from_millis(10)).is_none());
 }
 
+fn threaded_engine(model: &MockModel, launch_ahead: bool) -> Engine {
+    let config = EngineConfig {
+        sched: SchedConfig { prefill_chunk: 64, eos_token_id: model.eos, ..SchedConfig::new(8, 80, 32) },
+        kv: model.kv_config(300),
+        max_waiting: 100,
+        check_invariants: true,
+        launch_ahead,
+        layer_sliced_prefill: false,
+    };
+    Engine::start(config, MockBackend::new(model.clone(), 300)).unwrap()
+}
+
+/// Events until every one of `ids` has finished (10 s without an event fails).
+fn collect(engine: &Engine, ids: &[u64]) -> Outcome {
+    let mut out = Outcome::default();
+    while !ids.iter().all(|id| out.finish.contains_key(id)) {
+        let mut batch = engine.next_events(Duration::from_secs(10)).expect("engine alive");
+        assert!(!batch.is_empty(), "no events for 10 s");
+        out.absorb(&mut batch);
+    }
+    out
+}
+
+#[test]
+fn requests_submitted_under_a_hold_start_together() {
+    let model = MockModel::small();
+    for launch_ahead in [false, true] {
+        let engine = threaded_engine(&model, launch_ahead);
+        let steps = 12;
+        let arrivals: Vec<_> = (0..4)
+            .map(|i| (0, req(i, 5 + 3 * i as usize, SamplingParams::greedy(steps + 1).with_ignore_eos())))
+            .collect();
+        engine.hold();
+        engine.hold(); // holds nest
+        for (_, r) in &arrivals {
+            engine.submit(r.clone()).unwrap();
+            // Without the hold the loop would have run each request alone by now.
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        engine.release();
+        std::thread::sleep(Duration::from_millis(20));
+        let s = engine.stats();
+        assert_eq!((s.sched.running, s.sched.waiting, s.metrics.prefill_chunks), (0, 0, 0), "admitted under a hold");
+        engine.release();
+        let out = collect(&engine, &[0, 1, 2, 3]);
+        assert_solo(&model, &arrivals, &out, 80);
+        // One prefill iteration took every prompt, then every decode step had all four rows.
+        let m = engine.stats().metrics;
+        assert_eq!((m.decode_steps, m.decode_rows), (steps as u64, 4 * steps as u64), "launch-ahead {launch_ahead}");
+        engine.shutdown();
+    }
+}
+
+#[test]
+fn a_cancel_under_a_hold_ends_its_request_at_once() {
+    let model = MockModel::small();
+    let engine = threaded_engine(&model, true);
+    engine.hold();
+    for i in 0..3 {
+        engine.submit(req(i, 6, SamplingParams::greedy(10).with_ignore_eos())).unwrap();
+    }
+    engine.cancel(1);
+    let out = collect(&engine, &[1]);
+    assert_eq!(out.finish.get(&1), Some(&FinishReason::Cancelled));
+    assert!(out.tokens.is_empty(), "the others are still held");
+    engine.cancel_all();
+    let out = collect(&engine, &[0, 2]);
+    assert!(out.finish.values().all(|&f| f == FinishReason::Cancelled), "{:?}", out.finish);
+    // Submissions after the cancel-all wait for the release.
+    engine.submit(req(7, 6, SamplingParams::greedy(10).with_ignore_eos())).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(engine.stats().sched.waiting + engine.stats().sched.running, 0);
+    engine.release();
+    let out = collect(&engine, &[7]);
+    assert_eq!((out.finish.get(&7), out.tokens[&7].len()), (Some(&FinishReason::Length), 10));
+    engine.shutdown();
+    assert_eq!(engine.stats().kv.free_blocks, engine.stats().kv.total_blocks);
+}
+
 #[test]
 fn shutdown_cancels_everything_in_flight() {
     let model = MockModel::small();

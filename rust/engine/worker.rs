@@ -38,10 +38,10 @@ fn serve<B: Backend>(shared: &Shared, core: &mut Core<B>, out: &mut Vec<Event>) 
     loop {
         let closing = {
             let mut inbox = shared.inbox.lock().unwrap_or_else(|p| p.into_inner());
-            while inbox.commands.is_empty() && !inbox.closing && !core.busy() {
+            while !inbox.has_work() && !core.busy() {
                 inbox = shared.wake.wait(inbox).unwrap_or_else(|p| p.into_inner());
             }
-            std::mem::swap(&mut commands, &mut inbox.commands);
+            inbox.take(&mut commands);
             inbox.closing
         };
         let mut rejected = 0;

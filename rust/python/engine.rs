@@ -172,6 +172,17 @@ impl PyEngine {
         self.compile(py, &kind, value).map(|_| ())
     }
 
+    /// Keeps later submissions from the scheduler until `release` (holds nest): requests
+    /// submitted under a hold start together.
+    fn hold(&self) {
+        self.engine.hold();
+    }
+
+    /// Ends one `hold`.
+    fn release(&self) {
+        self.engine.release();
+    }
+
     /// Ends request `id` within one loop iteration (a `cancelled` event follows).
     fn cancel(&self, id: u64) {
         self.engine.cancel(id);

@@ -167,10 +167,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--late-masks",
-        action="store_true",
-        help="with --kernel-masks: launch steps with grammar-constrained rows ahead too, their masks computed while "
-        "the step runs and the kernel waiting for them only where it samples (off by default until measured on "
-        "a GPU)",
+        choices=list(AUTO_ON_OFF),
+        nargs="?",
+        const="on",
+        default="auto",
+        help="launch steps with grammar-constrained rows ahead too, their masks computed while the step runs and "
+        "the kernel waiting for them only where it samples; auto = on wherever --kernel-masks and --launch-ahead "
+        "are; on needs both (default: %(default)s)",
     )
     p.add_argument(
         "--max-batch", type=_at_least(1), default=8, help="most sequences decoded together (default: %(default)s)"
@@ -335,7 +338,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         decode_prefill_budget=args.decode_prefill_budget,
         sliced_prefill=args.sliced_prefill,
         kernel_masks=AUTO_ON_OFF[args.kernel_masks],
-        late_masks=args.late_masks,
+        late_masks=AUTO_ON_OFF[args.late_masks],
     )
     log.info(
         "engine ready: %s, %s decode, %s prefill (chunks of %d tokens, CUDA graphs %s), launch-ahead %s, "

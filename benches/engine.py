@@ -307,7 +307,10 @@ def main() -> None:
         "--kernel-masks", choices=list(AUTO_ON_OFF), default="auto", help="Engine(kernel_masks=...), auto: on"
     )
     parser.add_argument(
-        "--late-masks", choices=list(AUTO_ON_OFF), default="auto", help="Engine(late_masks=...), auto: on"
+        "--late-masks",
+        choices=list(AUTO_ON_OFF),
+        default="auto",
+        help="Engine(late_masks=...), auto: on where kernel masks and launch-ahead are",
     )
     args = parser.parse_args()
     cfg = ModelConfig.real()

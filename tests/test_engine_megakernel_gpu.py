@@ -188,9 +188,10 @@ def test_launch_ahead_agrees_with_synchronous_steps(model, rows):
     behind the step before on the GPU, its tokens forwarded on the device (6 rows); a batch of two
     launches steps one at a time until no more than one launch's rows are left, then queues. Against
     synchronous steps (whose rows ask for log-probabilities, so they are not queued) the tokens agree
-    until the first near-tie, as in `compare`: arrival timing may cut the prompts into different
-    prefill chunks (seen once on the H200: a divergence at token 12), while a token forwarded to the
-    wrong row or position would diverge at once. Every row ends with exactly its max_tokens, the rows
+    until the first near-tie, as in `compare` (the prompts are submitted together, so both engines
+    cut the same prefill chunks; before `run` did so, the H200 saw every request of the 10-row batch
+    diverge early, once at a top-2 gap of 0.58), while a token forwarded to the wrong row or position
+    would diverge at once. Every row ends with exactly its max_tokens, the rows
     that end early (their last token known a step ahead) included."""
     greedy = [SamplingParams(max_tokens=30 + 5 * i, temperature=0.0, ignore_eos=True) for i in range(rows)]
     prompts = [prompt(20 + 37 * i, 70 + i) for i in range(rows)]

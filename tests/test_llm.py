@@ -43,6 +43,18 @@ def test_generate_shapes_and_greedy_determinism(llm):
     assert alone[0].prompt is None
 
 
+def test_a_prompt_that_cannot_be_submitted_starts_none_of_the_batch(llm):
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    before = llm.engine.native_stats()["prefill_chunks"]
+    with pytest.raises(mk.engine_api.PromptTooLong):
+        llm.generate(["import os", "def f(x):", "x " * 400], params, use_tqdm=False)
+    deadline = time.monotonic() + 10
+    while llm.engine.active_requests and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert llm.engine.active_requests == 0
+    assert llm.engine.native_stats()["prefill_chunks"] == before  # cancelled while held
+
+
 def test_per_prompt_params_n_and_seeds(llm):
     seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=3, n=3, ignore_eos=True)
     outs = llm.generate(["a", "b"], [SamplingParams(max_tokens=2, temperature=0), seeded], use_tqdm=False)

@@ -173,6 +173,12 @@ class Engine:
     def check_constraint(self, kind: str, value: str) -> None:
         """Compiles (kind, text) as submit would; raises ConstraintError if it cannot be followed."""
 
+    def hold(self) -> None:
+        """Keeps later submissions from the scheduler until `release` (holds nest)."""
+
+    def release(self) -> None:
+        """Ends one `hold`; after the last, the held submissions reach the scheduler together."""
+
     def cancel(self, id: int) -> None: ...
     def cancel_all(self) -> None: ...
     def next_events(self, timeout: float) -> list[EventTuple] | None:

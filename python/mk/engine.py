@@ -179,7 +179,7 @@ class Engine:
         self.launch_ahead = self.backend == "megakernel" if launch_ahead is None else launch_ahead
         if late_masks and not self.launch_ahead:
             raise ValueError("late_masks needs launch-ahead (launch_ahead=False turns it off)")
-        self.late_masks = self.kernel_masks and self.launch_ahead if late_masks is None else late_masks
+        self.late_masks = bool(self.kernel_masks and self.launch_ahead) if late_masks is None else late_masks
         self.config = cfg
         self.max_batch = max_batch
         self.max_context = max_context
@@ -307,10 +307,14 @@ class Engine:
 
     @contextlib.contextmanager
     def together(self) -> Iterator[None]:
-        """Requests submitted inside the block reach the scheduler together when it ends: they
-        share their prefill chunks and decode steps from the start, whatever the loop thread was
-        doing between the submissions, so the same batch runs the same way every time (offline
-        jobs; `mk.LLM.generate` submits under it). Cancels act at once; blocks nest."""
+        """Requests submitted inside the block reach the scheduler together when it ends, so they
+        are admitted in one iteration whatever the loop thread did between the submissions: an
+        offline batch (`mk.LLM.generate` submits under it) is cut into the same prefill chunks and
+        decode steps every time, as far as `max_batch`, the prefill chunk and the KV pool let it
+        start at once and nothing else runs beside it. The hold is the whole engine's: other
+        clients' submissions wait for the block's end too, and a stream of a request submitted in
+        the block gets nothing until then (do not wait on it inside). Cancels act at once; blocks
+        nest; queue times count from the block's end."""
         self._native.hold()
         try:
             yield

@@ -144,10 +144,18 @@ class LLM:
             results.append((prompt, self.encode(prompt), choices))
         # Submitted together, the batch runs the same way every time (Engine.together).
         with self.engine.together():
-            for i, (_, ids, choices) in enumerate(results):
-                for c in choices:
-                    c.stream = self.engine.submit_callback(ids, c.params, _collector(c, done, i))
-                    pending += 1
+            try:
+                for i, (_, ids, choices) in enumerate(results):
+                    for c in choices:
+                        c.stream = self.engine.submit_callback(ids, c.params, _collector(c, done, i))
+                        pending += 1
+            except BaseException:
+                # A prompt that cannot be submitted ends the call: the ones before it never start.
+                for _, _, choices in results:
+                    for c in choices:
+                        if c.stream is not None:
+                            c.stream.cancel()
+                raise
         bar = _progress(len(prompts), use_tqdm)
         left = [len(r[2]) for r in results]
         while pending:

@@ -94,6 +94,9 @@ impl Inbox {
             std::mem::swap(into, &mut self.commands);
             return;
         }
+        if self.commands.iter().all(|c| matches!(c, Command::Submit(..))) {
+            return; // nothing but held submissions: no allocation per iteration
+        }
         let (mut all, mut named) = (false, Vec::new());
         let mut held = vec![false; self.commands.len()];
         for (k, c) in self.commands.iter().enumerate().rev() {
@@ -181,10 +184,10 @@ impl Engine {
         Ok(())
     }
 
-    /// Keeps later submissions from the scheduler until `release`: requests submitted under a
-    /// hold start together, so their prefill chunks and decode batches do not depend on when
-    /// each submission met the loop thread (offline batches that run the same every time).
-    /// Holds nest; cancels act at once.
+    /// Keeps every later submission, from any client, from the scheduler until the last
+    /// `release`: requests submitted under a hold start in one iteration, so their prefill chunks
+    /// and decode batches do not depend on when each submission met the loop thread. Holds nest;
+    /// cancels act at once. A held request's queue time counts from the release.
     pub fn hold(&self) {
         self.shared.inbox.lock().unwrap_or_else(|p| p.into_inner()).holds += 1;
     }

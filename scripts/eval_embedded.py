@@ -124,7 +124,8 @@ def evaluate(llm, fns: list) -> dict:
         answer = text.split("<|START_RESPONSE|>", 1)[-1].split("<|END_RESPONSE|>", 1)[0]
         chat_rows.append({"task": task, "ok": "<|START_RESPONSE|>" in text and chat_code(answer), "text": text})
 
-    tool_prompts = [tok.apply_chat_template(te.tool_prompt(f), tools=te.TOOLS) for f in fns]
+    # Held-out functions come from a site-packages corpus: their modules as imported (te.import_path).
+    tool_prompts = [tok.apply_chat_template(te.tool_prompt(f, site=True), tools=te.TOOLS) for f in fns]
     tools = llm.generate([tok.encode(p, add_special_tokens=False) for p in tool_prompts], greedy, use_tqdm=False)
     tool_ok = [te.action_ok(raw(o)) for o in tools]
 

@@ -300,7 +300,7 @@ def build_site_corpus(
         {p: built.train[p] for p in order[j:]}, max_files, max_bytes, lambda t: any(n in _normalise(t) for n in needles)
     )
     train_functions = [f for path, text in texts.items() for f in extract_functions(path, text)]
-    corpus = Corpus("site-packages", texts, val, held, tests, train_functions, excluded)
+    corpus = Corpus(SITE, texts, val, held, tests, train_functions, excluded)
     return corpus, built.manifest
 
 
@@ -395,17 +395,37 @@ def _call(i: int, name: str, **params) -> dict:
     return {"id": str(i), "type": "function", "function": {"name": name, "arguments": params}}
 
 
-def tool_prompt(fn: Function) -> list[dict]:
+SITE = "site-packages"  # Corpus.root of build_site_corpus's corpora
+
+
+def import_path(path: str, site: bool) -> str:
+    """A corpus path as the module's import path: a site-packages corpus files every module under its
+    distribution's folder (scripts/code_corpus.py), which is no part of the name. Shown with it (a
+    question about `networkx.networkx.algorithms`, a read_file of networkx/networkx/...), the repeated
+    folder made the 2026-12-03 model loop while copying the path into its answer: 19 of its 20
+    malformed tool calls."""
+    return path.split("/", 1)[1] if site and "/" in path else path
+
+
+def tool_prompt(fn: Function, site: bool) -> list[dict]:
     """The user turn of a read_file conversation (used for training and, on held-out functions, for eval)."""
-    module = fn.path[:-3].replace("/", ".").removesuffix(".__init__")
+    module = import_path(fn.path, site)[:-3].replace("/", ".").removesuffix(".__init__")
     return [{"role": "user", "content": f"What does `{fn.name}` in the `{module}` module do? Look it up."}]
 
 
 def tool_examples(corpus: Corpus, count: int, seed: int) -> list[str]:
-    """`count` tool-call conversations in the template's format, built from the training files."""
+    """`count` tool-call conversations in the template's format, built from the training files (paths
+    and modules as imported: `import_path`)."""
     rng = random.Random(seed)
+    site = corpus.root == SITE
+
+    def shown(path: str) -> str:
+        return import_path(path, site)
+
     fns = sorted(corpus.train_functions, key=lambda f: (f.path, f.lineno))
-    packages = sorted({p.rsplit("/", 1)[0] for p in corpus.train if "/" in p})
+    files = sorted(shown(p) for p in corpus.train)
+    packages = sorted({p.rsplit("/", 1)[0] for p in files if "/" in p})
+
     if not fns:
         return []
     out = []
@@ -413,14 +433,14 @@ def tool_examples(corpus: Corpus, count: int, seed: int) -> list[str]:
         kind = i % 5
         if kind == 0:  # read a file, answer from it
             fn = rng.choice(fns)
-            msgs = tool_prompt(fn) + [
+            msgs = tool_prompt(fn, site) + [
                 {
                     "role": "assistant",
-                    "content": f"I will read {fn.path} and find `{fn.name}`.",
-                    "tool_calls": [_call(0, "read_file", path=fn.path)],
+                    "content": f"I will read {shown(fn.path)} and find `{fn.name}`.",
+                    "tool_calls": [_call(0, "read_file", path=shown(fn.path))],
                 },
                 {"role": "tool", "tool_call_id": "0", "content": fn.prompt},
-                {"role": "assistant", "content": f"`{fn.name}` ({fn.path}): {_summary(fn)}"},
+                {"role": "assistant", "content": f"`{fn.name}` ({shown(fn.path)}): {_summary(fn)}"},
             ]
         elif kind == 1:  # run code
             a, b = rng.randint(2, 999), rng.randint(2, 99)
@@ -441,7 +461,7 @@ def tool_examples(corpus: Corpus, count: int, seed: int) -> list[str]:
             ]
         elif kind == 2:  # search
             fn = rng.choice(fns)
-            hits = sorted(p for p, t in corpus.train.items() if fn.name in t)[:4]
+            hits = sorted(shown(p) for p, t in corpus.train.items() if fn.name in t)[:4]
             msgs = [
                 {"role": "user", "content": f"Which standard-library files mention `{fn.name}`?"},
                 {
@@ -454,7 +474,7 @@ def tool_examples(corpus: Corpus, count: int, seed: int) -> list[str]:
             ]
         elif kind == 3 and packages:  # list a package
             pkg = rng.choice(packages)
-            mods = sorted(p.rsplit("/", 1)[1] for p in corpus.train if p.rsplit("/", 1)[0] == pkg)
+            mods = sorted(p.rsplit("/", 1)[1] for p in files if p.rsplit("/", 1)[0] == pkg)
             msgs = [
                 {"role": "user", "content": f"Which modules does the `{pkg.replace('/', '.')}` package have?"},
                 {
@@ -471,8 +491,11 @@ def tool_examples(corpus: Corpus, count: int, seed: int) -> list[str]:
                 {"role": "user", "content": f"Compare `{f1.name}` and `{f2.name}`."},
                 {
                     "role": "assistant",
-                    "content": f"I will read {f1.path} and {f2.path}.",
-                    "tool_calls": [_call(0, "read_file", path=f1.path), _call(1, "read_file", path=f2.path)],
+                    "content": f"I will read {shown(f1.path)} and {shown(f2.path)}.",
+                    "tool_calls": [
+                        _call(0, "read_file", path=shown(f1.path)),
+                        _call(1, "read_file", path=shown(f2.path)),
+                    ],
                 },
                 {"role": "tool", "tool_call_id": "0", "content": f1.prompt},
                 {"role": "tool", "tool_call_id": "1", "content": f2.prompt},
@@ -853,12 +876,12 @@ def action_ok(text: str) -> bool:
     )
 
 
-def evaluate_tools(cfg, weights, tok, fns: list[Function], args, device) -> dict:
+def evaluate_tools(cfg, weights, tok, fns: list[Function], site: bool, args, device) -> dict:
     """Held-out functions asked about with the tools offered: does the model call a tool, well-formed?"""
     end = {tokenizer_files.EOS_ID, tokenizer_files.SPECIAL_IDS["<|END_ACTION|>"]}
     prompts = [
         tok.encode(
-            tokenizer_files.render_chat(tool_prompt(f), tools=TOOLS, add_generation_prompt=True),
+            tokenizer_files.render_chat(tool_prompt(f, site), tools=TOOLS, add_generation_prompt=True),
             add_special_tokens=False,
         ).ids
         for f in fns
@@ -1165,7 +1188,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     comp = evaluate_completions(cfg, eval_w, tok, fns, args, device)
     log(f"held-out loss {heldout_loss:.4f}; completion parse rate {comp['rate']:.1%} on {len(fns)} functions")
     chat = evaluate_chat(cfg, eval_w, tok, fns, args, device)
-    tools = evaluate_tools(cfg, eval_w, tok, fns[: min(len(fns), 32)], args, device)
+    tools = evaluate_tools(cfg, eval_w, tok, fns[: min(len(fns), 32)], corpus.root == SITE, args, device)
     log(f"chat parse rate {chat['rate']:.1%}; tool-call rate {tools['rate']:.1%}")
     cpu_w = {n: t.float().cpu() for n, t in shipped.items()}
     agreement = reference_agreement(out_dir, cfg, cpu_w, held_stream)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -252,6 +253,23 @@ def test_tool_examples_are_cohere_action_blocks(fake_stdlib):
     assert not te.action_ok(
         '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "rm", "parameters": {}}]<|END_ACTION|>'
     )
+
+
+def test_site_corpus_tool_examples_name_modules_as_imported(fake_stdlib):
+    """A site-packages corpus files each module under its distribution's folder; its tool
+    conversations show the import path, exactly as the same files without the folder would."""
+    corpus = te.build_corpus(fake_stdlib, heldout=10)
+    site = dataclasses.replace(
+        corpus,
+        root=te.SITE,
+        train={f"dist/{p}": t for p, t in corpus.train.items()},
+        train_functions=[dataclasses.replace(f, path=f"dist/{f.path}") for f in corpus.train_functions],
+    )
+    assert te.tool_examples(site, 25, seed=0) == te.tool_examples(corpus, 25, seed=0)
+    fn = dataclasses.replace(corpus.train_functions[0], path="networkx/networkx/algorithms/cuts.py", name="cut_size")
+    (turn,) = te.tool_prompt(fn, site=True)
+    assert "`networkx.algorithms.cuts` module" in turn["content"]
+    assert te.import_path("networkx/networkx/__init__.py", site=False) == "networkx/networkx/__init__.py"
 
 
 def test_tokenizer_keeps_the_special_token_ids(fake_stdlib):

@@ -328,6 +328,39 @@ def test_training_forward_equals_reference_logits_float64():
     assert torch.allclose(out.expert_load.sum(-1), torch.ones((), dtype=torch.float64))
 
 
+def test_training_moe_has_the_gathering_moes_values_and_gradients():
+    """train._moe runs every expert on every token, scaled by a combine weight that is 0 where the
+    expert was not selected: its output and its gradients (weights, router, input) equal the
+    reference's per-expert gather (mk.model.moe.moe_ffn), float64."""
+    from mk.model.moe import moe_ffn
+    from mk.model.train import _moe
+
+    cfg = ModelConfig.embedded()
+    w0 = _sharp(cfg, torch.float64, seed=7)
+    prefix = "model.layers.1.mlp."
+    h0 = torch.randn(96, cfg.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    grads = []
+    for dense in (True, False):
+        w = {n: t.detach().clone().requires_grad_(True) for n, t in w0.items() if n.startswith(prefix)}
+        h = h0.clone().requires_grad_(True)
+        if dense:
+            out = _moe(h, w, prefix, cfg)[0]
+        else:
+            experts = [
+                tuple(w[f"{prefix}experts.{e}.{m}_proj.weight"] for m in ("gate", "up", "down"))
+                for e in range(cfg.num_experts)
+            ]
+            out = moe_ffn(h, w[prefix + "gate.weight"], experts, cfg.num_experts_per_tok)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)).sum().backward()
+        grads.append((out.detach(), h.grad, {n: t.grad for n, t in w.items()}))
+    (a, ha, wa), (b, hb, wb) = grads
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ha, hb, rtol=0, atol=1e-12)
+    assert wa.keys() == wb.keys() and all(wb[n] is not None for n in wb)
+    for n in wa:
+        torch.testing.assert_close(wa[n], wb[n], rtol=0, atol=1e-12, msg=n)
+
+
 def test_training_forward_equals_reference_logits_at_the_embedded_geometry():
     cfg = ModelConfig.embedded()
     w = _sharp(cfg, torch.float64, seed=6)

@@ -60,7 +60,9 @@ def test_server_and_engine_share_their_defaults():
     assert AUTO_ON_OFF[args.launch_ahead] is engine_defaults["launch_ahead"].default is None
     assert AUTO_ON_OFF[args.prefill_graphs] is engine_defaults["prefill_graphs"].default is None
     assert AUTO_ON_OFF[args.kernel_masks] is engine_defaults["kernel_masks"].default is None
-    assert parse_args(["--late-masks"]).late_masks == "on" and parse_args(["--late-masks", "off"]).late_masks == "off"
+    for flag in ("launch_ahead", "prefill_graphs", "kernel_masks", "late_masks"):  # the flag alone: on
+        option = "--" + flag.replace("_", "-")
+        assert getattr(parse_args([option]), flag) == "on" and getattr(parse_args([option, "off"]), flag) == "off"
     assert args.decode_prefill_budget is engine_defaults["decode_prefill_budget"].default is None
     assert args.prefix_graphs is engine_defaults["prefix_graphs"].default is False  # experimental: off
     assert args.sliced_prefill is engine_defaults["sliced_prefill"].default is False  # experimental: off

@@ -443,26 +443,25 @@ impl<B: Backend> Core<B> {
     }
 
     /// Which rows of `batch` are under a grammar, their masks to come: built only where the backend
-    /// takes masks late (otherwise no such step is queued, and a step builds no mask set).
+    /// takes masks late and a row has a grammar (otherwise no such step is queued, and a step
+    /// builds no mask set).
     fn pending_masks(&self, batch: &DecodeBatch) -> MaskSet {
-        if !self.backend.late_masks() {
+        let constrained = |r: &usize| self.sched.seq(*r).is_some_and(|s| s.constrained());
+        if !self.backend.late_masks() || !batch.rows.iter().any(constrained) {
             return MaskSet::pending(Vec::new());
         }
-        MaskSet::pending(batch.rows.iter().map(|&r| self.sched.seq(r).is_some_and(|s| s.constrained())).collect())
+        MaskSet::pending(batch.rows.iter().map(constrained).collect())
     }
 
     /// Whether the next step may be planned ahead with rows under a grammar: the backend takes
     /// their masks late and can queue a step of every decoding row as they sample now (so any
     /// step `plan_ahead` plans from them: `can_queue` holds for a subset of a queueable step).
     fn late_masks_ahead(&self) -> bool {
-        if !self.backend.late_masks() {
-            return false;
+        if !self.backend.late_masks() || !self.sched.decoding_constrained() {
+            return false; // (no grammar: plan_ahead needs no leave, and nothing is built per step)
         }
         let (mut rows, mut specs, mut constrained) = (Vec::new(), Vec::new(), Vec::new());
         self.sched.decoding_rows(&mut rows, &mut specs, &mut constrained);
-        if !constrained.contains(&true) {
-            return false; // (no grammar: plan_ahead needs no leave)
-        }
         let zeros = vec![0u32; rows.len()];
         let masks = MaskSet::pending(constrained);
         let input = DecodeInput {

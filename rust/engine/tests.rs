@@ -435,12 +435,8 @@ fn the_loop_thread_serves_concurrent_clients() {
     for s in submitters {
         s.join().unwrap();
     }
-    let mut out = Outcome::default();
-    while out.finish.len() < arrivals.len() {
-        let mut batch = engine.next_events(Duration::from_secs(10)).expect("engine alive");
-        assert!(!batch.is_empty(), "no events for 10 s");
-        out.absorb(&mut batch);
-    }
+    let ids: Vec<u64> = arrivals.iter().map(|(_, r)| r.id).collect();
+    let out = collect(&engine, &ids);
     assert_solo(&model, &arrivals, &out, 80);
     let stats = engine.stats();
     assert_eq!((stats.sched.running, stats.sched.waiting), (0, 0));

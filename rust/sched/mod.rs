@@ -185,6 +185,11 @@ impl Scheduler {
         self.rows.get(row).and_then(Option::as_ref)
     }
 
+    /// Whether a decoding row is under a grammar.
+    pub fn decoding_constrained(&self) -> bool {
+        self.rows.iter().flatten().any(|s| s.phase == Phase::Decode && s.constrained())
+    }
+
     /// The decoding rows (ascending), each one's sampling spec and whether it samples under a
     /// grammar: what a step of all of them would sample (a backend is asked whether it could
     /// queue such a step before one is planned ahead).

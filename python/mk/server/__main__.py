@@ -50,6 +50,11 @@ def _at_least(low: int):
     return parse
 
 
+def _auto_on_off(p: argparse.ArgumentParser, flag: str, text: str) -> None:
+    """A switch the engine decides by default (`auto`); the flag alone means `on`."""
+    p.add_argument(flag, choices=list(AUTO_ON_OFF), nargs="?", const="on", default="auto", help=text)
+
+
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -116,20 +121,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "compiles at start), reference = the reference model's forward, auto = fast on a GPU and reference on "
         "the CPU (default: %(default)s)",
     )
-    p.add_argument(
+    _auto_on_off(
+        p,
         "--launch-ahead",
-        choices=list(AUTO_ON_OFF),
-        default="auto",
-        help="launch each decode step before the previous step's tokens reach the host, so the GPU runs steps "
+        "launch each decode step before the previous step's tokens reach the host, so the GPU runs steps "
         "back to back (rows the kernel draws itself: greedy, or a temperature without top_k, top_p, logprobs "
         "or a grammar; others run one step at a time); auto = on with the megakernel backend, off with the "
         "reference one (default: %(default)s)",
     )
-    p.add_argument(
+    _auto_on_off(
+        p,
         "--prefill-graphs",
-        choices=list(AUTO_ON_OFF),
-        default="auto",
-        help="prefill a fresh prompt (no cached prefix) of up to one chunk as a CUDA graph replay, captured per "
+        "prefill a fresh prompt (no cached prefix) of up to one chunk as a CUDA graph replay, captured per "
         "padded length at start: a short prompt's first token in milliseconds instead of the ~150 ms of host time "
         "its launches take, for a few GB of GPU memory; auto = on with the fast prefill on a GPU (default: "
         "%(default)s)",
@@ -155,23 +158,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "little as with small chunks while the prompt keeps whole chunks (needs --decode-prefill-budget and the fast "
         "prefill; off by default until measured on a GPU)",
     )
-    p.add_argument(
+    _auto_on_off(
+        p,
         "--kernel-masks",
-        choices=list(AUTO_ON_OFF),
-        nargs="?",
-        const="on",
-        default="auto",
-        help="draw grammar-constrained rows (greedy, or a temperature alone) on the GPU among their mask's tokens "
+        "draw grammar-constrained rows (greedy, or a temperature alone) on the GPU among their mask's tokens "
         "instead of copying their logits back and drawing on the host; auto = on with the megakernel backend, off "
         "with the reference one; on with the reference backend is an error (default: %(default)s)",
     )
-    p.add_argument(
+    _auto_on_off(
+        p,
         "--late-masks",
-        choices=list(AUTO_ON_OFF),
-        nargs="?",
-        const="on",
-        default="auto",
-        help="launch steps with grammar-constrained rows ahead too, their masks computed while the step runs and "
+        "launch steps with grammar-constrained rows ahead too, their masks computed while the step runs and "
         "the kernel waiting for them only where it samples; auto = on wherever --kernel-masks and --launch-ahead "
         "are; on needs both (default: %(default)s)",
     )

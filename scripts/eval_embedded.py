@@ -35,7 +35,6 @@ import code_corpus as cc  # noqa: E402
 import train_embedded as te  # noqa: E402
 
 MAX_NEW = 96
-LOOP_REPEATS = 3  # a line repeated more often than this is a verbatim loop
 CHAT_TASKS = (
     "reverses a string",
     "returns the factorial of n",
@@ -70,11 +69,6 @@ def held_out_functions(held: list[str], count: int) -> list:
     return te.pick_test_functions(files, count)  # the functions training held out, if it held these out
 
 
-def loop_free(text: str) -> bool:
-    lines = [line.strip() for line in text.split("\n") if line.strip()]
-    return all(lines.count(line) <= LOOP_REPEATS for line in set(lines))
-
-
 def chat_code(answer: str) -> bool:
     """The answer (its first fenced block, if any) parses and defines a function."""
     m = re.search(r"```(?:python)?\n(.*?)```", answer, re.DOTALL)
@@ -105,7 +99,7 @@ def evaluate(llm, fns: list) -> dict:
             {
                 "name": f"{f.path}:{f.name}",
                 "ok": te.parses_with_body(head + body),
-                "loop_free": loop_free(o.text),
+                "loop_free": te.loop_free(o.text),
                 "text": o.text,
             }
         )

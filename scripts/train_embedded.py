@@ -618,6 +618,15 @@ def stream_loss(
     return total / count, load / len(starts)
 
 
+def ul_on(args) -> bool:
+    return args.unlikelihood_updates is not None or args.unlikelihood_seconds > 0
+
+
+def ul_reserved(args) -> float:
+    """Seconds of --time-budget the unlikelihood phase takes (a replay's counted updates take none)."""
+    return args.unlikelihood_seconds if args.unlikelihood_updates is None else 0.0
+
+
 def train(args, cfg: ModelConfig, train_stream, val_stream, device: torch.device, log) -> dict:
     """The training loop; returns the best weights (lowest validation loss) and the history."""
     torch.manual_seed(args.seed)
@@ -644,7 +653,7 @@ def train(args, cfg: ModelConfig, train_stream, val_stream, device: torch.device
         stop_at = total
     # Fixed before the first step, so a calibrated run replays exactly (report["replay"]).
     warmup = args.warmup if args.steps is not None or args.warmup < total // 2 else max(1, total // 10)
-    budget = args.time_budget * 60
+    budget = args.time_budget * 60 - ul_reserved(args)
     calib = (10, 60)  # steps timed (inside the warmup) to size the run when no --steps is given
     stream_dev = train_stream.to(device)
 
@@ -743,6 +752,125 @@ def train(args, cfg: ModelConfig, train_stream, val_stream, device: torch.device
         "tokens_per_second": step * tokens_per_step / elapsed,
         "history": hist,
     }
+
+
+# ================================================================================================
+# Unlikelihood fine-tuning: greedy loops
+# ================================================================================================
+
+LOOP_REPEATS = 3  # a non-blank line repeated more often than this in a greedy continuation is a loop
+# The phase's generation: training-function prompts of at most UL_PROMPT_TOKENS tokens, UL_NEW_TOKENS greedy
+# tokens each, UL_ROUND of them at once (one forward serves the whole round), UL_BATCH looping continuations
+# per update.
+UL_PROMPT_TOKENS, UL_NEW_TOKENS, UL_ROUND, UL_BATCH = 96, 48, 256, 32
+UL_NGRAM = 4  # a token that ends a repeat of an earlier n-gram of its continuation is a candidate
+
+
+def loop_free(text: str, repeats: int = LOOP_REPEATS) -> bool:
+    """No non-blank line of `text` occurs more than `repeats` times (the #13 bar's rule)."""
+    lines = [line.strip() for line in text.split("\n") if line.strip()]
+    return all(lines.count(line) <= repeats for line in set(lines))
+
+
+def repeat_marks(ids: Sequence[int], n: int = UL_NGRAM) -> list[int]:
+    """Positions t of `ids` whose n-gram ending at t occurred earlier in `ids` (ending before t): the
+    tokens that continue a verbatim repeat, the candidates of sequence-level unlikelihood training
+    (Welleck et al., 2020)."""
+    seen: set[tuple[int, ...]] = set()
+    marks = []
+    for t in range(n - 1, len(ids)):
+        gram = tuple(ids[t - n + 1 : t + 1])
+        if gram in seen:
+            marks.append(t)
+        seen.add(gram)
+    return marks
+
+
+def unlikelihood_loss(logits: torch.Tensor, seqs: torch.Tensor, marks: torch.Tensor) -> torch.Tensor:
+    """Mean of -log(1 - p(token)) over the marked positions: logits [B, T, V] of seqs [B, T] (position t's
+    logits predict token t + 1), marks [B, T] bool on the predicted tokens (column 0 never marked)."""
+    p = F.softmax(logits[:, :-1].float(), -1).gather(-1, seqs[:, 1:, None]).squeeze(-1)
+    ul = -torch.log((1 - p).clamp_min(1e-5))
+    m = marks[:, 1:].to(ul.dtype)
+    return (ul * m).sum() / m.sum().clamp_min(1)
+
+
+def looping_examples(tok, prompts: list[list[int]], outs: list[list[int]], stop_ids: set[int]) -> list:
+    """(prompt + continuation, marked positions) of each continuation that loops (a line repeated more
+    than twice: stricter than the bar, so the phase also sees the loops before they reach it)."""
+    examples = []
+    for prompt, out in zip(prompts, outs, strict=True):
+        cont = out[: next((i for i, t in enumerate(out) if t in stop_ids), len(out))]
+        if loop_free(tok.decode(cont, skip_special_tokens=False), repeats=2):
+            continue
+        marks = [len(prompt) + t for t in repeat_marks(cont)]
+        if marks:
+            examples.append((prompt + cont, marks))
+    return examples
+
+
+def unlikelihood_phase(args, cfg, weights, train_stream, prompts: list[list[int]], tok, device, log) -> tuple:
+    """`--unlikelihood-seconds` of fine-tuning after the main schedule: each update is the main loss on a
+    training batch plus `--unlikelihood-weight` times the unlikelihood of the repeated tokens of the
+    model's own greedy continuations of training-function prompts that loop, regenerated whenever the
+    looping ones of the last round are used up; AdamW at the schedule's final learning rate. Returns the
+    new weights and the phase's record (the looping share of each round: the loop rate on training
+    prompts as it falls)."""
+    specials = set(tokenizer_files.SPECIAL_IDS.values())
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    rng = random.Random(args.seed)
+    stream_dev = train_stream.to(device)
+    pool: list = []
+    opt = None
+    rounds, updates, penalised, t0 = [], 0, 0, time.perf_counter()
+    record = {"seconds": args.unlikelihood_seconds, "weight": args.unlikelihood_weight, "ngram": UL_NGRAM}
+    weights = {n: t.detach().clone().requires_grad_(True) for n, t in weights.items()}
+
+    def more() -> bool:  # --unlikelihood-updates (a replay) counts updates; else the time bound
+        if args.unlikelihood_updates is not None:
+            return updates < args.unlikelihood_updates
+        return time.perf_counter() - t0 < args.unlikelihood_seconds
+
+    while more():
+        if not pool:
+            batch = rng.sample(prompts, min(len(prompts), UL_ROUND))
+            outs = greedy(cfg, weights, batch, UL_NEW_TOKENS, lambda ids: ids[-1] in specials, device, len(batch))
+            pool = looping_examples(tok, batch, outs, specials)
+            rounds.append(len(pool) / max(1, len(batch)))
+            if not pool:
+                log("unlikelihood: a round of continuations without a loop: the phase ends")
+                break
+        take, pool = pool[:UL_BATCH], pool[UL_BATCH:]
+        width = max(len(s) for s, _ in take)
+        seqs = torch.zeros(len(take), width, dtype=torch.long)
+        marks = torch.zeros(len(take), width, dtype=torch.bool)
+        for r, (s, m) in enumerate(take):
+            seqs[r, : len(s)] = torch.tensor(s)
+            marks[r, m] = True
+        seqs, marks = seqs.to(device), marks.to(device)
+        if opt is None:
+            opt = torch.optim.AdamW(list(weights.values()), lr=args.lr * args.min_lr_frac, betas=(0.9, 0.95))
+        win = batch_at(stream_dev, args.batch_size, args.seq_len, gen)
+        with autocast(device):
+            out = forward(cfg, weights, win[:, :-1], dropout=args.dropout)
+            ul_logits = forward(cfg, weights, seqs).logits
+        lm = F.cross_entropy(out.logits.float().flatten(0, 1), win[:, 1:].flatten())
+        ul = unlikelihood_loss(ul_logits, seqs, marks)
+        loss = lm + args.balance_coef * out.balance_loss + args.unlikelihood_weight * ul
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(weights.values()), args.grad_clip)
+        opt.step()
+        updates += 1
+        penalised += int(marks.sum())
+        if updates % 20 == 0:
+            log(
+                f"unlikelihood update {updates}: lm {float(lm):.4f}  ul {float(ul):.4f}  looping share of the "
+                f"last round {rounds[-1]:.2f}  ({time.perf_counter() - t0:.0f} s)"
+            )
+    record.update(updates=updates, penalised_tokens=penalised, looping_share_by_round=rounds)
+    record["wall_seconds"] = time.perf_counter() - t0
+    return weights, record
 
 
 # ================================================================================================
@@ -1059,6 +1187,20 @@ def parse_args(argv: Sequence[str] | None):
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--balance-coef", type=float, default=0.01)
     p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument(
+        "--unlikelihood-seconds",
+        type=float,
+        default=0.0,
+        help="seconds of unlikelihood fine-tuning on the model's own looping continuations after the main\n"
+        "schedule, taken from --time-budget (default 0: none)",
+    )
+    p.add_argument(
+        "--unlikelihood-updates",
+        type=int,
+        default=None,
+        help="exactly this many unlikelihood updates, without a time bound (the replay flags record it)",
+    )
+    p.add_argument("--unlikelihood-weight", type=float, default=1.0, help="the unlikelihood term's weight (default 1)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=None)
     p.add_argument("--eval-batches", type=int, default=None, help="validation batches per evaluation")
@@ -1171,6 +1313,23 @@ def main(argv: Sequence[str] | None = None) -> dict:
         raise SystemExit("corpus too small for --seq-len")
 
     result = train(args, cfg, train_stream, val_stream, device, log)
+    ul_record = None
+    if ul_on(args):
+        heads = [f.prompt.removesuffix("\n") for f in corpus.train_functions]
+        ul_prompts = [e.ids for e in tok.encode_batch(heads, add_special_tokens=True)]
+        ul_prompts = [ids for ids in ul_prompts if len(ids) <= UL_PROMPT_TOKENS]
+        result["weights"], ul_record = unlikelihood_phase(
+            args, cfg, result["weights"], train_stream, ul_prompts, tok, device, log
+        )
+        ul_record["val_loss_before"] = result["best_val_loss"]
+        ul_record["val_loss_after"], _ = stream_loss(
+            cfg, result["weights"], val_stream, args.seq_len, args.batch_size, device, args.eval_batches
+        )
+        log(
+            f"unlikelihood: {ul_record['updates']} updates in {ul_record['wall_seconds']:.0f} s; looping share "
+            f"{ul_record['looping_share_by_round'][:1]} -> {ul_record['looping_share_by_round'][-1:]}; validation "
+            f"loss {ul_record['val_loss_before']:.4f} -> {ul_record['val_loss_after']:.4f}"
+        )
 
     # The shipped weights: bf16. Every metric below is computed on them.
     shipped = {n: t.to(torch.bfloat16) for n, t in result["weights"].items()}
@@ -1226,9 +1385,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
         },
         "model": {"parameters": n_params, "safetensors_bytes": size, "megakernel": megakernel_verdict(cfg)},
         "training": {k: v for k, v in result.items() if k not in ("weights", "history")},
+        "unlikelihood": ul_record,
         # The same run again (same schedule, same batches; on CUDA up to atomic-add order).
         "replay": f"--steps {result['planned_steps']} --max-steps {result['steps']} --warmup {result['warmup']} "
-        f"--seed {args.seed}",
+        f"--seed {args.seed}"
+        + (
+            f" --unlikelihood-updates {ul_record['updates']} --unlikelihood-weight {args.unlikelihood_weight}"
+            if ul_record
+            else ""
+        ),
         "metrics": {
             "heldout_loss": heldout_loss,
             "heldout_bits_per_byte": bits_per_byte,
@@ -1276,6 +1441,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
             ("steps", f"{t['steps']} ({t['steps_set_by']}), {t['epochs']:.1f} epochs, {t['train_seconds']:.0f} s"),
             ("throughput", f"{t['tokens_per_second']:,.0f} tokens/s on {args.device}"),
             ("best validation", f"{t['best_val_loss']:.4f} at step {t['best_step']}"),
+            (
+                "unlikelihood",
+                (
+                    f"{ul_record['updates']} updates, looping share {ul_record['looping_share_by_round'][0]:.2f} -> "
+                    f"{ul_record['looping_share_by_round'][-1]:.2f}, validation {ul_record['val_loss_after']:.4f}"
+                )
+                if ul_record and ul_record["looping_share_by_round"]
+                else "none",
+            ),
             ("held-out loss", f"{heldout_loss:.4f} nats/token, {bits_per_byte:.3f} bits/byte"),
             ("completion parse", f"{comp['rate']:.1%} of {len(fns)} held-out functions"),
             ("chat parse", f"{chat['rate']:.1%}"),

@@ -5,6 +5,7 @@ loader and `load_default` read, and the embedded preset fits the megakernel and 
 
 from __future__ import annotations
 
+import argparse
 import ast
 import copy
 import dataclasses
@@ -383,6 +384,94 @@ def test_init_weights_cover_the_checkpoint_names_and_train():
     assert w["model.layers.1.mlp.gate.weight"].grad.abs().sum() > 0  # the router learns
 
 
+# ---- unlikelihood fine-tuning (greedy loops) ---------------------------------------------------------
+
+
+def test_loop_rule_and_repeat_marks():
+    assert te.loop_free("a\nb\na\nb\na\n\n\n\n")  # blank lines never count
+    assert not te.loop_free("x = 1\n" * 4) and te.loop_free("x = 1\n" * 3)
+    assert not te.loop_free("  y\ny  \ny\n", repeats=2)  # lines compare stripped
+    # The tokens that close a repeat of an earlier 4-gram: [1 2 3 4] again at 7 and 12, [2 3 4 1] at 13.
+    ids = [1, 2, 3, 4, 1, 2, 3, 4, 9, 1, 2, 3, 4, 1]
+    assert te.repeat_marks(ids) == [7, 12, 13]
+    assert te.repeat_marks([5] * 6, n=2) == [2, 3, 4, 5]
+    assert te.repeat_marks([1, 2, 3]) == []
+
+
+def test_looping_examples_keep_only_loops_and_mark_their_repeats():
+    class Tok:  # ids are characters
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(chr(i) for i in ids)
+
+    line = [ord(c) for c in "ab\n"]
+    prompt = [ord("p")]
+    eos = 2
+    outs = [line * 3 + [eos] + line * 5, line * 2 + [ord("c"), ord("\n")], line * 4]
+    ex = te.looping_examples(Tok(), [prompt] * 3, outs, {eos})
+    # The first loops before its EOS (three lines), the second never repeats a line more than twice.
+    assert [len(s) for s, _ in ex] == [1 + 9, 1 + 12]
+    seq, marks = ex[0]
+    assert seq == prompt + line * 3 and marks == [1 + t for t in te.repeat_marks(line * 3)] and marks
+
+
+def test_unlikelihood_loss_is_minus_log_one_minus_p_and_lowers_the_marked_tokens():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7, dtype=torch.float64)
+    seqs = torch.randint(0, 7, (2, 5))
+    marks = torch.zeros(2, 5, dtype=torch.bool)
+    marks[0, 2] = marks[1, 4] = True
+    p = torch.softmax(logits, -1)
+    want = -(torch.log(1 - p[0, 1, seqs[0, 2]]) + torch.log(1 - p[1, 3, seqs[1, 4]])) / 2
+    assert torch.allclose(te.unlikelihood_loss(logits, seqs, marks), want.float())
+    # A few steps on the loss alone make the model's marked tokens less likely.
+    cfg = ModelConfig.tiny()
+    w = init_weights(cfg, seed=3, device=torch.device("cpu"))
+    seq = torch.randint(3, cfg.vocab_size, (1, 24))
+    m = torch.zeros(1, 24, dtype=torch.bool)
+    m[0, 12:] = True
+
+    def marked_p():
+        with torch.no_grad():
+            lp = torch.softmax(forward(cfg, w, seq).logits[:, :-1].float(), -1)
+            return lp.gather(-1, seq[:, 1:, None]).squeeze(-1)[m[:, 1:]].mean()
+
+    def fit(loss_of, steps=15):
+        opt = torch.optim.Adam(list(w.values()), lr=1e-2)
+        for _ in range(steps):
+            opt.zero_grad()
+            loss_of(forward(cfg, w, seq).logits).backward()
+            opt.step()
+
+    # Learn the sequence first (the unlikelihood of a token the model already finds unlikely is ~0).
+    fit(lambda logits: torch.nn.functional.cross_entropy(logits[0, :-1], seq[0, 1:]))
+    learned = marked_p()
+    assert learned > 0.3
+    fit(lambda logits: te.unlikelihood_loss(logits, seq, m))
+    assert marked_p() < 0.5 * learned
+
+
+def test_the_unlikelihood_phase_updates_on_looping_continuations_for_the_counted_updates():
+    class Tok:  # every token decodes to the same line: every continuation loops
+        def decode(self, ids, skip_special_tokens=False):
+            return "x = 1\n" * len(ids)
+
+    cfg = ModelConfig.tiny()
+    w = init_weights(cfg, seed=1, device=torch.device("cpu"))
+    args = argparse.Namespace(
+        seed=0, unlikelihood_seconds=0.0, unlikelihood_updates=3, unlikelihood_weight=1.0, lr=1e-3,
+        min_lr_frac=0.1, batch_size=2, seq_len=16, dropout=0.0, balance_coef=0.01, grad_clip=1.0,
+    )  # fmt: skip
+    stream = torch.randint(3, cfg.vocab_size, (400,))
+    prompts = [[1, 20 + i, 300, 301] for i in range(40)]  # (ids below 18 are special: they end a continuation)
+    new, record = te.unlikelihood_phase(args, cfg, w, stream, prompts, Tok(), torch.device("cpu"), lambda msg: None)
+    assert record["updates"] == 3 and record["penalised_tokens"] > 0
+    # 40 prompts a round, each continuation looping: two rounds feed three updates of UL_BATCH.
+    assert record["looping_share_by_round"] == [1.0, 1.0]
+    changed = ("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight")
+    assert all(not torch.equal(new[n], w[n]) for n in changed)
+    assert all(not t.requires_grad or t.grad is None for t in w.values())  # the phase trained a copy
+
+
 # ---- a whole run ------------------------------------------------------------------------------------
 
 
@@ -432,8 +521,10 @@ def test_three_step_cpu_run_writes_a_checkpoint_the_loader_reads(fake_stdlib, tm
 
 
 def test_runs_are_reproducible(fake_stdlib, tmp_path):
-    """Same seed and flags: the same weights byte for byte (CPU); the recorded replay flags too."""
-    first = _run(fake_stdlib, tmp_path / "a", tmp_path / "da", "--max-steps", "2")
+    """Same seed and flags: the same weights byte for byte (CPU); the recorded replay flags too, an
+    unlikelihood phase's counted updates included."""
+    first = _run(fake_stdlib, tmp_path / "a", tmp_path / "da", "--max-steps", "2", "--unlikelihood-updates", "2")
+    assert "--unlikelihood-updates " in first["replay"] and first["unlikelihood"]["updates"] <= 2
     _run(fake_stdlib, tmp_path / "b", tmp_path / "db", *first["replay"].split())
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()

@@ -421,6 +421,15 @@ __device__ __forceinline__ void finish_activations(bool started) {
     compute_sync();
 }
 
+// An expert tile's routed rows as a bit mask (bit b: batch row b), from has_row once it is visible.
+__device__ __forceinline__ unsigned routed_mask(const int* has_row, int batch) {
+    const int lane = threadIdx.x % 32;
+    return __ballot_sync(0xffffffffu, lane < batch && has_row[lane]);
+}
+
+// The batch row of column `col` of a routed tile: the mask's (col + 1)th set bit.
+__device__ __forceinline__ int routed_row(unsigned routed, int col) { return __fns(routed, 0, col + 1); }
+
 // out[g][row][b] = sum_k act[b][k] * rows[g][row][k] (fp32), for b < batch (<= 8), from the
 // ring's stages. Warp w takes 32-column chunks w, w + 8, ... of each stage: thread (g = lane / 4,
 // t = lane % 4) reads 16 bytes of weight rows g and g + 8 and of activation row g at column
@@ -428,8 +437,10 @@ __device__ __forceinline__ void finish_activations(bool started) {
 // AB": every weight byte is read once whatever the batch; columns past the batch read row
 // batch - 1 again and are dropped), and the k index inside each 32-wide chunk is permuted the same
 // way for A and B, so each thread fills its fragments from one 16-byte load per row; the dot
-// products do not depend on the order of k.
-__device__ void gemv_compute(const GemvShape& p, GemvSmem& s, const Ring& r, uint32_t& n, int batch) {
+// products do not depend on the order of k. With a `routed` mask (a wide launch's expert tile of at
+// most kTileN routed rows, batch of them), column b is the mask's bth row, not row b.
+__device__ void gemv_compute(const GemvShape& p, GemvSmem& s, const Ring& r, uint32_t& n, int batch,
+                             unsigned routed = 0) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
     // The weight row (of 0-7; + 8 for the fragment's second half) behind the fragment's row gi:
     // gi itself, or with swizzled boxes 0, 4, 1, 5, ... so that the two rows of a quarter-warp
@@ -437,7 +448,8 @@ __device__ void gemv_compute(const GemvShape& p, GemvSmem& s, const Ring& r, uin
     const int wrow = MK_WEIGHT_SWIZZLE ? (gi & 1) * 4 + gi / 2 : gi;
     const int box = box_cols(p.k), kc = box * kStageBoxes, pitch = act_pitch(p.k);
     const int box_chunks = box / 32, box_bytes = kStageRows * box * 2;
-    const unsigned char* act_row = s.act + min(gi, batch - 1) * pitch + 16 * ti;
+    const int act_b = routed ? routed_row(routed, min(gi, batch - 1)) : min(gi, batch - 1);
+    const unsigned char* act_row = s.act + act_b * pitch + 16 * ti;
     for (int g = 0; g < p.groups; ++g) {
         float acc[4] = {0.f, 0.f, 0.f, 0.f}, acc2[4] = {0.f, 0.f, 0.f, 0.f};
         if (p.group_valid(g) > 0) {
@@ -600,15 +612,18 @@ __device__ void qkv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvSha
     }
 }
 
-__device__ void gemv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvShape& p, GemvSmem& s) {
+// `routed`: the outputs' columns are an expert tile's routed rows alone (gemv_compute's `routed`).
+__device__ void gemv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvShape& p, GemvSmem& s,
+                              unsigned routed = 0) {
     const int matrix = t.arg[0], r0 = t.arg[1], slot = t.arg[3];
     if (matrix == MK_MAT_QKV) return qkv_epilogue(a, t, p, s);
-    const int n = p.groups * 16;
-    for (int idx = threadIdx.x; idx < n * a.batch; idx += kThreads) {
-        const int row = idx / a.batch, b = idx % a.batch;
+    const int n = p.groups * 16, cols = routed ? __popc(routed) : a.batch;
+    for (int idx = threadIdx.x; idx < n * cols; idx += kThreads) {
+        const int row = idx / cols, col = idx % cols;
+        const int b = routed ? routed_row(routed, col) : col;
         const int grp = row / 16, r = row % 16;
         if (r >= p.group_valid(grp)) continue;
-        const float v = round_bf16(s.out(grp, r, b));
+        const float v = round_bf16(s.out(grp, r, col));
         const int out_row = r0 + row;
         switch (matrix) {
             case MK_MAT_O: ptr<float>(a.y_attn)[b * a.hidden + out_row] = v; break;
@@ -622,7 +637,7 @@ __device__ void gemv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvSh
             case MK_MAT_DENSE_GATE_UP:
             case MK_MAT_EXPERT_GATE_UP: {
                 if (grp % 2 != 0) break;  // one thread per (feature, row) does both halves
-                const float gate = v, up = round_bf16(s.out(grp + 1, r, b));
+                const float gate = v, up = round_bf16(s.out(grp + 1, r, col));
                 const bf16 act = __float2bfloat16(gate / (1.f + __expf(-gate)) * up);
                 const int feature = p.group_first(grp) + r;
                 if (matrix == MK_MAT_DENSE_GATE_UP) {
@@ -661,11 +676,22 @@ __device__ void run_gemv(const MkStepArgs& a, const MkTask& t, GemvSmem& s, cons
         load_slot_rows(a, routing[t.layer & 1], t.arg[3], s.has_row);
     }
     finish_activations(started);
+    // A wide launch's expert tile of at most kTileN routed rows (most of them: 16 rows route ~1.6
+    // to an expert) runs the 8-row loop on those rows alone, where their partial sums fit.
+    unsigned routed = 0;
+    if (kWideBatch && a.batch > kTileN && is_expert(t) && p.k <= act_cols(a.batch)) {
+        if (!started) compute_sync();  // has_row, for every thread
+        const unsigned mask = routed_mask(s.has_row, a.batch);
+        const int m = __popc(mask);
+        const bool fits = (size_t)p.groups * kWarps * m * 16 * sizeof(float) <= GemvSmem::partial_bytes(a.batch);
+        if (m <= kTileN && fits) routed = mask;
+    }
     if (MK_GEMV_MARKS) marks.mark(0);
-    if (kWideBatch && a.batch > kTileN) gemv_compute_wide(p, s, r, n, a.batch, t.layer, act_key);
+    if (routed) gemv_compute(p, s, r, n, __popc(routed), routed);
+    else if (kWideBatch && a.batch > kTileN) gemv_compute_wide(p, s, r, n, a.batch, t.layer, act_key);
     else gemv_compute(p, s, r, n, a.batch);  // their barriers publish has_row
     if (MK_GEMV_MARKS) marks.mark(1);
-    gemv_epilogue(a, t, p, s);
+    gemv_epilogue(a, t, p, s, routed);
 }
 
 // A claim task: the tiles the block's producer claimed from the queue, in the order it streamed

@@ -738,6 +738,7 @@ def train(args, cfg: ModelConfig, train_stream, val_stream, device: torch.device
         diverged = True
     return {
         "weights": best["weights"],
+        "state": (weights, opt),  # the last weights and their optimizer (the unlikelihood phase goes on from them)
         "best_step": best["step"],
         "best_val_loss": best["loss"],
         "steps": step,
@@ -764,6 +765,11 @@ LOOP_REPEATS = 3  # a non-blank line repeated more often than this in a greedy c
 # per update.
 UL_PROMPT_TOKENS, UL_NEW_TOKENS, UL_ROUND, UL_BATCH = 96, 48, 256, 32
 UL_NGRAM = 4  # a token that ends a repeat of an earlier n-gram of its continuation is a candidate
+UL_REPEAT_SHARE = 0.5  # a continuation half of whose tokens are such candidates loops (within a line too)
+# The validation loss the phase may cost; past it the weights from before the phase are shipped. (The
+# first phase, 2026-12-03, with a fresh AdamW: 5 updates cost 0.18 nats, and the model it shipped put
+# its loops inside lines instead, docs/EMBEDDED.md.)
+UL_MAX_VAL_COST = 0.03
 
 
 def loop_free(text: str, repeats: int = LOOP_REPEATS) -> bool:
@@ -796,35 +802,40 @@ def unlikelihood_loss(logits: torch.Tensor, seqs: torch.Tensor, marks: torch.Ten
 
 
 def looping_examples(tok, prompts: list[list[int]], outs: list[list[int]], stop_ids: set[int]) -> list:
-    """(prompt + continuation, marked positions) of each continuation that loops (a line repeated more
-    than twice: stricter than the bar, so the phase also sees the loops before they reach it)."""
+    """(prompt + continuation, marked positions) of each continuation that loops: a line repeated more
+    than twice (stricter than the bar, so the phase also sees the loops before they reach it), or half
+    its tokens closing a repeated n-gram (a loop inside one line, which the line rule misses)."""
     examples = []
     for prompt, out in zip(prompts, outs, strict=True):
         cont = out[: next((i for i, t in enumerate(out) if t in stop_ids), len(out))]
-        if loop_free(tok.decode(cont, skip_special_tokens=False), repeats=2):
-            continue
-        marks = [len(prompt) + t for t in repeat_marks(cont)]
-        if marks:
-            examples.append((prompt + cont, marks))
+        marks = repeat_marks(cont)
+        line_loop = not loop_free(tok.decode(cont, skip_special_tokens=False), repeats=2)
+        if marks and (line_loop or len(marks) >= UL_REPEAT_SHARE * len(cont)):
+            examples.append((prompt + cont, [len(prompt) + t for t in marks]))
     return examples
 
 
-def unlikelihood_phase(args, cfg, weights, train_stream, prompts: list[list[int]], tok, device, log) -> tuple:
+def unlikelihood_phase(args, cfg, weights, train_stream, prompts: list[list[int]], tok, device, log, opt=None) -> tuple:
     """`--unlikelihood-seconds` of fine-tuning after the main schedule: each update is the main loss on a
     training batch plus `--unlikelihood-weight` times the unlikelihood of the repeated tokens of the
     model's own greedy continuations of training-function prompts that loop, regenerated whenever the
-    looping ones of the last round are used up; AdamW at the schedule's final learning rate. Returns the
-    new weights and the phase's record (the looping share of each round: the loop rate on training
-    prompts as it falls)."""
+    looping ones of the last round are used up, at the schedule's final learning rate. `opt`: the main
+    schedule's AdamW over `weights` (the last weights), which the phase goes on with (a fresh AdamW's
+    first updates are a full learning rate in every weight); without it, a copy of `weights` and a
+    new AdamW. Returns the new weights and the phase's record (the looping share of each round: the
+    loop rate on training prompts as it falls)."""
     specials = set(tokenizer_files.SPECIAL_IDS.values())
     gen = torch.Generator().manual_seed(args.seed + 1)
     rng = random.Random(args.seed)
     stream_dev = train_stream.to(device)
     pool: list = []
-    opt = None
+    if opt is None:
+        weights = {n: t.detach().clone().requires_grad_(True) for n, t in weights.items()}
+        opt = torch.optim.AdamW(list(weights.values()), lr=args.lr, betas=(0.9, 0.95))
+    for g in opt.param_groups:
+        g["lr"] = args.lr * args.min_lr_frac
     rounds, updates, penalised, t0 = [], 0, 0, time.perf_counter()
     record = {"seconds": args.unlikelihood_seconds, "weight": args.unlikelihood_weight, "ngram": UL_NGRAM}
-    weights = {n: t.detach().clone().requires_grad_(True) for n, t in weights.items()}
 
     def more() -> bool:  # --unlikelihood-updates (a replay) counts updates; else the time bound
         if args.unlikelihood_updates is not None:
@@ -848,8 +859,6 @@ def unlikelihood_phase(args, cfg, weights, train_stream, prompts: list[list[int]
             seqs[r, : len(s)] = torch.tensor(s)
             marks[r, m] = True
         seqs, marks = seqs.to(device), marks.to(device)
-        if opt is None:
-            opt = torch.optim.AdamW(list(weights.values()), lr=args.lr * args.min_lr_frac, betas=(0.9, 0.95))
         win = batch_at(stream_dev, args.batch_size, args.seq_len, gen)
         with autocast(device):
             out = forward(cfg, weights, win[:, :-1], dropout=args.dropout)
@@ -1318,17 +1327,25 @@ def main(argv: Sequence[str] | None = None) -> dict:
         heads = [f.prompt.removesuffix("\n") for f in corpus.train_functions]
         ul_prompts = [e.ids for e in tok.encode_batch(heads, add_special_tokens=True)]
         ul_prompts = [ids for ids in ul_prompts if len(ids) <= UL_PROMPT_TOKENS]
-        result["weights"], ul_record = unlikelihood_phase(
-            args, cfg, result["weights"], train_stream, ul_prompts, tok, device, log
-        )
+        # The best weights are the last ones (as in every run so far): go on with their optimizer.
+        last, opt = result["state"] if result["best_step"] == result["steps"] else (result["weights"], None)
+        tuned, ul_record = unlikelihood_phase(args, cfg, last, train_stream, ul_prompts, tok, device, log, opt)
         ul_record["val_loss_before"] = result["best_val_loss"]
         ul_record["val_loss_after"], _ = stream_loss(
-            cfg, result["weights"], val_stream, args.seq_len, args.batch_size, device, args.eval_batches
+            cfg, tuned, val_stream, args.seq_len, args.batch_size, device, args.eval_batches
         )
+        ul_record["kept"] = ul_record["val_loss_after"] <= ul_record["val_loss_before"] + UL_MAX_VAL_COST
+        if ul_record["kept"]:
+            result["weights"] = {n: t.detach().clone() for n, t in tuned.items()}
         log(
             f"unlikelihood: {ul_record['updates']} updates in {ul_record['wall_seconds']:.0f} s; looping share "
             f"{ul_record['looping_share_by_round'][:1]} -> {ul_record['looping_share_by_round'][-1:]}; validation "
-            f"loss {ul_record['val_loss_before']:.4f} -> {ul_record['val_loss_after']:.4f}"
+            f"loss {ul_record['val_loss_before']:.4f} -> {ul_record['val_loss_after']:.4f}: "
+            + (
+                "kept"
+                if ul_record["kept"]
+                else f"dropped (costs more than {UL_MAX_VAL_COST}), the weights before it ship"
+            )
         )
 
     # The shipped weights: bf16. Every metric below is computed on them.
@@ -1384,7 +1401,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "vocab": tok.get_vocab_size(),
         },
         "model": {"parameters": n_params, "safetensors_bytes": size, "megakernel": megakernel_verdict(cfg)},
-        "training": {k: v for k, v in result.items() if k not in ("weights", "history")},
+        "training": {k: v for k, v in result.items() if k not in ("weights", "state", "history")},
         "unlikelihood": ul_record,
         # The same run again (same schedule, same batches; on CUDA up to atomic-add order).
         "replay": f"--steps {result['planned_steps']} --max-steps {result['steps']} --warmup {result['warmup']} "
@@ -1445,7 +1462,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 "unlikelihood",
                 (
                     f"{ul_record['updates']} updates, looping share {ul_record['looping_share_by_round'][0]:.2f} -> "
-                    f"{ul_record['looping_share_by_round'][-1]:.2f}, validation {ul_record['val_loss_after']:.4f}"
+                    f"{ul_record['looping_share_by_round'][-1]:.2f}, validation {ul_record['val_loss_after']:.4f}, "
+                    + ("kept" if ul_record["kept"] else "dropped")
                 )
                 if ul_record and ul_record["looping_share_by_round"]
                 else "none",

@@ -14,9 +14,11 @@ import eval_embedded as ev  # noqa: E402
 
 
 def test_a_line_repeated_more_than_three_times_is_a_loop():
-    assert ev.loop_free("a = 1\nb = 2\n\n\n\n\n")
-    assert ev.loop_free("import os\n" * 3 + "x = 1\n")
-    assert not ev.loop_free("import os\n" * 4)
+    """The harness counts loops with the recipe's rule (train_embedded.loop_free, which its unlikelihood
+    phase trains against)."""
+    assert ev.te.loop_free("a = 1\nb = 2\n\n\n\n\n")
+    assert ev.te.loop_free("import os\n" * 3 + "x = 1\n")
+    assert not ev.te.loop_free("import os\n" * 4)
 
 
 def test_a_chat_answer_counts_when_its_code_defines_a_function():

@@ -406,10 +406,13 @@ def test_looping_examples_keep_only_loops_and_mark_their_repeats():
     line = [ord(c) for c in "ab\n"]
     prompt = [ord("p")]
     eos = 2
-    outs = [line * 3 + [eos] + line * 5, line * 2 + [ord("c"), ord("\n")], line * 4]
-    ex = te.looping_examples(Tok(), [prompt] * 3, outs, {eos})
-    # The first loops before its EOS (three lines), the second never repeats a line more than twice.
-    assert [len(s) for s, _ in ex] == [1 + 9, 1 + 12]
+    inline = [ord(c) for c in "f(x) or f(x) or f(x) or f(x)"]  # one line, looping inside it
+    varied = [ord(c) for c in "f(x) or g(y)\n"]
+    outs = [line * 3 + [eos] + line * 5, line * 2 + [ord("c"), ord("\n")], line * 4, inline, varied]
+    ex = te.looping_examples(Tok(), [prompt] * len(outs), outs, {eos})
+    # The first loops before its EOS (three lines), the second never repeats a line more than twice,
+    # the fourth repeats itself within its line, the last has one repeated 4-gram (" or ") only.
+    assert [len(s) for s, _ in ex] == [1 + 9, 1 + 12, 1 + len(inline)]
     seq, marks = ex[0]
     assert seq == prompt + line * 3 and marks == [1 + t for t in te.repeat_marks(line * 3)] and marks
 

@@ -438,7 +438,7 @@ __device__ __forceinline__ int routed_row(unsigned routed, int col) { return __f
 // batch - 1 again and are dropped), and the k index inside each 32-wide chunk is permuted the same
 // way for A and B, so each thread fills its fragments from one 16-byte load per row; the dot
 // products do not depend on the order of k. With a `routed` mask (a wide launch's expert tile of at
-// most kTileN routed rows, batch of them), column b is the mask's bth row, not row b.
+// most kTileN routed rows, batch of them), column b is the mask's (b + 1)th set bit, not row b.
 __device__ void gemv_compute(const GemvShape& p, GemvSmem& s, const Ring& r, uint32_t& n, int batch,
                              unsigned routed = 0) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
@@ -679,6 +679,7 @@ __device__ void run_gemv(const MkStepArgs& a, const MkTask& t, GemvSmem& s, cons
     // A wide launch's expert tile of at most kTileN routed rows (most of them: 16 rows route ~1.6
     // to an expert) runs the 8-row loop on those rows alone, where their partial sums fit.
     unsigned routed = 0;
+    // (One pass: then the rows were staged at act_pitch(p.k), the pitch gemv_compute reads.)
     if (kWideBatch && a.batch > kTileN && is_expert(t) && p.k <= act_cols(a.batch)) {
         if (!started) compute_sync();  // has_row, for every thread
         const unsigned mask = routed_mask(s.has_row, a.batch);
@@ -688,7 +689,7 @@ __device__ void run_gemv(const MkStepArgs& a, const MkTask& t, GemvSmem& s, cons
     }
     if (MK_GEMV_MARKS) marks.mark(0);
     // One call of gemv_compute for both cases: a second inlined copy made the 16-row kernel 9% longer,
-    // and with it batch 1 measured 7% slower (not yet measured with this one).
+    // and batch 1 measured 7% slower with it (the cause unproven; this form not yet measured).
     if (kWideBatch && a.batch > kTileN && !routed) gemv_compute_wide(p, s, r, n, a.batch, t.layer, act_key);
     else gemv_compute(p, s, r, n, routed ? __popc(routed) : a.batch, routed);  // their barriers publish has_row
     if (MK_GEMV_MARKS) marks.mark(1);

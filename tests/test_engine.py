@@ -308,6 +308,35 @@ def test_an_engine_that_fails_to_start_drops_its_prefill_graphs(model, monkeypat
     assert len(released) == 1
 
 
+def test_the_warm_up_runs_a_chunk_after_a_cached_prefix(model, monkeypatch):
+    """The prefill's warm-up compiles every shape a server meets before its first request: fresh
+    prompts (as many keys as rows), two packed ones, and a chunk after a cached prefix (more keys
+    than rows: unseen, its compilation stalled the first long prompt's admission ~8 s on the H200),
+    all on scratch blocks (for the prefixed chunk, five pages a layer)."""
+    from mk.prefill import Prefill
+    from mk.runner import ReferenceRunner
+
+    calls = []
+    real = Prefill.__call__
+
+    def spy(self, requests, kv, *args, **kwargs):
+        calls.append([(len(r.tokens), r.start, r.block_table.clone()) for r in requests])
+        return real(self, requests, kv, *args, **kwargs)
+
+    monkeypatch.setattr(Prefill, "__call__", spy)
+    layers = model.config.num_hidden_layers
+    runner = ReferenceRunner(model, 5 * layers, 2, 512, fast_prefill=Prefill(model, chunk=256))
+    runner.warm_up()
+    starts = [[(n, start) for n, start, _ in call] for call in calls]
+    assert [(16, 0)] in starts and [(16, 0), (32, 0)] in starts
+    assert [(16, 256)] in starts  # 272 keys: 3 flex blocks of 128, its rows 2
+    for call in calls:
+        for n, start, table in call:
+            mapped = table[:, : -(-(start + n) // 64)]
+            assert int(mapped.min()) >= 0 and int(table.max()) < 5 * layers
+            assert len(set(mapped.flatten().tolist())) == mapped.numel()  # distinct blocks
+
+
 @pytest.fixture(scope="module")
 def workload(model):
     """Eight requests of mixed lengths (greedy and seeded) and what each produces alone."""

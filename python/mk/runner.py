@@ -20,6 +20,7 @@ import torch
 
 from mk.config import PAGE_SIZE
 from mk.model.reference import Model
+from mk.model.varlen import FLEX_BLOCK
 from mk.prefill import Prefill, PrefillRequest, SlicedPrefill
 
 log = logging.getLogger("mk")
@@ -68,6 +69,17 @@ class PrefillRunner:
                 other = table.clone()
                 other[:, 0] += self.layers
                 prefill([PrefillRequest([0] * 16, 0, table), PrefillRequest([0] * 32, 0, other)], self.kv)
+            # And a chunk after a cached prefix whose keys pad to more flex blocks than its rows: every
+            # call above has as many keys as rows, and the compiled flex attention, which sizes
+            # equal dimensions alike, likely compiled again for the first such chunk (a first-use
+            # pause of ~8 s on the H200, every decoding stream waiting: docs/PERF.md, sixteenth session).
+            prefix = 2 * FLEX_BLOCK  # 16 rows pad to 2 blocks, their 16 + prefix keys to 3
+            pages = prefix // PAGE_SIZE + 1
+            if self.kv.num_blocks >= pages * self.layers and self.max_pages >= pages:
+                prefixed = torch.full_like(table, -1)
+                blocks = torch.arange(pages * self.layers, dtype=torch.int32).view(pages, self.layers)
+                prefixed[:, :pages] = blocks.T
+                prefill([PrefillRequest([0] * 16, prefix, prefixed)], self.kv)
         if whole and fresh is not None and fresh.capture:
             # One fresh prompt per padded length a prompt of up to n tokens can take.
             sizes = sorted({min(size, n) for size in fresh.buckets})

@@ -761,9 +761,9 @@ def train(args, cfg: ModelConfig, train_stream, val_stream, device: torch.device
 
 LOOP_REPEATS = 3  # a non-blank line repeated more often than this in a greedy continuation is a loop
 # The phase's generation: training-function prompts of at most UL_PROMPT_TOKENS tokens, UL_NEW_TOKENS greedy
-# tokens each, UL_ROUND of them at once (one forward serves the whole round), UL_BATCH looping continuations
-# per update.
-UL_PROMPT_TOKENS, UL_NEW_TOKENS, UL_ROUND, UL_BATCH = 96, 48, 256, 32
+# tokens each, --unlikelihood-round of them at once (one forward serves the whole round), UL_BATCH looping
+# continuations per update.
+UL_PROMPT_TOKENS, UL_NEW_TOKENS, UL_BATCH = 96, 48, 32
 UL_NGRAM = 4  # a token that ends a repeat of an earlier n-gram of its continuation is a candidate
 UL_REPEAT_SHARE = 0.5  # a continuation half of whose tokens are such candidates loops (within a line too)
 # The validation loss the phase may cost; past it the weights from before the phase are shipped. (The
@@ -844,7 +844,7 @@ def unlikelihood_phase(args, cfg, weights, train_stream, prompts: list[list[int]
 
     while more():
         if not pool:
-            batch = rng.sample(prompts, min(len(prompts), UL_ROUND))
+            batch = rng.sample(prompts, min(len(prompts), args.unlikelihood_round))
             outs = greedy(cfg, weights, batch, UL_NEW_TOKENS, lambda ids: ids[-1] in specials, device, len(batch))
             pool = looping_examples(tok, batch, outs, specials)
             rounds.append(len(pool) / max(1, len(batch)))
@@ -1210,6 +1210,9 @@ def parse_args(argv: Sequence[str] | None):
         help="exactly this many unlikelihood updates, without a time bound (the replay flags record it)",
     )
     p.add_argument("--unlikelihood-weight", type=float, default=1.0, help="the unlikelihood term's weight (default 1)")
+    p.add_argument(
+        "--unlikelihood-round", type=int, default=256, help="prompts continued per generation round (default 256)"
+    )
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=None)
     p.add_argument("--eval-batches", type=int, default=None, help="validation batches per evaluation")
@@ -1247,6 +1250,10 @@ def parse_args(argv: Sequence[str] | None):
     p.add_argument("--out-dir", default=str(REPO / "python" / "mk" / "embedded"))
     p.add_argument("--docs-dir", default=str(REPO / "docs"))
     args = p.parse_args(argv)
+    if args.unlikelihood_updates is None and args.unlikelihood_seconds >= 0.5 * args.time_budget * 60:
+        p.error("--unlikelihood-seconds must leave the main schedule at least half of --time-budget")
+    if args.unlikelihood_round < 1:
+        p.error("--unlikelihood-round must be at least 1")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(args.device).type
     for k, v in DEFAULTS["cuda" if dev == "cuda" else "cpu"].items():
@@ -1329,11 +1336,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
         ul_prompts = [ids for ids in ul_prompts if len(ids) <= UL_PROMPT_TOKENS]
         # The best weights are the last ones (as in every run so far): go on with their optimizer.
         last, opt = result["state"] if result["best_step"] == result["steps"] else (result["weights"], None)
-        tuned, ul_record = unlikelihood_phase(args, cfg, last, train_stream, ul_prompts, tok, device, log, opt)
+        try:
+            tuned, ul_record = unlikelihood_phase(args, cfg, last, train_stream, ul_prompts, tok, device, log, opt)
+            ul_record["val_loss_after"], _ = stream_loss(
+                cfg, tuned, val_stream, args.seq_len, args.batch_size, device, args.eval_batches
+            )
+        except Exception as e:  # the main schedule's weights are worth more than the phase
+            log(f"unlikelihood phase failed ({type(e).__name__}: {e}): the weights before it ship")
+            tuned, ul_record = None, {"error": f"{type(e).__name__}: {e}", "updates": 0, "val_loss_after": math.inf}
+            ul_record["looping_share_by_round"] = []
+            ul_record["wall_seconds"] = 0.0
         ul_record["val_loss_before"] = result["best_val_loss"]
-        ul_record["val_loss_after"], _ = stream_loss(
-            cfg, tuned, val_stream, args.seq_len, args.batch_size, device, args.eval_batches
-        )
         ul_record["kept"] = ul_record["val_loss_after"] <= ul_record["val_loss_before"] + UL_MAX_VAL_COST
         if ul_record["kept"]:
             result["weights"] = {n: t.detach().clone() for n, t in tuned.items()}
@@ -1408,6 +1421,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"--seed {args.seed}"
         + (
             f" --unlikelihood-updates {ul_record['updates']} --unlikelihood-weight {args.unlikelihood_weight}"
+            f" --unlikelihood-round {args.unlikelihood_round}"
             if ul_record
             else ""
         ),

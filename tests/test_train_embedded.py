@@ -463,6 +463,7 @@ def test_the_unlikelihood_phase_updates_on_looping_continuations_for_the_counted
     args = argparse.Namespace(
         seed=0, unlikelihood_seconds=0.0, unlikelihood_updates=3, unlikelihood_weight=1.0, lr=1e-3,
         min_lr_frac=0.1, batch_size=2, seq_len=16, dropout=0.0, balance_coef=0.01, grad_clip=1.0,
+        unlikelihood_round=40,
     )  # fmt: skip
     stream = torch.randint(3, cfg.vocab_size, (400,))
     prompts = [[1, 20 + i, 300, 301] for i in range(40)]  # (ids below 18 are special: they end a continuation)
@@ -473,6 +474,39 @@ def test_the_unlikelihood_phase_updates_on_looping_continuations_for_the_counted
     changed = ("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight")
     assert all(not torch.equal(new[n], w[n]) for n in changed)
     assert all(not t.requires_grad or t.grad is None for t in w.values())  # the phase trained a copy
+    # Given the main schedule's optimizer, the phase goes on with it, on its weights, in place, at the
+    # schedule's final learning rate.
+    before = {n: t.detach().clone() for n, t in w.items()}
+    opt = torch.optim.AdamW(list(w.values()), lr=args.lr)
+    same, _ = te.unlikelihood_phase(args, cfg, w, stream, prompts, Tok(), torch.device("cpu"), lambda msg: None, opt)
+    assert same is w and all(not torch.equal(w[n], before[n]) for n in changed)
+    assert opt.param_groups[0]["lr"] == pytest.approx(args.lr * args.min_lr_frac) and len(opt.state) > 0
+
+
+def test_a_phase_that_fails_or_costs_validation_loss_ships_the_weights_before_it(fake_stdlib, tmp_path, monkeypatch):
+    plain = _run(fake_stdlib, tmp_path / "a", tmp_path / "da", "--max-steps", "2")
+    ul = ("--max-steps", "2", "--unlikelihood-updates", "1")
+
+    def spoiled(args, cfg, weights, *rest):  # a phase that wrecks the model
+        record = {"updates": 1, "looping_share_by_round": [1.0], "wall_seconds": 0.0}
+        return {n: torch.zeros_like(t) for n, t in weights.items()}, record
+
+    monkeypatch.setattr(te, "unlikelihood_phase", spoiled)
+    report = _run(fake_stdlib, tmp_path / "b", tmp_path / "db", *ul)
+    assert report["unlikelihood"]["kept"] is False
+    assert report["unlikelihood"]["val_loss_after"] > report["unlikelihood"]["val_loss_before"] + te.UL_MAX_VAL_COST
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(te, "unlikelihood_phase", broken)
+    failed = _run(fake_stdlib, tmp_path / "c", tmp_path / "dc", *ul)
+    assert failed["unlikelihood"]["kept"] is False and "boom" in failed["unlikelihood"]["error"]
+    for out in ("b", "c"):
+        assert (tmp_path / out / "model.safetensors").read_bytes() == (
+            tmp_path / "a" / "model.safetensors"
+        ).read_bytes()
+    assert plain["unlikelihood"] is None
 
 
 # ---- a whole run ------------------------------------------------------------------------------------
@@ -526,7 +560,10 @@ def test_three_step_cpu_run_writes_a_checkpoint_the_loader_reads(fake_stdlib, tm
 def test_runs_are_reproducible(fake_stdlib, tmp_path):
     """Same seed and flags: the same weights byte for byte (CPU); the recorded replay flags too, an
     unlikelihood phase's counted updates included."""
-    first = _run(fake_stdlib, tmp_path / "a", tmp_path / "da", "--max-steps", "2", "--unlikelihood-updates", "2")
+    first = _run(
+        fake_stdlib, tmp_path / "a", tmp_path / "da", "--max-steps", "2", "--unlikelihood-updates", "2",
+        "--unlikelihood-round", "16",
+    )  # fmt: skip
     assert "--unlikelihood-updates " in first["replay"] and first["unlikelihood"]["updates"] <= 2
     _run(fake_stdlib, tmp_path / "b", tmp_path / "db", *first["replay"].split())
     for name in ("model.safetensors", "tokenizer.json", "config.json"):

@@ -627,6 +627,22 @@ def ul_reserved(args) -> float:
     return args.unlikelihood_seconds if args.unlikelihood_updates is None else 0.0
 
 
+def main_loss(args, cfg, weights, win: torch.Tensor, device) -> tuple:
+    """The training objective on windows [batch, seq + 1]: (next-token loss, it plus the routers'
+    balance term, the forward's output)."""
+    with autocast(device):
+        out = forward(cfg, weights, win[:, :-1], dropout=args.dropout)
+    lm = F.cross_entropy(out.logits.float().flatten(0, 1), win[:, 1:].flatten())
+    return lm, lm + args.balance_coef * out.balance_loss, out
+
+
+def optimizer_step(args, weights, opt, loss: torch.Tensor) -> None:
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(list(weights.values()), args.grad_clip)
+    opt.step()
+
+
 def train(args, cfg: ModelConfig, train_stream, val_stream, device: torch.device, log) -> dict:
     """The training loop; returns the best weights (lowest validation loss) and the history."""
     torch.manual_seed(args.seed)
@@ -696,14 +712,8 @@ def train(args, cfg: ModelConfig, train_stream, val_stream, device: torch.device
         for g in opt.param_groups:
             g["lr"] = lr
         win = batch_at(stream_dev, args.batch_size, args.seq_len, gen.manual_seed(args.seed * 1_000_003 + step))
-        with autocast(device):
-            out = forward(cfg, weights, win[:, :-1], dropout=args.dropout)
-        lm = F.cross_entropy(out.logits.float().flatten(0, 1), win[:, 1:].flatten())
-        loss = lm + args.balance_coef * out.balance_loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(weights.values()), args.grad_clip)
-        opt.step()
+        lm, loss, out = main_loss(args, cfg, weights, win, device)
+        optimizer_step(args, weights, opt, loss)
         run_loss += lm.detach()
         run_n += 1
         step += 1
@@ -859,17 +869,11 @@ def unlikelihood_phase(args, cfg, weights, train_stream, prompts: list[list[int]
             seqs[r, : len(s)] = torch.tensor(s)
             marks[r, m] = True
         seqs, marks = seqs.to(device), marks.to(device)
-        win = batch_at(stream_dev, args.batch_size, args.seq_len, gen)
+        lm, loss, _ = main_loss(args, cfg, weights, batch_at(stream_dev, args.batch_size, args.seq_len, gen), device)
         with autocast(device):
-            out = forward(cfg, weights, win[:, :-1], dropout=args.dropout)
             ul_logits = forward(cfg, weights, seqs).logits
-        lm = F.cross_entropy(out.logits.float().flatten(0, 1), win[:, 1:].flatten())
         ul = unlikelihood_loss(ul_logits, seqs, marks)
-        loss = lm + args.balance_coef * out.balance_loss + args.unlikelihood_weight * ul
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(weights.values()), args.grad_clip)
-        opt.step()
+        optimizer_step(args, weights, opt, loss + args.unlikelihood_weight * ul)
         updates += 1
         penalised += int(marks.sum())
         if updates % 20 == 0:

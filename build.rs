@@ -15,35 +15,23 @@ const GENCODE: &str = "-gencode=arch=compute_90a,code=sm_90a";
 /// A build variant: `MK_WEIGHT_SWIZZLE=1` compiles the kernels with 128-byte-swizzled weight boxes
 /// (cuda/abi.h) and the host with the matching tensor maps (`cfg(mk_weight_swizzle)`).
 const WEIGHT_SWIZZLE: &str = "MK_WEIGHT_SWIZZLE";
-/// A build variant: `MK_STEP_MAX_BATCH=16` compiles the kernels for up to 16 rows per launch (two
-/// n-tiles, cuda/abi.h) and the host to match (`cfg(mk_step_max_batch_16)`); 8, the default, or 16.
-const STEP_MAX_BATCH: &str = "MK_STEP_MAX_BATCH";
+/// The megakernel is compiled twice: `megakernel` for launches of 1-8 rows and this one for 9-16
+/// (two n-tiles; cuda/abi.h, MK_IMAGE_ROWS). The swizzled variant has only the narrow one.
+const WIDE_MEGAKERNEL: &str = "megakernel_wide";
+const WIDE_DEFINE: &str = "-DMK_IMAGE_ROWS=MK_WIDE_ROWS";
 
 fn main() {
     println!("cargo:rerun-if-changed=cuda");
     let vars = ["NVCC", "CUDA_HOME", "PYO3_PYTHON", "PYTHON_SYS_EXECUTABLE", "VIRTUAL_ENV", "PATH"];
-    for var in vars.into_iter().chain([WEIGHT_SWIZZLE, STEP_MAX_BATCH]) {
+    for var in vars.into_iter().chain([WEIGHT_SWIZZLE]) {
         println!("cargo:rerun-if-env-changed={var}");
     }
     println!("cargo:rustc-check-cfg=cfg(mk_weight_swizzle)");
-    println!("cargo:rustc-check-cfg=cfg(mk_step_max_batch_16)");
     let mut defines = Vec::new();
     if env::var(WEIGHT_SWIZZLE).is_ok_and(|v| v == "1") {
         println!("cargo:rustc-cfg=mk_weight_swizzle");
         defines.push("-DMK_WEIGHT_SWIZZLE=1");
     }
-    match env::var(STEP_MAX_BATCH).as_deref() {
-        Err(_) | Ok("8") => {}
-        Ok("16") => {
-            println!("cargo:rustc-cfg=mk_step_max_batch_16");
-            defines.push("-DMK_STEP_MAX_BATCH=16");
-        }
-        Ok(other) => panic!("mk: {STEP_MAX_BATCH} must be 8 or 16, got {other:?}"),
-    }
-    assert!(
-        defines.len() < 2,
-        "mk: {WEIGHT_SWIZZLE}=1 with {STEP_MAX_BATCH}=16 spills registers: not a supported build"
-    );
     let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
     let nvcc = find_nvcc().unwrap_or_else(|tried| {
         panic!(
@@ -66,18 +54,27 @@ fn main() {
 
     let mut table = String::from("/// (name, cubin) for every `cuda/*.cu`, compiled for sm_90a.\n");
     table.push_str("pub const CUBINS: &[(&str, &[u8])] = &[\n");
+    let mut images: Vec<(String, &Path, Vec<&str>)> = Vec::new();
     for src in &sources {
         let stem = src.file_stem().unwrap().to_str().unwrap().to_owned();
-        let cubin = out_dir.join(format!("{stem}.cubin"));
-        compile(&nvcc, src, &cubin, &defines);
-        writeln!(table, "    ({stem:?}, include_bytes!({:?})),", cubin.display().to_string()).unwrap();
+        if stem == "megakernel" && defines.is_empty() {
+            images.push((WIDE_MEGAKERNEL.to_owned(), src, vec![WIDE_DEFINE]));
+        }
+        images.push((stem, src, defines.clone()));
+    }
+    images.sort_by(|a, b| a.0.cmp(&b.0));
+    for (name, src, flags) in &images {
+        let cubin = out_dir.join(format!("{name}.cubin"));
+        compile(&nvcc, src, &cubin, flags);
+        writeln!(table, "    ({name:?}, include_bytes!({:?})),", cubin.display().to_string()).unwrap();
     }
     table.push_str("];\n");
     writeln!(table, "/// `nvcc --version` of the compiler that built the cubins.").unwrap();
     writeln!(table, "pub const NVCC_VERSION: &str = {version:?};").unwrap();
     writeln!(table, "/// The nvcc target flag the cubins were built with.").unwrap();
     writeln!(table, "pub const GENCODE: &str = {GENCODE:?};").unwrap();
-    writeln!(table, "/// The build variant's nvcc defines (none: the default build).").unwrap();
+    writeln!(table, "/// The build variant's nvcc defines (none: the default build; the wide image adds its own).")
+        .unwrap();
     writeln!(table, "pub const DEFINES: &[&str] = &{defines:?};").unwrap();
     fs::write(out_dir.join("cubins.rs"), table).unwrap();
 }

@@ -9,7 +9,7 @@
 //                 straight from shared memory (no loads of the weights into registers); a stage
 //                 is then 64 rows x 192 columns instead of 16 x 768
 //   mma_dense_16  mma_dense with 16 activation rows: each weight fragment times two n-tiles
-//                 (gemv_compute_wide, the MK_STEP_MAX_BATCH=16 build)
+//                 (gemv_compute_wide, the wide megakernel image)
 // Each block runs `reps` passes over the 4 stages (one pass = the whole 64 x 768 product), the
 // results are checked against the host's float64 product, and the time per stage is printed as
 // one JSON line per way (benches/consumer.py builds, runs and tabulates this).

@@ -1,7 +1,7 @@
 """The megakernel's consumer side alone: one 24 KB weight stage times 8 activation rows, by
 mma.sync from dense rows (the default kernel), mma.sync from 128-byte-swizzled boxes
 (MK_WEIGHT_SWIZZLE) and wgmma m64n8k16 straight from shared memory, and times 16 rows by the
-dense mma.sync with two n-tiles (the MK_STEP_MAX_BATCH=16 build) (benches/consumer.cu: nothing
+dense mma.sync with two n-tiles (the wide megakernel image's) (benches/consumer.cu: nothing
 copied, no ring hand-off, every SM busy; each way checked against a float64 product first).
 
 Batch 1 is bound by what the compute warps do per stage, not by HBM (docs/PERF.md, thirteenth

@@ -7,7 +7,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MK_ABI_VERSION 13
+#define MK_ABI_VERSION 14
 
 // ---- The decode megakernel's task graph (docs/MEGAKERNEL.md) ------------------------------------
 // A step is a list of tasks per SM, built by the host (rust/graph). Each block runs its list in
@@ -126,14 +126,18 @@ typedef enum MkLayerWeight {
 // block: 8 compute warps, the weight producer warp and the signal warp.
 #define MK_STEP_SMEM_BYTES (227 * 1024)
 #define MK_STEP_THREADS 320
-// The longest reduction (k) of any GEMV task and the most rows per launch. Up to 8 rows the
-// activation buffer in shared memory holds [rows][MK_STEP_MAX_K]; a launch of 9-16 rows (the build
-// variant `MK_STEP_MAX_BATCH=16 make wheel`: build.rs passes it to nvcc and to the Rust side,
-// which must agree) multiplies two n-tiles and stages a long reduction's activations in passes
-// of the same buffer size (docs/MEGAKERNEL.md, "Batch size").
+// The longest reduction (k) of any GEMV task, and rows. build.rs compiles megakernel.cu twice: a
+// narrow image for launches of 1-8 rows (one n-tile; the activation buffer in shared memory holds
+// [rows][MK_STEP_MAX_K]) and a wide one for 9-16 (two n-tiles, a long reduction's activations
+// staged in passes of the same buffer size; docs/MEGAKERNEL.md, "Batch size"). MK_IMAGE_ROWS is
+// the rows of the image being compiled (the wide one gets -DMK_IMAGE_ROWS=MK_WIDE_ROWS), and
+// `mk_image_rows` tells the host which image is which; MK_STEP_MAX_BATCH is the most rows of one
+// launch. The swizzled-weights variant has no wide image (its 16-row loop spills registers).
 #define MK_STEP_MAX_K 4096
-#ifndef MK_STEP_MAX_BATCH
-#define MK_STEP_MAX_BATCH 8
+#define MK_NARROW_ROWS 8
+#define MK_WIDE_ROWS 16
+#ifndef MK_IMAGE_ROWS
+#define MK_IMAGE_ROWS MK_NARROW_ROWS
 #endif
 // The most 16-row weight groups one GEMV task multiplies (128 output rows).
 #define MK_GEMV_MAX_GROUPS 8
@@ -207,6 +211,14 @@ typedef struct MkRowSample {
 // 512 bytes do: every weight load takes twice the wavefronts). Every k must then be a multiple of 64.
 #ifndef MK_WEIGHT_SWIZZLE
 #define MK_WEIGHT_SWIZZLE 0
+#endif
+#if MK_WEIGHT_SWIZZLE
+#define MK_STEP_MAX_BATCH MK_NARROW_ROWS
+#if MK_IMAGE_ROWS > MK_NARROW_ROWS
+#error "the swizzled-weights variant has no wide image: its 16-row loop spills registers"
+#endif
+#else
+#define MK_STEP_MAX_BATCH MK_WIDE_ROWS
 #endif
 // One box of a weight stage: a tile of MK_STAGE_ROWS weight rows by MK_STAGE_COLS columns (fewer
 // where k is shorter), one bulk tensor copy.

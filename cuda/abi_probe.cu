@@ -89,6 +89,8 @@ extern "C" __device__ const unsigned long long mk_abi_layout[] = {
     offsetof(MkRowSample, index),
     offsetof(MkRowSample, masked),
     MK_STEP_MAX_K,
+    MK_NARROW_ROWS,
+    MK_WIDE_ROWS,
     MK_STEP_MAX_BATCH,
     MK_GEMV_MAX_GROUPS,
     MK_STEP_HEAD_DIM,

@@ -19,7 +19,7 @@ union StepSmem {
         float scores[MK_STEP_MAX_TOP_K];
     } norm;
     struct {
-        int chosen[MK_STEP_MAX_BATCH * MK_STEP_MAX_TOP_K];
+        int chosen[MK_IMAGE_ROWS * MK_STEP_MAX_TOP_K];
         int slot_of[MK_STEP_MAX_EXPERTS];
     } topk;
     struct {
@@ -62,10 +62,14 @@ __host__ __device__ constexpr int ring_stages(int batch) {
     const int fit = (int)((MK_STEP_SMEM_BYTES - stages_offset(batch)) / kStageBytes);
     return fit < kMaxRingStages ? fit : kMaxRingStages;
 }
-static_assert(ring_stages(MK_STEP_MAX_BATCH) >= 4, "the weight ring needs at least 4 stages at every batch");
+static_assert(ring_stages(MK_IMAGE_ROWS) >= 4, "the weight ring needs at least 4 stages at every batch");
 static_assert(kBlockThreads == MK_STEP_THREADS, "block size is part of the ABI");
 
 }  // namespace mk
+
+// Rows this image takes (cuda/abi.h): the host reads it at load and launches the narrowest image
+// that holds a step's rows.
+extern "C" __device__ const int mk_image_rows = MK_IMAGE_ROWS;
 
 extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_step(const MkStepArgs a) {
     using namespace mk;

@@ -4,7 +4,8 @@
 # ($MK_MEGAKERNEL_CUBIN=a:b:..., timed in alternation on the same buffers: mk_kernel<k>_ms),
 # which runs ROUNDS times. A variant is NAME=KIND:DIR[:FLAGS], where KIND is
 #   src   the cuda/ sources in DIR, compiled with FLAGS (comma-separated nvcc flags, e.g.
-#         -DMK_STAGE_BOXES=2) and loaded by the wheel in .whl/ (the same abi.h);
+#         -DMK_STAGE_BOXES=2) as both images (narrow and wide) and loaded by the wheel in .whl/
+#         (the same abi.h);
 #   wheel the wheel in DIR with its embedded kernel (an earlier ABI), timed in its own process
 #         after each round.
 #   device run:  VARIANTS="old=src:.whl/old-cuda new=src:cuda" bash scripts/device-ab.sh
@@ -16,7 +17,6 @@
 # and round.
 set -uo pipefail
 source "$(dirname "$0")/device-env.sh"
-nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 rounds=${ROUNDS:-1}
 cubins=() names=() wheels=()
 for v in $VARIANTS; do
@@ -25,10 +25,8 @@ for v in $VARIANTS; do
     case $kind in
         src)
             # shellcheck disable=SC2086
-            "$nvcc" -cubin -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -I"$dir" $WHEEL_DEFINES ${flags//,/ } \
-                -o "/tmp/ab-$name.cubin" "$dir/megakernel.cu" >"$OUT/nvcc-$name.log" 2>&1 \
-                || { cat "$OUT/nvcc-$name.log"; exit 1; }
-            cubins+=("/tmp/ab-$name.cubin") names+=("$name") ;;
+            images=$(compile_megakernel "$dir" "nvcc-$name" ${flags//,/ }) || exit 1
+            cubins+=("$images") names+=("$name") ;;
         wheel)
             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
                 --target "/tmp/site-$name" "$dir"/*.whl || exit 1

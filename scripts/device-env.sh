@@ -27,3 +27,24 @@ export PYTHONPATH=/tmp/site
 # that wheel (device-kernel.sh, device-ab.sh) must be built with the same defines.
 WHEEL_DEFINES=$(python3 -c 'import mk._native as n; print(" ".join(n.build_info()["defines"]))')
 export WHEEL_DEFINES
+# compile_megakernel DIR NAME [nvcc flags...]: DIR/megakernel.cu as this wheel's images, the narrow
+# one and (unless the wheel is the swizzled variant) the wide one, in parallel with build.rs's flags,
+# to /tmp/NAME-<rows>.cubin; ptxas's reports go to $OUT/NAME-<rows>.log. Prints the variant for
+# $MK_MEGAKERNEL_CUBIN ("/tmp/NAME-8.cubin,/tmp/NAME-16.cubin"); fails if an image does not compile.
+compile_megakernel() {
+    local dir=$1 name=$2 nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+    shift 2
+    local rows=(8) images=() pids=() status=0 r
+    [[ " $WHEEL_DEFINES " == *" -DMK_WEIGHT_SWIZZLE=1 "* ]] || rows+=(16)
+    for r in "${rows[@]}"; do
+        local image=(); [ "$r" = 16 ] && image=(-DMK_IMAGE_ROWS=MK_WIDE_ROWS)
+        # shellcheck disable=SC2086
+        "$nvcc" -cubin -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -I"$dir" -Xptxas=-v,-warn-spills \
+            $WHEEL_DEFINES "${image[@]}" "$@" -o "/tmp/$name-$r.cubin" "$dir/megakernel.cu" >"$OUT/$name-$r.log" 2>&1 &
+        pids+=($!) images+=("/tmp/$name-$r.cubin")
+    done
+    for r in "${!pids[@]}"; do
+        wait "${pids[$r]}" || { cat "$OUT/$name-${rows[$r]}.log" >&2; status=1; }
+    done
+    [ "$status" = 0 ] && (IFS=,; echo "${images[*]}")
+}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ON the GPU machine: the decode grid of record (~90 s on the H200). benches/decode.py over batch
-# {1, 2, 4, 8, 16} x context {1K, 8K, 32K, 128K} and batch 1 at 256K (batch 16 in one launch with the
-# MK_STEP_MAX_BATCH=16 build, else as two, as the engine runs it), and the yardstick of record
+# {1, 2, 4, 8, 16} x context {1K, 8K, 32K, 128K} and batch 1 at 256K (batch 16 in one launch of the
+# wide image; two in the swizzled variant, as the engine runs it), and the yardstick of record
 # (.whl/yardstick.py, a copy of shared/tools/yardstick.py) at the same points in the same call,
 # in chunks with their own time limits so that one slow or failing point costs only its chunk.
 #   device run:  bash scripts/device-grid.sh      (carry: [".whl"])

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ON the GPU machine: one megakernel iteration without a wheel rebuild (~3-5 min). Compiles
-# cuda/megakernel.cu with that machine's nvcc into a cubin the installed wheel loads instead of
-# its embedded one ($MK_MEGAKERNEL_CUBIN; the wheel must come from the same cuda/abi.h), then in
+# cuda/megakernel.cu with that machine's nvcc into the images (narrow and wide) the installed wheel
+# loads instead of its embedded ones ($MK_MEGAKERNEL_CUBIN; the wheel must come from the same cuda/abi.h), then in
 # the same call runs the megakernel's GPU tests, the decode benchmark with one trace, and the
 # yardstick of record (copied beside the wheels: cp ../shared/tools/yardstick.py .whl/).
 #   device run:  bash scripts/device-kernel.sh      (carry: [".whl"])
@@ -10,16 +10,14 @@
 # NVCC_FLAGS (extra nvcc flags, e.g. -D switches of a variant), KERNEL_SRC (the folder holding
 # megakernel.cu, default cuda: e.g. an earlier version's copy with the same abi.h), BENCH_ARGS (more decode.py arguments,
 # e.g. "--sizes gate_up_groups=3").
-# Writes $OUT/{nvcc.log,tests.log,decode.json,bench.log,yardstick.json}; prints a summary last.
+# Writes $OUT/{nvcc-8.log,nvcc-16.log,tests.log,decode.json,bench.log,yardstick.json}; prints a summary last.
 set -uo pipefail
 source "$(dirname "$0")/device-env.sh"
-nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
-export MK_MEGAKERNEL_CUBIN=/tmp/mk-megakernel.cubin
-# The flags of build.rs.
-# shellcheck disable=SC2086
+# The flags of build.rs, both images.
 src=${KERNEL_SRC:-cuda}
-"$nvcc" -cubin -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -I"$src" -Xptxas=-v,-warn-spills $WHEEL_DEFINES ${NVCC_FLAGS:-} \
-    -o "$MK_MEGAKERNEL_CUBIN" "$src/megakernel.cu" >"$OUT/nvcc.log" 2>&1 || { cat "$OUT/nvcc.log"; exit 1; }
+# shellcheck disable=SC2086
+MK_MEGAKERNEL_CUBIN=$(compile_megakernel "$src" nvcc ${NVCC_FLAGS:-}) || exit 1
+export MK_MEGAKERNEL_CUBIN
 
 status=0
 tests=${TESTS:-tests/test_megakernel_gpu.py}
@@ -37,8 +35,10 @@ if [ "${YARDSTICK:-1}" = 1 ] && [ -f .whl/yardstick.py ]; then
         >"$OUT/yardstick.log" 2>&1 || status=1
 fi
 
-echo "== nvcc (mk_decode_step) =="
-grep -A2 "Function properties for mk_decode_step" "$OUT/nvcc.log" | grep -E "stack frame|registers"
+for log in "$OUT"/nvcc-*.log; do
+    echo "== nvcc (mk_decode_step, $(basename "$log" .log)) =="
+    grep -A2 "Function properties for mk_decode_step" "$log" | grep -E "stack frame|registers"
+done
 echo "== tests =="
 [ -f "$OUT/tests.log" ] && { grep -E "passed|failed|error" "$OUT/tests.log" | tail -n 3; grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/tests.log" | head -n 15; }
 echo "== decode =="

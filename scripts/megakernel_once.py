@@ -1,10 +1,13 @@
 """Decode steps of the GPU-test geometry through the megakernel, for compute-sanitizer runs:
 compute-sanitizer --tool memcheck python3 scripts/megakernel_once.py
 (batch 4, one step for each way of running expert tiles (claim queues, one task per tile) and of
-learning the routing (the top-k task's, each block's own); with a 16-row build (MK_STEP_MAX_BATCH=16)
-also one step of 12 rows: two n-tiles, O's reduction in two activation passes)."""
+learning the routing (the top-k task's, each block's own); and, where the build has the wide image
+(not the swizzled variant), one step of 12 rows: two n-tiles, O's reduction in two activation passes).
+--narrow leaves the 12-row step out: under racecheck (~100x slower) it outlasts the kernel's 2 s wait
+limit."""
 
 import itertools
+import sys
 
 import torch
 
@@ -18,7 +21,7 @@ from mk.model.reference import Model
 cfg = ModelConfig.gpu_test()
 model = Model(cfg, synthetic_weights(cfg, seed=1, device="cuda", dtype=torch.bfloat16, std=0.02))
 steps = [([100, 4100, 64, 5000], queue, local) for queue, local in itertools.product((True, False), (False, True))]
-if _native.STEP_MAX_BATCH >= 16:
+if _native.STEP_MAX_BATCH >= 16 and "--narrow" not in sys.argv[1:]:
     steps.append(([100 + 397 * i for i in range(12)], True, False))
 for positions, queue, local in steps:
     max_pages = max(positions) // PAGE_SIZE + 1

@@ -64,7 +64,7 @@ def step_buffers(g, tokens, positions, tables) -> StepBuffers:
         [63],
         [64, 96, 97],
         [5, 130, 300, 64, 200, 17, 95, 250],
-        # 16 rows: one launch of the MK_STEP_MAX_BATCH=16 build
+        # 16 rows: one launch of the wide megakernel image
         [5, 130, 300, 64, 200, 17, 95, 250, 1, 33, 65, 128, 129, 191, 96, 299],
     ],
 )

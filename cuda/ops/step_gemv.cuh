@@ -8,7 +8,7 @@
 
 namespace mk {
 
-constexpr int kMaxBatch = MK_STEP_MAX_BATCH;
+constexpr int kMaxBatch = MK_IMAGE_ROWS;
 constexpr int kMaxK = MK_STEP_MAX_K;
 // Bytes per activation row in shared memory: 64 mod 128, so the 8 threads of a quarter-warp
 // reading rows g and g + 1 at one column hit 32 distinct banks.
@@ -16,8 +16,8 @@ __host__ __device__ constexpr int act_pitch(int k) { return (2 * k + 127) / 128 
 
 constexpr int kMaxGroups = MK_GEMV_MAX_GROUPS;
 
-// Batch columns of one tensor-core product (m16n8k16's N). A launch of more rows (the build
-// variant MK_STEP_MAX_BATCH=16) multiplies each weight fragment with two n-tiles of activations
+// Batch columns of one tensor-core product (m16n8k16's N). A launch of more rows (the wide image,
+// MK_IMAGE_ROWS 16) multiplies each weight fragment with two n-tiles of activations
 // (gemv_compute_wide).
 constexpr int kTileN = 8;
 constexpr bool kWideBatch = kMaxBatch > kTileN;

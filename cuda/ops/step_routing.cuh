@@ -10,7 +10,7 @@ namespace mk {
 
 constexpr int kMaxTopK = MK_STEP_MAX_TOP_K;
 // The most slots a step fills: every row's choices distinct.
-constexpr int kMaxSlots = MK_STEP_MAX_BATCH * MK_STEP_MAX_TOP_K;
+constexpr int kMaxSlots = MK_IMAGE_ROWS * MK_STEP_MAX_TOP_K;
 
 // A router logit (a bf16 value held in fp32: its low 16 bits are zero) and its expert as one
 // integer that orders like (logit, -expert): the larger logit wins, ties go to the lower expert.
@@ -97,8 +97,8 @@ __device__ void choose_experts(const RoutingArgs& a, BlockRouting& out) {
     if constexpr (kPer == kFewExpertsPerLane) {
         if (a.batch > 1) {
             // (at most kChooseRows rows' keys in registers at once: a wide launch takes 16 rows)
-            constexpr int kChooseRows = MK_STEP_MAX_BATCH < 8 ? MK_STEP_MAX_BATCH : 8;
-            if constexpr (kChooseRows == MK_STEP_MAX_BATCH) {
+            constexpr int kChooseRows = MK_IMAGE_ROWS < 8 ? MK_IMAGE_ROWS : 8;
+            if constexpr (kChooseRows == MK_IMAGE_ROWS) {
                 warp_choose<kPer, kChooseRows>(a, 0, used, chose);
             } else {
                 for (int row0 = 0; row0 < a.batch; row0 += kChooseRows) warp_choose<kPer, kChooseRows>(a, row0, used, chose);

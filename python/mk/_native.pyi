@@ -69,7 +69,7 @@ def graph_geometry_error(config: ModelConfig) -> str | None:
 def step_args_layout() -> tuple[list[tuple[str, int, str]], int]: ...
 def decode_step(device: int, stream: int, args: bytes, grid: int, kernel: int = 0) -> None: ...
 def megakernel_count(device: int) -> int:
-    """Megakernel images loaded on the device: 1, or the files $MK_MEGAKERNEL_CUBIN lists."""
+    """Megakernel variants loaded on the device: 1, or the variants $MK_MEGAKERNEL_CUBIN lists."""
 
 # ---- the engine (rust/python/engine.rs) --------------------------------------------------------
 

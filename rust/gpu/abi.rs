@@ -148,10 +148,13 @@ unsafe impl cudarc::driver::DeviceRepr for MkStepArgs {}
 /// `MK_STEP_SMEM_BYTES` and `MK_STEP_THREADS`: how mk_decode_step is launched.
 pub const STEP_SMEM_BYTES: u32 = 227 * 1024;
 pub const STEP_THREADS: u32 = 320;
-/// `MK_STEP_MAX_K` and `MK_STEP_MAX_BATCH`: the longest GEMV reduction and the most rows per launch
-/// (16 in the build variant `MK_STEP_MAX_BATCH=16`; build.rs).
+/// `MK_STEP_MAX_K`: the longest GEMV reduction. `MK_NARROW_ROWS` and `MK_WIDE_ROWS`: the rows of
+/// the two megakernel images (build.rs), and `MK_STEP_MAX_BATCH` the most rows of one launch (the
+/// wide image's; the narrow one's in the swizzled variant, which has no wide image).
 pub const STEP_MAX_K: usize = 4096;
-pub const STEP_MAX_BATCH: usize = if cfg!(mk_step_max_batch_16) { 16 } else { 8 };
+pub const NARROW_ROWS: usize = 8;
+pub const WIDE_ROWS: usize = 16;
+pub const STEP_MAX_BATCH: usize = if WEIGHT_SWIZZLE { NARROW_ROWS } else { WIDE_ROWS };
 /// `MK_GEMV_MAX_GROUPS`: the most 16-row weight groups of one GEMV task.
 pub const GEMV_MAX_GROUPS: usize = 8;
 /// `MK_STEP_HEAD_DIM`, `MK_STEP_MAX_GROUP`, `MK_STEP_MAX_TOP_K`, `MK_STEP_MAX_EXPERTS`: the
@@ -186,7 +189,7 @@ pub const TRACE_MARKED: u32 = 0x8000_0000;
 pub const LEDGER_STAGES: usize = 8192;
 
 /// Must equal `MK_ABI_VERSION` in cuda/abi.h.
-pub const ABI_VERSION: u64 = 13;
+pub const ABI_VERSION: u64 = 14;
 
 /// The values `mk_abi_layout` in cuda/abi_probe.cu holds, in its order, computed on the Rust side.
 pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
@@ -206,6 +209,8 @@ pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
     out.push(("sizeof(MkRowSample)", size_of::<MkRowSample>() as u64));
     out.extend(MkRowSample::layout().into_iter().map(|(name, off, _)| (name, off as u64)));
     out.push(("MK_STEP_MAX_K", STEP_MAX_K as u64));
+    out.push(("MK_NARROW_ROWS", NARROW_ROWS as u64));
+    out.push(("MK_WIDE_ROWS", WIDE_ROWS as u64));
     out.push(("MK_STEP_MAX_BATCH", STEP_MAX_BATCH as u64));
     out.push(("MK_GEMV_MAX_GROUPS", GEMV_MAX_GROUPS as u64));
     out.push(("MK_STEP_HEAD_DIM", STEP_HEAD_DIM as u64));

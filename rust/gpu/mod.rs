@@ -24,31 +24,48 @@ pub fn cubin(name: &str) -> Option<&'static [u8]> {
     CUBINS.iter().find(|(n, _)| *n == name).map(|(_, bytes)| *bytes)
 }
 
-/// Names a cubin file to load instead of the embedded megakernel: a kernel change is measured on
+/// Names the megakernel images to load instead of the embedded ones: a kernel change is measured on
 /// the GPU machine by compiling `cuda/megakernel.cu` there, without rebuilding the wheel
-/// (scripts/device-kernel.sh). It must be built from the same `cuda/abi.h`. Several files
-/// separated by `:` load as variants of one process (`decode_step`'s `kernel` index; the first
-/// is the default), so that kernels are compared on the same buffers (benches/decode.py times
-/// every loaded image; scripts/device-ab.sh).
+/// (scripts/device-kernel.sh). They must be built from the same `cuda/abi.h`. One variant is a
+/// `,`-separated list of images (its narrow and wide builds; a launch runs the narrowest that
+/// holds its rows, as each image's `mk_image_rows` says); several variants separated by `:` load
+/// into one process (`decode_step`'s `kernel` index; the first is the default), so that kernels
+/// are compared on the same buffers (benches/decode.py times every variant; scripts/device-ab.sh).
 pub const MEGAKERNEL_CUBIN_ENV: &str = "MK_MEGAKERNEL_CUBIN";
 
-/// The megakernel images to load: those `$MK_MEGAKERNEL_CUBIN` names when set, else the embedded one.
-fn megakernel_images() -> Result<Vec<Vec<u8>>, GpuError> {
-    images_named_by(std::env::var_os(MEGAKERNEL_CUBIN_ENV))
+/// The embedded megakernel images: the narrow one, and the wide one where the build has it.
+const EMBEDDED_MEGAKERNELS: [&str; 2] = ["megakernel", "megakernel_wide"];
+
+/// The megakernel variants to load, each a list of images: those `$MK_MEGAKERNEL_CUBIN` names when
+/// set, else the embedded ones.
+fn megakernel_variants() -> Result<Vec<Vec<Vec<u8>>>, GpuError> {
+    variants_named_by(std::env::var_os(MEGAKERNEL_CUBIN_ENV))
 }
 
-/// The images a value of `MEGAKERNEL_CUBIN_ENV` names (None: the embedded megakernel).
-fn images_named_by(value: Option<std::ffi::OsString>) -> Result<Vec<Vec<u8>>, GpuError> {
-    match value {
-        Some(paths) => std::env::split_paths(&paths)
-            .map(|path| {
-                std::fs::read(&path).map_err(|e| {
-                    GpuError::InvalidArgument(format!("{MEGAKERNEL_CUBIN_ENV}: {}: {e}", path.to_string_lossy()))
+/// The variants a value of `MEGAKERNEL_CUBIN_ENV` names (None: the embedded megakernel).
+fn variants_named_by(value: Option<std::ffi::OsString>) -> Result<Vec<Vec<Vec<u8>>>, GpuError> {
+    let Some(value) = value else {
+        let images = EMBEDDED_MEGAKERNELS.iter().filter_map(|name| cubin(name)).map(<[u8]>::to_vec).collect();
+        return Ok(vec![images]);
+    };
+    std::env::split_paths(&value)
+        .map(|variant| {
+            variant
+                .to_string_lossy()
+                .split(',')
+                .map(|path| {
+                    std::fs::read(path)
+                        .map_err(|e| GpuError::InvalidArgument(format!("{MEGAKERNEL_CUBIN_ENV}: {path}: {e}")))
                 })
-            })
-            .collect(),
-        None => Ok(vec![cubin("megakernel").expect("megakernel cubin is embedded by build.rs").to_vec()]),
-    }
+                .collect()
+        })
+        .collect()
+}
+
+/// One loaded megakernel image: its `mk_decode_step` (which holds the module) and the rows it takes.
+struct Image {
+    rows: usize,
+    function: CudaFunction,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -89,9 +106,9 @@ pub fn available() -> bool {
 /// One device's primary context (the one PyTorch uses too) and the loaded megakernel.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
-    /// mk_decode_step of each loaded image (`megakernel_images`), the default first; each holds
-    /// its module.
-    decode_step: Vec<CudaFunction>,
+    /// The loaded megakernel variants (`megakernel_variants`, the default first), each its images
+    /// from the narrowest.
+    decode_step: Vec<Vec<Image>>,
     num_sms: u32,
 }
 
@@ -124,27 +141,18 @@ impl Gpu {
             return Err(GpuError::UnsupportedDevice { ordinal, name, major, minor });
         }
         let mut decode_step = Vec::new();
-        for (i, image) in megakernel_images()?.into_iter().enumerate() {
-            let module = ctx.load_module(Ptx::from_binary(image)).during("load the megakernel")?;
-            let function = module.load_function("mk_decode_step").during("find mk_decode_step")?;
-            // Its __launch_bounds__ are MK_STEP_THREADS: a cubin of another cuda/abi.h (a
-            // $MK_MEGAKERNEL_CUBIN file) would fail to launch, or lack a warp and hang.
-            let threads = function.max_threads_per_block().during("read mk_decode_step's block size")?;
-            if threads != abi::STEP_THREADS as i32 {
-                return Err(GpuError::InvalidArgument(format!(
-                    "megakernel image {i} is built for blocks of {threads} threads and this build launches {} \
-                     (MK_ABI_VERSION {}): it was compiled from another cuda/abi.h",
-                    abi::STEP_THREADS,
-                    abi::ABI_VERSION
-                )));
+        for (k, variant) in megakernel_variants()?.into_iter().enumerate() {
+            let mut images = Vec::new();
+            for (i, image) in variant.into_iter().enumerate() {
+                images.push(load_image(&ctx, &image).map_err(|e| match e {
+                    GpuError::InvalidArgument(why) => {
+                        GpuError::InvalidArgument(format!("megakernel variant {k}, image {i}: {why}"))
+                    }
+                    other => other,
+                })?);
             }
-            function
-                .set_attribute(
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    abi::STEP_SMEM_BYTES as i32,
-                )
-                .during("raise mk_decode_step's shared memory limit")?;
-            decode_step.push(function);
+            images.sort_by_key(|image| image.rows);
+            decode_step.push(images);
         }
         let num_sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -152,7 +160,7 @@ impl Gpu {
         Ok(Gpu { ctx, decode_step, num_sms })
     }
 
-    /// How many megakernel images are loaded (`MEGAKERNEL_CUBIN_ENV`): valid `kernel` indices.
+    /// How many megakernel variants are loaded (`MEGAKERNEL_CUBIN_ENV`): valid `kernel` indices.
     pub fn kernel_count(&self) -> usize {
         self.decode_step.len()
     }
@@ -171,8 +179,8 @@ impl Gpu {
         self.ctx.wrap_borrowed_stream(stream)
     }
 
-    /// One decode step of the megakernel (image `kernel`, 0 = the default) over `grid` blocks
-    /// (one per task list).
+    /// One decode step of the megakernel (variant `kernel`, 0 = the default; its narrowest image
+    /// that holds `args.batch` rows) over `grid` blocks (one per task list).
     ///
     /// # Safety
     /// Every pointer in `args` must be device memory of this device laid out as cuda/abi.h and
@@ -186,10 +194,17 @@ impl Gpu {
         stream: sys::CUstream,
         kernel: usize,
     ) -> Result<(), GpuError> {
-        let Some(function) = self.decode_step.get(kernel) else {
+        let Some(images) = self.decode_step.get(kernel) else {
             return Err(GpuError::InvalidArgument(format!(
-                "kernel {kernel} is not loaded ({} megakernel images, see {MEGAKERNEL_CUBIN_ENV})",
+                "kernel {kernel} is not loaded ({} megakernel variants, see {MEGAKERNEL_CUBIN_ENV})",
                 self.decode_step.len()
+            )));
+        };
+        let Some(image) = images.iter().find(|image| image.rows >= args.batch.max(0) as usize) else {
+            return Err(GpuError::InvalidArgument(format!(
+                "megakernel variant {kernel} has no image for {} rows (its images take {:?}; see {MEGAKERNEL_CUBIN_ENV})",
+                args.batch,
+                images.iter().map(|image| image.rows).collect::<Vec<_>>()
             )));
         };
         if grid == 0
@@ -230,11 +245,45 @@ impl Gpu {
             block_dim: (abi::STEP_THREADS, 1, 1),
             shared_mem_bytes: abi::STEP_SMEM_BYTES,
         };
-        let mut launch = stream.launch_builder(function);
+        let mut launch = stream.launch_builder(&image.function);
         launch.arg(args);
         launch.launch(cfg).during("launch mk_decode_step")?;
         Ok(())
     }
+}
+
+/// Loads one megakernel image: its decode step, checked against this build's block size, with the
+/// shared memory raised, and the rows it takes.
+fn load_image(ctx: &Arc<CudaContext>, image: &[u8]) -> Result<Image, GpuError> {
+    let module = ctx.load_module(Ptx::from_binary(image.to_vec())).during("load the megakernel")?;
+    let function = module.load_function("mk_decode_step").during("find mk_decode_step")?;
+    // Its __launch_bounds__ are MK_STEP_THREADS: a cubin of another cuda/abi.h (a
+    // $MK_MEGAKERNEL_CUBIN file) would fail to launch, or lack a warp and hang.
+    let threads = function.max_threads_per_block().during("read mk_decode_step's block size")?;
+    let stale = || {
+        GpuError::InvalidArgument(format!(
+            "it was compiled from another cuda/abi.h than this build's (MK_ABI_VERSION {}, blocks of {} threads)",
+            abi::ABI_VERSION,
+            abi::STEP_THREADS
+        ))
+    };
+    if threads != abi::STEP_THREADS as i32 {
+        return Err(stale());
+    }
+    let stream = ctx.default_stream();
+    let symbol = module.get_global("mk_image_rows", &stream).map_err(|_| stale())?;
+    let bytes = stream.clone_dtoh(&symbol).during("read mk_image_rows")?;
+    let rows = i32::from_le_bytes(bytes.get(..4).and_then(|b| b.try_into().ok()).ok_or_else(stale)?);
+    if rows < 1 || rows as usize > abi::STEP_MAX_BATCH {
+        return Err(stale());
+    }
+    function
+        .set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            abi::STEP_SMEM_BYTES as i32,
+        )
+        .during("raise mk_decode_step's shared memory limit")?;
+    Ok(Image { rows: rows as usize, function })
 }
 
 pub use abi::{MkRowSample, MkStepArgs};
@@ -251,6 +300,9 @@ mod tests {
             .filter(|p| p.extension().is_some_and(|x| x == "cu"))
             .map(|p| p.file_stem().unwrap().to_string_lossy().into_owned())
             .collect();
+        if !abi::WEIGHT_SWIZZLE {
+            sources.push("megakernel_wide".into());
+        }
         sources.sort();
         let embedded: Vec<String> = CUBINS.iter().map(|(n, _)| n.to_string()).collect();
         assert_eq!(sources, embedded);
@@ -260,20 +312,47 @@ mod tests {
     }
 
     #[test]
-    fn the_cubin_variable_names_one_image_or_several() {
+    fn the_cubin_variable_names_variants_of_one_image_or_several() {
         let dir = std::env::temp_dir().join(format!("mk-cubins-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let (a, b) = (dir.join("a.cubin"), dir.join("b.cubin"));
+        let (a, b, c) = (dir.join("a.cubin"), dir.join("b.cubin"), dir.join("c.cubin"));
         std::fs::write(&a, b"first").unwrap();
         std::fs::write(&b, b"second").unwrap();
+        std::fs::write(&c, b"third").unwrap();
+        let bytes = |v: &[&[u8]]| v.iter().map(|x| x.to_vec()).collect::<Vec<_>>();
         let both = std::env::join_paths([&a, &b]).unwrap();
-        assert_eq!(images_named_by(Some(both)).unwrap(), vec![b"first".to_vec(), b"second".to_vec()]);
-        assert_eq!(images_named_by(Some(a.clone().into_os_string())).unwrap(), vec![b"first".to_vec()]);
-        assert_eq!(images_named_by(None).unwrap(), vec![cubin("megakernel").unwrap().to_vec()]);
+        assert_eq!(variants_named_by(Some(both)).unwrap(), vec![bytes(&[b"first"]), bytes(&[b"second"])]);
+        let paired = format!("{},{}:{}", a.display(), b.display(), c.display());
+        assert_eq!(
+            variants_named_by(Some(paired.into())).unwrap(),
+            vec![bytes(&[b"first", b"second"]), bytes(&[b"third"])]
+        );
+        assert_eq!(variants_named_by(Some(a.clone().into_os_string())).unwrap(), vec![bytes(&[b"first"])]);
+        let embedded = variants_named_by(None).unwrap();
+        assert_eq!(embedded.len(), 1);
+        assert_eq!(embedded[0][0], cubin("megakernel").unwrap());
+        assert_eq!(embedded[0].len(), if abi::WEIGHT_SWIZZLE { 1 } else { 2 });
         let missing = std::env::join_paths([a.clone(), dir.join("missing.cubin")]).unwrap();
-        let err = images_named_by(Some(missing)).unwrap_err().to_string();
+        let err = variants_named_by(Some(missing)).unwrap_err().to_string();
         assert!(err.contains(MEGAKERNEL_CUBIN_ENV) && err.contains("missing.cubin"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn each_megakernel_image_says_its_rows() {
+        use object::{Object, ObjectSection, ObjectSymbol};
+        for (name, rows) in [("megakernel", abi::NARROW_ROWS), ("megakernel_wide", abi::WIDE_ROWS)] {
+            let Some(image) = cubin(name) else {
+                assert!(abi::WEIGHT_SWIZZLE, "{name} is not embedded");
+                continue;
+            };
+            let elf = object::File::parse(image).unwrap();
+            let symbol = elf.symbols().find(|s| s.name() == Ok("mk_image_rows")).expect("mk_image_rows");
+            let section = elf.section_by_index(symbol.section_index().unwrap()).unwrap();
+            let data = section.data().unwrap();
+            let at = (symbol.address() - section.address()) as usize;
+            assert_eq!(i32::from_le_bytes(data[at..at + 4].try_into().unwrap()) as usize, rows, "{name}");
+        }
     }
 
     #[test]

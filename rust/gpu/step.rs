@@ -21,8 +21,8 @@ use crate::graph::task::MkTask;
 use crate::graph::{BuildOptions, Geometry};
 use crate::sched::PageTable;
 
-/// Rows one launch can take (`MK_STEP_MAX_BATCH`: one n-tile of 8 for the GEMV, two in the
-/// `MK_STEP_MAX_BATCH=16` build).
+/// Rows one launch can take (`MK_STEP_MAX_BATCH`: 1-8 run the narrow megakernel image, one n-tile
+/// of 8 for the GEMV, and 9-16 the wide one, two n-tiles).
 pub const MAX_STEP_ROWS: usize = crate::gpu::abi::STEP_MAX_BATCH;
 
 /// The `MkStepArgs` fields `launch` fills in for every step (its buffers, or per-step values); Python

@@ -109,7 +109,7 @@ pub fn step_args_layout() -> (Vec<(&'static str, usize, &'static str)>, usize) {
 
 /// Launch one decode step on device `device`, stream `stream`: `args` are the packed bytes of
 /// `MkStepArgs`, `grid` the number of task lists (one block each), `kernel` which of the loaded
-/// megakernel images runs (`megakernel_count`).
+/// megakernel variants runs (`megakernel_count`).
 #[pyfunction]
 #[pyo3(signature = (device, stream, args, grid, kernel = 0))]
 pub fn decode_step(py: Python<'_>, device: usize, stream: u64, args: &[u8], grid: u32, kernel: usize) -> PyResult<()> {
@@ -128,7 +128,7 @@ pub fn decode_step(py: Python<'_>, device: usize, stream: u64, args: &[u8], grid
     .map_err(super::errors::to_py)
 }
 
-/// How many megakernel images device `device` has loaded: 1, or the files `$MK_MEGAKERNEL_CUBIN`
+/// How many megakernel variants device `device` has loaded: 1, or the variants `$MK_MEGAKERNEL_CUBIN`
 /// lists (separated by `:`) to be compared in one process.
 #[pyfunction]
 pub fn megakernel_count(py: Python<'_>, device: usize) -> PyResult<usize> {

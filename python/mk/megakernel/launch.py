@@ -271,7 +271,7 @@ class MegakernelStep:
         """Enqueue one step on the current stream. `buf.tokens/positions/block_tables` must be
         filled; `tasks` (g.tasks on the device) may be passed to skip the upload. `trace` (from
         `trace_buffer`) receives when each task waited and ran. `kernel` picks one of the loaded
-        megakernel images (`_native.megakernel_count`; 0, the default, unless a benchmark
+        megakernel variants (`_native.megakernel_count`; 0, the default, unless a benchmark
         compares several). `row_samples` (`row_samples_tensor`): how each row's token is drawn;
         None: greedy. `row_masks`: int32 [batch, ceil(vocab / 32)], the tokens each masked row may
         take (bit t % 32 of word t / 32), read for the rows `row_samples` marks masked."""

@@ -3,9 +3,10 @@ megakernel backend through `mk.engine.Engine`'s Python API, every token timed as
 the engine's event thread, `submit_callback`).
 
 Rows:
-- decode: B streams of ctx-token random prompts, greedy, `ignore_eos`, all submitted at once;
-  once every stream has its first token, the next 64 steps of all B together are timed (then the
-  streams are cancelled): per-stream and aggregate decode tok/s, and the kernel's own step time
+- decode: B streams of ctx-token random prompts (B = 1, 4, 8 at 8K and 32K, and 16 at 8K),
+  greedy, `ignore_eos`, all submitted at once; once every stream has its first token, the next 64
+  steps of all B together are timed (then the streams are cancelled): per-stream and aggregate
+  decode tok/s, and the kernel's own step time
   for the same batch and context (`MegakernelStep` on a scratch cache, same process):
   `host_ms_per_step` is the gap between the two; where the host's time goes inside the launcher
   (µs per launch: `launch_prepare_us` task lists, page tables and checks, `launch_upload_us`,
@@ -17,7 +18,7 @@ Rows:
 - admit: one stream decoding at 8K while a 32K prompt arrives: the stream's longest and median gap
   between tokens while the long prompt is admitted, and the long prompt's time to first token.
 The engine runs with the server's defaults (`python -m mk.server`: prefill chunk
-mk.engine_api.PREFILL_CHUNK, max batch 8, launch-ahead on) except its KV share of memory (0.6,
+mk.engine_api.PREFILL_CHUNK, max batch mk.engine_api.MAX_BATCH, launch-ahead on) except its KV share of memory (0.6,
 leaving room for the kernel-only measurement); `--launch-ahead off` runs one step at a time,
 `--prefill-chunk N` another chunk, `--prefill-graphs off` prefills fresh prompts without CUDA
 graphs, `--prefix-graphs` runs chunks after a cached prefix as CUDA graphs too (Engine(prefix_graphs=
@@ -56,7 +57,7 @@ from common import print_table, write_json
 from decode import kv_for, time_events
 from mk.config import ModelConfig
 from mk.engine import Engine
-from mk.engine_api import AUTO_ON_OFF, PREFILL_CHUNK
+from mk.engine_api import AUTO_ON_OFF, MAX_BATCH, PREFILL_CHUNK
 from mk.megakernel.launch import MegakernelStep
 from mk.model import synthetic_weights
 from mk.model.reference import Model
@@ -316,12 +317,13 @@ def main() -> None:
     cfg = ModelConfig.real()
     model = Model(cfg, synthetic_weights(cfg, seed=0, device="cuda", dtype=torch.bfloat16, std=0.01))
     gen = torch.Generator().manual_seed(0)
-    points = [(1, 8192), (8, 8192)] if args.quick else [(b, c) for c in (8192, 32768) for b in (1, 4, 8)]
+    full = [(b, c) for c in (8192, 32768) for b in (1, 4, 8)] + [(MAX_BATCH, 8192)]
+    points = [(1, 8192), (8, 8192)] if args.quick else full
     prompts = [512, 8192] if args.quick else [512, 2048, 8192, 32768]
     engine = Engine(
         model,
         backend="megakernel",
-        max_batch=8,
+        max_batch=MAX_BATCH,
         max_context=32768 + 512,
         prefill_chunk=args.prefill_chunk,
         kv_fraction=args.kv_fraction,

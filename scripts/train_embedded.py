@@ -825,15 +825,20 @@ def looping_examples(tok, prompts: list[list[int]], outs: list[list[int]], stop_
     return examples
 
 
-def unlikelihood_phase(args, cfg, weights, train_stream, prompts: list[list[int]], tok, device, log, opt=None) -> tuple:
+def unlikelihood_phase(
+    args, cfg, weights, train_stream, prompts: list[list[int]], tok, device, log, opt=None, val_cost=None
+) -> tuple:
     """`--unlikelihood-seconds` of fine-tuning after the main schedule: each update is the main loss on a
     training batch plus `--unlikelihood-weight` times the unlikelihood of the repeated tokens of the
     model's own greedy continuations of training-function prompts that loop, regenerated whenever the
     looping ones of the last round are used up, at the schedule's final learning rate. `opt`: the main
     schedule's AdamW over `weights` (the last weights), which the phase goes on with (a fresh AdamW's
     first updates are a full learning rate in every weight); without it, a copy of `weights` and a
-    new AdamW. Returns the new weights and the phase's record (the looping share of each round: the
-    loop rate on training prompts as it falls)."""
+    new AdamW. `val_cost(weights)`: what the weights cost in validation loss against the phase's start;
+    after every update past UL_MAX_VAL_COST the phase undoes that update and ends (the first two runs
+    spent 0.18 and 0.28 nats before a guard at the end dropped the whole phase). Returns the new
+    weights and the phase's record (the looping share of each round: the loop rate on training
+    prompts as it falls; `stopped`: why it ended before its updates or seconds, if it did)."""
     specials = set(tokenizer_files.SPECIAL_IDS.values())
     gen = torch.Generator().manual_seed(args.seed + 1)
     rng = random.Random(args.seed)
@@ -873,7 +878,15 @@ def unlikelihood_phase(args, cfg, weights, train_stream, prompts: list[list[int]
         with autocast(device):
             ul_logits = forward(cfg, weights, seqs).logits
         ul = unlikelihood_loss(ul_logits, seqs, marks)
+        undo = {n: t.detach().clone() for n, t in weights.items()} if val_cost is not None else None
         optimizer_step(args, weights, opt, loss + args.unlikelihood_weight * ul)
+        if undo is not None and (cost := val_cost(weights)) > UL_MAX_VAL_COST:
+            with torch.no_grad():
+                for n, t in weights.items():
+                    t.copy_(undo[n])
+            record["stopped"] = f"update {updates + 1} cost {cost:.4f} nats of validation loss: undone"
+            log(f"unlikelihood: {record['stopped']}; the phase ends")
+            break
         updates += 1
         penalised += int(marks.sum())
         if updates % 20 == 0:
@@ -1340,8 +1353,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
         ul_prompts = [ids for ids in ul_prompts if len(ids) <= UL_PROMPT_TOKENS]
         # The best weights are the last ones (as in every run so far): go on with their optimizer.
         last, opt = result["state"] if result["best_step"] == result["steps"] else (result["weights"], None)
+
+        def val_cost(w) -> float:
+            loss, _ = stream_loss(cfg, w, val_stream, args.seq_len, args.batch_size, device, args.eval_batches)
+            return loss - result["best_val_loss"]
+
         try:
-            tuned, ul_record = unlikelihood_phase(args, cfg, last, train_stream, ul_prompts, tok, device, log, opt)
+            tuned, ul_record = unlikelihood_phase(
+                args, cfg, last, train_stream, ul_prompts, tok, device, log, opt, val_cost
+            )
             ul_record["val_loss_after"], _ = stream_loss(
                 cfg, tuned, val_stream, args.seq_len, args.batch_size, device, args.eval_batches
             )
@@ -1482,6 +1502,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     f"{ul_record['updates']} updates, looping share {ul_record['looping_share_by_round'][0]:.2f} -> "
                     f"{ul_record['looping_share_by_round'][-1]:.2f}, validation {ul_record['val_loss_after']:.4f}, "
                     + ("kept" if ul_record["kept"] else "dropped")
+                    + (f" ({ul_record['stopped']})" if "stopped" in ul_record else "")
                 )
                 if ul_record and ul_record["looping_share_by_round"]
                 else "none",

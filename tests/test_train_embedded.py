@@ -483,6 +483,45 @@ def test_the_unlikelihood_phase_updates_on_looping_continuations_for_the_counted
     assert opt.param_groups[0]["lr"] == pytest.approx(args.lr * args.min_lr_frac) and len(opt.state) > 0
 
 
+def test_the_unlikelihood_phase_undoes_the_update_that_costs_too_much_and_ends():
+    class Tok:  # every continuation loops
+        def decode(self, ids, skip_special_tokens=False):
+            return "x = 1\n" * len(ids)
+
+    cfg = ModelConfig.tiny()
+    w = init_weights(cfg, seed=1, device=torch.device("cpu"))
+    args = argparse.Namespace(
+        seed=0, unlikelihood_seconds=0.0, unlikelihood_updates=4, unlikelihood_weight=1.0, lr=1e-3,
+        min_lr_frac=0.1, batch_size=2, seq_len=16, dropout=0.0, balance_coef=0.01, grad_clip=1.0,
+        unlikelihood_round=40,
+    )  # fmt: skip
+    stream = torch.randint(3, cfg.vocab_size, (400,))
+    prompts = [[1, 20 + i, 300, 301] for i in range(40)]
+
+    def phase(updates, costs=None):
+        seen = []
+
+        def val_cost(weights):
+            seen.append({n: t.detach().clone() for n, t in weights.items()})
+            return costs[len(seen) - 1]
+
+        a = argparse.Namespace(**{**vars(args), "unlikelihood_updates": updates})
+        guard = None if costs is None else val_cost
+        new, record = te.unlikelihood_phase(a, cfg, w, stream, prompts, Tok(), torch.device("cpu"), print, None, guard)
+        return new, record, seen
+
+    one, _, _ = phase(1)
+    guarded, record, seen = phase(4, [0.0, te.UL_MAX_VAL_COST + 0.01, 0.0, 0.0])
+    # The second update cost too much: undone, and the phase ended with the first update's weights.
+    assert record["updates"] == 1 and "update 2" in record["stopped"] and len(seen) == 2
+    assert all(torch.equal(guarded[n], one[n]) for n in w)
+    assert any(not torch.equal(seen[1][n], one[n]) for n in w)  # the undone update had changed them
+    first, record, _ = phase(4, [1.0])  # the first update too: the weights it started from
+    assert record["updates"] == 0 and all(torch.equal(first[n], w[n]) for n in w)
+    _, record, seen = phase(2, [0.0, 0.0])  # within the cost: every update, no stop
+    assert record["updates"] == 2 and "stopped" not in record and len(seen) == 2
+
+
 def test_a_phase_that_fails_or_costs_validation_loss_ships_the_weights_before_it(fake_stdlib, tmp_path, monkeypatch):
     plain = _run(fake_stdlib, tmp_path / "a", tmp_path / "da", "--max-steps", "2")
     ul = ("--max-steps", "2", "--unlikelihood-updates", "1")

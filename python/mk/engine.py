@@ -22,7 +22,15 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import torch
 
 from mk import _native
-from mk.engine_api import CPU_PREFILL_CHUNK, PREFILL_CHUNK, EngineClosed, EngineFull, EngineStats, PromptTooLong
+from mk.engine_api import (
+    CPU_PREFILL_CHUNK,
+    MAX_BATCH,
+    PREFILL_CHUNK,
+    EngineClosed,
+    EngineFull,
+    EngineStats,
+    PromptTooLong,
+)
 from mk.megakernel.runner import MegakernelRunner
 from mk.megakernel.support import choose_backend
 from mk.model.reference import Model
@@ -139,7 +147,7 @@ class Engine:
         self,
         model: Model,
         *,
-        max_batch: int = 8,
+        max_batch: int = MAX_BATCH,
         max_context: int = 4096,
         prefill_chunk: int | None = None,
         max_waiting: int = 1024,

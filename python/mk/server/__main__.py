@@ -21,7 +21,7 @@ from typing import NoReturn
 
 import torch
 
-from mk.engine_api import AUTO_ON_OFF, CPU_PREFILL_CHUNK, PREFILL_CHUNK
+from mk.engine_api import AUTO_ON_OFF, CPU_PREFILL_CHUNK, MAX_BATCH, PREFILL_CHUNK
 from mk.server.app import App
 from mk.server.serve import check_port, serve
 from mk.server.state import ServerState
@@ -173,7 +173,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "are; on needs both (default: %(default)s)",
     )
     p.add_argument(
-        "--max-batch", type=_at_least(1), default=8, help="most sequences decoded together (default: %(default)s)"
+        "--max-batch",
+        type=_at_least(1),
+        default=MAX_BATCH,
+        help="most sequences decoded together; up to 16 run as one megakernel launch, more as several (default: "
+        "%(default)s)",
     )
     p.add_argument(
         "--max-context",

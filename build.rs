@@ -28,7 +28,8 @@ fn main() {
     }
     println!("cargo:rustc-check-cfg=cfg(mk_weight_swizzle)");
     let mut defines = Vec::new();
-    if env::var(WEIGHT_SWIZZLE).is_ok_and(|v| v == "1") {
+    let swizzled = env::var(WEIGHT_SWIZZLE).is_ok_and(|v| v == "1");
+    if swizzled {
         println!("cargo:rustc-cfg=mk_weight_swizzle");
         defines.push("-DMK_WEIGHT_SWIZZLE=1");
     }
@@ -52,13 +53,14 @@ fn main() {
         .collect();
     sources.sort();
 
-    let mut table = String::from("/// (name, cubin) for every `cuda/*.cu`, compiled for sm_90a.\n");
+    let mut table =
+        String::from("/// (name, cubin) for every `cuda/*.cu` and the megakernel's wide image, compiled for sm_90a.\n");
     table.push_str("pub const CUBINS: &[(&str, &[u8])] = &[\n");
     let mut images: Vec<(String, &Path, Vec<&str>)> = Vec::new();
     for src in &sources {
         let stem = src.file_stem().unwrap().to_str().unwrap().to_owned();
-        if stem == "megakernel" && defines.is_empty() {
-            images.push((WIDE_MEGAKERNEL.to_owned(), src, vec![WIDE_DEFINE]));
+        if stem == "megakernel" && !swizzled {
+            images.push((WIDE_MEGAKERNEL.to_owned(), src, [defines.as_slice(), &[WIDE_DEFINE]].concat()));
         }
         images.push((stem, src, defines.clone()));
     }

@@ -880,7 +880,7 @@ def unlikelihood_phase(
         ul = unlikelihood_loss(ul_logits, seqs, marks)
         undo = {n: t.detach().clone() for n, t in weights.items()} if val_cost is not None else None
         optimizer_step(args, weights, opt, loss + args.unlikelihood_weight * ul)
-        if undo is not None and (cost := val_cost(weights)) > UL_MAX_VAL_COST:
+        if undo is not None and not (cost := val_cost(weights)) <= UL_MAX_VAL_COST:  # NaN included
             with torch.no_grad():
                 for n, t in weights.items():
                     t.copy_(undo[n])

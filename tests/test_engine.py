@@ -502,11 +502,12 @@ def test_many_concurrent_streams_share_one_pump(engine):
 
 
 def test_cpu_defaults_prefill_in_small_chunks_one_step_at_a_time(model):
-    from mk.engine_api import CPU_PREFILL_CHUNK
+    from mk.engine_api import CPU_MAX_BATCH, CPU_PREFILL_CHUNK
 
     e = Engine(model, max_context=MAX_CONTEXT)
     try:
         assert e.prefill_chunk == CPU_PREFILL_CHUNK and not e.launch_ahead and e.backend == "reference"
+        assert e.max_batch == CPU_MAX_BATCH
         assert e.native_stats()["kv_blocks_free"] > 0
     finally:
         e.close()

@@ -20,12 +20,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-VARIANTS = {
-    "wide-image": ["-DMK_IMAGE_ROWS=MK_WIDE_ROWS"],
-    "swizzled-weights": ["-DMK_WEIGHT_SWIZZLE=1"],
+WIDE = ["-DMK_IMAGE_ROWS=MK_WIDE_ROWS"]
+DIAGNOSTICS = {
     "no-copy": ["-DMK_NO_COPY=1"],
     "trace-marks": ["-DMK_TRACE_MARKS=1", "-DMK_GEMV_MARKS=1"],
     "stream-ledger": ["-DMK_STREAM_LEDGER=1"],
+}
+# The diagnostic builds of both images (the device scripts compile both: compile_megakernel).
+VARIANTS = {
+    "wide-image": WIDE,
+    "swizzled-weights": ["-DMK_WEIGHT_SWIZZLE=1"],
+    **DIAGNOSTICS,
+    **{f"wide-{name}": WIDE + flags for name, flags in DIAGNOSTICS.items()},
 }
 
 
@@ -70,7 +76,7 @@ def test_the_swizzled_variant_has_no_wide_image(tmp_path):
     nvcc = find_nvcc()
     if nvcc is None:
         pytest.skip("no nvcc (the build installs nvidia-cuda-nvcc; see GPU.md)")
-    flags = ["-DMK_WEIGHT_SWIZZLE=1", "-DMK_IMAGE_ROWS=MK_WIDE_ROWS"]
+    flags = ["-DMK_WEIGHT_SWIZZLE=1", *WIDE]
     cmd = [str(nvcc), "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-Icuda", *flags]
     out = subprocess.run(
         [*cmd, "-o", str(tmp_path / "out.cubin"), "cuda/megakernel.cu"],

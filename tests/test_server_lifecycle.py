@@ -13,7 +13,7 @@ import torch
 from server_util import ServerProcess
 
 from mk.config import ModelConfig
-from mk.engine_api import CPU_PREFILL_CHUNK
+from mk.engine_api import CPU_MAX_BATCH, CPU_PREFILL_CHUNK
 from mk.model import synthetic_weights, write_checkpoint
 from mk.model.reference import Model
 from mk.server.__main__ import parse_args
@@ -116,7 +116,7 @@ def test_fast_prefill_serves_on_the_cpu_too():
         assert server.stop() == 0
     # auto: launch-ahead off on this backend, no CUDA graphs on the CPU; the CPU's prefill chunk
     chunks = f"chunks of {CPU_PREFILL_CHUNK} tokens, CUDA graphs off"
-    assert f"reference decode, fast prefill ({chunks}), launch-ahead off" in server.output()
+    assert f"reference decode, fast prefill ({chunks}), launch-ahead off, max batch {CPU_MAX_BATCH}" in server.output()
 
 
 def test_serves_a_checkpoint_folder_and_drains_on_sigterm(checkpoint):

@@ -23,6 +23,7 @@ import torch
 
 from mk import _native
 from mk.engine_api import (
+    CPU_MAX_BATCH,
     CPU_PREFILL_CHUNK,
     MAX_BATCH,
     PREFILL_CHUNK,
@@ -92,6 +93,9 @@ class Engine:
     through the reference model's forward, "auto" (the default) is "fast" on a GPU and "reference" on
     the CPU. Either way prefill is PyTorch, on the decode backend's stream.
 
+    `max_batch`: most sequences decoded together; None (the default): mk.engine_api.MAX_BATCH (one
+    megakernel launch's rows) on a GPU, CPU_MAX_BATCH on the CPU (`self.max_batch`).
+
     `prefill_chunk`: most prompt tokens one loop iteration prefills; None (the default):
     mk.engine_api.PREFILL_CHUNK on a GPU, CPU_PREFILL_CHUNK on the CPU (`self.prefill_chunk`).
     `decode_prefill_budget`: the same while some stream decodes (at most `prefill_chunk`): smaller
@@ -147,7 +151,7 @@ class Engine:
         self,
         model: Model,
         *,
-        max_batch: int = MAX_BATCH,
+        max_batch: int | None = None,
         max_context: int = 4096,
         prefill_chunk: int | None = None,
         max_waiting: int = 1024,
@@ -168,6 +172,8 @@ class Engine:
         prefix_graphs: bool = False,
     ) -> None:
         cfg = model.config
+        if max_batch is None:
+            max_batch = MAX_BATCH if model.device.type == "cuda" else CPU_MAX_BATCH
         if prefill_chunk is None:
             prefill_chunk = PREFILL_CHUNK if model.device.type == "cuda" else CPU_PREFILL_CHUNK
         self.prefill_chunk = prefill_chunk

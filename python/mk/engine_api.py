@@ -24,11 +24,13 @@ from mk.sampling import SamplingParams
 PREFILL_CHUNK = 8192
 # On the CPU, where a chunk takes far longer and a decoding stream waits for it: smaller.
 CPU_PREFILL_CHUNK = 512
-# Sequences decoded together, unless told otherwise (the engine's and the server's default): the
-# rows of one megakernel launch (16: its wide image). On the H200 at 8K context 16 rows decode
-# 1,036 tok/s in one launch against 864 for 8 (docs/PERF.md, seventeenth session), and a 9th
-# concurrent request starts at once instead of waiting for a running one to finish.
+# Sequences decoded together on a GPU, unless told otherwise (the engine's and the server's
+# default): the rows of one megakernel launch (16: its wide image). On the H200 at 8K context 16
+# rows decode 1,036 tok/s in one launch against 864 for 8 (docs/PERF.md, seventeenth session),
+# and a 9th concurrent request starts at once instead of waiting for a running one to finish.
 MAX_BATCH = _native.STEP_MAX_BATCH
+# On the CPU, whose KV pool is sized for a whole batch (mk.engine.Engine): as before.
+CPU_MAX_BATCH = 8
 
 # The values of an auto/on/off flag (the server's and the benchmarks' `--launch-ahead` and
 # `--prefill-graphs`): the Engine argument, where None lets the engine choose.

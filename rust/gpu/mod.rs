@@ -19,7 +19,7 @@ mod embedded {
 }
 pub use embedded::{CUBINS, DEFINES, GENCODE, NVCC_VERSION};
 
-/// The embedded cubin built from `cuda/<name>.cu`.
+/// The embedded cubin built from `cuda/<name>.cu` (`megakernel_wide`: megakernel.cu's wide image).
 pub fn cubin(name: &str) -> Option<&'static [u8]> {
     CUBINS.iter().find(|(n, _)| *n == name).map(|(_, bytes)| *bytes)
 }
@@ -152,6 +152,7 @@ impl Gpu {
                 })?);
             }
             images.sort_by_key(|image| image.rows);
+            check_variant_rows(k, &images.iter().map(|image| image.rows).collect::<Vec<_>>())?;
             decode_step.push(images);
         }
         let num_sms = ctx
@@ -200,13 +201,6 @@ impl Gpu {
                 self.decode_step.len()
             )));
         };
-        let Some(image) = images.iter().find(|image| image.rows >= args.batch.max(0) as usize) else {
-            return Err(GpuError::InvalidArgument(format!(
-                "megakernel variant {kernel} has no image for {} rows (its images take {:?}; see {MEGAKERNEL_CUBIN_ENV})",
-                args.batch,
-                images.iter().map(|image| image.rows).collect::<Vec<_>>()
-            )));
-        };
         if grid == 0
             || grid > self.num_sms
             || args.per_sm <= 0
@@ -239,6 +233,8 @@ impl Gpu {
                 abi::STEP_MAX_EXPERTS
             )));
         }
+        // Every variant's widest image takes STEP_MAX_BATCH rows (checked at load).
+        let image = images.iter().find(|image| image.rows >= args.batch as usize).expect("an image takes the batch");
         let stream = self.ctx.wrap_borrowed_stream(stream);
         let cfg = LaunchConfig {
             grid_dim: (grid, 1, 1),
@@ -250,6 +246,19 @@ impl Gpu {
         launch.launch(cfg).during("launch mk_decode_step")?;
         Ok(())
     }
+}
+
+/// A variant's images' rows, narrowest first, must be distinct and the widest must take
+/// `STEP_MAX_BATCH` rows: the engine sizes its launches by that.
+fn check_variant_rows(k: usize, rows: &[usize]) -> Result<(), GpuError> {
+    if rows.windows(2).any(|w| w[0] == w[1]) || rows.last() != Some(&abi::STEP_MAX_BATCH) {
+        return Err(GpuError::InvalidArgument(format!(
+            "megakernel variant {k}: its images take {rows:?} rows; a variant needs images of distinct rows, the \
+             widest taking {} (compile megakernel.cu as both images: compile_megakernel in scripts/device-env.sh)",
+            abi::STEP_MAX_BATCH
+        )));
+    }
+    Ok(())
 }
 
 /// Loads one megakernel image: its decode step, checked against this build's block size, with the
@@ -271,11 +280,17 @@ fn load_image(ctx: &Arc<CudaContext>, image: &[u8]) -> Result<Image, GpuError> {
         return Err(stale());
     }
     let stream = ctx.default_stream();
-    let symbol = module.get_global("mk_image_rows", &stream).map_err(|_| stale())?;
+    let symbol = match module.get_global("mk_image_rows", &stream) {
+        Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_FOUND)) => return Err(stale()),
+        other => other.during("find mk_image_rows")?,
+    };
     let bytes = stream.clone_dtoh(&symbol).during("read mk_image_rows")?;
     let rows = i32::from_le_bytes(bytes.get(..4).and_then(|b| b.try_into().ok()).ok_or_else(stale)?);
     if rows < 1 || rows as usize > abi::STEP_MAX_BATCH {
-        return Err(stale());
+        return Err(GpuError::InvalidArgument(format!(
+            "it says it takes {rows} rows (mk_image_rows), this build 1 to {}",
+            abi::STEP_MAX_BATCH
+        )));
     }
     function
         .set_attribute(
@@ -339,6 +354,17 @@ mod tests {
     }
 
     #[test]
+    fn a_variant_must_take_a_whole_launch_with_images_of_distinct_rows() {
+        let max = abi::STEP_MAX_BATCH;
+        assert!(check_variant_rows(0, &[abi::NARROW_ROWS, abi::WIDE_ROWS]).is_ok() || abi::WEIGHT_SWIZZLE);
+        assert!(check_variant_rows(0, &[max]).is_ok());
+        for bad in [vec![], vec![max - 1], vec![max, max], vec![1, max - 1]] {
+            let err = check_variant_rows(3, &bad).unwrap_err().to_string();
+            assert!(err.contains("variant 3") && err.contains(&format!("{bad:?}")), "{err}");
+        }
+    }
+
+    #[test]
     fn each_megakernel_image_says_its_rows() {
         use object::{Object, ObjectSection, ObjectSymbol};
         for (name, rows) in [("megakernel", abi::NARROW_ROWS), ("megakernel_wide", abi::WIDE_ROWS)] {
@@ -355,16 +381,18 @@ mod tests {
     }
 
     #[test]
-    fn the_megakernel_cubin_exports_the_decode_step_for_sm90a() {
+    fn the_megakernel_cubins_export_the_decode_step_for_sm90a() {
         use object::{Object, ObjectSymbol};
-        let elf = object::File::parse(cubin("megakernel").unwrap()).unwrap();
-        assert!(elf.symbols().any(|s| s.name() == Ok("mk_decode_step")));
-        // With CUDA ELF ABI 8, e_flags carry the SM version in bits 8..16 (0x5a = 90).
-        let flags = match elf.flags() {
-            object::FileFlags::Elf { e_flags, .. } => e_flags.0,
-            other => panic!("unexpected flags {other:?}"),
-        };
-        assert_eq!((flags >> 8) & 0xff, 90, "cubin is not built for sm_90: e_flags={flags:#x}");
+        for name in EMBEDDED_MEGAKERNELS.iter().filter(|name| cubin(name).is_some()) {
+            let elf = object::File::parse(cubin(name).unwrap()).unwrap();
+            assert!(elf.symbols().any(|s| s.name() == Ok("mk_decode_step")), "{name}");
+            // With CUDA ELF ABI 8, e_flags carry the SM version in bits 8..16 (0x5a = 90).
+            let flags = match elf.flags() {
+                object::FileFlags::Elf { e_flags, .. } => e_flags.0,
+                other => panic!("unexpected flags {other:?}"),
+            };
+            assert_eq!((flags >> 8) & 0xff, 90, "{name} is not built for sm_90: e_flags={flags:#x}");
+        }
     }
 
     #[test]

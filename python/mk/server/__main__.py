@@ -21,7 +21,7 @@ from typing import NoReturn
 
 import torch
 
-from mk.engine_api import AUTO_ON_OFF, CPU_PREFILL_CHUNK, MAX_BATCH, PREFILL_CHUNK
+from mk.engine_api import AUTO_ON_OFF, CPU_MAX_BATCH, CPU_PREFILL_CHUNK, MAX_BATCH, PREFILL_CHUNK
 from mk.server.app import App
 from mk.server.serve import check_port, serve
 from mk.server.state import ServerState
@@ -175,9 +175,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--max-batch",
         type=_at_least(1),
-        default=MAX_BATCH,
-        help="most sequences decoded together; up to 16 run as one megakernel launch, more as several (default: "
-        "%(default)s)",
+        default=None,
+        help=f"most sequences decoded together; up to {MAX_BATCH} run as one megakernel launch, more as several "
+        f"(default: {MAX_BATCH} on a GPU, {CPU_MAX_BATCH} on the CPU)",
     )
     p.add_argument(
         "--max-context",
@@ -350,7 +350,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         engine.prefill_chunk,
         "on" if engine.prefill_graphs else "off",
         "on" if engine.launch_ahead else "off",
-        args.max_batch,
+        engine.max_batch,
         max_context,
     )
     return ServerState(

@@ -453,21 +453,31 @@ def test_unlikelihood_loss_is_minus_log_one_minus_p_and_lowers_the_marked_tokens
     assert marked_p() < 0.5 * learned
 
 
-def test_the_unlikelihood_phase_updates_on_looping_continuations_for_the_counted_updates():
-    class Tok:  # every token decodes to the same line: every continuation loops
-        def decode(self, ids, skip_special_tokens=False):
-            return "x = 1\n" * len(ids)
+class LoopingTok:  # every token decodes to the same line: every continuation loops
+    def decode(self, ids, skip_special_tokens=False):
+        return "x = 1\n" * len(ids)
 
+
+def looping_phase_inputs(updates: int):
+    """A tiny model, phase arguments for `updates` counted updates, a training stream and 40 prompts
+    (ids below 18 are special: they end a continuation)."""
     cfg = ModelConfig.tiny()
     w = init_weights(cfg, seed=1, device=torch.device("cpu"))
     args = argparse.Namespace(
-        seed=0, unlikelihood_seconds=0.0, unlikelihood_updates=3, unlikelihood_weight=1.0, lr=1e-3,
+        seed=0, unlikelihood_seconds=0.0, unlikelihood_updates=updates, unlikelihood_weight=1.0, lr=1e-3,
         min_lr_frac=0.1, batch_size=2, seq_len=16, dropout=0.0, balance_coef=0.01, grad_clip=1.0,
         unlikelihood_round=40,
     )  # fmt: skip
     stream = torch.randint(3, cfg.vocab_size, (400,))
-    prompts = [[1, 20 + i, 300, 301] for i in range(40)]  # (ids below 18 are special: they end a continuation)
-    new, record = te.unlikelihood_phase(args, cfg, w, stream, prompts, Tok(), torch.device("cpu"), lambda msg: None)
+    prompts = [[1, 20 + i, 300, 301] for i in range(40)]
+    return cfg, w, args, stream, prompts
+
+
+def test_the_unlikelihood_phase_updates_on_looping_continuations_for_the_counted_updates():
+    cfg, w, args, stream, prompts = looping_phase_inputs(3)
+    new, record = te.unlikelihood_phase(
+        args, cfg, w, stream, prompts, LoopingTok(), torch.device("cpu"), lambda msg: None
+    )
     assert record["updates"] == 3 and record["penalised_tokens"] > 0
     # 40 prompts a round, each continuation looping: two rounds feed three updates of UL_BATCH.
     assert record["looping_share_by_round"] == [1.0, 1.0]
@@ -478,25 +488,15 @@ def test_the_unlikelihood_phase_updates_on_looping_continuations_for_the_counted
     # schedule's final learning rate.
     before = {n: t.detach().clone() for n, t in w.items()}
     opt = torch.optim.AdamW(list(w.values()), lr=args.lr)
-    same, _ = te.unlikelihood_phase(args, cfg, w, stream, prompts, Tok(), torch.device("cpu"), lambda msg: None, opt)
+    same, _ = te.unlikelihood_phase(
+        args, cfg, w, stream, prompts, LoopingTok(), torch.device("cpu"), lambda msg: None, opt
+    )
     assert same is w and all(not torch.equal(w[n], before[n]) for n in changed)
     assert opt.param_groups[0]["lr"] == pytest.approx(args.lr * args.min_lr_frac) and len(opt.state) > 0
 
 
 def test_the_unlikelihood_phase_undoes_the_update_that_costs_too_much_and_ends():
-    class Tok:  # every continuation loops
-        def decode(self, ids, skip_special_tokens=False):
-            return "x = 1\n" * len(ids)
-
-    cfg = ModelConfig.tiny()
-    w = init_weights(cfg, seed=1, device=torch.device("cpu"))
-    args = argparse.Namespace(
-        seed=0, unlikelihood_seconds=0.0, unlikelihood_updates=4, unlikelihood_weight=1.0, lr=1e-3,
-        min_lr_frac=0.1, batch_size=2, seq_len=16, dropout=0.0, balance_coef=0.01, grad_clip=1.0,
-        unlikelihood_round=40,
-    )  # fmt: skip
-    stream = torch.randint(3, cfg.vocab_size, (400,))
-    prompts = [[1, 20 + i, 300, 301] for i in range(40)]
+    cfg, w, args, stream, prompts = looping_phase_inputs(4)
 
     def phase(updates, costs=None):
         seen = []
@@ -507,7 +507,9 @@ def test_the_unlikelihood_phase_undoes_the_update_that_costs_too_much_and_ends()
 
         a = argparse.Namespace(**{**vars(args), "unlikelihood_updates": updates})
         guard = None if costs is None else val_cost
-        new, record = te.unlikelihood_phase(a, cfg, w, stream, prompts, Tok(), torch.device("cpu"), print, None, guard)
+        new, record = te.unlikelihood_phase(
+            a, cfg, w, stream, prompts, LoopingTok(), torch.device("cpu"), print, None, guard
+        )
         return new, record, seen
 
     one, _, _ = phase(1)

@@ -7,7 +7,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MK_ABI_VERSION 14
+#define MK_ABI_VERSION 15
 
 // ---- The decode megakernel's task graph (docs/MEGAKERNEL.md) ------------------------------------
 // A step is a list of tasks per SM, built by the host (rust/graph). Each block runs its list in
@@ -221,12 +221,16 @@ typedef struct MkRowSample {
 #define MK_STEP_MAX_BATCH MK_WIDE_ROWS
 #endif
 // One box of a weight stage: a tile of MK_STAGE_ROWS weight rows by MK_STAGE_COLS columns (fewer
-// where k is shorter), one bulk tensor copy.
+// where k is shorter). A stage is MK_STAGE_BOXES boxes side by side along k (24 KB), which the
+// host's tensor map of a matrix whose k is whole boxes describes as one box of a 3-D view
+// ([k / box][rows][box]): one bulk tensor copy a stage (rust/gpu/tensor_map.rs).
 #define MK_STAGE_ROWS 16
 #if MK_WEIGHT_SWIZZLE
 #define MK_STAGE_COLS 64
+#define MK_STAGE_BOXES 12
 #else
 #define MK_STAGE_COLS 256
+#define MK_STAGE_BOXES 3
 #endif
 #define MK_TENSOR_MAP_BYTES 128
 // Columns of a KV tensor map's box (128 bytes: the widest box the 128-byte swizzle takes).

@@ -99,6 +99,7 @@ extern "C" __device__ const unsigned long long mk_abi_layout[] = {
     MK_STEP_MAX_EXPERTS,
     MK_STAGE_ROWS,
     MK_STAGE_COLS,
+    MK_STAGE_BOXES,
     MK_TENSOR_MAP_BYTES,
     MK_KV_BOX_COLS,
     MK_LW_COUNT,

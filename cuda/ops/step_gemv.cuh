@@ -180,7 +180,7 @@ struct StageWalk {
     int j = -1;  // the task whose stages are being walked, -1 before the first
     GemvShape s{};
     GemvMaps maps{};
-    int g = 0, c = 0, box = 0, kc = 0;
+    int g = 0, c = 0, box = 0, kc = 0, depth = 0;  // depth: stage_depth(s.k)
     int pass = kMaxK;  // a wide launch: the columns of one activation pass (act_cols)
     // The split being walked (kv): its pages, the next page and which of K (0) and V (1), and the
     // pool blocks of that page and the one after (loaded a stage ahead of its use).
@@ -215,7 +215,7 @@ struct StageWalk {
     // Starts walking the stages of GEMV task (or claimed tile) t; false if it has none.
     __device__ bool start(const MkStepArgs& a, const MkTask& t) {
         s = gemv_shape(a, t), maps = gemv_maps(a, t, routing), kv = false;
-        box = box_cols(s.k), kc = box * kStageBoxes, g = 0, c = 0;
+        box = box_cols(s.k), kc = box * kStageBoxes, depth = stage_depth(s.k), g = 0, c = 0;
         if constexpr (kWideBatch) pass = act_cols(a.batch);
         while (g < s.groups && s.group_valid(g) <= 0) ++g;
         return g < s.groups;
@@ -371,6 +371,14 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t
             mbar_arrive_expect_tx(full, (uint32_t)(2 * kKvBoxBytes));
             for (int h = 0; h < 2; ++h)
                 tensor_copy_2d(r.stage(n) + h * kKvBoxBytes, map, col + h * kKvBoxCols, row, full, policy);
+        } else if (copy.depth > 0) {
+            // One copy of the stage's boxes (3-D map): whole boxes count, those past k and rows past
+            // the matrix's end too (the copy zero-fills them). A wide launch's pass that ends
+            // inside k copies the next pass's first boxes along (unused).
+            const uint32_t bytes = copy.depth * kStageRows * copy.box * 2;
+            r.record_issue(n, bytes, 0, copy.j);
+            mbar_arrive_expect_tx(full, bytes);
+            tensor_copy_3d(r.stage(n), map, col / copy.box, row, full, policy);
         } else {
             const int box = copy.box;
             // Whole boxes count, rows past the matrix's end too (the copy zero-fills them).

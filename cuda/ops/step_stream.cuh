@@ -15,14 +15,10 @@ namespace mk {
 
 constexpr int kStageRows = MK_STAGE_ROWS;
 constexpr int kBoxCols = MK_STAGE_COLS;  // weight columns per bulk tensor copy (bf16)
-#ifndef MK_STAGE_BOXES
-#define MK_STAGE_BOXES (MK_WEIGHT_SWIZZLE ? 12 : 3)
-#endif
-// Copies per stage, side by side along k: more boxes make fewer, larger stages (longer runs of
-// each weight row per stage). On the H200, 2 were 9-10% faster than 1 and 3 another 5-8% faster
-// than 2 at batch 1 and 8 (docs/PERF.md); 4 leave fewer than 4 stages (the swizzled variant's 12
-// boxes of 64 columns make the same 24 KB stages). A tuning knob (-DMK_STAGE_BOXES=N in the device
-// script's NVCC_FLAGS).
+// Copies per stage, side by side along k (cuda/abi.h: the host's tensor maps describe them): more
+// boxes make fewer, larger stages (longer runs of each weight row per stage). On the H200, 2 were
+// 9-10% faster than 1 and 3 another 5-8% faster than 2 at batch 1 and 8 (docs/PERF.md); 4 leave
+// fewer than 4 stages (the swizzled variant's 12 boxes of 64 columns make the same 24 KB stages).
 constexpr int kStageBoxes = MK_STAGE_BOXES;
 // A stage is kStageBoxes [kStageRows][box] tiles: dense rows, where rows g and g + 1 read at one
 // column by a quarter-warp share banks (2-way), or 128-byte rows in the 128-byte swizzle
@@ -34,6 +30,17 @@ constexpr int kStageBytes = kStageBoxes * kStageRows * kBoxCols * 2;
 // not divide k the last stage runs past the matrix: copies past k are not issued, a copy that
 // straddles k is zero-filled, and the compute skips those columns.
 __device__ __forceinline__ int box_cols(int k) { return min(k, kBoxCols); }
+
+// The boxes one copy brings of a matrix of reduction length k. The swizzled variant's stages are
+// 12 boxes of 64 columns: as 12 copies its steps were 25% slower than the default's (the copy
+// engine's cost per copy), as one copy of a 3-D box equal (docs/PERF.md). So there, where k is
+// whole boxes, the host's map is 3-D and a stage one copy of this many boxes (rust/gpu/tensor_map.rs
+// stage_depth; the last stage of a row zero-fills those past k). 0: a 2-D map, a copy per box (the
+// default's 3 copies a stage: one 3-D copy measured no faster).
+__device__ __forceinline__ int stage_depth(int k) {
+    const int box = box_cols(k);
+    return MK_WEIGHT_SWIZZLE && k % box == 0 ? min(kStageBoxes, k / box) : 0;
+}
 
 // With MK_WEIGHT_SWIZZLE: the byte offset inside one box of a weight stage of row r's 16-byte unit
 // u (columns 8u to 8u + 7): 128-byte rows, unit u stored at unit u ^ (r % 8) (the 128-byte swizzle).
@@ -111,6 +118,18 @@ __device__ __forceinline__ void tensor_copy_2d(void* dst, const void* map, int c
         "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
         " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(smem_addr(dst)),
         "l"(map), "r"(c0), "r"(r0), "r"(smem_addr(bar)), "l"(policy)
+        : "memory");
+}
+
+// Copies the stage at (column block c0 / box, row r0) of a matrix of whole boxes, whose map is the
+// 3-D view [k / box][rows][box] with boxes [kStageBoxes][kStageRows][box] (rust/gpu/tensor_map.rs):
+// the stage's boxes in one copy, those past k zero-filled (and counted on `bar`).
+__device__ __forceinline__ void tensor_copy_3d(void* dst, const void* map, int block, int r0, uint64_t* bar,
+                                               uint64_t policy) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1, {%2, %3, %4}], [%5], %6;" ::"r"(smem_addr(dst)),
+        "l"(map), "r"(0), "r"(r0), "r"(block), "r"(smem_addr(bar)), "l"(policy)
         : "memory");
 }
 

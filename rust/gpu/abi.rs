@@ -170,6 +170,9 @@ pub const WEIGHT_SWIZZLE: bool = cfg!(mk_weight_swizzle);
 /// several side by side), and `MK_TENSOR_MAP_BYTES`, the size of one encoded map.
 pub const STAGE_ROWS: u32 = 16;
 pub const STAGE_COLS: u32 = if WEIGHT_SWIZZLE { 64 } else { 256 };
+/// `MK_STAGE_BOXES`: the boxes of one ring stage, side by side along k (one copy of a 3-D box
+/// where k is whole boxes: tensor_map.rs).
+pub const STAGE_BOXES: u32 = if WEIGHT_SWIZZLE { 12 } else { 3 };
 pub const TENSOR_MAP_BYTES: usize = 128;
 /// `MK_KV_BOX_COLS`: the columns of a KV tensor map's box (`MkStepArgs.kv_maps`); its rows are a page.
 pub const KV_BOX_COLS: u32 = 64;
@@ -189,7 +192,7 @@ pub const TRACE_MARKED: u32 = 0x8000_0000;
 pub const LEDGER_STAGES: usize = 8192;
 
 /// Must equal `MK_ABI_VERSION` in cuda/abi.h.
-pub const ABI_VERSION: u64 = 14;
+pub const ABI_VERSION: u64 = 15;
 
 /// The values `mk_abi_layout` in cuda/abi_probe.cu holds, in its order, computed on the Rust side.
 pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
@@ -219,6 +222,7 @@ pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
     out.push(("MK_STEP_MAX_EXPERTS", STEP_MAX_EXPERTS as u64));
     out.push(("MK_STAGE_ROWS", STAGE_ROWS as u64));
     out.push(("MK_STAGE_COLS", STAGE_COLS as u64));
+    out.push(("MK_STAGE_BOXES", u64::from(STAGE_BOXES)));
     out.push(("MK_TENSOR_MAP_BYTES", TENSOR_MAP_BYTES as u64));
     out.push(("MK_KV_BOX_COLS", KV_BOX_COLS as u64));
     out.push(("MK_LW_COUNT", LAYER_WEIGHT_COUNT as u64));

@@ -1,11 +1,11 @@
 //! Bulk-tensor-copy descriptors (CUtensorMap) of the weight matrices and the KV pools: the
-//! megakernel's producer warp copies one MK_STAGE_ROWS x MK_STAGE_COLS tile of a matrix per ring
-//! stage with one instruction, and a page of one KV head with two, which needs each tensor
-//! described to the copy engine once, on the host.
+//! megakernel's producer warp copies a ring stage of a matrix (MK_STAGE_BOXES tiles of
+//! MK_STAGE_ROWS x MK_STAGE_COLS side by side along k) with one instruction, and a page of one KV
+//! head with two, which needs each tensor described to the copy engine once, on the host.
 
 use cudarc::driver::sys;
 
-use super::abi::{KV_BOX_COLS, STAGE_COLS, STAGE_ROWS, TENSOR_MAP_BYTES, WEIGHT_SWIZZLE};
+use super::abi::{KV_BOX_COLS, STAGE_BOXES, STAGE_COLS, STAGE_ROWS, TENSOR_MAP_BYTES, WEIGHT_SWIZZLE};
 use super::GpuError;
 
 /// One weight matrix to describe: the device address of a row-major bf16 [rows, cols] tensor
@@ -20,6 +20,18 @@ pub struct MatrixSpec {
 /// Columns of a stage (the box's inner size) for rows of `cols` values.
 pub fn stage_cols(cols: u64) -> u32 {
     cols.min(STAGE_COLS as u64) as u32
+}
+
+/// Boxes of one copy of a matrix of `cols` columns (the kernel's `stage_depth`): in the swizzled
+/// variant where `cols` is whole boxes, its map is the 3-D view [cols / box][rows][box] and a
+/// stage is one copy of this many boxes; 0 otherwise (a 2-D map, a copy per box).
+pub fn stage_depth(cols: u64) -> u32 {
+    let box_cols = u64::from(stage_cols(cols));
+    if WEIGHT_SWIZZLE && cols % box_cols == 0 {
+        (cols / box_cols).min(u64::from(STAGE_BOXES)) as u32
+    } else {
+        0
+    }
 }
 
 fn check(m: &MatrixSpec) -> Result<(), GpuError> {
@@ -50,14 +62,23 @@ fn check_weights(m: &MatrixSpec) -> Result<sys::CUtensorMapSwizzle, GpuError> {
     Ok(sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B)
 }
 
-/// The encoded maps of `matrices`, TENSOR_MAP_BYTES each, in order (zeros for address 0), with
-/// boxes of one ring stage (MK_STAGE_ROWS rows). Needs the CUDA driver, not a context.
+/// The encoded maps of `matrices`, TENSOR_MAP_BYTES each, in order (zeros for address 0), each
+/// box one ring stage's copy (`stage_depth`). Needs the CUDA driver, not a context.
 pub fn encode(matrices: &[MatrixSpec]) -> Result<Vec<u8>, GpuError> {
     let mut out = vec![0u8; matrices.len() * TENSOR_MAP_BYTES];
     for (m, bytes) in matrices.iter().zip(out.chunks_exact_mut(TENSOR_MAP_BYTES)) {
         if m.address != 0 {
             let swizzle = check_weights(m)?;
-            encode_one(m, [stage_cols(m.cols), STAGE_ROWS], swizzle, bytes)?;
+            let cols = stage_cols(m.cols);
+            let wide = u64::from(cols);
+            match stage_depth(m.cols) {
+                0 => encode_one(m, &[m.cols, m.rows], &[m.cols * 2], &[cols, STAGE_ROWS], swizzle, bytes)?,
+                depth => {
+                    // Box b of a row sits b * box columns on: the third dimension's stride.
+                    let dims = [wide, m.rows, m.cols / wide];
+                    encode_one(m, &dims, &[m.cols * 2, wide * 2], &[cols, STAGE_ROWS, depth], swizzle, bytes)?
+                }
+            }
         }
     }
     Ok(out)
@@ -77,34 +98,37 @@ pub fn encode_kv(k: u64, v: u64, rows: u64, cols: u64) -> Result<Vec<u8>, GpuErr
             )));
         }
         let boxes = [KV_BOX_COLS, crate::kv::PAGE_SIZE as u32];
-        encode_one(&m, boxes, sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B, bytes)?;
+        let swizzle = sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B;
+        encode_one(&m, &[cols, rows], &[cols * 2], &boxes, swizzle, bytes)?;
     }
     Ok(out)
 }
 
-/// Encodes the map of the row-major bf16 matrix `m` with boxes of `boxes` (columns, rows) into
+/// Encodes the map of the bf16 tensor at `m.address` (`m` names it in errors) of sizes `dims`
+/// (innermost first), byte strides `strides` of the outer dimensions and boxes of `boxes` into
 /// `bytes`.
 fn encode_one(
     m: &MatrixSpec,
-    boxes: [u32; 2],
+    dims: &[u64],
+    strides: &[u64],
+    boxes: &[u32],
     swizzle: sys::CUtensorMapSwizzle,
     bytes: &mut [u8],
 ) -> Result<(), GpuError> {
+    assert!(dims.len() == boxes.len() && strides.len() + 1 == dims.len(), "a map's rank is one length");
     // SAFETY: only tries to dlopen libcuda.
     if !unsafe { sys::is_culib_present() } {
         return Err(GpuError::NoDriver);
     }
     let mut map = sys::CUtensorMap { opaque: [0; 16] };
-    let dims = [m.cols, m.rows];
-    let strides = [m.cols * 2];
-    let element_strides = [1u32, 1];
+    let element_strides = [1u32; 3];
     // SAFETY: every pointer is to a live local array of the rank the call is told; the address
     // is only recorded in the map, never dereferenced here.
     let status = unsafe {
         sys::cuTensorMapEncodeTiled(
             &mut map,
             sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            2,
+            dims.len() as u32,
             m.address as *mut std::ffi::c_void,
             dims.as_ptr(),
             strides.as_ptr(),
@@ -133,6 +157,25 @@ mod tests {
     fn stage_columns_are_capped_by_the_box() {
         assert_eq!(stage_cols(2048), STAGE_COLS);
         assert_eq!(stage_cols(64), 64);
+    }
+
+    #[test]
+    fn a_swizzled_matrix_of_whole_boxes_is_copied_a_stage_at_a_time() {
+        let box_cols = u64::from(STAGE_COLS);
+        let whole = |boxes: u32| if WEIGHT_SWIZZLE { boxes } else { 0 };
+        assert_eq!(stage_depth(32 * box_cols), whole(STAGE_BOXES));
+        assert_eq!(stage_depth(box_cols), whole(1));
+        assert_eq!(stage_depth(2 * box_cols), whole(2));
+        assert_eq!(stage_depth(box_cols + 32), 0, "a row that ends inside a box: a copy per box");
+        if unsafe { sys::is_culib_present() } {
+            for cols in [8 * box_cols, box_cols + 32, 64] {
+                let m = MatrixSpec { address: 1 << 20, rows: 40, cols };
+                if check_weights(&m).is_ok() {
+                    let map = encode(&[m]).unwrap();
+                    assert_ne!(map, vec![0u8; TENSOR_MAP_BYTES], "{m:?}");
+                }
+            }
+        }
     }
 
     #[test]

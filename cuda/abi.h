@@ -224,13 +224,19 @@ typedef struct MkRowSample {
 // where k is shorter). A stage is MK_STAGE_BOXES boxes side by side along k (24 KB), which the
 // host's tensor map of a matrix whose k is whole boxes describes as one box of a 3-D view
 // ([k / box][rows][box]): one bulk tensor copy a stage (rust/gpu/tensor_map.rs).
+// (MK_STAGE_BOXES stays a tuning knob of the default build, -DMK_STAGE_BOXES=N for a kernel
+// loaded from a path: its host uses it only for the swizzled variant's maps.)
 #define MK_STAGE_ROWS 16
 #if MK_WEIGHT_SWIZZLE
 #define MK_STAGE_COLS 64
+#ifndef MK_STAGE_BOXES
 #define MK_STAGE_BOXES 12
+#endif
 #else
 #define MK_STAGE_COLS 256
+#ifndef MK_STAGE_BOXES
 #define MK_STAGE_BOXES 3
+#endif
 #endif
 #define MK_TENSOR_MAP_BYTES 128
 // Columns of a KV tensor map's box (128 bytes: the widest box the 128-byte swizzle takes).

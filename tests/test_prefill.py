@@ -386,6 +386,27 @@ def test_a_sliced_prefill_equals_the_whole_call(weights64):
         Prefill(model, chunk=64).sliced([PrefillRequest(toks[:100], 0, Pool(model).table(100))], Pool(model).kv)
 
 
+def test_a_sliced_prefill_runs_without_autograd_as_the_whole_call(weights64, monkeypatch):
+    """The compiled prefill functions are guarded on the grad mode, so slices run with autograd on
+    would compile every one of them again on first use (an 8 s pause on the H200): every layer and
+    the head run under no_grad, as in the whole call, whatever the caller's mode."""
+    model = model_of(weights64, torch.float64)
+    modes: list[bool] = []
+    layers, head = Prefill.layers, Prefill.head
+    monkeypatch.setattr(Prefill, "layers", lambda self, *a: modes.append(torch.is_grad_enabled()) or layers(self, *a))
+    monkeypatch.setattr(Prefill, "head", lambda self, x: modes.append(torch.is_grad_enabled()) or head(self, x))
+    pool = Pool(model)
+    requests = [PrefillRequest(tokens_of(40), 0, pool.table(40))]
+    prefill = Prefill(model, chunk=64)
+    assert torch.is_grad_enabled()
+    prefill(requests, pool.kv)
+    sliced = prefill.sliced(requests, pool.kv)
+    sliced.run(0, 1)
+    sliced.run(1, L)
+    sliced.logits()
+    assert len(modes) >= 4 and not any(modes), modes
+
+
 # ---- prefix reuse -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("attention,moe,dtype", PATHS[:2] + PATHS[3:])
 def test_prefix_reuse(weights64, attention, moe, dtype):

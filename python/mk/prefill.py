@@ -459,6 +459,10 @@ class SlicedPrefill:
         self.x = prefill.embed(tokens)
         self.done = 0  # layers run so far
 
+    # Without autograd, as every Prefill call: the compiled functions are guarded on the grad mode,
+    # and the first slices run with it on compiled every one of them again (a pause of ~8 s on the
+    # H200 with every decoding stream waiting: docs/PERF.md, eighteenth session).
+    @torch.no_grad()
     def run(self, start: int, end: int) -> None:
         """Layers [start, end): the next ones (start is the number run so far)."""
         layers = self.prefill.config.num_hidden_layers
@@ -486,6 +490,7 @@ class SlicedPrefill:
         rows = torch.tensor([pc.q_off + pc.n - 1 for pc in self.pieces], device=self.prefill.device)
         return self.x.index_select(0, rows)
 
+    @torch.no_grad()
     def logits(self) -> torch.Tensor:
         """Each request's last-position logits, once every layer has run (as `Prefill.__call__`)."""
         if self.done != self.prefill.config.num_hidden_layers:

@@ -12,6 +12,7 @@
 #       tar -xf <files_at>/bundle.tar -C /tmp/train && cp /tmp/train/embedded/* python/mk/embedded/ && cp /tmp/train/docs/* docs/
 # The table of results is printed last.
 #   device run:  bash scripts/device-train.sh [extra train_embedded.py flags]     (carry: none needed)
+#   (CALL_S=<the call's timeout_s> when it is below 600; BUDGET must then leave the evaluations time)
 # One `run` command lasts at most 600 s. On the H200 (2026-12-01, 130 MB of site-packages) the corpus
 # took 128 s, the tokenizer and encoding 50 s, and the script's own evaluations of 100 functions with
 # 256 new tokens 46 s for completions alone, so a 6-minute budget was killed by the 560 s timeout
@@ -41,10 +42,13 @@ export PYTHONPATH=$PWD/python:/tmp/site
     git log -1 --format='commit %H %s' 2>/dev/null
 } 2>&1 | tee "$OUT/train.log"
 
-timeout 560 python3 scripts/train_embedded.py --device cuda --time-budget "$BUDGET" --eval-functions 40 \
+# The run must end before the call does (CALL_S: the `run` call's timeout_s; a call ended by its own
+# limit returns no bundle: the eighteenth session lost its tokenizer so, 10 s late).
+call_s=${CALL_S:-600}
+timeout $((call_s - 40)) python3 scripts/train_embedded.py --device cuda --time-budget "$BUDGET" --eval-functions 40 \
     --max-new-tokens 96 --out-dir "$OUT/embedded" --docs-dir "$OUT/docs" "$@" 2>&1 | tee -a "$OUT/train.log"
 status=${PIPESTATUS[0]}
-[ "$status" -eq 0 ] || echo "train_embedded.py exit status $status (124: killed by the 560 s timeout)" | tee -a "$OUT/train.log"
+[ "$status" -eq 0 ] || echo "train_embedded.py exit status $status (124: killed by the $((call_s - 40)) s timeout)" | tee -a "$OUT/train.log"
 # Everything but the weights into one file (even after a failed run: the log says why).
 (cd "$OUT" && tar -cf bundle.tar --ignore-failed-read embedded/*.json docs train.log 2>/dev/null \
     && rm -rf embedded/*.json docs train.log)

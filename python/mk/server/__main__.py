@@ -142,7 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also prefill a chunk after a cached prefix (a long prompt's later chunks, a prompt reusing a cached "
         "prefix) as a CUDA graph replay, one per padded (tokens, keys) shape, captured at its first use; "
-        "experimental, off until measured",
+        "off by default: its graphs' memory took PyTorch's peak to 137 of an H200's 140 GiB at --kv-fraction 0.9",
     )
     p.add_argument(
         "--decode-prefill-budget",
@@ -156,7 +156,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="while streams decode, run each prompt chunk over several loop iterations, a few layers each, within "
         "--decode-prefill-budget tokens through the whole model, a decode step between them: the streams pause as "
         "little as with small chunks while the prompt keeps whole chunks (needs --decode-prefill-budget and the fast "
-        "prefill; off by default until measured on a GPU)",
+        "prefill; on an H200 with a budget of 1024 a decoding stream's longest pause while a 32K prompt was admitted "
+        "fell from 511 ms to ~55 ms; off by default until its first-use recompilation fix is measured there)",
     )
     _auto_on_off(
         p,

@@ -221,16 +221,19 @@ typedef struct MkRowSample {
 #define MK_STEP_MAX_BATCH MK_WIDE_ROWS
 #endif
 // One box of a weight stage: a tile of MK_STAGE_ROWS weight rows by MK_STAGE_COLS columns (fewer
-// where k is shorter). A stage is MK_STAGE_BOXES boxes side by side along k (24 KB), which the
-// host's tensor map of a matrix whose k is whole boxes describes as one box of a 3-D view
-// ([k / box][rows][box]): one bulk tensor copy a stage (rust/gpu/tensor_map.rs).
-// (MK_STAGE_BOXES stays a tuning knob of the default build, -DMK_STAGE_BOXES=N for a kernel
-// loaded from a path: its host uses it only for the swizzled variant's maps.)
+// where k is shorter). A stage is MK_STAGE_BOXES boxes side by side along k (24 KB). In the
+// swizzled variant the host's tensor map of a matrix whose k is whole boxes describes them as one
+// box of a 3-D view ([k / box][rows][box]): one bulk tensor copy a stage (rust/gpu/tensor_map.rs);
+// the default build copies each box. (MK_STAGE_BOXES stays a tuning knob of the default build,
+// -DMK_STAGE_BOXES=N for a kernel loaded from a path; the swizzled variant's host maps fix it.)
 #define MK_STAGE_ROWS 16
 #if MK_WEIGHT_SWIZZLE
 #define MK_STAGE_COLS 64
 #ifndef MK_STAGE_BOXES
 #define MK_STAGE_BOXES 12
+#endif
+#if MK_STAGE_BOXES != 12
+#error "the swizzled variant's host maps bring 12 boxes a stage (rust/gpu/abi.rs STAGE_BOXES)"
 #endif
 #else
 #define MK_STAGE_COLS 256

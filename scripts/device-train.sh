@@ -44,11 +44,13 @@ export PYTHONPATH=$PWD/python:/tmp/site
 
 # The run must end before the call does (CALL_S: the `run` call's timeout_s; a call ended by its own
 # limit returns no bundle: the eighteenth session lost its tokenizer so, 10 s late).
-call_s=${CALL_S:-600}
-timeout $((call_s - 40)) python3 scripts/train_embedded.py --device cuda --time-budget "$BUDGET" --eval-functions 40 \
+# ($SECONDS: what the set-up above took.)
+run_s=$(( ${CALL_S:-600} - SECONDS - 40 ))
+[ "$run_s" -ge 60 ] || { echo "CALL_S=${CALL_S:-600} leaves no time to train" | tee -a "$OUT/train.log"; exit 1; }
+timeout "$run_s" python3 scripts/train_embedded.py --device cuda --time-budget "$BUDGET" --eval-functions 40 \
     --max-new-tokens 96 --out-dir "$OUT/embedded" --docs-dir "$OUT/docs" "$@" 2>&1 | tee -a "$OUT/train.log"
 status=${PIPESTATUS[0]}
-[ "$status" -eq 0 ] || echo "train_embedded.py exit status $status (124: killed by the $((call_s - 40)) s timeout)" | tee -a "$OUT/train.log"
+[ "$status" -eq 0 ] || echo "train_embedded.py exit status $status (124: killed by the $run_s s timeout)" | tee -a "$OUT/train.log"
 # Everything but the weights into one file (even after a failed run: the log says why).
 (cd "$OUT" && tar -cf bundle.tar --ignore-failed-read embedded/*.json docs train.log 2>/dev/null \
     && rm -rf embedded/*.json docs train.log)

@@ -317,7 +317,8 @@ __device__ __forceinline__ bool consumer_marks(bool split) { return MK_TRACE_MAR
 #endif
 
 // The producer warp's loop (lane 0): as soon as a ring slot is free, one bulk tensor copy per box
-// of a weight stage, or the two of a split page's K or V. (Prefetching the stages beyond the ring
+// of a weight stage (the swizzled variant: one 3-D copy a stage), or the two of a split page's K
+// or V. (Prefetching the stages beyond the ring
 // into L2 while it waits was slower, and so was the whole warp copying a split's pages with
 // cp.async: docs/PERF.md.)
 __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t* counters, const Ring& r,
@@ -372,9 +373,9 @@ __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t
             for (int h = 0; h < 2; ++h)
                 tensor_copy_2d(r.stage(n) + h * kKvBoxBytes, map, col + h * kKvBoxCols, row, full, policy);
         } else if (copy.depth > 0) {
-            // One copy of the stage's boxes (3-D map): whole boxes count, those past k and rows past
-            // the matrix's end too (the copy zero-fills them). A wide launch's pass that ends
-            // inside k copies the next pass's first boxes along (unused).
+            // One copy of the stage's boxes (3-D map, the swizzled variant, which has no wide
+            // image): whole boxes count, those past k and rows past the matrix's end too (the copy
+            // zero-fills them; a ledger's bytes count them as well).
             const uint32_t bytes = copy.depth * kStageRows * copy.box * 2;
             r.record_issue(n, bytes, 0, copy.j);
             mbar_arrive_expect_tx(full, bytes);

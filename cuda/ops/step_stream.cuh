@@ -14,8 +14,8 @@
 namespace mk {
 
 constexpr int kStageRows = MK_STAGE_ROWS;
-constexpr int kBoxCols = MK_STAGE_COLS;  // weight columns per bulk tensor copy (bf16)
-// Copies per stage, side by side along k (cuda/abi.h: the host's tensor maps describe them): more
+constexpr int kBoxCols = MK_STAGE_COLS;  // weight columns per box of a stage (bf16)
+// Boxes per stage, side by side along k (cuda/abi.h: the host's tensor maps describe them): more
 // boxes make fewer, larger stages (longer runs of each weight row per stage). On the H200, 2 were
 // 9-10% faster than 1 and 3 another 5-8% faster than 2 at batch 1 and 8 (docs/PERF.md); 4 leave
 // fewer than 4 stages (the swizzled variant's 12 boxes of 64 columns make the same 24 KB stages).
@@ -25,10 +25,10 @@ constexpr int kStageBoxes = MK_STAGE_BOXES;
 // (MK_WEIGHT_SWIZZLE: swizzled_unit).
 constexpr int kStageBytes = kStageBoxes * kStageRows * kBoxCols * 2;
 
-// Columns per copy for a reduction length k (a multiple of 32): the box of the host's tensor
+// Columns per box for a reduction length k (a multiple of 32): the box of the host's tensor
 // maps (rust/gpu/tensor_map.rs stage_cols), min(k, MK_STAGE_COLS). Where the stage's columns do
-// not divide k the last stage runs past the matrix: copies past k are not issued, a copy that
-// straddles k is zero-filled, and the compute skips those columns.
+// not divide k the last stage runs past the matrix: boxes past k are not copied (a 3-D copy
+// zero-fills them), a box that straddles k is zero-filled, and the compute skips those columns.
 __device__ __forceinline__ int box_cols(int k) { return min(k, kBoxCols); }
 
 // The boxes one copy brings of a matrix of reduction length k. The swizzled variant's stages are
@@ -122,7 +122,7 @@ __device__ __forceinline__ void tensor_copy_2d(void* dst, const void* map, int c
 }
 
 // Copies the stage at (column block c0 / box, row r0) of a matrix of whole boxes, whose map is the
-// 3-D view [k / box][rows][box] with boxes [kStageBoxes][kStageRows][box] (rust/gpu/tensor_map.rs):
+// 3-D view [k / box][rows][box] with boxes [stage_depth(k)][kStageRows][box] (rust/gpu/tensor_map.rs):
 // the stage's boxes in one copy, those past k zero-filled (and counted on `bar`).
 __device__ __forceinline__ void tensor_copy_3d(void* dst, const void* map, int block, int r0, uint64_t* bar,
                                                uint64_t policy) {

@@ -2,7 +2,8 @@
 
 build.rs compiles the default kernel's two images (narrow, and wide: MK_IMAGE_ROWS 16) into the
 package; the variant `MK_WEIGHT_SWIZZLE=1` and the diagnostic builds the device scripts use
-(-DMK_NO_COPY=1, the trace marks, the stream ledger) are compiled only on the GPU machine otherwise,
+(-DMK_NO_COPY=1, the trace marks, the stream ledger), and source variants waiting for their A/B
+(-DMK_QKV_EARLY_SLOT=1), are compiled only on the GPU machine otherwise,
 so a change that breaks one would first show there, in device time. No GPU is needed: this runs
 nvcc alone. (The swizzled variant has no wide image: its 16-row loop spills 4 bytes at the
 168-register cap, and abi.h refuses it.)
@@ -23,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WIDE = ["-DMK_IMAGE_ROWS=MK_WIDE_ROWS"]
 DIAGNOSTICS = {
     "no-copy": ["-DMK_NO_COPY=1"],
+    "qkv-early-slot": ["-DMK_QKV_EARLY_SLOT=1"],  # a variant to measure, not a diagnostic
     "trace-marks": ["-DMK_TRACE_MARKS=1", "-DMK_GEMV_MARKS=1"],
     "stream-ledger": ["-DMK_STREAM_LEDGER=1"],
 }

@@ -590,6 +590,26 @@ __device__ void gemv_compute_wide(const GemvShape& p, GemvSmem& s, const Ring& r
     compute_sync();
 }
 
+// A variant to measure (-DMK_QKV_EARLY_SLOT=1, off by default): a K or V task loads each row's
+// cache row (its position, then that position's page: two dependent loads) into shared memory
+// before its stages instead of in its epilogue, one L2 round trip fewer between the task's last
+// stage and the attention splits that wait for it (docs/PERF.md, eighteenth session).
+#ifndef MK_QKV_EARLY_SLOT
+#define MK_QKV_EARLY_SLOT 0
+#endif
+
+// Row b's row of the paged K/V pools for this step's token (block * page + offset).
+__device__ __forceinline__ size_t kv_cache_row(const MkStepArgs& a, int layer, int b) {
+    const int pos = ld_i32(ptr<int32_t>(a.positions) + b);
+    const int block = ld_i32(ptr<int32_t>(a.block_tables) + ((size_t)layer * a.batch + b) * a.max_pages + pos / MK_PAGE_SIZE);
+    return (size_t)block * MK_PAGE_SIZE + pos % MK_PAGE_SIZE;
+}
+
+// (MK_QKV_EARLY_SLOT) Whether task t is a QKV task of K or V rows.
+__device__ __forceinline__ bool writes_kv(const MkStepArgs& a, const MkTask& t) {
+    return t.arg[0] == MK_MAT_QKV && t.arg[1] >= a.heads * a.head_dim;
+}
+
 // QKV: the group's rows come in (even, odd) RoPE pairs; one thread per (pair, batch row). RoPE
 // reads the step's (cos, sin) table, which the embedding tasks fill.
 __device__ void qkv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvShape& p, const GemvSmem& s) {
@@ -602,7 +622,9 @@ __device__ void qkv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvSha
         if (row >= p.rows) continue;
         float ye = round_bf16(s.out(grp, 2 * (pair % 8), b)), yo = round_bf16(s.out(grp, 2 * (pair % 8) + 1, b));
         const int dim = row % a.head_dim;
+#if !MK_QKV_EARLY_SLOT
         const int pos = ld_i32(ptr<int32_t>(a.positions) + b);
+#endif
         if (rope) {
             const float2 cs = __ldcg(ptr<const float2>(a.rope) + (size_t)b * (a.head_dim / 2) + dim / 2);
             const float e2 = ye * cs.x - yo * cs.y, o2 = yo * cs.x + ye * cs.y;
@@ -613,9 +635,14 @@ __device__ void qkv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvSha
             q[0] = ye, q[1] = yo;
         } else {
             const int head = row / a.head_dim;
-            const int block = ld_i32(ptr<int32_t>(a.block_tables) + ((size_t)t.layer * a.batch + b) * a.max_pages + pos / MK_PAGE_SIZE);
             bf16* pool = ptr<bf16>(is_v ? a.v_pool : a.k_pool);
-            bf16* dst = pool + (((size_t)block * MK_PAGE_SIZE + pos % MK_PAGE_SIZE) * a.kv_heads + head) * a.head_dim + dim;
+#if MK_QKV_EARLY_SLOT
+            const size_t cache_row = (size_t)s.has_row[b];  // (run_gemv: loaded before the stages)
+#else
+            const int block = ld_i32(ptr<int32_t>(a.block_tables) + ((size_t)t.layer * a.batch + b) * a.max_pages + pos / MK_PAGE_SIZE);
+            const size_t cache_row = (size_t)block * MK_PAGE_SIZE + pos % MK_PAGE_SIZE;
+#endif
+            bf16* dst = pool + (cache_row * a.kv_heads + head) * a.head_dim + dim;
             dst[0] = __float2bfloat16(ye), dst[1] = __float2bfloat16(yo);
         }
     }
@@ -684,6 +711,11 @@ __device__ void run_gemv(const MkStepArgs& a, const MkTask& t, GemvSmem& s, cons
         }
         load_slot_rows(a, routing[t.layer & 1], t.arg[3], s.has_row);
     }
+#if MK_QKV_EARLY_SLOT
+    // Each row's cache row, published to the epilogue by gemv_compute's barriers (has_row is an
+    // expert tile's only otherwise).
+    if (writes_kv(a, t) && (int)threadIdx.x < a.batch) s.has_row[threadIdx.x] = (int)kv_cache_row(a, t.layer, threadIdx.x);
+#endif
     finish_activations(started);
     // A wide launch's expert tile of at most kTileN routed rows (most of them: 16 rows route ~1.6
     // to an expert) runs the 8-row loop on those rows alone, where their partial sums fit.

@@ -30,14 +30,7 @@ if [ $sanitize = 1 ] || [ "${SANITIZE:-}" = 1 ]; then
     # Steps of every way of running expert tiles and of learning the routing (megakernel_once.py),
     # and the racecheck probe of a plain shared-memory value handed over through an mbarrier (the
     # ring's tags).
-    # (racecheck: the 4-row steps alone; a 12-row step outlasts the kernel's wait limit under it)
-    for tool in memcheck racecheck; do
-        report=() steps=()
-        [ $tool = racecheck ] && report=(--racecheck-report all) steps=(--narrow)
-        timeout 400 compute-sanitizer --tool $tool "${report[@]}" --error-exitcode 3 \
-            python3 scripts/megakernel_once.py "${steps[@]}" >>"$OUT/tests.log" 2>&1
-        echo "$tool (megakernel steps) exit: $?" >>"$OUT/tests.log"
-    done
+    sanitize_steps "$OUT/tests.log" 400
     if nvcc -gencode=arch=compute_90a,code=sm_90a -o /tmp/racecheck-probe scripts/racecheck_probe.cu \
         >>"$OUT/tests.log" 2>&1; then
         timeout 60 compute-sanitizer --tool racecheck --racecheck-report all /tmp/racecheck-probe >>"$OUT/tests.log" 2>&1

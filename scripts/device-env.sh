@@ -27,6 +27,19 @@ export PYTHONPATH=/tmp/site
 # that wheel (device-kernel.sh, device-ab.sh) must be built with the same defines.
 WHEEL_DEFINES=$(python3 -c 'import mk._native as n; print(" ".join(n.build_info()["defines"]))')
 export WHEEL_DEFINES
+# sanitize_steps LOG SECONDS: compute-sanitizer's memcheck and racecheck on megakernel_once.py's
+# steps (racecheck: the 4-row steps alone; a 12-row step outlasts the kernel's wait limit under it),
+# each within SECONDS, their reports appended to LOG and each tool's exit status printed there too.
+sanitize_steps() {
+    local log=$1 limit=$2 tool report steps
+    for tool in memcheck racecheck; do
+        report=() steps=()
+        [ $tool = racecheck ] && report=(--racecheck-report all) steps=(--narrow)
+        timeout "$limit" compute-sanitizer --tool $tool "${report[@]}" --error-exitcode 3 \
+            python3 scripts/megakernel_once.py "${steps[@]}" >>"$log" 2>&1
+        echo "$tool (megakernel steps) exit: $?" | tee -a "$log"
+    done
+}
 # compile_megakernel DIR NAME [nvcc flags...]: DIR/megakernel.cu as this wheel's images, the narrow
 # one and (unless the wheel is the swizzled variant) the wide one, in parallel with build.rs's flags,
 # to /tmp/NAME-<rows>.cubin; ptxas's reports go to $OUT/NAME-<rows>.log. Prints the variant for

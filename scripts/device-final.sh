@@ -27,13 +27,6 @@ for kind in rows:
         rows[kind] += data["rows"] if isinstance(data, dict) else data
 json.dump(rows, open(dst, "w"), indent=1)
 PY
-for tool in memcheck racecheck; do
-    # racecheck: the 4-row steps alone (a 12-row step outlasts the kernel's wait limit under it)
-    report=() steps=()
-    [ $tool = racecheck ] && report=(--racecheck-report all) steps=(--narrow)
-    timeout 200 compute-sanitizer --tool $tool "${report[@]}" --error-exitcode 3 \
-        python3 scripts/megakernel_once.py "${steps[@]}" >>"$final/sanitize.log" 2>&1
-    echo "$tool (megakernel step) exit: $?" | tee -a "$final/sanitize.log"
-done
+sanitize_steps "$final/sanitize.log" 200
 grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$final/sanitize.log"
 exit $status

@@ -729,8 +729,8 @@ __device__ void run_gemv(const MkStepArgs& a, const MkTask& t, GemvSmem& s, cons
         if (m <= kTileN && fits) routed = mask;
     }
     if (MK_GEMV_MARKS) marks.mark(0);
-    // One call of gemv_compute for both cases: a second inlined copy made the 16-row kernel 9% longer,
-    // and batch 1 measured 7% slower with it (the cause unproven; this form not yet measured).
+    // One call of gemv_compute for both cases (a second inlined copy made the 16-row kernel 9% longer;
+    // in one process neither form was slower at batch 1 than before the routed tiles: docs/PERF.md).
     if (kWideBatch && a.batch > kTileN && !routed) gemv_compute_wide(p, s, r, n, a.batch, t.layer, act_key);
     else gemv_compute(p, s, r, n, routed ? __popc(routed) : a.batch, routed);  // their barriers publish has_row
     if (MK_GEMV_MARKS) marks.mark(1);

@@ -69,14 +69,15 @@ pub fn encode(matrices: &[MatrixSpec]) -> Result<Vec<u8>, GpuError> {
     for (m, bytes) in matrices.iter().zip(out.chunks_exact_mut(TENSOR_MAP_BYTES)) {
         if m.address != 0 {
             let swizzle = check_weights(m)?;
-            let cols = stage_cols(m.cols);
-            let wide = u64::from(cols);
+            let box_cols = stage_cols(m.cols);
+            let box_len = u64::from(box_cols);
             match stage_depth(m.cols) {
-                0 => encode_one(m, &[m.cols, m.rows], &[m.cols * 2], &[cols, STAGE_ROWS], swizzle, bytes)?,
+                0 => encode_one(m, &[m.cols, m.rows], &[m.cols * 2], &[box_cols, STAGE_ROWS], swizzle, bytes)?,
                 depth => {
                     // Box b of a row sits b * box columns on: the third dimension's stride.
-                    let dims = [wide, m.rows, m.cols / wide];
-                    encode_one(m, &dims, &[m.cols * 2, wide * 2], &[cols, STAGE_ROWS, depth], swizzle, bytes)?
+                    let dims = [box_len, m.rows, m.cols / box_len];
+                    let boxes = [box_cols, STAGE_ROWS, depth];
+                    encode_one(m, &dims, &[m.cols * 2, box_len * 2], &boxes, swizzle, bytes)?
                 }
             }
         }
@@ -122,6 +123,7 @@ fn encode_one(
     }
     let mut map = sys::CUtensorMap { opaque: [0; 16] };
     let element_strides = [1u32; 3];
+    assert!(dims.len() <= element_strides.len(), "maps of rank 2 and 3 only");
     // SAFETY: every pointer is to a live local array of the rank the call is told; the address
     // is only recorded in the map, never dereferenced here.
     let status = unsafe {

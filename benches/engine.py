@@ -23,8 +23,10 @@ leaving room for the kernel-only measurement); `--launch-ahead off` runs one ste
 `--prefill-chunk N` another chunk, `--prefill-graphs off` prefills fresh prompts without CUDA
 graphs, `--prefix-graphs` runs chunks after a cached prefix as CUDA graphs too (Engine(prefix_graphs=
 True); a 32K prompt is prefilled once first, so that its buckets' captures are not timed),
-`--decode-prefill-budget N` prefills at most N prompt tokens an iteration while a stream decodes;
-`--sliced-prefill` (with it) keeps whole chunks and runs them a few layers an iteration instead;
+`--decode-prefill-budget N` prefills at most N prompt tokens an iteration while a stream decodes
+(through the whole model, with the sliced prefill that is on by default: mk.engine_api.DECODE_PREFILL_BUDGET);
+`--sliced-prefill off` cuts the prompt into chunks of the budget instead of running whole chunks a few
+layers an iteration;
 `--prefill-only` runs the ttft and admit rows alone (with `--quick`: 512 and 8K prompts, and admit);
 `--cold` leaves `--prefix-graphs`' captures to the timed rows (a new server's first long prompts),
 `--kv-fraction F` gives the KV pool the server's share (0.9) instead of 0.6.
@@ -37,8 +39,8 @@ drawn by the kernel among the mask's tokens (the mask uploaded before each step)
 too, the masks computed while each step runs (Engine(late_masks=...), on by default; `--late-masks off`
 uploads the masks before each step instead).
 Usage: python benches/engine.py [--json out.json] [--quick] [--launch-ahead auto|on|off] [--prefill-chunk N]
-       [--prefill-graphs auto|on|off] [--prefix-graphs] [--decode-prefill-budget N [--sliced-prefill]] [--prefill-only]
-       [--cold] [--kv-fraction F] [--temperature T] [--top-p P]
+       [--prefill-graphs auto|on|off] [--prefix-graphs] [--decode-prefill-budget N] [--sliced-prefill auto|on|off]
+       [--prefill-only] [--cold] [--kv-fraction F] [--temperature T] [--top-p P]
        [--grammar [--kernel-masks auto|on|off] [--late-masks auto|on|off]]
 """
 
@@ -287,10 +289,13 @@ def main() -> None:
         help="no warm-up of --prefix-graphs' captures: the timed rows include them, as a new server's first prompts do",
     )
     parser.add_argument(
-        "--decode-prefill-budget", type=int, default=None, help="Engine(decode_prefill_budget=...): default none"
+        "--decode-prefill-budget",
+        type=int,
+        default=None,
+        help="Engine(decode_prefill_budget=...): default the engine's",
     )
     parser.add_argument(
-        "--sliced-prefill", action="store_true", help="Engine(sliced_prefill=True): needs --decode-prefill-budget"
+        "--sliced-prefill", choices=list(AUTO_ON_OFF), default="auto", help="Engine(sliced_prefill=...); auto: on"
     )
     parser.add_argument(
         "--temperature",
@@ -331,7 +336,7 @@ def main() -> None:
         prefill_graphs=AUTO_ON_OFF[args.prefill_graphs],
         prefix_graphs=args.prefix_graphs,
         decode_prefill_budget=args.decode_prefill_budget,
-        sliced_prefill=args.sliced_prefill,
+        sliced_prefill=AUTO_ON_OFF[args.sliced_prefill],
         kernel_masks=AUTO_ON_OFF[args.kernel_masks],
         late_masks=AUTO_ON_OFF[args.late_masks],
         tokenizer_json=Tokenizer.from_dir(Path(mk.__file__).parent / "embedded").hf.to_str() if args.grammar else None,
@@ -344,7 +349,7 @@ def main() -> None:
         if args.prefix_graphs and not args.cold:  # the captures of a long prompt's prefixed chunks, at their first use
             submit_long, _ = submit(engine, random_prompt(cfg, max(prompts), gen), 1)
             wait([submit_long])
-            if args.decode_prefill_budget:  # and of the budget's chunks, beside a decoding stream
+            if engine.decode_prefill_budget < engine.prefill_chunk:  # and of the budget's chunks, beside a stream
                 beside, _ = submit(engine, random_prompt(cfg, 600, gen), 4000)
                 while not beside.times:
                     time.sleep(0.01)

@@ -279,9 +279,27 @@ def test_a_sliced_prefill_changes_no_token(model, engine):
     )
     assert plain[0] == sliced[0]
     assert plain[1] == 0 and sliced[1] >= model.config.num_hidden_layers, (plain[1], sliced[1])
-    for options in ({"prefill": "reference", "decode_prefill_budget": 8}, {"prefill": "fast"}):
-        with pytest.raises(ValueError, match="sliced_prefill needs"):
-            Engine(model, max_context=256, sliced_prefill=True, **options)
+    with pytest.raises(ValueError, match="sliced_prefill needs"):
+        Engine(model, max_context=256, sliced_prefill=True, prefill="reference", decode_prefill_budget=8)
+
+
+def test_sliced_prefill_and_its_budget_default_to_on_only_where_the_fast_prefill_runs_on_a_gpu(model):
+    """On the CPU (reference prefill, or the fast one asked for) the defaults stay off: whole
+    chunks. Asked for, sliced prefill takes DECODE_PREFILL_BUDGET (at most the chunk)."""
+    from mk.engine_api import DECODE_PREFILL_BUDGET
+
+    def settings(**options):
+        e = Engine(model, max_context=256, **options)
+        try:
+            return e.sliced_prefill, e.decode_prefill_budget
+        finally:
+            e.close()
+
+    assert settings(prefill_chunk=64) == (False, 64)
+    assert settings(prefill="fast", prefill_chunk=64) == (False, 64)
+    assert settings(prefill="fast", prefill_chunk=4096, sliced_prefill=True) == (True, DECODE_PREFILL_BUDGET)
+    assert settings(prefill="fast", prefill_chunk=64, sliced_prefill=True) == (True, 64)
+    assert settings(prefill="fast", decode_prefill_budget=8, sliced_prefill=True) == (True, 8)
 
 
 def test_late_masks_need_the_kernels_masks(model):

@@ -36,8 +36,8 @@ from mk.tokenizer import Tokenizer
         (["--prefill", "flash"], "--prefill"),
         (["--launch-ahead", "maybe"], "--launch-ahead"),
         (["--decode-prefill-budget", "0"], "--decode-prefill-budget"),
-        (["--sliced-prefill"], "--sliced-prefill"),
-        (["--sliced-prefill", "--decode-prefill-budget", "8", "--prefill", "reference"], "--sliced-prefill"),
+        (["--sliced-prefill", "sometimes"], "--sliced-prefill"),
+        (["--sliced-prefill", "--prefill", "reference"], "--sliced-prefill"),
     ],
 )
 def test_bad_flags_are_refused_with_one_line(argv, flag, capsys):
@@ -60,12 +60,12 @@ def test_server_and_engine_share_their_defaults():
     assert AUTO_ON_OFF[args.launch_ahead] is engine_defaults["launch_ahead"].default is None
     assert AUTO_ON_OFF[args.prefill_graphs] is engine_defaults["prefill_graphs"].default is None
     assert AUTO_ON_OFF[args.kernel_masks] is engine_defaults["kernel_masks"].default is None
-    for flag in ("launch_ahead", "prefill_graphs", "kernel_masks", "late_masks"):  # the flag alone: on
+    for flag in ("launch_ahead", "prefill_graphs", "kernel_masks", "late_masks", "sliced_prefill"):  # alone: on
         option = "--" + flag.replace("_", "-")
         assert getattr(parse_args([option]), flag) == "on" and getattr(parse_args([option, "off"]), flag) == "off"
     assert args.decode_prefill_budget is engine_defaults["decode_prefill_budget"].default is None
     assert args.prefix_graphs is engine_defaults["prefix_graphs"].default is False  # experimental: off
-    assert args.sliced_prefill is engine_defaults["sliced_prefill"].default is False  # experimental: off
+    assert AUTO_ON_OFF[args.sliced_prefill] is engine_defaults["sliced_prefill"].default is None
     assert AUTO_ON_OFF[args.late_masks] is engine_defaults["late_masks"].default is None
 
 
@@ -115,7 +115,11 @@ def test_fast_prefill_serves_on_the_cpu_too():
     finally:
         assert server.stop() == 0
     # auto: launch-ahead off on this backend, no CUDA graphs on the CPU; the CPU's prefill chunk
-    chunks = f"chunks of {CPU_PREFILL_CHUNK} tokens, CUDA graphs off"
+    # whole chunks while streams decode too (sliced prefill is a GPU default)
+    chunks = (
+        f"chunks of {CPU_PREFILL_CHUNK} tokens, CUDA graphs off, {CPU_PREFILL_CHUNK} tokens an iteration while streams "
+        "decode"
+    )
     assert f"reference decode, fast prefill ({chunks}), launch-ahead off, max batch {CPU_MAX_BATCH}" in server.output()
 
 

@@ -25,6 +25,7 @@ from mk import _native
 from mk.engine_api import (
     CPU_MAX_BATCH,
     CPU_PREFILL_CHUNK,
+    DECODE_PREFILL_BUDGET,
     MAX_BATCH,
     PREFILL_CHUNK,
     EngineClosed,
@@ -100,14 +101,18 @@ class Engine:
     mk.engine_api.PREFILL_CHUNK on a GPU, CPU_PREFILL_CHUNK on the CPU (`self.prefill_chunk`).
     `decode_prefill_budget`: the same while some stream decodes (at most `prefill_chunk`): smaller
     chunks shorten a stream's longest wait while a long prompt is admitted, at the cost of more
-    chunks for that prompt (cheap ones with `prefix_graphs`). None (the default): `prefill_chunk`.
+    chunks for that prompt (cheap ones with `prefix_graphs`). None (the default):
+    mk.engine_api.DECODE_PREFILL_BUDGET where `sliced_prefill` is on, else `prefill_chunk`
+    (`self.decode_prefill_budget`).
     `sliced_prefill`: while some stream decodes, a prompt keeps chunks of up to `prefill_chunk`
     tokens (at most `decode_prefill_budget` times the layers) and each chunk runs over several
     iterations, a few layers each, so that an iteration's prefill is
     at most `decode_prefill_budget` tokens through the whole model (tokens x layers), with a decode
     step between the slices: the streams' pause shrinks like the budget's, while the prompt's time
-    to first token grows only by the decode steps in between (rust/engine/core.rs). Needs the fast
-    prefill and a `decode_prefill_budget`. Off by default until measured on a GPU.
+    to first token grows only by the decode steps in between (rust/engine/core.rs; on the H200
+    with the default budget: a 27 ms longest pause while a 32K prompt was admitted, that prompt's
+    first token at 1.18x its standalone prefill, docs/PERF.md). Needs the fast prefill. None (the
+    default): on wherever the fast prefill runs on a GPU.
 
     `launch_ahead`: each decode step is launched before the previous step's tokens are handed
     over (rust/engine/core.rs); the streams are the same. The megakernel backend then queues steps
@@ -166,7 +171,7 @@ class Engine:
         launch_ahead: bool | None = None,
         prefill_graphs: bool | None = None,
         decode_prefill_budget: int | None = None,
-        sliced_prefill: bool = False,
+        sliced_prefill: bool | None = None,
         kernel_masks: bool | None = None,
         late_masks: bool | None = None,
         prefix_graphs: bool = False,
@@ -187,9 +192,14 @@ class Engine:
             raise ValueError("late_masks needs kernel_masks (the megakernel backend's)")
         fast = _fast_prefill(model, prefill, prefill_chunk, prefill_graphs, prefix_graphs)
         self.prefill = "reference" if fast is None else "fast"
-        if sliced_prefill and (fast is None or decode_prefill_budget is None):
-            raise ValueError("sliced_prefill needs the fast prefill (prefill='fast') and a decode_prefill_budget")
+        if sliced_prefill and fast is None:
+            raise ValueError("sliced_prefill needs the fast prefill (prefill='fast')")
+        if sliced_prefill is None:
+            sliced_prefill = fast is not None and model.device.type == "cuda"
         self.sliced_prefill = sliced_prefill
+        if decode_prefill_budget is None and sliced_prefill:
+            decode_prefill_budget = min(DECODE_PREFILL_BUDGET, prefill_chunk)
+        self.decode_prefill_budget = prefill_chunk if decode_prefill_budget is None else decode_prefill_budget
         self.launch_ahead = self.backend == "megakernel" if launch_ahead is None else launch_ahead
         if late_masks and not self.launch_ahead:
             raise ValueError("late_masks needs launch-ahead (launch_ahead=False turns it off)")

@@ -24,6 +24,12 @@ from mk.sampling import SamplingParams
 PREFILL_CHUNK = 8192
 # On the CPU, where a chunk takes far longer and a decoding stream waits for it: smaller.
 CPU_PREFILL_CHUNK = 512
+# Prompt tokens through the whole model (tokens x layers / layers) one loop iteration prefills
+# while some stream decodes, with the layer-sliced prefill that is on by default on a GPU. On the
+# H200 (docs/PERF.md, nineteenth session) a decoding stream's longest pause while a 32K prompt was
+# admitted fell from 511 ms (no budget) to 27 ms, and that prompt's first token came at 1.18x its
+# standalone prefill; 1024 paused 57 ms.
+DECODE_PREFILL_BUDGET = 512
 # Sequences decoded together on a GPU, unless told otherwise (the engine's and the server's
 # default): the rows of one megakernel launch (16: its wide image). On the H200 at 8K context 16
 # rows decode 1,036 tok/s in one launch against 864 for 8 (docs/PERF.md, seventeenth session),

@@ -113,8 +113,8 @@ def profile(prefill: Prefill, cfg, n: int, gen) -> dict:
     ]
     busy = sum(o["self_device_us"] for o in ops)
     out = {"tokens": n, "wall_ms": wall * 1e3, "device_busy_ms": busy / 1e3}
-    out["by_device"] = sorted(ops, key=lambda o: -o["self_device_us"])[:15]
-    out["by_host"] = sorted(ops, key=lambda o: -o["self_cpu_us"])[:15]
+    out["by_device"] = sorted(ops, key=lambda o: -o["self_device_us"])[:20]
+    out["by_host"] = sorted(ops, key=lambda o: -o["self_cpu_us"])[:20]
     print(f"\nprofile of a {n}-token prefill: wall {wall * 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms")
     for key, title in (("by_device", "self device µs"), ("by_host", "self host µs")):
         print(f"{'op':>60} {'calls':>6} {title:>16}")
@@ -150,7 +150,7 @@ def main() -> None:
     parser.add_argument("--json", default="bench-out/prefill.json")
     parser.add_argument("--quick", action="store_true", help="8K prompt and the batch only")
     parser.add_argument("--chunk", type=int, default=8192)
-    parser.add_argument("--profile", action="store_true", help="profile a 512- and an 8K-token prefill, then stop")
+    parser.add_argument("--profile", action="store_true", help="profile a 512-, a 2K- and an 8K-token prefill, then stop")
     args = parser.parse_args()
     cfg = ModelConfig.real()
     t0 = time.perf_counter()
@@ -169,7 +169,7 @@ def main() -> None:
     compile_s = time.perf_counter() - t0
     print(f"weights {setup_s:.0f} s, first calls (compile) {compile_s:.0f} s", flush=True)
     if args.profile:
-        profiles = [profile(fast, cfg, n, gen) for n in (512, 8192)]
+        profiles = [profile(fast, cfg, n, gen) for n in (512, 2048, 8192)]
         write_json(args.json, "prefill-profile", profiles, setup_s=setup_s, compile_s=compile_s, chunk=args.chunk)
         return
 

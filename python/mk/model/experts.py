@@ -89,9 +89,16 @@ def combine(y: torch.Tensor, scores: torch.Tensor, inverse: torch.Tensor) -> tor
     """Σ_k score_k · y_k per token: y [N·k, D] in expert order, `inverse` (long [N·k]) the row of y
     holding each (token, choice) pair in (token, choice) order, scores [N, k] (acc dtype). The
     gather is part of the weighted sum, so a compiled combine reads y once (the unsorting
-    `index_copy_` and the sum were two passes over y, 48 ms of an 8K-token prefill on the H200)."""
+    `index_copy_` and the sum were two passes over y, 48 ms of an 8K-token prefill on the H200).
+    The choices are added one by one (a pointwise kernel with k gathered loads per element): the
+    same sum written as a reduction over k compiled to a kernel that moved y at ~0.4 TB/s, 31 ms of
+    an 8K-token prefill on the H200 (docs/PERF.md, nineteenth session)."""
     n, k = scores.shape
-    return (y.index_select(0, inverse).view(n, k, -1).to(scores.dtype) * scores.unsqueeze(-1)).sum(1)
+    rows = inverse.view(n, k)
+    out = y.index_select(0, rows[:, 0]).to(scores.dtype) * scores[:, :1]
+    for j in range(1, k):
+        out = out + y.index_select(0, rows[:, j]).to(scores.dtype) * scores[:, j : j + 1]
+    return out
 
 
 def moe_grouped(

@@ -778,10 +778,10 @@ def test_shipped_embedded_model_loads_and_its_greedy_continuation_is_stable():
     assert got == exp["greedy_ids"]
 
 
-# Recorded from the shipped checkpoint (fp32 reference model, CPU); its closest top-2 race is 0.020 logits,
+# Recorded from the shipped checkpoint (fp32 reference model, CPU); its closest top-2 race is 0.071 logits,
 # far above fp32 noise. (The model writes a comment, not the function: a 16.6M-parameter model.)
 LONGER_PROMPT = "import os\n\n\ndef list_files(path):\n"
-LONGER_GREEDY = [216, 20, 981, 737, 371, 3044, 379, 311, 1060, 379, 311, 737, 31, 216, 20, 216, 20, 981, 737, 371, 3044]
+LONGER_GREEDY = [20, 614, 592, 1336, 737, 368, 1014, 375, 2955, 313, 1420, 321, 313, 737, 31, 216, 20, 973, 737, 368, 3060]
 
 
 @pytest.mark.skipif(not has_embedded(), reason="python/mk/embedded/ has not been trained yet")
@@ -791,4 +791,4 @@ def test_shipped_model_greedy_continuation_of_a_longer_prompt_is_stable():
     for _ in LONGER_GREEDY:
         got.append(int(model.logits(ids + got)[-1].argmax()))
     assert got == LONGER_GREEDY, tok.decode(got)
-    assert tok.decode(got).startswith("\n# This file is part of the path")
+    assert tok.decode(got).startswith("# The Python source file is used to build the files")

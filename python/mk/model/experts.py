@@ -119,7 +119,7 @@ def moe_grouped(
     f, e_ = w2.shape[2], w13.shape[0]
     idx, scores = select_experts((h @ router.T).to(acc_dtype(h.dtype)), k)
     flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
+    order = torch.argsort(flat.to(torch.int32), stable=True)  # 32-bit keys: half a 64-bit radix sort's passes
     counts = torch.zeros(e_, dtype=torch.int32, device=h.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = torch.cumsum(counts, 0, dtype=torch.int32)

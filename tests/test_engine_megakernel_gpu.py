@@ -223,7 +223,7 @@ def test_a_sliced_prefill_beside_a_decoding_stream_agrees(model):
         return await asyncio.gather(rest(first, head), rest(second, []))
 
     options = {"prefill_chunk": 1024, "decode_prefill_budget": 128}
-    with engine(model, "megakernel", **options) as e:
+    with engine(model, "megakernel", sliced_prefill=False, **options) as e:
         plain = asyncio.run(main(e))
         assert e.native_stats()["prefill_slices"] == 0
     with engine(model, "megakernel", sliced_prefill=True, **options) as e:

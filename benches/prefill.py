@@ -150,7 +150,9 @@ def main() -> None:
     parser.add_argument("--json", default="bench-out/prefill.json")
     parser.add_argument("--quick", action="store_true", help="8K prompt and the batch only")
     parser.add_argument("--chunk", type=int, default=8192)
-    parser.add_argument("--profile", action="store_true", help="profile a 512-, a 2K- and an 8K-token prefill, then stop")
+    parser.add_argument(
+        "--profile", action="store_true", help="profile a 512-, a 2K- and an 8K-token prefill, then stop"
+    )
     args = parser.parse_args()
     cfg = ModelConfig.real()
     t0 = time.perf_counter()

@@ -781,7 +781,29 @@ def test_shipped_embedded_model_loads_and_its_greedy_continuation_is_stable():
 # Recorded from the shipped checkpoint (fp32 reference model, CPU); its closest top-2 race is 0.071 logits,
 # far above fp32 noise. (The model writes a comment, not the function: a 16.6M-parameter model.)
 LONGER_PROMPT = "import os\n\n\ndef list_files(path):\n"
-LONGER_GREEDY = [20, 614, 592, 1336, 737, 368, 1014, 375, 2955, 313, 1420, 321, 313, 737, 31, 216, 20, 973, 737, 368, 3060]
+LONGER_GREEDY = [
+    20,
+    614,
+    592,
+    1336,
+    737,
+    368,
+    1014,
+    375,
+    2955,
+    313,
+    1420,
+    321,
+    313,
+    737,
+    31,
+    216,
+    20,
+    973,
+    737,
+    368,
+    3060,
+]
 
 
 @pytest.mark.skipif(not has_embedded(), reason="python/mk/embedded/ has not been trained yet")

@@ -101,6 +101,11 @@ pub struct BuildOptions {
     /// still runs for the combine: the expert weights can start streaming a task and a counter
     /// hop sooner. None: for batches up to `LOCAL_ROUTING_MAX_BATCH` rows.
     pub local_routing: Option<bool>,
+    /// No residual-norm tasks: the down tile that completes a slice of hidden adds that slice's
+    /// residual, and the consumers of h normalise x as they stage it (the `MK_SLICE_NORM` kernel
+    /// variant's graphs; docs/MEGAKERNEL.md, "Next: the slice norm"). Off by default; a launch's
+    /// graphs take the loaded kernel's (`abi::SLICE_NORM`).
+    pub slice_norm: bool,
 }
 
 /// The largest batch that routes on every block by default. On the H200 at 8K (docs/PERF.md,
@@ -128,6 +133,7 @@ impl Default for BuildOptions {
             attention_first: true,
             expert_queue: None,
             local_routing: None,
+            slice_norm: false,
         }
     }
 }
@@ -151,6 +157,8 @@ pub struct StepGraph {
     pub max_splits: usize,
     /// Write position of each row (its context is position + 1 tokens).
     pub positions: Vec<usize>,
+    /// Built with `BuildOptions::slice_norm`.
+    pub slice_norm: bool,
 }
 
 impl StepGraph {
@@ -189,6 +197,7 @@ pub fn build_step(geom: &Geometry, positions: &[usize], opts: &BuildOptions) -> 
         slots: geom.slots(positions.len()),
         max_splits: b.max_splits,
         positions: positions.to_vec(),
+        slice_norm: opts.slice_norm,
     })
 }
 
@@ -206,6 +215,12 @@ fn validate(g: &Geometry, o: &BuildOptions) -> Result<(), GraphError> {
     }
     if o.gate_up_groups > GEMV_MAX_GROUPS / 2 {
         return bad(format!("gate_up_groups must be in 0..={} (0: automatic)", GEMV_MAX_GROUPS / 2));
+    }
+    // The slice sums live in h's buffer (64 columns of bf16 hold a row's 32 sums), and a consumer
+    // of h stages its normed rows in one pass of the wide image's activation buffer.
+    let most = crate::gpu::abi::STEP_MAX_K * crate::gpu::abi::NARROW_ROWS / crate::gpu::abi::WIDE_ROWS;
+    if o.slice_norm && !(64..=most).contains(&g.hidden) {
+        return bad(format!("slice_norm needs hidden in 64..={most}, got {}", g.hidden));
     }
     Ok(())
 }
@@ -302,7 +317,7 @@ impl Builder<'_> {
             let groups = gate_up_groups(self.opts, g.expert_ffn, g.slots(self.batch));
             let tile = (Matrix::ExpertGateUp, g.expert_ffn, groups);
             let routed = if routers > 0 { router } else { counter(l, Counter::TopK) };
-            self.experts(l, tile, routers, routed, counter(l, Counter::FfnUp));
+            self.experts(l, tile, routers, &[routed], counter(l, Counter::FfnUp));
         } else {
             self.gemv(
                 l,
@@ -317,11 +332,21 @@ impl Builder<'_> {
         // O and the dense down projection have long rows (4096, 3072): 16-row tasks keep each
         // task short and spread them over more SMs.
         self.gemv(l, (Matrix::O, g.hidden, 1, -1), &[counter(l, Counter::Attn)], counter(l, Counter::O));
-        let (up_done, down_done) = (counter(l, Counter::FfnUp), counter(l, Counter::FfnDown));
-        if g.moe[l] {
-            self.experts(l, (Matrix::ExpertDown, g.hidden, rg), routers, up_done, down_done);
+        let up_done = counter(l, Counter::FfnUp);
+        // With the slice norm the down tasks add the residual (waiting for O themselves: their
+        // second counter) and signal the next layer's h; otherwise the norm tasks do, after them.
+        let (down_waits, down_done) = if self.opts.slice_norm {
+            (vec![up_done, counter(l, Counter::O)], counter(l + 1, Counter::HReady))
         } else {
-            self.gemv(l, (Matrix::DenseDown, g.hidden, 1, -1), &[up_done], down_done);
+            (vec![up_done], counter(l, Counter::FfnDown))
+        };
+        if g.moe[l] {
+            self.experts(l, (Matrix::ExpertDown, g.hidden, rg), routers, &down_waits, down_done);
+        } else {
+            self.gemv(l, (Matrix::DenseDown, g.hidden, 1, -1), &down_waits, down_done);
+        }
+        if self.opts.slice_norm {
+            return;
         }
         for b in 0..self.batch {
             self.push(
@@ -336,12 +361,19 @@ impl Builder<'_> {
     /// A MoE layer's tiles of expert matrix `m` (`rows` rows per expert, 16 * `groups` per tile)
     /// for every slot: claim tasks, one per SM (`expert_queue`), or one task per (slot, tile).
     /// `routers`: the layer's router tasks with local routing, else 0 (`ARG_ROUTERS`).
-    fn experts(&mut self, l: usize, (m, rows, groups): (Matrix, usize, usize), routers: usize, wait: i32, signal: i32) {
+    fn experts(
+        &mut self,
+        l: usize,
+        (m, rows, groups): (Matrix, usize, usize),
+        routers: usize,
+        waits: &[i32],
+        signal: i32,
+    ) {
         let slots = self.geom.slots(self.batch);
         let start = self.order.len();
         if !self.opts.expert_queue.unwrap_or(self.batch >= EXPERT_QUEUE_MIN_BATCH) {
             for s in 0..slots {
-                self.gemv(l, (m, rows, groups, s as i32), &[wait], signal);
+                self.gemv(l, (m, rows, groups, s as i32), waits, signal);
             }
         } else {
             let tiles = rows.div_ceil(16 * groups);
@@ -349,7 +381,11 @@ impl Builder<'_> {
             // arg3 and arg4 (the queue's most tiles, the claimers) are for the cost model only.
             let args = [m as i32, groups as i32, tiles as i32, (slots * tiles) as i32, claimers as i32];
             for _ in 0..claimers {
-                self.push(MkTask::new(Op::ExpertClaim, l, &args).waits(wait).signals(signal));
+                let mut t = MkTask::new(Op::ExpertClaim, l, &args).signals(signal);
+                for &c in waits {
+                    t = t.waits(c);
+                }
+                self.push(t);
             }
         }
         for t in &mut self.order[start..] {

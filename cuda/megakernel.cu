@@ -148,6 +148,9 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
 #endif
             case MK_OP_SAMPLE_PART: run_sample_part(a, t, sm.sample.score, sm.sample.id); break;
             case MK_OP_SAMPLE_FINAL: run_sample_final(a, t); break;
+#if MK_SLICE_NORM
+            case MK_OP_RESIDUAL_NORM: __trap();  // a default graph: a launch error, not wrong rows
+#endif
             default: break;
         }
         const bool attention = t.op == MK_OP_ATTN_SPLIT || t.op == MK_OP_ATTN_COMBINE;

@@ -830,7 +830,8 @@ __device__ void take_slices(const MkStepArgs& a, const MkTask& t, const GemvShap
         }
         if (mine) {
             __threadfence();
-            if (t.wait1 >= 0) spin_until(counters + t.wait1, (uint32_t)t.target1);
+            if (t.wait1 < 0) __trap();  // a default graph's down task (no O wait): a launch error
+            spin_until(counters + t.wait1, (uint32_t)t.target1);
             if (moe) spin_until(counters + layer * MK_COUNTERS_PER_LAYER + MK_CTR_TOPK, 1);
         }
         *s.owned() = mine;

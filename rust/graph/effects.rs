@@ -130,17 +130,7 @@ pub fn effects(t: &MkTask, geom: &Geometry, graph: &StepGraph) -> Effects {
             e.reads.extend(rows.map(|b| r(Buf::Router, b, 0, geom.experts)));
             e.writes.push(r(Buf::Routing, 0, 0, 1));
         }
-        Op::ResidualNorm => {
-            let b = a(0);
-            e.reads.extend([r(Buf::X, b, 0, d), r(Buf::YAttn, b, 0, d)]);
-            if geom.moe[l] {
-                e.reads.push(r(Buf::Routing, 0, 0, 1));
-                e.reads.extend((0..graph.slots).map(|s| r(Buf::ExpertOut, s * batch + b, 0, d)));
-            } else {
-                e.reads.push(r(Buf::FfnOut, b, 0, d));
-            }
-            e.writes.extend([r(Buf::X, b, 0, d), r(Buf::H, b, 0, d)]);
-        }
+        Op::ResidualNorm => residual_effects(l, a(0), geom, graph, &mut e),
         Op::SamplePart => {
             let (b, part, lo, hi) = (a(0), a(1), a(2), a(3));
             e.reads.extend([r(Buf::Logits, b, lo, hi), r(Buf::Token, b, 0, 1)]);
@@ -174,19 +164,22 @@ pub fn is_down(t: &MkTask) -> bool {
 /// slice sums (H) of every row. Of one layer's down tasks exactly one owns each slice, after the
 /// others have written their outputs (the tickets: check.rs knows them as one group).
 fn slice_residual_effects(l: usize, geom: &Geometry, graph: &StepGraph, e: &mut Effects) {
-    let (batch, d) = (graph.positions.len(), geom.hidden);
-    for b in 0..batch {
-        e.reads.extend([r(Buf::X, b, 0, d), r(Buf::YAttn, b, 0, d)]);
-        if geom.moe[l] {
-            e.reads.extend((0..graph.slots).map(|s| r(Buf::ExpertOut, s * batch + b, 0, d)));
-        } else {
-            e.reads.push(r(Buf::FfnOut, b, 0, d));
-        }
-        e.writes.extend([r(Buf::X, b, 0, d), r(Buf::H, b, 0, d)]);
+    for b in 0..graph.positions.len() {
+        residual_effects(l, b, geom, graph, e);
     }
+}
+
+/// Row b's residual of layer l and its norm: x + y_attn + the FFN's output, written to x and h.
+fn residual_effects(l: usize, b: usize, geom: &Geometry, graph: &StepGraph, e: &mut Effects) {
+    let (batch, d) = (graph.positions.len(), geom.hidden);
+    e.reads.extend([r(Buf::X, b, 0, d), r(Buf::YAttn, b, 0, d)]);
     if geom.moe[l] {
         e.reads.push(r(Buf::Routing, 0, 0, 1));
+        e.reads.extend((0..graph.slots).map(|s| r(Buf::ExpertOut, s * batch + b, 0, d)));
+    } else {
+        e.reads.push(r(Buf::FfnOut, b, 0, d));
     }
+    e.writes.extend([r(Buf::X, b, 0, d), r(Buf::H, b, 0, d)]);
 }
 
 /// What an expert task learns its slots from: the top-k task's routing, or with local routing

@@ -216,11 +216,13 @@ fn validate(g: &Geometry, o: &BuildOptions) -> Result<(), GraphError> {
     if o.gate_up_groups > GEMV_MAX_GROUPS / 2 {
         return bad(format!("gate_up_groups must be in 0..={} (0: automatic)", GEMV_MAX_GROUPS / 2));
     }
-    // The slice sums live in h's buffer (64 columns of bf16 hold a row's 32 sums), and a consumer
+    // The slice sums live in h's buffer (a row's fp32 sums in its bf16 columns), and a consumer
     // of h stages its normed rows in one pass of the wide image's activation buffer.
-    let most = crate::gpu::abi::STEP_MAX_K * crate::gpu::abi::NARROW_ROWS / crate::gpu::abi::WIDE_ROWS;
-    if o.slice_norm && !(64..=most).contains(&g.hidden) {
-        return bad(format!("slice_norm needs hidden in 64..={most}, got {}", g.hidden));
+    use crate::gpu::abi::{MAX_NORM_SLICES, NARROW_ROWS, STEP_MAX_K, WIDE_ROWS};
+    let least = MAX_NORM_SLICES * 4 / 2;
+    let most = STEP_MAX_K * NARROW_ROWS / WIDE_ROWS;
+    if o.slice_norm && !(least..=most).contains(&g.hidden) {
+        return bad(format!("slice_norm needs hidden in {least}..={most}, got {}", g.hidden));
     }
     Ok(())
 }
@@ -274,11 +276,11 @@ impl Builder<'_> {
         signal: i32,
     ) {
         for r0 in (base..base + rows).step_by(16 * groups) {
-            let mut t = MkTask::new(Op::Gemv, layer, &[m as i32, r0 as i32, groups as i32, slot]).signals(signal);
-            for &c in wait {
-                t = t.waits(c);
-            }
-            self.push(t);
+            self.push(
+                MkTask::new(Op::Gemv, layer, &[m as i32, r0 as i32, groups as i32, slot])
+                    .signals(signal)
+                    .waits_all(wait),
+            );
         }
     }
 
@@ -381,11 +383,7 @@ impl Builder<'_> {
             // arg3 and arg4 (the queue's most tiles, the claimers) are for the cost model only.
             let args = [m as i32, groups as i32, tiles as i32, (slots * tiles) as i32, claimers as i32];
             for _ in 0..claimers {
-                let mut t = MkTask::new(Op::ExpertClaim, l, &args).signals(signal);
-                for &c in waits {
-                    t = t.waits(c);
-                }
-                self.push(t);
+                self.push(MkTask::new(Op::ExpertClaim, l, &args).signals(signal).waits_all(waits));
             }
         }
         for t in &mut self.order[start..] {

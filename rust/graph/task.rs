@@ -170,6 +170,11 @@ impl MkTask {
         self
     }
 
+    /// `waits` on each of these counters (at most two).
+    pub fn waits_all(self, cs: &[i32]) -> MkTask {
+        cs.iter().fold(self, |t, &c| t.waits(c))
+    }
+
     pub fn waits_on(&self) -> impl Iterator<Item = (i32, i32)> {
         [(self.wait0, self.target0), (self.wait1, self.target1)].into_iter().filter(|(c, _)| *c != NO_COUNTER)
     }

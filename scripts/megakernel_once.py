@@ -4,7 +4,8 @@ compute-sanitizer --tool memcheck python3 scripts/megakernel_once.py
 learning the routing (the top-k task's, each block's own); and, where the build has the wide image
 (not the swizzled variant), one step of 12 rows: two n-tiles, O's reduction in two activation passes).
 --narrow leaves the 12-row step out: under racecheck (~100x slower) it outlasts the kernel's 2 s wait
-limit."""
+limit. --dump PATH saves each step's x, residual log, logits and K/V pages (torch.save), to compare
+two builds (e.g. the slice-norm variant against the default) on the same inputs."""
 
 import itertools
 import sys
@@ -20,8 +21,11 @@ from mk.model.reference import Model
 
 cfg = ModelConfig.gpu_test()
 model = Model(cfg, synthetic_weights(cfg, seed=1, device="cuda", dtype=torch.bfloat16, std=0.02))
+args = sys.argv[1:]
+dump_path = args[args.index("--dump") + 1] if "--dump" in args else None
+dumps = []
 steps = [([100, 4100, 64, 5000], queue, local) for queue, local in itertools.product((True, False), (False, True))]
-if _native.STEP_MAX_BATCH >= 16 and "--narrow" not in sys.argv[1:]:
+if _native.STEP_MAX_BATCH >= 16 and "--narrow" not in args:
     steps.append(([100 + 397 * i for i in range(12)], True, False))
 for positions, queue, local in steps:
     max_pages = max(positions) // PAGE_SIZE + 1
@@ -39,3 +43,8 @@ for positions, queue, local in steps:
         f"one step ok ({len(positions)} rows, expert_queue={queue}, local_routing={local}), sampled",
         buf.sampled.tolist(),
     )
+    if dump_path:
+        names = ("x", "residual_log", "logits", "sampled")
+        dumps.append({n: getattr(buf, n).cpu() for n in names} | {"k": kv.k.cpu(), "v": kv.v.cpu()})
+if dump_path:
+    torch.save(dumps, dump_path)

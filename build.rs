@@ -15,10 +15,6 @@ const GENCODE: &str = "-gencode=arch=compute_90a,code=sm_90a";
 /// A build variant: `MK_WEIGHT_SWIZZLE=1` compiles the kernels with 128-byte-swizzled weight boxes
 /// (cuda/abi.h) and the host with the matching tensor maps (`cfg(mk_weight_swizzle)`).
 const WEIGHT_SWIZZLE: &str = "MK_WEIGHT_SWIZZLE";
-/// A build variant: `MK_SLICE_NORM=1` compiles the kernels without residual-norm tasks (the down
-/// tiles add the residual slice by slice; cuda/abi.h) and the host with the matching graphs
-/// (`cfg(mk_slice_norm)`).
-const SLICE_NORM: &str = "MK_SLICE_NORM";
 /// The megakernel is compiled twice: `megakernel` for launches of 1-8 rows and this one for 9-16
 /// (two n-tiles; cuda/abi.h, MK_IMAGE_ROWS). The swizzled variant has only the narrow one.
 const WIDE_MEGAKERNEL: &str = "megakernel_wide";
@@ -27,20 +23,15 @@ const WIDE_DEFINE: &str = "-DMK_IMAGE_ROWS=MK_WIDE_ROWS";
 fn main() {
     println!("cargo:rerun-if-changed=cuda");
     let vars = ["NVCC", "CUDA_HOME", "PYO3_PYTHON", "PYTHON_SYS_EXECUTABLE", "VIRTUAL_ENV", "PATH"];
-    for var in vars.into_iter().chain([WEIGHT_SWIZZLE, SLICE_NORM]) {
+    for var in vars.into_iter().chain([WEIGHT_SWIZZLE]) {
         println!("cargo:rerun-if-env-changed={var}");
     }
     println!("cargo:rustc-check-cfg=cfg(mk_weight_swizzle)");
-    println!("cargo:rustc-check-cfg=cfg(mk_slice_norm)");
     let mut defines = Vec::new();
     let swizzled = env::var(WEIGHT_SWIZZLE).is_ok_and(|v| v == "1");
     if swizzled {
         println!("cargo:rustc-cfg=mk_weight_swizzle");
         defines.push("-DMK_WEIGHT_SWIZZLE=1");
-    }
-    if env::var(SLICE_NORM).is_ok_and(|v| v == "1") {
-        println!("cargo:rustc-cfg=mk_slice_norm");
-        defines.push("-DMK_SLICE_NORM=1");
     }
     let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
     let nvcc = find_nvcc().unwrap_or_else(|tried| {

@@ -7,7 +7,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MK_ABI_VERSION 16
+#define MK_ABI_VERSION 15
 
 // ---- The decode megakernel's task graph (docs/MEGAKERNEL.md) ------------------------------------
 // A step is a list of tasks per SM, built by the host (rust/graph). Each block runs its list in
@@ -86,26 +86,10 @@ typedef enum MkMatrix {
     MK_MAT_LM_HEAD = 7,      // h · embedᵀ -> logits (fp32)
 } MkMatrix;
 
-// The slice-norm build variant (MK_SLICE_NORM=1 when building: build.rs; docs/MEGAKERNEL.md, "Next:
-// the slice norm"; not yet run on a GPU): no residual-norm tasks. The down tile that completes a
-// slice of MK_NORM_SLICE_COLS columns of hidden (its ticket, counter MK_CTR_NORM_TICKETS + slice)
-// adds that slice's residual and writes each row's sum of squares over it; the consumers of h
-// normalise x while staging it. Its h buffer holds those sums instead of the normed rows: fp32
-// [batch][MK_MAX_NORM_SLICES] (hidden >= 64 leaves room: checked by the host).
-#ifndef MK_SLICE_NORM
-#define MK_SLICE_NORM 0
-#endif
-#define MK_NORM_SLICE_COLS 128
-#define MK_MAX_NORM_SLICES (MK_STEP_MAX_K / MK_NORM_SLICE_COLS)
-
 // Per-layer counters (index = layer * MK_COUNTERS_PER_LAYER + MkCounter). "Layer" L (one past
 // the last) holds H_READY = final norm done, and reuses QKV's and ATTN_SPLIT's slots for the
-// logits and the sampling parts. The slice-norm variant adds the slices' tickets.
-#if MK_SLICE_NORM
-#define MK_COUNTERS_PER_LAYER (11 + MK_MAX_NORM_SLICES)
-#else
+// logits and the sampling parts.
 #define MK_COUNTERS_PER_LAYER 11
-#endif
 typedef enum MkCounter {
     MK_CTR_H_READY = 0,   // h of this layer is ready (embed or the previous layer's norms)
     MK_CTR_QKV = 1,
@@ -118,7 +102,6 @@ typedef enum MkCounter {
     MK_CTR_FFN_DOWN = 8,  // dense or expert down tiles
     MK_CTR_UP_CLAIM = 9,  // the next expert gate/up tile to claim (MK_OP_EXPERT_CLAIM); not waited on
     MK_CTR_DOWN_CLAIM = 10,  // the next expert down tile to claim
-    MK_CTR_NORM_TICKETS = 11,  // (MK_SLICE_NORM) + slice: the down tiles done over that slice; not waited on
     MK_CTR_LOGITS = 1,    // in "layer" L
     MK_CTR_SAMPLE = 2,    // in "layer" L
 } MkCounter;

@@ -70,10 +70,6 @@ static_assert(kBlockThreads == MK_STEP_THREADS, "block size is part of the ABI")
 // Rows this image takes (cuda/abi.h): the host reads it at load and launches the narrowest image
 // that holds a step's rows.
 extern "C" __device__ const int mk_image_rows = MK_IMAGE_ROWS;
-#if MK_SLICE_NORM
-// The slice-norm variant's images say so: the host builds their graphs without norm tasks.
-extern "C" __device__ const int mk_slice_norm = 1;
-#endif
 
 extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_step(const MkStepArgs a) {
     using namespace mk;
@@ -121,36 +117,21 @@ extern "C" __global__ void __launch_bounds__(mk::kBlockThreads, 1) mk_decode_ste
         if (trace && threadIdx.x == 0) start_ns = global_ns(), c0 = clock64();
         // A split's position and page table (its pages come through the ring) load while it waits.
         const SplitPages split = t.op == MK_OP_ATTN_SPLIT ? SplitPages(a, t) : SplitPages();
-        // A norm waits for its FFN itself; so does a slice-norm down tile for O (own_slices).
-#if MK_SLICE_NORM
-        wait_for(t, counters, !is_down(t));  // (its graphs have no norm tasks)
-#else
-        wait_for(t, counters, t.op != MK_OP_RESIDUAL_NORM);
-#endif
+        wait_for(t, counters, t.op != MK_OP_RESIDUAL_NORM);  // a norm waits for its FFN itself
         if (trace && threadIdx.x == 0) c1 = clock64();
         PhaseMarks marks;
         switch (t.op) {
             case MK_OP_EMBED: run_embed(a, t, sm.norm.row, sm.norm.scratch); break;
-            case MK_OP_GEMV:
-                run_gemv(a, t, gemv, ring, stage, act_key, routing, marks);
-#if MK_SLICE_NORM
-                if (is_down(t)) add_owned_slices(a, t, gemv, act_key);
-#endif
-                break;
+            case MK_OP_GEMV: run_gemv(a, t, gemv, ring, stage, act_key, routing, marks); break;
             case MK_OP_EXPERT_CLAIM: run_expert_claim(a, t, gemv, ring, stage, act_key, routing, marks); break;
             case MK_OP_ATTN_SPLIT: run_attn_split(a, t, split, attn, ring, stage, marks); break;
             case MK_OP_ATTN_COMBINE: run_attn_combine(a, t, marks); break;
             case MK_OP_TOPK: run_topk(a, t, sm.topk.chosen, sm.topk.slot_of, marks); break;
-#if !MK_SLICE_NORM  // (its graphs have no norm tasks)
             case MK_OP_RESIDUAL_NORM:
                 run_residual_norm(a, t, counters, sm.norm.row, sm.norm.scratch, sm.norm.slots, sm.norm.scores, marks);
                 break;
-#endif
             case MK_OP_SAMPLE_PART: run_sample_part(a, t, sm.sample.score, sm.sample.id); break;
             case MK_OP_SAMPLE_FINAL: run_sample_final(a, t); break;
-#if MK_SLICE_NORM
-            case MK_OP_RESIDUAL_NORM: __trap();  // a default graph: a launch error, not wrong rows
-#endif
             default: break;
         }
         const bool attention = t.op == MK_OP_ATTN_SPLIT || t.op == MK_OP_ATTN_COMBINE;

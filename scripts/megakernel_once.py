@@ -5,7 +5,7 @@ learning the routing (the top-k task's, each block's own); and, where the build 
 (not the swizzled variant), one step of 12 rows: two n-tiles, O's reduction in two activation passes).
 --narrow leaves the 12-row step out: under racecheck (~100x slower) it outlasts the kernel's 2 s wait
 limit. --dump PATH saves each step's x, residual log, logits and K/V pages (torch.save), to compare
-two builds (e.g. the slice-norm variant against the default) on the same inputs."""
+two builds (e.g. a build variant against the default) on the same inputs."""
 
 import itertools
 import sys

@@ -130,8 +130,7 @@ def check_step(model, buf, vm, kv, kv_vm, tables, tokens, flips, kv_free, graph,
     cfg = model.config
     for layer in range(cfg.num_hidden_layers):
         assert_close(f"residual after layer {layer}", buf.residual_log[layer], vm.residual_log[layer], 2e-2)
-    # (The slice-norm variant's h buffer holds the rows' slice sums of squares, not the normed rows.)
-    for name in ("x", "q", "attn_out", "y_attn", "logits") + (() if graph.slice_norm else ("h",)):
+    for name in ("x", "h", "q", "attn_out", "y_attn", "logits"):
         assert_close(name, getattr(buf, name), getattr(vm, name), 3e-2)
     # K/V of the current token, written into the pages by the QKV tiles.
     diff = (kv.k.float() - kv_vm.k.float()).abs().max()

@@ -100,10 +100,9 @@ def test_a_trace_without_timed_tasks_is_refused():
         summarize(g, np.zeros((*g.tasks.shape[:2], TRACE_WORDS), dtype=np.int64))
 
 
-@pytest.mark.parametrize("slice_norm", [False, True])
-def test_the_layer_timeline_names_every_family_of_the_middle_layer_in_start_order(slice_norm):
+def test_the_layer_timeline_names_every_family_of_the_middle_layer_in_start_order():
     cfg = ModelConfig.tiny()
-    g = mkgraph.build(cfg, [5, 130, 300], num_sms=7, slice_norm=slice_norm)
+    g = mkgraph.build(cfg, [5, 130, 300], num_sms=7)
     s = summarize(g, synthetic_trace(g, 1.5e9, np.random.default_rng(1)))
     layer = s["timeline_layer"]
     assert layer == cfg.num_hidden_layers // 2
@@ -121,11 +120,9 @@ def test_the_layer_timeline_names_every_family_of_the_middle_layer_in_start_orde
             assert r["first_start_us"] - r["arrive_us"] == pytest.approx(2000 / 1.5e9 * 1e6, rel=1e-3)
 
 
-@pytest.mark.parametrize("slice_norm", [False, True])
-def test_layer_phases_are_each_phase_s_last_end_after_the_previous_norm(slice_norm):
-    """(A slice-norm step has no norm tasks: its down projections' last end is the layer's.)"""
+def test_layer_phases_are_each_phase_s_last_end_after_the_previous_norm():
     cfg = ModelConfig.tiny()
-    g = mkgraph.build(cfg, [5, 130, 300], num_sms=7, slice_norm=slice_norm)
+    g = mkgraph.build(cfg, [5, 130, 300], num_sms=7)
     hz = 1.5e9
     trace = synthetic_trace(g, hz, np.random.default_rng(2))
     phases = summarize(g, trace)["layer_phases_us"]
@@ -143,13 +140,8 @@ def test_layer_phases_are_each_phase_s_last_end_after_the_previous_norm(slice_no
     moe = [layer for layer in range(1, cfg.num_hidden_layers) if cfg.is_moe(layer)]
     assert phases["layers"] == len(moe) > 0
 
-    norms = ["gemv:expert_down", "claim:expert_down", "gemv:dense_down"] if slice_norm else ["residual_norm"]
-
-    def ready(layer):
-        return max(last.get((n, layer), -np.inf) for n in norms)
-
     def want(names):
-        ends = [max(last.get((n, layer), -np.inf) for n in names) - ready(layer - 1) for layer in moe]
+        ends = [max(last.get((n, layer), -np.inf) for n in names) - last[("residual_norm", layer - 1)] for layer in moe]
         return np.mean(ends) / 1e3
 
     for phase, names in {
@@ -158,7 +150,7 @@ def test_layer_phases_are_each_phase_s_last_end_after_the_previous_norm(slice_no
         "gate_up": ["gemv:expert_gate_up", "claim:expert_gate_up"],
         "o_proj": ["gemv:o_proj"],
         "down": ["gemv:expert_down", "claim:expert_down"],
-        "norm": norms,
+        "norm": ["residual_norm"],
     }.items():
         assert phases[phase] == pytest.approx(want(names), abs=2e-3), phase
 

@@ -91,30 +91,6 @@ def test_vm_step_equals_reference_decode(model, lengths, num_sms, row_groups, ch
     torch.testing.assert_close(kv.v, kv_ref.v, rtol=1e-3, atol=1e-4, equal_nan=True)
 
 
-@pytest.mark.parametrize("lengths", [[63], [5, 130, 300, 64, 200, 17, 95, 250]])
-@pytest.mark.parametrize("expert_queue", [False, True])
-def test_a_slice_norm_graph_steps_as_the_default_one(model, lengths, expert_queue):
-    """The MK_SLICE_NORM kernel's graphs have no norm tasks (the down tasks add the residual and
-    signal the next layer's h; the static checker proves their order): interpreted, a step gives
-    the default graph's logits, K/V and token exactly."""
-    kv, tables, tokens = prefilled(model, lengths)
-    results = []
-    for slice_norm in (False, True):
-        g = mkgraph.build(
-            CFG, lengths, num_sms=7, attn_chunk=64, expert_queue=expert_queue, slice_norm=slice_norm, check=True
-        )
-        assert g.slice_norm == slice_norm
-        assert any(int(t[0]) == Op.RESIDUAL_NORM for t in g.order) != slice_norm
-        buf, step_kv = step_buffers(g, tokens, lengths, tables), copy.deepcopy(kv)
-        run_step(model, step_kv, g, buf)
-        results.append((buf, step_kv))
-    (plain, plain_kv), (sliced, sliced_kv) = results
-    assert not sliced.logits.isnan().any()
-    assert torch.equal(sliced.logits, plain.logits) and torch.equal(sliced.sampled, plain.sampled)
-    assert torch.equal(sliced.x, plain.x)
-    assert torch.equal(sliced_kv.k, plain_kv.k) and torch.equal(sliced_kv.v, plain_kv.v)
-
-
 def test_graph_builder_refuses_an_empty_batch():
     with pytest.raises(ValueError, match="at least one row"):
         mkgraph.build(CFG, [])

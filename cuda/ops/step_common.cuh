@@ -181,36 +181,4 @@ __device__ void send_signals(const MkStepArgs& a, const MkTask* list, uint32_t* 
     }
 }
 
-// The small tasks (and the slice norm's staging) sit on every layer's critical path, so each thread
-// owns 8 consecutive values of the row and issues all its loads before the first use (one memory
-// latency per task, not one per value). hidden is a multiple of 32.
-constexpr int kVec = 8;
-
-__device__ __forceinline__ void load8_f32(const float* p, float (&v)[kVec]) {
-    const float4 lo = __ldcg(reinterpret_cast<const float4*>(p)), hi = __ldcg(reinterpret_cast<const float4*>(p) + 1);
-    v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
-}
-
-__device__ __forceinline__ void store8_f32(float* p, const float (&v)[kVec]) {
-    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
-    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
-}
-
-// 8 bf16 values of data no one writes during the step (weights), as floats.
-__device__ __forceinline__ void load8_bf16(const bf16* p, float (&v)[kVec]) {
-    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(h[i]);
-        v[2 * i] = f.x, v[2 * i + 1] = f.y;
-    }
-}
-
-// The norm weight (gamma) that makes layer `layer`'s input (the final norm's past the last layer).
-__device__ const bf16* norm_weight(const MkStepArgs& a, int layer) {
-    if (layer == a.layers) return ptr<const bf16>(a.final_norm);
-    return ptr<const bf16>(ptr<uint64_t>(a.layer_weights)[(size_t)layer * MK_LW_COUNT + MK_LW_NORM]);
-}
-
 }  // namespace mk

@@ -50,15 +50,6 @@ struct GemvSmem {
     float* out_base;
     int* has_row;  // [kMaxBatch]: which batch rows routed to an expert tile's slot
     int cols;      // out_cols(batch)
-#if MK_SLICE_NORM
-    // Past has_row: each row's 1 / rms for the activations being staged, and the slices a down
-    // tile owns (a bit each), handed from thread 0 to the block.
-    static constexpr size_t kNormBytes = kMaxBatch * sizeof(float) + sizeof(unsigned);
-    __device__ float* rstd() const { return reinterpret_cast<float*>(has_row + kMaxBatch); }
-    __device__ unsigned* owned() const { return reinterpret_cast<unsigned*>(rstd() + kMaxBatch); }
-#else
-    static constexpr size_t kNormBytes = 0;
-#endif
 
     __host__ __device__ static constexpr size_t act_bytes(int batch) {
         return (size_t)batch * act_pitch(act_cols(batch));
@@ -70,7 +61,7 @@ struct GemvSmem {
         return (size_t)kMaxGroups * 16 * out_cols(batch) * sizeof(float);
     }
     __host__ __device__ static constexpr size_t bytes(int batch) {
-        return act_bytes(batch) + partial_bytes(batch) + out_bytes(batch) + kMaxBatch * sizeof(int) + kNormBytes;
+        return act_bytes(batch) + partial_bytes(batch) + out_bytes(batch) + kMaxBatch * sizeof(int);
     }
     __device__ GemvSmem(unsigned char* base, int batch)
         : act(base), partial(reinterpret_cast<float*>(base + act_bytes(batch))),
@@ -419,39 +410,6 @@ __device__ __forceinline__ uint64_t act_key_of(const GemvShape& p, int layer, in
     return reinterpret_cast<uint64_t>(p.act + c0) ^ ((uint64_t)layer << 56);
 }
 
-#if MK_SLICE_NORM
-// (MK_SLICE_NORM) A consumer of h (its act names h, whose buffer holds the rows' slice sums of
-// squares) stages bf16(x · rstd · gamma) for its rows instead: rstd from each row's slice sums,
-// added in slice order (the same in every block). Its k (hidden) fits one pass of a wide launch's
-// activations (the host checks), so only run_gemv stages normed rows.
-__device__ void stage_normed(const MkStepArgs& a, const GemvShape& p, int layer, GemvSmem& s) {
-    const int batch = a.batch, vecs = p.k / kVec, pitch = task_act_pitch(p, batch);
-    const float* x = ptr<const float>(a.x);
-    const bf16* gamma = norm_weight(a, layer);
-    if ((int)threadIdx.x < batch) {
-        const int slices = (p.k + MK_NORM_SLICE_COLS - 1) / MK_NORM_SLICE_COLS;
-        float sq = 0.f;
-        for (int j = 0; j < slices; ++j) sq += __ldcg(ptr<const float>(a.h) + threadIdx.x * MK_MAX_NORM_SLICES + j);
-        s.rstd()[threadIdx.x] = rsqrtf(sq / (float)p.k + a.eps);
-    }
-    compute_sync();
-    for (int i = threadIdx.x; i < batch * vecs; i += kThreads) {
-        const int b = i / vecs, v = i % vecs;
-        float xv[kVec], g[kVec];
-        load8_f32(x + (size_t)b * p.k + kVec * v, xv);
-        load8_bf16(gamma + kVec * v, g);
-        const float rstd = s.rstd()[b];
-        uint4 out;
-        __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-            o[j] = __floats2bfloat162_rn(xv[2 * j] * rstd * g[2 * j], xv[2 * j + 1] * rstd * g[2 * j + 1]);
-        *reinterpret_cast<uint4*>(s.act + b * pitch + 16 * v) = out;
-    }
-}
-
-#endif
-
 __device__ bool start_activations(const GemvShape& p, int batch, int layer, GemvSmem& s, uint64_t& key, int c0 = 0) {
     const uint64_t want = act_key_of(p, layer, c0);
     if (key == want) return false;
@@ -465,20 +423,6 @@ __device__ bool start_activations(const GemvShape& p, int batch, int layer, Gemv
     key = want;  // true once every thread has waited for its copies (the next barrier)
     return true;
 }
-
-#if MK_SLICE_NORM
-// (MK_SLICE_NORM) start_activations for a task that may consume h.
-__device__ bool start_task_activations(const MkStepArgs& a, const GemvShape& p, int layer, GemvSmem& s,
-                                       uint64_t& key) {
-    if (p.act != ptr<const bf16>(a.h)) return start_activations(p, a.batch, layer, s, key);
-    const uint64_t want = act_key_of(p, layer, 0);
-    if (key == want) return false;
-    if (p.k > act_cols(a.batch)) __trap();  // (the host refuses such a model: a launch error, not wrong rows)
-    stage_normed(a, p, layer, s);
-    key = want;
-    return true;  // (finish_activations' barrier publishes the rows)
-}
-#endif
 
 __device__ __forceinline__ void finish_activations(bool started) {
     if (!started) return;
@@ -743,135 +687,6 @@ __device__ void gemv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvSh
     }
 }
 
-#if MK_SLICE_NORM
-// ---- the slice norm (MK_SLICE_NORM; docs/MEGAKERNEL.md, "Next: the slice norm") ------------------
-__device__ __forceinline__ bool is_down(const MkTask& t) {
-    return (t.op == MK_OP_GEMV || t.op == MK_OP_EXPERT_CLAIM) &&
-           (t.arg[0] == MK_MAT_EXPERT_DOWN || t.arg[0] == MK_MAT_DENSE_DOWN);
-}
-
-// Slice `slice` of the layer's residual, for every row: x + y_attn + the FFN over its columns (a
-// MoE row's experts in ascending slot order, from `order`: run_residual_norm's arithmetic, so x
-// is the same), written to x (and the residual log); each row's sum of squares over the slice to
-// the slice sums (h). A warp per row, 4 columns a lane; its inputs come through shared memory
-// (`stage`: [warp][kSliceStaged][slice columns]) by asynchronous copies, all in flight at once and
-// in no register (the kernel is at its register cap).
-constexpr int kSliceStaged = 2 + kMaxTopK;  // x, y_attn, the FFN's parts
-__device__ void slice_residual(const MkStepArgs& a, int layer, bool moe, int slice, const int* order_slot,
-                               const float* order_score, float* stage) {
-    constexpr int kLaneCols = MK_NORM_SLICE_COLS / 32;
-    static_assert(kLaneCols == 4, "a lane's columns are one float4");
-    const int lane = threadIdx.x % 32, col = slice * MK_NORM_SLICE_COLS + kLaneCols * lane;
-    // The lane's copies: x, y_attn, then the FFN's parts (the dense FFN's one, or the experts').
-    float* mine = stage + (threadIdx.x / 32) * kSliceStaged * MK_NORM_SLICE_COLS + kLaneCols * lane;
-#pragma unroll 1
-    for (int b = threadIdx.x / 32; b < a.batch; b += kWarps) {  // (a whole warp per row: it shuffles)
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (col < a.hidden) {
-            const size_t at = (size_t)b * a.hidden + col;
-            cp_async16(mine, ptr<float>(a.x) + at);
-            cp_async16(mine + MK_NORM_SLICE_COLS, ptr<float>(a.y_attn) + at);
-            const int parts = moe ? a.top_k : 1;
-#pragma unroll 1
-            for (int k = 0; k < parts; ++k) {
-                const float* part = moe ? ptr<float>(a.expert_out) + ((size_t)order_slot[b * kMaxTopK + k] * a.batch + b) * a.hidden + col
-                                        : ptr<float>(a.ffn_out) + at;
-                cp_async16(mine + (2 + k) * MK_NORM_SLICE_COLS, part);
-            }
-            cp_async_wait_all();  // (each lane reads back only its own copies)
-            float4 ffn = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 1
-            for (int k = 0; k < parts; ++k) {
-                const float4 p = *reinterpret_cast<const float4*>(mine + (2 + k) * MK_NORM_SLICE_COLS);
-                if (!moe) {
-                    ffn = p;
-                } else {
-                    const float w = order_score[b * kMaxTopK + k];
-                    ffn.x += p.x * w, ffn.y += p.y * w, ffn.z += p.z * w, ffn.w += p.w * w;
-                }
-            }
-            const float4 x = *reinterpret_cast<const float4*>(mine), y = *reinterpret_cast<const float4*>(mine + MK_NORM_SLICE_COLS);
-            v = make_float4(x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w);
-            v.x += ffn.x, v.y += ffn.y, v.z += ffn.z, v.w += ffn.w;
-            *reinterpret_cast<float4*>(ptr<float>(a.x) + at) = v;
-            if (a.residual_log)
-                *reinterpret_cast<float4*>(ptr<float>(a.residual_log) + (size_t)layer * a.batch * a.hidden + at) = v;
-        }
-        float sq = v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-#pragma unroll
-        for (int m = 16; m >= 1; m /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, m);
-        if (lane == 0) ptr<float>(a.h)[b * MK_MAX_NORM_SLICES + slice] = sq;
-    }
-}
-
-// After a down tile's epilogue: a ticket on every slice its rows overlap. The tile that completes
-// a slice (MoE: the layer's slots in use times each slot's tiles over the slice; dense: its tiles)
-// owns it, once O (the task's second wait, which the main loop left to it) and the top-k (the
-// scores; local routing runs the tiles before it) are done: `*s.owned()`, a bit a slice, which
-// add_owned_slices then adds (outside run_gemv, where fewer registers are live). Every down task
-// signals the next layer's h: it has, once every slice is.
-__device__ void take_slices(const MkStepArgs& a, const MkTask& t, const GemvShape& p, GemvSmem& s,
-                            const BlockRouting* routing) {
-    const int layer = t.layer, tile_rows = 16 * p.groups;
-    const bool moe = t.arg[0] == MK_MAT_EXPERT_DOWN;
-    uint32_t* counters = ptr<uint32_t>(a.counters) + (size_t)a.parity * a.num_counters;
-    compute_sync();  // the tile's outputs are stored
-    if (threadIdx.x == 0) {
-        __threadfence();
-        const int slots = moe ? shared_load(&routing[layer & 1].count) : 1;
-        const int first = p.first / MK_NORM_SLICE_COLS;
-        const int last = (min(p.first + tile_rows, a.hidden) - 1) / MK_NORM_SLICE_COLS;
-        unsigned mine = 0;
-        for (int sl = first; sl <= last; ++sl) {
-            const int end = min((sl + 1) * MK_NORM_SLICE_COLS, a.hidden);
-            const int tiles = (end - 1) / tile_rows - sl * MK_NORM_SLICE_COLS / tile_rows + 1;
-            uint32_t* ticket = counters + layer * MK_COUNTERS_PER_LAYER + MK_CTR_NORM_TICKETS + sl;
-            if (atomicAdd(ticket, 1u) + 1 == (uint32_t)(slots * tiles)) mine |= 1u << sl;
-        }
-        if (mine) {
-            __threadfence();
-            if (t.wait1 < 0) __trap();  // a default graph's down task (no O wait): a launch error
-            spin_until(counters + t.wait1, (uint32_t)t.target1);
-            if (moe) spin_until(counters + layer * MK_COUNTERS_PER_LAYER + MK_CTR_TOPK, 1);
-        }
-        *s.owned() = mine;
-    }
-    compute_sync();
-}
-
-// The slices take_slices found the down task `t` (a GEMV task or a claimed tile) owns, added
-// (through the activation buffer, which then holds nothing: act_key).
-__device__ void add_owned_slices(const MkStepArgs& a, const MkTask& t, GemvSmem& s, uint64_t& act_key) {
-    const unsigned mine = *s.owned();
-    if (mine == 0) return;
-    static_assert(GemvSmem::act_bytes(1) >= kSliceStaged * MK_NORM_SLICE_COLS * sizeof(float), "a row's inputs fit");
-    static_assert(GemvSmem::act_bytes(kTileN + 1) >= kWarps * kSliceStaged * MK_NORM_SLICE_COLS * sizeof(float),
-                  "every warp's inputs fit");
-    act_key = 0;
-    const bool moe = t.arg[0] == MK_MAT_EXPERT_DOWN;
-    // Each row's choices in ascending slot order (the reference's summation order), by rank.
-    static_assert(GemvSmem::partial_bytes(1) >= 2 * kMaxBatch * kMaxTopK * sizeof(float), "the choices' order fits");
-    int* order_slot = reinterpret_cast<int*>(s.partial);
-    float* order_score = s.partial + kMaxBatch * kMaxTopK;
-    if (moe) {
-        const int lane = threadIdx.x % 32;
-        for (int b = threadIdx.x / 32; b < a.batch; b += kWarps) {  // a warp per row, a lane per choice
-            const bool choice = lane < a.top_k;
-            const int slot = choice ? ld_i32(ptr<int32_t>(a.topk_slot) + b * a.top_k + lane) : 0x7fffffff;
-            const float score = choice ? ld_f32(ptr<float>(a.topk_score) + b * a.top_k + lane) : 0.f;
-            int rank = 0;
-            for (int k = 0; k < a.top_k; ++k) rank += __shfl_sync(0xffffffffu, slot, k) < slot;
-            if (choice) order_slot[b * kMaxTopK + rank] = slot, order_score[b * kMaxTopK + rank] = score;
-        }
-        compute_sync();
-    }
-    for (unsigned left = mine; left; left &= left - 1)
-        slice_residual(a, t.layer, moe, __ffs(left) - 1, order_slot, order_score, reinterpret_cast<float*>(s.act));
-    compute_sync();  // (s.owned and s.partial are written again by the next tile)
-    if (threadIdx.x == 0) *s.owned() = 0;
-}
-#endif
-
 // The compute warps pass over a marker stage (no bytes: an expert queue's end, an unused slot).
 __device__ __forceinline__ void release_marker(const Ring& r, uint32_t& n) {
     __syncwarp();
@@ -886,20 +701,12 @@ __device__ __forceinline__ void release_marker(const Ring& r, uint32_t& n) {
 __device__ void run_gemv(const MkStepArgs& a, const MkTask& t, GemvSmem& s, const Ring& r, uint32_t& n,
                          uint64_t& act_key, const BlockRouting* routing, PhaseMarks& marks) {
     const GemvShape p = gemv_shape(a, t);
-#if MK_SLICE_NORM
-    const bool started = start_task_activations(a, p, t.layer, s, act_key);
-#else
     const bool started = start_activations(p, a.batch, t.layer, s, act_key);
-#endif
     if (is_expert(t)) {
         r.wait_full(n);
         if (r.tag_of(n) == kQueueEnd) {
             release_marker(r, n);
             if (started) cp_async_wait_all();  // the buffer is complete before the next task's barrier
-#if MK_SLICE_NORM
-            if (threadIdx.x == 0) *s.owned() = 0;  // (an unused slot's tile owns no slice: add_owned_slices)
-            compute_sync();
-#endif
             return;
         }
         load_slot_rows(a, routing[t.layer & 1], t.arg[3], s.has_row);
@@ -928,9 +735,6 @@ __device__ void run_gemv(const MkStepArgs& a, const MkTask& t, GemvSmem& s, cons
     else gemv_compute(p, s, r, n, routed ? __popc(routed) : a.batch, routed);  // their barriers publish has_row
     if (MK_GEMV_MARKS) marks.mark(1);
     gemv_epilogue(a, t, p, s, routed);
-#if MK_SLICE_NORM
-    if (is_down(t)) take_slices(a, t, p, s, routing);
-#endif
 }
 
 // A claim task: the tiles the block's producer claimed from the queue, in the order it streamed
@@ -942,9 +746,6 @@ __device__ void run_expert_claim(const MkStepArgs& a, const MkTask& t, GemvSmem&
         const int tile = r.tag_of(n);
         if (tile == kQueueEnd) return release_marker(r, n);
         run_gemv(a, claimed_tile(t, tile), s, r, n, act_key, routing, marks);
-#if MK_SLICE_NORM
-        if (is_down(t)) add_owned_slices(a, t, s, act_key);
-#endif
         compute_sync();  // the epilogue's reads of the tile's shared memory are done
     }
 }

@@ -6,6 +6,32 @@
 
 namespace mk {
 
+// These tasks sit on every layer's critical path, so each thread owns 8 consecutive values of the
+// row and issues all its loads before the first use (one memory latency per task, not one per
+// value). hidden is a multiple of 32.
+constexpr int kVec = 8;
+
+__device__ __forceinline__ void load8_f32(const float* p, float (&v)[kVec]) {
+    const float4 lo = __ldcg(reinterpret_cast<const float4*>(p)), hi = __ldcg(reinterpret_cast<const float4*>(p) + 1);
+    v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+}
+
+__device__ __forceinline__ void store8_f32(float* p, const float (&v)[kVec]) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+// 8 bf16 values of data no one writes during the step (weights), as floats.
+__device__ __forceinline__ void load8_bf16(const bf16* p, float (&v)[kVec]) {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        v[2 * i] = f.x, v[2 * i + 1] = f.y;
+    }
+}
+
 // h[b] = bf16(rmsnorm(v) * gamma) for the fp32 row v (in shared memory), which is also stored
 // to x[b] (and, when logging, as the residual after layer `done`). The thread's first 8 gamma
 // values are loaded before the reduction (they are the only ones at hidden 2048).
@@ -39,6 +65,11 @@ __device__ void store_normed(const MkStepArgs& a, int b, const float* v_smem, co
     }
 }
 
+__device__ const bf16* norm_weight(const MkStepArgs& a, int layer) {
+    if (layer == a.layers) return ptr<const bf16>(a.final_norm);
+    return ptr<const bf16>(ptr<uint64_t>(a.layer_weights)[(size_t)layer * MK_LW_COUNT + MK_LW_NORM]);
+}
+
 // Row b's RoPE table for the step: (cos, sin) of position * theta^(-2i / head_dim) for pair i,
 // the angle in double and both rounded to bf16 (the reference model's tables). The QKV tasks
 // of every layer read it.
@@ -51,27 +82,6 @@ __device__ void fill_rope_row(const MkStepArgs& a, int b) {
             make_float2(round_bf16((float)cos(angle)), round_bf16((float)sin(angle)));
     }
 }
-
-#if MK_SLICE_NORM
-// (MK_SLICE_NORM) Row b's residual v (shared memory) to x, and its sums of squares over each slice
-// of MK_NORM_SLICE_COLS columns to the slice sums (h): a warp per slice, 4 columns a lane, in
-// slice_residual's order.
-__device__ void store_slices(const MkStepArgs& a, int b, const float* v_smem) {
-    const int lane = threadIdx.x % 32;
-    for (int slice = threadIdx.x / 32; slice * MK_NORM_SLICE_COLS < a.hidden; slice += kWarps) {
-        const int col = slice * MK_NORM_SLICE_COLS + 4 * lane;
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (col < a.hidden) {
-            v = make_float4(v_smem[col], v_smem[col + 1], v_smem[col + 2], v_smem[col + 3]);
-            *reinterpret_cast<float4*>(ptr<float>(a.x) + (size_t)b * a.hidden + col) = v;
-        }
-        float sq = v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-#pragma unroll
-        for (int m = 16; m >= 1; m /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, m);
-        if (lane == 0) ptr<float>(a.h)[b * MK_MAX_NORM_SLICES + slice] = sq;
-    }
-}
-#endif
 
 __device__ void run_embed(const MkStepArgs& a, const MkTask& t, float* v, float* scratch) {
     const int b = t.arg[0];
@@ -87,11 +97,7 @@ __device__ void run_embed(const MkStepArgs& a, const MkTask& t, float* v, float*
         for (int j = 0; j < kVec; ++j) v[i0 + j] = e[j];
     }
     compute_sync();
-#if MK_SLICE_NORM
-    store_slices(a, b, v);
-#else
     store_normed(a, b, v, norm_weight(a, 0), scratch);
-#endif
 }
 
 // x[b] += y_attn[b] + ffn[b]; then the next layer's (or the final) norm. The main loop has waited

@@ -16,7 +16,6 @@ ROW_GROUPS: int  # the task builder's default row groups of expert down and LM-h
 SAMPLE_PARTS: int  # the task builder's default vocabulary slices per row for sampling
 JSON_LAYOUT: str  # llguidance's x-guidance options constrained JSON gets unless its schema has its own
 STEP_MAX_BATCH: int  # MK_STEP_MAX_BATCH: rows per megakernel launch
-SLICE_NORM: bool  # MK_SLICE_NORM: a build whose graphs have no norm tasks (docs/MEGAKERNEL.md)
 TENSOR_MAP_BYTES: int  # MK_TENSOR_MAP_BYTES: one encoded weight map
 TRACE_ENTRY_BYTES: int  # sizeof(MkTraceEntry): one traced task
 TRACE_MARKED: int  # MK_TRACE_MARKED: an entry's second producer word flags its marks
@@ -60,10 +59,9 @@ def build_step_graph(
     attention_first: bool | None = None,
     expert_queue: bool | None = None,
     local_routing: bool | None = None,
-    slice_norm: bool | None = None,
 ) -> dict[str, Any]:
     """tasks, order (bytes of int32 [.., 16]), num_sms, per_sm, num_counters, slots, max_splits,
-    slice_norm, modelled_ns."""
+    modelled_ns."""
 
 def graph_geometry_error(config: ModelConfig) -> str | None:
     """Why the config's shapes cannot be cut into the megakernel's tasks (rust/graph), or None."""

@@ -163,14 +163,6 @@ pub const STEP_HEAD_DIM: usize = 128;
 pub const STEP_MAX_GROUP: usize = 8;
 pub const STEP_MAX_TOP_K: usize = 8;
 pub const STEP_MAX_EXPERTS: usize = 512;
-/// `MK_SLICE_NORM`: the build variant without residual-norm tasks, whose down tiles add the residual
-/// slice by slice and whose consumers of h normalise x as they stage it (`MK_SLICE_NORM=1` when
-/// building; build.rs; cuda/abi.h). Its graphs are built with `BuildOptions::slice_norm`.
-pub const SLICE_NORM: bool = cfg!(mk_slice_norm);
-/// `MK_NORM_SLICE_COLS`: columns of hidden per residual slice (the slice-norm variant).
-pub const NORM_SLICE_COLS: usize = 128;
-/// `MK_MAX_NORM_SLICES`.
-pub const MAX_NORM_SLICES: usize = STEP_MAX_K / NORM_SLICE_COLS;
 /// `MK_WEIGHT_SWIZZLE`: the build variant whose weight boxes are 64 columns, 128-byte swizzled
 /// (`MK_WEIGHT_SWIZZLE=1` when building; build.rs).
 pub const WEIGHT_SWIZZLE: bool = cfg!(mk_weight_swizzle);
@@ -200,7 +192,7 @@ pub const TRACE_MARKED: u32 = 0x8000_0000;
 pub const LEDGER_STAGES: usize = 8192;
 
 /// Must equal `MK_ABI_VERSION` in cuda/abi.h.
-pub const ABI_VERSION: u64 = 16;
+pub const ABI_VERSION: u64 = 15;
 
 /// The values `mk_abi_layout` in cuda/abi_probe.cu holds, in its order, computed on the Rust side.
 pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
@@ -247,15 +239,11 @@ pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
         ("MK_CTR_UP_CLAIM", Counter::UpClaim),
         ("MK_CTR_DOWN_CLAIM", Counter::DownClaim),
         ("MK_CTR_ROUTER", Counter::Router),
-        ("MK_CTR_NORM_TICKETS", Counter::NormTickets),
     ] {
         out.push((name, c as u64));
     }
     out.push(("MK_ARG_ROUTERS", crate::graph::task::ARG_ROUTERS as u64));
     out.push(("MK_WEIGHT_SWIZZLE", u64::from(WEIGHT_SWIZZLE)));
-    out.push(("MK_SLICE_NORM", u64::from(SLICE_NORM)));
-    out.push(("MK_NORM_SLICE_COLS", NORM_SLICE_COLS as u64));
-    out.push(("MK_MAX_NORM_SLICES", MAX_NORM_SLICES as u64));
     out
 }
 

@@ -292,18 +292,6 @@ fn load_image(ctx: &Arc<CudaContext>, image: &[u8]) -> Result<Image, GpuError> {
             abi::STEP_MAX_BATCH
         )));
     }
-    // The slice-norm variant's images say so (`mk_slice_norm`): their graphs have no norm tasks.
-    let slice_norm = match module.get_global("mk_slice_norm", &stream) {
-        Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_FOUND)) => false,
-        other => other.during("find mk_slice_norm").map(|_| true)?,
-    };
-    if slice_norm != abi::SLICE_NORM {
-        return Err(GpuError::InvalidArgument(format!(
-            "it was compiled {} MK_SLICE_NORM=1 and this build {} (build both with the same MK_SLICE_NORM)",
-            if slice_norm { "with" } else { "without" },
-            if abi::SLICE_NORM { "with it" } else { "without" }
-        )));
-    }
     function
         .set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

@@ -7,14 +7,10 @@
 //! - no two tasks that are not ordered write the same element (except the claim tasks of one
 //!   expert queue, which split its tiles at run time), and no task reads an element that an
 //!   unordered task writes.
-//!
-//! With the slice norm, a layer's down tasks are one group: the task that completes a slice's
-//! tickets owns its residual after every other has written its outputs, so within the group
-//! writes cover reads and neither writes nor reads conflict.
 
 use std::collections::HashMap;
 
-use super::effects::{effects, external_inputs, is_down, Buf, Region};
+use super::effects::{effects, external_inputs, Buf, Region};
 use super::task::{counter, Counter, Op};
 use super::{Geometry, StepGraph};
 
@@ -64,12 +60,10 @@ pub fn check(geom: &Geometry, graph: &StepGraph, limit: usize) -> Vec<Violation>
             let key = (rd.buf, rd.row);
             let mut cover: Vec<(usize, usize)> = external.get(&key).cloned().unwrap_or_default();
             for &(lo, hi, w) in writes.get(&key).map_or(&[][..], |v| &v[..]) {
-                // (A task's own writes come after its reads, but for a slice-norm down task, whose
-                // residual reads its own outputs too.)
-                if (w == i && !same_slices(graph, w, i)) || hi <= rd.lo || lo >= rd.hi {
+                if w == i || hi <= rd.lo || lo >= rd.hi {
                     continue;
                 }
-                if hb.before(w, i) || same_slices(graph, w, i) {
+                if hb.before(w, i) {
                     cover.push((lo, hi));
                 } else if !hb.before(i, w) {
                     out.push(Violation::Race { reader: i, writer: w, region: *rd });
@@ -87,8 +81,7 @@ pub fn check(geom: &Geometry, graph: &StepGraph, limit: usize) -> Vec<Violation>
                 if lo_b >= hi_a {
                     break;
                 }
-                let grouped = same_queue(graph, ta, tb) || same_slices(graph, ta, tb);
-                if ta != tb && !hb.before(ta, tb) && !hb.before(tb, ta) && !grouped {
+                if ta != tb && !hb.before(ta, tb) && !hb.before(tb, ta) && !same_queue(graph, ta, tb) {
                     let region = Region { buf: *buf, row: *row, lo: lo_a.max(lo_b), hi: hi_a.min(hi_b) };
                     out.push(Violation::UnorderedWrites { first: ta, second: tb, region });
                 }
@@ -104,12 +97,6 @@ pub fn check(geom: &Geometry, graph: &StepGraph, limit: usize) -> Vec<Violation>
 fn same_queue(graph: &StepGraph, a: usize, b: usize) -> bool {
     let (ta, tb) = (&graph.order[a], &graph.order[b]);
     ta.op() == Op::ExpertClaim && tb.op() == Op::ExpertClaim && ta.layer == tb.layer && ta.arg[0] == tb.arg[0]
-}
-
-/// Down tasks of one layer of a slice-norm graph (the module's note).
-fn same_slices(graph: &StepGraph, a: usize, b: usize) -> bool {
-    let (ta, tb) = (&graph.order[a], &graph.order[b]);
-    graph.slice_norm && ta.layer == tb.layer && is_down(ta) && is_down(tb)
 }
 
 fn producers_of(graph: &StepGraph) -> HashMap<i32, Vec<usize>> {
@@ -159,11 +146,8 @@ impl HappensBefore {
         }
         for (i, t) in graph.order.iter().enumerate() {
             // A MoE layer's residual norm also waits for the layer's top-k inside the kernel
-            // (run_residual_norm: the combine's routing), beyond its two counters; so does a
-            // slice-norm down task (take_slices) of any layer (a dense one's top-k counter has no
-            // producers, and adds no edge).
-            let norms = t.op() == Op::ResidualNorm || (graph.slice_norm && is_down(t));
-            let topk = norms.then(|| counter(t.layer as usize, Counter::TopK));
+            // (run_residual_norm: the combine's routing), beyond its two counters.
+            let topk = (t.op() == Op::ResidualNorm).then(|| counter(t.layer as usize, Counter::TopK));
             for c in t.waits_on().map(|(c, _)| c).chain(topk) {
                 if let Some(&node) = counter_node.get(&c) {
                     preds[i].push(node);
@@ -251,40 +235,6 @@ mod tests {
         sound(&gpu_test(), &[8191], &opts);
         sound(&gpu_test(), &[0, 4095, 4096, 9000], &opts);
         sound(&gpu_test(), &[100, 200, 300, 400, 500, 600, 700, 5000], &opts);
-    }
-
-    #[test]
-    fn slice_norm_graphs_are_sound_and_have_no_norm_tasks() {
-        let tiny_opts = BuildOptions { num_sms: 5, attn_chunk: 64, slice_norm: true, ..Default::default() };
-        for queue in [Some(false), Some(true)] {
-            for local in [Some(false), Some(true)] {
-                let opts = BuildOptions { expert_queue: queue, local_routing: local, ..tiny_opts.clone() };
-                for positions in [vec![0], vec![64, 95, 96], vec![5, 130, 300, 1, 64, 97, 200, 511]] {
-                    sound(&tiny(), &positions, &opts);
-                    let g = build_step(&tiny(), &positions, &opts).unwrap();
-                    assert!(g.order.iter().all(|t| t.op() != Op::ResidualNorm));
-                }
-            }
-        }
-        let opts = BuildOptions { slice_norm: true, ..Default::default() };
-        sound(&gpu_test(), &[8191], &opts);
-        sound(&gpu_test(), &[0, 4095, 4096, 9000], &opts);
-    }
-
-    #[test]
-    fn a_slice_norm_down_task_that_does_not_wait_for_o_is_caught() {
-        let geom = tiny();
-        let opts = BuildOptions { num_sms: 4, slice_norm: true, ..Default::default() };
-        let mut g = build_step(&geom, &[130, 300], &opts).unwrap();
-        let t = g.order.iter_mut().find(|t| is_down(t) && t.layer == 2).unwrap();
-        assert_eq!(t.wait1, super::super::task::counter(2, Counter::O));
-        t.wait1 = NO_COUNTER;
-        let v = check(&geom, &g, 10_000);
-        let early = |x: &Violation| match x {
-            Violation::Race { region, .. } | Violation::UncoveredRead { region, .. } => region.buf == Buf::YAttn,
-            _ => false,
-        };
-        assert!(v.iter().any(early), "{:?}", &v[..v.len().min(5)]);
     }
 
     fn broken(mutate: impl Fn(&mut StepGraph)) -> Vec<Violation> {

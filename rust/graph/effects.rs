@@ -15,8 +15,7 @@ pub enum Buf {
     Rope,
     /// fp32 residual [b][hidden].
     X,
-    /// bf16 normed input of the current layer [b][hidden] (with the slice norm: the rows' slice
-    /// sums of squares, which with X make that input).
+    /// bf16 normed input of the current layer [b][hidden].
     H,
     /// fp32 post-RoPE queries [b][q_width].
     Q,
@@ -130,7 +129,17 @@ pub fn effects(t: &MkTask, geom: &Geometry, graph: &StepGraph) -> Effects {
             e.reads.extend(rows.map(|b| r(Buf::Router, b, 0, geom.experts)));
             e.writes.push(r(Buf::Routing, 0, 0, 1));
         }
-        Op::ResidualNorm => residual_effects(l, a(0), geom, graph, &mut e),
+        Op::ResidualNorm => {
+            let b = a(0);
+            e.reads.extend([r(Buf::X, b, 0, d), r(Buf::YAttn, b, 0, d)]);
+            if geom.moe[l] {
+                e.reads.push(r(Buf::Routing, 0, 0, 1));
+                e.reads.extend((0..graph.slots).map(|s| r(Buf::ExpertOut, s * batch + b, 0, d)));
+            } else {
+                e.reads.push(r(Buf::FfnOut, b, 0, d));
+            }
+            e.writes.extend([r(Buf::X, b, 0, d), r(Buf::H, b, 0, d)]);
+        }
         Op::SamplePart => {
             let (b, part, lo, hi) = (a(0), a(1), a(2), a(3));
             e.reads.extend([r(Buf::Logits, b, lo, hi), r(Buf::Token, b, 0, 1)]);
@@ -141,45 +150,7 @@ pub fn effects(t: &MkTask, geom: &Geometry, graph: &StepGraph) -> Effects {
             e.writes.push(r(Buf::Sampled, a(0), 0, 1));
         }
     }
-    if graph.slice_norm {
-        // A consumer of h normalises x with the slice sums as it stages its activations.
-        let normed: Vec<Region> =
-            e.reads.iter().filter(|rd| rd.buf == Buf::H).map(|rd| Region { buf: Buf::X, ..*rd }).collect();
-        e.reads.extend(normed);
-        if is_down(t) {
-            slice_residual_effects(l, geom, graph, &mut e);
-        }
-    }
     e
-}
-
-/// A down task (a GEMV task or a claim task of a down projection).
-pub fn is_down(t: &MkTask) -> bool {
-    matches!(t.op(), Op::Gemv | Op::ExpertClaim)
-        && matches!(Matrix::from_i32(t.arg[0]), Some(Matrix::ExpertDown | Matrix::DenseDown))
-}
-
-/// With the slice norm, a down task may own any slice of the residual (the one whose ticket it
-/// completes): as far as order goes, it reads every row's residual inputs and writes x and the
-/// slice sums (H) of every row. Of one layer's down tasks exactly one owns each slice, after the
-/// others have written their outputs (the tickets: check.rs knows them as one group).
-fn slice_residual_effects(l: usize, geom: &Geometry, graph: &StepGraph, e: &mut Effects) {
-    for b in 0..graph.positions.len() {
-        residual_effects(l, b, geom, graph, e);
-    }
-}
-
-/// Row b's residual of layer l and its norm: x + y_attn + the FFN's output, written to x and h.
-fn residual_effects(l: usize, b: usize, geom: &Geometry, graph: &StepGraph, e: &mut Effects) {
-    let (batch, d) = (graph.positions.len(), geom.hidden);
-    e.reads.extend([r(Buf::X, b, 0, d), r(Buf::YAttn, b, 0, d)]);
-    if geom.moe[l] {
-        e.reads.push(r(Buf::Routing, 0, 0, 1));
-        e.reads.extend((0..graph.slots).map(|s| r(Buf::ExpertOut, s * batch + b, 0, d)));
-    } else {
-        e.reads.push(r(Buf::FfnOut, b, 0, d));
-    }
-    e.writes.extend([r(Buf::X, b, 0, d), r(Buf::H, b, 0, d)]);
 }
 
 /// What an expert task learns its slots from: the top-k task's routing, or with local routing

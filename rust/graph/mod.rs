@@ -101,11 +101,6 @@ pub struct BuildOptions {
     /// still runs for the combine: the expert weights can start streaming a task and a counter
     /// hop sooner. None: for batches up to `LOCAL_ROUTING_MAX_BATCH` rows.
     pub local_routing: Option<bool>,
-    /// No residual-norm tasks: the down tile that completes a slice of hidden adds that slice's
-    /// residual, and the consumers of h normalise x as they stage it (the `MK_SLICE_NORM` kernel
-    /// variant's graphs; docs/MEGAKERNEL.md, "Next: the slice norm"). Off by default; a launch's
-    /// graphs take the loaded kernel's (`abi::SLICE_NORM`).
-    pub slice_norm: bool,
 }
 
 /// The largest batch that routes on every block by default. On the H200 at 8K (docs/PERF.md,
@@ -133,7 +128,6 @@ impl Default for BuildOptions {
             attention_first: true,
             expert_queue: None,
             local_routing: None,
-            slice_norm: false,
         }
     }
 }
@@ -157,8 +151,6 @@ pub struct StepGraph {
     pub max_splits: usize,
     /// Write position of each row (its context is position + 1 tokens).
     pub positions: Vec<usize>,
-    /// Built with `BuildOptions::slice_norm`.
-    pub slice_norm: bool,
 }
 
 impl StepGraph {
@@ -197,7 +189,6 @@ pub fn build_step(geom: &Geometry, positions: &[usize], opts: &BuildOptions) -> 
         slots: geom.slots(positions.len()),
         max_splits: b.max_splits,
         positions: positions.to_vec(),
-        slice_norm: opts.slice_norm,
     })
 }
 
@@ -215,14 +206,6 @@ fn validate(g: &Geometry, o: &BuildOptions) -> Result<(), GraphError> {
     }
     if o.gate_up_groups > GEMV_MAX_GROUPS / 2 {
         return bad(format!("gate_up_groups must be in 0..={} (0: automatic)", GEMV_MAX_GROUPS / 2));
-    }
-    // The slice sums live in h's buffer (a row's fp32 sums in its bf16 columns), and a consumer
-    // of h stages its normed rows in one pass of the wide image's activation buffer.
-    use crate::gpu::abi::{MAX_NORM_SLICES, NARROW_ROWS, STEP_MAX_K, WIDE_ROWS};
-    let least = MAX_NORM_SLICES * 4 / 2;
-    let most = STEP_MAX_K * NARROW_ROWS / WIDE_ROWS;
-    if o.slice_norm && !(least..=most).contains(&g.hidden) {
-        return bad(format!("slice_norm needs hidden in {least}..={most}, got {}", g.hidden));
     }
     Ok(())
 }
@@ -276,11 +259,11 @@ impl Builder<'_> {
         signal: i32,
     ) {
         for r0 in (base..base + rows).step_by(16 * groups) {
-            self.push(
-                MkTask::new(Op::Gemv, layer, &[m as i32, r0 as i32, groups as i32, slot])
-                    .signals(signal)
-                    .waits_all(wait),
-            );
+            let mut t = MkTask::new(Op::Gemv, layer, &[m as i32, r0 as i32, groups as i32, slot]).signals(signal);
+            for &c in wait {
+                t = t.waits(c);
+            }
+            self.push(t);
         }
     }
 
@@ -319,7 +302,7 @@ impl Builder<'_> {
             let groups = gate_up_groups(self.opts, g.expert_ffn, g.slots(self.batch));
             let tile = (Matrix::ExpertGateUp, g.expert_ffn, groups);
             let routed = if routers > 0 { router } else { counter(l, Counter::TopK) };
-            self.experts(l, tile, routers, &[routed], counter(l, Counter::FfnUp));
+            self.experts(l, tile, routers, routed, counter(l, Counter::FfnUp));
         } else {
             self.gemv(
                 l,
@@ -334,21 +317,11 @@ impl Builder<'_> {
         // O and the dense down projection have long rows (4096, 3072): 16-row tasks keep each
         // task short and spread them over more SMs.
         self.gemv(l, (Matrix::O, g.hidden, 1, -1), &[counter(l, Counter::Attn)], counter(l, Counter::O));
-        let up_done = counter(l, Counter::FfnUp);
-        // With the slice norm the down tasks add the residual (waiting for O themselves: their
-        // second counter) and signal the next layer's h; otherwise the norm tasks do, after them.
-        let (down_waits, down_done) = if self.opts.slice_norm {
-            (vec![up_done, counter(l, Counter::O)], counter(l + 1, Counter::HReady))
-        } else {
-            (vec![up_done], counter(l, Counter::FfnDown))
-        };
+        let (up_done, down_done) = (counter(l, Counter::FfnUp), counter(l, Counter::FfnDown));
         if g.moe[l] {
-            self.experts(l, (Matrix::ExpertDown, g.hidden, rg), routers, &down_waits, down_done);
+            self.experts(l, (Matrix::ExpertDown, g.hidden, rg), routers, up_done, down_done);
         } else {
-            self.gemv(l, (Matrix::DenseDown, g.hidden, 1, -1), &down_waits, down_done);
-        }
-        if self.opts.slice_norm {
-            return;
+            self.gemv(l, (Matrix::DenseDown, g.hidden, 1, -1), &[up_done], down_done);
         }
         for b in 0..self.batch {
             self.push(
@@ -363,19 +336,12 @@ impl Builder<'_> {
     /// A MoE layer's tiles of expert matrix `m` (`rows` rows per expert, 16 * `groups` per tile)
     /// for every slot: claim tasks, one per SM (`expert_queue`), or one task per (slot, tile).
     /// `routers`: the layer's router tasks with local routing, else 0 (`ARG_ROUTERS`).
-    fn experts(
-        &mut self,
-        l: usize,
-        (m, rows, groups): (Matrix, usize, usize),
-        routers: usize,
-        waits: &[i32],
-        signal: i32,
-    ) {
+    fn experts(&mut self, l: usize, (m, rows, groups): (Matrix, usize, usize), routers: usize, wait: i32, signal: i32) {
         let slots = self.geom.slots(self.batch);
         let start = self.order.len();
         if !self.opts.expert_queue.unwrap_or(self.batch >= EXPERT_QUEUE_MIN_BATCH) {
             for s in 0..slots {
-                self.gemv(l, (m, rows, groups, s as i32), waits, signal);
+                self.gemv(l, (m, rows, groups, s as i32), &[wait], signal);
             }
         } else {
             let tiles = rows.div_ceil(16 * groups);
@@ -383,7 +349,7 @@ impl Builder<'_> {
             // arg3 and arg4 (the queue's most tiles, the claimers) are for the cost model only.
             let args = [m as i32, groups as i32, tiles as i32, (slots * tiles) as i32, claimers as i32];
             for _ in 0..claimers {
-                self.push(MkTask::new(Op::ExpertClaim, l, &args).signals(signal).waits_all(waits));
+                self.push(MkTask::new(Op::ExpertClaim, l, &args).waits(wait).signals(signal));
             }
         }
         for t in &mut self.order[start..] {

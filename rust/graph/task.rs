@@ -2,9 +2,8 @@
 
 /// `MK_NO_COUNTER`: a task that waits on, or signals, nothing.
 pub const NO_COUNTER: i32 = -1;
-/// `MK_COUNTERS_PER_LAYER` (the slice-norm variant adds the slices' tickets).
-pub const COUNTERS_PER_LAYER: usize =
-    if crate::gpu::abi::SLICE_NORM { 11 + crate::gpu::abi::MAX_NORM_SLICES } else { 11 };
+/// `MK_COUNTERS_PER_LAYER`.
+pub const COUNTERS_PER_LAYER: usize = 11;
 /// `MK_TASK_WORDS`: int32 words of one task, and the word that holds `arg[0]`.
 pub const TASK_WORDS: usize = 16;
 pub const TASK_ARG_WORD: usize = 7;
@@ -113,8 +112,6 @@ pub enum Counter {
     /// The claim queues' heads (Op::ExpertClaim): atomics, never waited on or signalled.
     UpClaim = 9,
     DownClaim = 10,
-    /// The slice-norm variant's tickets, `NormTickets + slice`: atomics, never waited on or signalled.
-    NormTickets = 11,
 }
 
 /// Counter index of `which` in `layer` (layer == num_layers is the final "layer").
@@ -168,11 +165,6 @@ impl MkTask {
             self.wait1 = c;
         }
         self
-    }
-
-    /// `waits` on each of these counters (at most two).
-    pub fn waits_all(self, cs: &[i32]) -> MkTask {
-        cs.iter().fold(self, |t, &c| t.waits(c))
     }
 
     pub fn waits_on(&self) -> impl Iterator<Item = (i32, i32)> {

@@ -38,7 +38,7 @@ pub(crate) fn geometry_from(cfg: &Bound<'_, PyAny>) -> PyResult<Geometry> {
 /// With `check=True` the static checker runs first and any violation raises. `dealing`:
 /// "round_robin" or "balanced".
 #[pyfunction]
-#[pyo3(signature = (config, positions, num_sms=132, attn_chunk=0, row_groups=None, sample_parts=crate::graph::SAMPLE_PARTS, check=false, dealing="round_robin", qkv_groups=None, gate_up_groups=None, attention_first=None, expert_queue=None, local_routing=None, slice_norm=None))]
+#[pyo3(signature = (config, positions, num_sms=132, attn_chunk=0, row_groups=None, sample_parts=crate::graph::SAMPLE_PARTS, check=false, dealing="round_robin", qkv_groups=None, gate_up_groups=None, attention_first=None, expert_queue=None, local_routing=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn build_step_graph<'py>(
     py: Python<'py>,
@@ -55,7 +55,6 @@ pub fn build_step_graph<'py>(
     attention_first: Option<bool>,
     expert_queue: Option<bool>,
     local_routing: Option<bool>,
-    slice_norm: Option<bool>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let geom = geometry_from(config)?;
     let dealing = parse_dealing(dealing)?;
@@ -71,7 +70,6 @@ pub fn build_step_graph<'py>(
         attention_first: attention_first.unwrap_or(d.attention_first),
         expert_queue: expert_queue.or(d.expert_queue),
         local_routing: local_routing.or(d.local_routing),
-        slice_norm: slice_norm.unwrap_or(crate::gpu::abi::SLICE_NORM), // (the loaded kernel's graphs)
     };
     let graph = build_step(&geom, &positions, &opts).map_err(|e| PyValueError::new_err(e.to_string()))?;
     if check {
@@ -98,7 +96,6 @@ pub fn build_step_graph<'py>(
     out.set_item("num_counters", graph.num_counters)?;
     out.set_item("slots", graph.slots)?;
     out.set_item("max_splits", graph.max_splits)?;
-    out.set_item("slice_norm", graph.slice_norm)?;
     out.set_item("modelled_ns", deal::model(&graph.order, &graph.per_sm, &geom, graph.num_counters).makespan_ns)?;
     Ok(out)
 }

@@ -68,7 +68,6 @@ impl MegakernelBackend {
                 row_groups: get(d, "row_groups")?,
                 sample_parts: get(d, "sample_parts")?,
                 dealing: crate::python::graph::parse_dealing(&get::<String>(d, "dealing")?)?,
-                slice_norm: crate::gpu::abi::SLICE_NORM, // the loaded kernel's graphs
                 ..BuildOptions::default()
             },
         };

@@ -80,7 +80,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SAMPLE_PARTS", crate::graph::SAMPLE_PARTS)?;
     m.add("JSON_LAYOUT", crate::grammar::JSON_LAYOUT)?;
     m.add("STEP_MAX_BATCH", gpu::abi::STEP_MAX_BATCH)?;
-    m.add("SLICE_NORM", gpu::abi::SLICE_NORM)?;
     m.add_function(wrap_pyfunction!(gpu_available, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(weight_maps, m)?)?;

@@ -27,7 +27,6 @@ class StepGraph:
     max_splits: int
     positions: tuple[int, ...]
     modelled_ns: float = 0.0  # the step's time in the dealing's cost model (rust/graph/deal.rs)
-    slice_norm: bool = False  # no norm tasks: the down tasks add the residual (docs/MEGAKERNEL.md)
 
     @property
     def batch(self) -> int:
@@ -48,15 +47,13 @@ def build(
     attention_first: bool | None = None,
     expert_queue: bool | None = None,
     local_routing: bool | None = None,
-    slice_norm: bool | None = None,
 ) -> StepGraph:
     """`dealing`: "round_robin" (task i to SM i mod num_sms) or "balanced" (list scheduling under a
     cost model); see rust/graph/deal.rs. `row_groups`, `qkv_groups` and `gate_up_groups` size the
     GEMV tasks and `attention_first` orders a MoE layer's attention before or after its expert
     gate/up tiles, `expert_queue` has the expert tiles claimed at run time and `local_routing` has
-    every block choose a MoE layer's experts itself, `slice_norm` leaves out the norm tasks (the
-    down tasks add the residual slice by slice: the MK_SLICE_NORM kernel's graphs; None: this
-    build's kernel's, `_native.SLICE_NORM`) (rust/graph/mod.rs BuildOptions; None: its default)."""
+    every block choose a MoE layer's experts itself (rust/graph/mod.rs BuildOptions; None: its
+    default)."""
     raw = _native.build_step_graph(
         cfg,
         list(positions),
@@ -71,17 +68,9 @@ def build(
         None if attention_first is None else bool(attention_first),
         None if expert_queue is None else bool(expert_queue),
         None if local_routing is None else bool(local_routing),
-        None if slice_norm is None else bool(slice_norm),
     )
     tasks = np.frombuffer(raw["tasks"], dtype=np.int32).reshape(raw["num_sms"], raw["per_sm"], TASK_WORDS)
     order = np.frombuffer(raw["order"], dtype=np.int32).reshape(-1, TASK_WORDS)
     return StepGraph(
-        tasks,
-        order,
-        raw["num_counters"],
-        raw["slots"],
-        raw["max_splits"],
-        tuple(positions),
-        raw["modelled_ns"],
-        raw["slice_norm"],
+        tasks, order, raw["num_counters"], raw["slots"], raw["max_splits"], tuple(positions), raw["modelled_ns"]
     )

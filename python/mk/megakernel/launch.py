@@ -279,8 +279,6 @@ class MegakernelStep:
             tasks = torch.from_numpy(g.tasks.copy()).to(self.device)
         if g.num_counters != self.num_counters or buf.block_tables.shape[2] != self.max_pages:
             raise ValueError("graph or buffers do not match this MegakernelStep")
-        if g.slice_norm != _native.SLICE_NORM:  # (the kernel would skip norm tasks, or find none)
-            raise ValueError(f"a graph with slice_norm={g.slice_norm} for a kernel built with {_native.SLICE_NORM}")
         # The kernel indexes the buffers by these: a graph with more splits or slots than they
         # were allocated for would write past them.
         if buf.x.shape[0] != g.batch or buf.attn_o.shape[1] < g.max_splits or buf.expert_act.shape[0] < g.slots:

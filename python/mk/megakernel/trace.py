@@ -165,19 +165,6 @@ PHASES = {
     "down": ("gemv:expert_down", "claim:expert_down"),
     "norm": ("residual_norm",),
 }
-# A slice-norm step has no norm tasks: its down projections add the residual, so their last end
-# makes the layer's output the next layer's input.
-SLICE_NORMS = ("gemv:expert_down", "claim:expert_down", "gemv:dense_down")
-
-
-def input_families(g: StepGraph) -> tuple[str, ...]:
-    """The task families whose last end in a layer is when the next layer's input is ready."""
-    return SLICE_NORMS if g.slice_norm else PHASES["norm"]
-
-
-def family_mask(g: StepGraph, names: tuple[str, ...]) -> np.ndarray:
-    """bool [num_sms, per_sm]: the tasks of these families."""
-    return np.array([[task_family(w) in names for w in row] for row in g.tasks], dtype=bool).reshape(g.tasks.shape[:2])
 
 
 def layer_phases(g: StepGraph, families: dict[str, list[tuple[int, int]]], end: np.ndarray) -> dict:
@@ -187,7 +174,7 @@ def layer_phases(g: StepGraph, families: dict[str, list[tuple[int, int]]], end: 
     layer_of = g.tasks[..., 1]
     num_layers = int(layer_of[g.tasks[..., 0] != Op.NOP].max()) + 1
     last = {}
-    for phase, names in {**PHASES, "norm": input_families(g)}.items():
+    for phase, names in PHASES.items():
         ends = np.full(num_layers, -np.inf)
         for name in names:
             if name in families:
@@ -213,7 +200,7 @@ def layer_timeline(g: StepGraph, real, start, wait_ns, end, layer: int, stream) 
     wait), the median and last end. Families sorted by first start: the layer's critical path
     reads top down."""
     ops, layers = g.tasks[..., 0], g.tasks[..., 1]
-    norms = real & family_mask(g, input_families(g)) & (layers == layer - 1)
+    norms = real & (ops == Op.RESIDUAL_NORM) & (layers == layer - 1)
     if not norms.any():
         norms = real & (ops == Op.EMBED)
     t0 = end[norms].max() if norms.any() else start[real].min()
@@ -316,7 +303,7 @@ def stream_profile(g: StepGraph, trace: np.ndarray, ledger: np.ndarray, bin_us: 
     warps = np.unpackbits((rows[:, 3] >> np.uint64(32)).astype(np.uint32).view(np.uint8).reshape(-1, 4), axis=1)
     warps_waited = warps.sum(axis=1)
 
-    norms = t.real & family_mask(g, input_families(g))
+    norms = t.real & (ops == Op.RESIDUAL_NORM)
     norm_end = {int(layer): float(t.end[norms & (layer_of == layer)].max()) for layer in np.unique(layer_of[norms])}
     moe = sorted({int(layer) for layer in layer_of[t.real & (ops == Op.TOPK)]})
     windows = [(norm_end[layer - 1], norm_end[layer]) for layer in moe if layer - 1 in norm_end and layer in norm_end]

@@ -58,24 +58,9 @@ def run_step(
     """
     vm = _Interpreter(model, kv, graph, buf, forced_routing, tie_tol)
     vm.teacher = teacher_residuals
-    # A slice-norm graph has no norm tasks: its layer's residual is added by the down tasks, the
-    # last of each slice's (in the global order, the layer's last down task).
-    residual_after = _last_down_tasks(graph) if graph.slice_norm else {}
-    for i, task in enumerate(graph.order):
+    for task in graph.order:
         vm.execute(task)
-        if i in residual_after:
-            for row in range(graph.batch):
-                vm.residual_norm(residual_after[i], [row])
     return vm.forced
-
-
-def _last_down_tasks(graph: StepGraph) -> dict[int, int]:
-    """{index in the global order of each layer's last down task: its layer}."""
-    last = {}
-    for i, t in enumerate(graph.order):
-        if Op(int(t[0])) in (Op.GEMV, Op.EXPERT_CLAIM) and int(t[ARG]) in (Matrix.EXPERT_DOWN, Matrix.DENSE_DOWN):
-            last[int(t[1])] = i
-    return {i: layer for layer, i in last.items()}
 
 
 class _Interpreter:

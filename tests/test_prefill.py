@@ -17,6 +17,7 @@ from routing import RoutingLog, tie_gap
 
 import mk.model.experts as grouped_moe
 import mk.model.moe as reference_moe
+import mk.prefill as prefill_module
 from mk.config import PAGE_SIZE, ModelConfig
 from mk.model.names import expected_shapes
 from mk.model.paged import UNMAPPED, KVMappingError, PageAllocator
@@ -598,6 +599,27 @@ def test_a_fresh_prompt_padded_to_a_bucket_matches_the_reference(weights64, atte
     assert torch.equal(written, pos < n), f"seed {SEED}: slots written beyond the prompt's positions"
     pool.kv.k[blocks] = torch.where(written[..., None, None], pool.kv.k[blocks], pool.kv_ref.k[blocks])
     pool.assert_pages_equal([table], 1e-10, f"{attention} n={n}")
+
+
+@pytest.mark.parametrize("min_rows", [256, 257])
+def test_a_large_enough_static_pass_takes_the_static_steps_and_nothing_else_does(weights64, monkeypatch, min_rows):
+    """The elementwise steps compiled per shape (GPU) serve only bucketed static passes of at least
+    STATIC_STEPS_MIN_ROWS rows: a 300-token prompt's first 256 tokens (bucket 256) take them when
+    the bar is 256, not when it is 257, and its last 44 (the usual path) never do. (float32 for the
+    grouped MoE's steps; the values of the static pass are checked above.)"""
+    monkeypatch.setattr(prefill_module, "STATIC_STEPS_MIN_ROWS", min_rows)
+    calls = []
+    run = prefill_module._Op.__call__
+    monkeypatch.setattr(prefill_module._Op, "__call__", lambda op, *a: calls.append(op.static) or run(op, *a))
+    model = model_of(weights64, torch.float32)
+    pool = Pool(model)
+    prefill = Prefill(model, chunk=256, attention="sdpa", moe="grouped", graphs=True)
+    prefill.fresh = FreshPrompts(prefill, buckets=(64, 256), capture=False)
+    out = prefill([PrefillRequest(tokens_of(300), 0, pool.table(300))], pool.kv)
+    assert out.logits.isfinite().all()
+    per_pass = sum(2 + 2 * CFG.needs_rope(i) + 2 * CFG.is_moe(i) for i in range(L))  # norm, residual, rope, MoE
+    assert calls.count(True) == (per_pass if min_rows <= 256 else 0)
+    assert calls.count(False) == per_pass + (0 if min_rows <= 256 else per_pass)
 
 
 def test_a_fresh_prompt_with_another_cache_drops_the_static_buffers(weights64):

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -139,14 +140,25 @@ def _residual(x: torch.Tensor, attn: torch.Tensor, ffn: torch.Tensor) -> torch.T
 
 _COMPILED: dict = {}
 
+# A bucketed static pass of at least this many rows runs its elementwise steps compiled for its
+# exact shapes: a symbolic row count costs the kernels their vector loads, and at an 8K prompt's
+# shapes on the H200 the static kernels take half the time (SwiGLU 201 -> 99 us, the combine 264 ->
+# 128, RoPE of q 209 -> 105; docs/PERF.md, twentieth session). Each shape is one more compile at
+# warm-up, so smaller buckets, which matmuls and launches dominate, keep the dynamic ones.
+STATIC_STEPS_MIN_ROWS = 2048
+# Compiles a static step may hold: one per bucket and head count (RoPE's q and k), with room.
+STATIC_RECOMPILE_LIMIT = 32
+
 
 class _Op:
-    """`fn`, or its torch.compile'd version (dynamic shapes, `compile_settings`; one per process,
-    shared by every Prefill) when `compiled`; a compile failure warns and falls back to `fn`."""
+    """`fn`, or its torch.compile'd version (`compile_settings`; one per process and kind, shared by
+    every Prefill) when `compiled`: dynamic shapes, or with `static` one compile per input shape
+    (for the bucketed static passes). A compile failure warns and falls back to `fn`."""
 
-    def __init__(self, fn, compiled: bool) -> None:
+    def __init__(self, fn, compiled: bool, static: bool = False) -> None:
         self.fn = fn
-        self.compiled = _COMPILED.setdefault(fn, torch.compile(fn, dynamic=True)) if compiled else None
+        self.static = static
+        self.compiled = _COMPILED.setdefault((fn, static), torch.compile(fn, dynamic=not static)) if compiled else None
 
     def __call__(self, *args):
         # A one-row tensor would compile a second, size-1 specialised graph: small work, run eager.
@@ -154,12 +166,33 @@ class _Op:
             a.shape[0] > 1 for a in args if isinstance(a, torch.Tensor) and a.dim() > 1
         ):
             try:
-                with compile_settings():
+                with compile_settings(), self._limit():
                     return self.compiled(*args)
             except Exception as e:
                 warnings.warn(f"compiling {self.fn.__name__} failed ({type(e).__name__}: {e}); eager", stacklevel=2)
                 self.compiled = None
         return self.fn(*args)
+
+    def _limit(self):
+        from torch._dynamo import config as dynamo_config
+
+        return dynamo_config.patch(recompile_limit=STATIC_RECOMPILE_LIMIT) if self.static else nullcontext()
+
+
+@dataclass(frozen=True, slots=True)
+class _Steps:
+    """The elementwise steps of a layer, as one kind of _Op."""
+
+    norm: _Op
+    rope: _Op
+    residual: _Op
+    act: _Op
+    combine: _Op
+
+    @staticmethod
+    def make(compiled: bool, static: bool) -> _Steps:
+        ops = (_Op(f, compiled, static) for f in (_norm, _rope, _residual, swiglu_act, combine))
+        return _Steps(*ops)
 
 
 # ---- the prefill -------------------------------------------------------------------------------------
@@ -219,8 +252,8 @@ class Prefill:
         self._graph_pool = None
         compiled = cuda if compile == "auto" else bool(compile)
         self.compiled = compiled
-        self._norm, self._rope, self._residual = (_Op(f, compiled) for f in (_norm, _rope, _residual))
-        self._act, self._combine = _Op(swiglu_act, compiled), _Op(combine, compiled)
+        self._steps = _Steps.make(compiled, static=False)
+        self._static_steps = _Steps.make(compiled, static=True)
         self._stacks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if moe == "grouped":
             self._stack_all()
@@ -382,29 +415,33 @@ class Prefill:
         write_and_attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
         first: int = 0,
         end: int | None = None,
+        static: bool = False,
     ) -> torch.Tensor:
         """Layers [first, end) (default: every layer) over the residual x [n, D] of rows at the
         positions cos/sin are for. `write_and_attend(layer, q, k, v)` stores the rows' K and V
-        (post-RoPE, in the cache's dtype) and returns their attention output [n, heads * head_dim]."""
+        (post-RoPE, in the cache's dtype) and returns their attention output [n, heads * head_dim].
+        `static`: x's shape is one of a few (a bucketed static pass), so from STATIC_STEPS_MIN_ROWS
+        rows the elementwise steps are compiled for it."""
         cfg, w = self.config, self.model.weights
         n = x.shape[0]
+        steps = self._static_steps if static and n >= STATIC_STEPS_MIN_ROWS else self._steps
         hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         for layer in range(first, cfg.num_hidden_layers if end is None else end):
             p = f"model.layers.{layer}."
-            h = self._norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps, self.dtype)
+            h = steps.norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps, self.dtype)
             q = (h @ w[p + "self_attn.q_proj.weight"].T).view(n, hq, hd)
             k = (h @ w[p + "self_attn.k_proj.weight"].T).view(n, hkv, hd)
             v = (h @ w[p + "self_attn.v_proj.weight"].T).view(n, hkv, hd)
             if cfg.needs_rope(layer):
-                q, k = self._rope(q, cos, sin, attn_dtype), self._rope(k, cos, sin, kv_dtype)
+                q, k = steps.rope(q, cos, sin, attn_dtype), steps.rope(k, cos, sin, kv_dtype)
             attn = write_and_attend(layer, q.to(attn_dtype), k.to(kv_dtype), v.to(kv_dtype))
             attn = attn.to(self.dtype) @ w[p + "self_attn.o_proj.weight"].T
             if cfg.is_moe(layer):
-                ffn = self._moe(h, layer)
+                ffn = self._moe(h, layer, steps)
             else:
                 m = p + "mlp."
                 ffn = swiglu(h, w[m + "gate_proj.weight"], w[m + "up_proj.weight"], w[m + "down_proj.weight"])
-            x = self._residual(x, attn, ffn)
+            x = steps.residual(x, attn, ffn)
         return x
 
     def _attend(self, q, k, v, keys: PackedKeys, pieces: list[Piece]) -> torch.Tensor:
@@ -420,14 +457,14 @@ class Prefill:
                 self.attention = "sdpa"
         return attend_sdpa(q, k, v, keys, pieces)
 
-    def _moe(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+    def _moe(self, h: torch.Tensor, layer: int, steps: _Steps) -> torch.Tensor:
         cfg, w = self.config, self.model.weights
         router = w[f"model.layers.{layer}.mlp.gate.weight"]
         if self.moe == "loop":
             experts = [tuple(w[n] for n in expert_names(layer, e)) for e in range(cfg.num_experts)]
             return moe_ffn(h, router, experts, cfg.num_experts_per_tok)
         w13, w2 = self._stacks[layer]
-        return moe_grouped(h, router, w13, w2, cfg.num_experts_per_tok, self._act, self._combine)
+        return moe_grouped(h, router, w13, w2, cfg.num_experts_per_tok, steps.act, steps.combine)
 
     def _check_tokens(self, tokens) -> torch.Tensor:
         t = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)

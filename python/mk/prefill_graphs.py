@@ -125,7 +125,7 @@ class _StaticPasses:
             pool_v.index_copy_(0, slots, v.index_select(0, b.source))
             return self._attend(b, layer, q, k, v, pool_k, pool_v, attn_dtype)
 
-        x = pf.layers(pf.embed(b.tokens), b.cos, b.sin, kv.dtype, attn_dtype, write_and_attend)
+        x = pf.layers(pf.embed(b.tokens), b.cos, b.sin, kv.dtype, attn_dtype, write_and_attend, static=True)
         b.out.copy_(x.index_select(0, b.source[-1:]))  # the last row is, or writes as, the chunk's last
 
     def _attend(self, b, layer: int, q, k, v, pool_k, pool_v, attn_dtype: torch.dtype) -> torch.Tensor:

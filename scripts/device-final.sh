@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs ON the GPU machine: the end-of-session call on the code that lands (~6 min on the H200):
+# Runs ON the GPU machine: the end-of-session call on the code that lands (~8 min on the H200, the
+# GPU tests ~6 of them: run it alone in a call with timeout_s 600):
 # every GPU test, the decode grid of record beside the yardstick of record, and compute-sanitizer
 # memcheck and racecheck on one GPU-test step, each in its own time limit. Carry the wheel built
 # from that code, .whl/yardstick.py (a copy of shared/tools/yardstick.py) and, for the server's GPU

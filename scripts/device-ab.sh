@@ -18,21 +18,25 @@
 set -uo pipefail
 source "$(dirname "$0")/device-env.sh"
 rounds=${ROUNDS:-1}
-cubins=() names=() wheels=()
+cubins=() names=() wheels=() compiles=()
 for v in $VARIANTS; do
     name=${v%%=*}
     IFS=: read -r kind dir flags <<<"${v#*=}"
     case $kind in
-        src)
+        src)  # every variant compiles at once (two images each, one core apiece)
             # shellcheck disable=SC2086
-            images=$(compile_megakernel "$dir" "nvcc-$name" ${flags//,/ }) || exit 1
-            cubins+=("$images") names+=("$name") ;;
+            compile_megakernel "$dir" "nvcc-$name" ${flags//,/ } >"/tmp/images-$name" &
+            compiles+=($!) names+=("$name") ;;
         wheel)
             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
                 --target "/tmp/site-$name" "$dir"/*.whl || exit 1
             wheels+=("$name") ;;
         *) echo "unknown variant kind: $v"; exit 1 ;;
     esac
+done
+for k in "${!compiles[@]}"; do
+    wait "${compiles[$k]}" || { echo "variant ${names[$k]} did not compile"; exit 1; }
+    cubins+=("$(cat "/tmp/images-${names[$k]}")")
 done
 bench() {  # json log [env...]
     local json=$1 log=$2

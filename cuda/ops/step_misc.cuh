@@ -21,6 +21,17 @@ __device__ __forceinline__ void store8_f32(float* p, const float (&v)[kVec]) {
     reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
+// 8 bf16 values another SM wrote in this launch (at L2), as floats.
+__device__ __forceinline__ void load8_bf16_cg(const bf16* p, float (&v)[kVec]) {
+    const uint4 raw = ld_activations(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        v[2 * i] = f.x, v[2 * i + 1] = f.y;
+    }
+}
+
 // 8 bf16 values of data no one writes during the step (weights), as floats.
 __device__ __forceinline__ void load8_bf16(const bf16* p, float (&v)[kVec]) {
     const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
@@ -35,10 +46,21 @@ __device__ __forceinline__ void load8_bf16(const bf16* p, float (&v)[kVec]) {
 // h[b] = bf16(rmsnorm(v) * gamma) for the fp32 row v (in shared memory), which is also stored
 // to x[b] (and, when logging, as the residual after layer `done`). The thread's first 8 gamma
 // values are loaded before the reduction (they are the only ones at hidden 2048).
-__device__ void store_normed(const MkStepArgs& a, int b, const float* v_smem, const bf16* gamma, float* scratch,
-                             int done = -1) {
-    float g0[kVec] = {};
+__device__ __forceinline__ void load_first_gamma(const MkStepArgs& a, const bf16* gamma, float (&g0)[kVec]) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) g0[j] = 0.f;
     if (kVec * threadIdx.x < a.hidden) load8_bf16(gamma + kVec * threadIdx.x, g0);
+}
+
+__device__ void store_normed(const MkStepArgs& a, int b, const float* v_smem, const bf16* gamma, float* scratch,
+                             int done = -1, const float* g_early = nullptr) {
+    float g0[kVec];
+    if (g_early != nullptr) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) g0[j] = g_early[j];
+    } else {
+        load_first_gamma(a, gamma, g0);
+    }
     float sq = 0.f;
     for (int i = threadIdx.x; i < a.hidden; i += kThreads) sq += v_smem[i] * v_smem[i];
     const float rstd = rsqrtf(block_sum(sq, scratch) / (float)a.hidden + a.eps);
@@ -112,8 +134,13 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, const ui
     const bool moe = ptr<uint64_t>(a.layer_weights)[(size_t)layer * MK_LW_COUNT + MK_LW_ROUTER] != 0;
     // The thread's gamma values prefetched now (no wait), so that store_normed's read of them after
     // the FFN (a weight nothing else reads: often from HBM) hits in L1 or L2.
+#if MK_NORM_GAMMA_EARLY
+    float g_early[kVec];
+    load_first_gamma(a, norm_weight(a, layer + 1), g_early);
+#else
     if (kVec * threadIdx.x < a.hidden)
         asm volatile("prefetch.global.L1 [%0];" ::"l"(norm_weight(a, layer + 1) + kVec * threadIdx.x));
+#endif
     if (moe && threadIdx.x < 32) {
         // Sorted by slot (= ascending expert; slots are distinct): the reference's summation
         // order. Each choice's rank is the number of smaller slots.
@@ -145,6 +172,21 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, const ui
         } else if (a.top_k == kMaxTopK) {
             // The model's top-k: no `break` test, so the eight parts' loads go out together (one
             // round trip instead of eight: -1.5% at batch 1, docs/PERF.md); the sum keeps slot order.
+#if MK_BF16_EXPERT_OUT
+            uint4 part[kMaxTopK];
+#pragma unroll
+            for (int k = 0; k < kMaxTopK; ++k)
+                part[k] = ld_activations(ptr<bf16>(a.expert_out) + ((size_t)slots[k] * a.batch + b) * a.hidden + i0);
+#pragma unroll
+            for (int k = 0; k < kMaxTopK; ++k) {
+                const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&part[k]);
+#pragma unroll
+                for (int j = 0; j < kVec / 2; ++j) {
+                    const float2 f = __bfloat1622float2(h2[j]);
+                    ffn[2 * j] += f.x * scores[k], ffn[2 * j + 1] += f.y * scores[k];
+                }
+            }
+#else
             float part[kMaxTopK][kVec];
 #pragma unroll
             for (int k = 0; k < kMaxTopK; ++k)
@@ -153,6 +195,7 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, const ui
             for (int k = 0; k < kMaxTopK; ++k)
 #pragma unroll
                 for (int j = 0; j < kVec; ++j) ffn[j] += part[k][j] * scores[k];
+#endif
         } else {
             // A smaller top-k: each load waits for its `break` test (copying the parts into shared
             // memory with cp.async was slower, docs/PERF.md).
@@ -160,7 +203,11 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, const ui
             for (int k = 0; k < kMaxTopK; ++k) {
                 if (k >= a.top_k) break;
                 float part[kVec];
+#if MK_BF16_EXPERT_OUT
+                load8_bf16_cg(ptr<bf16>(a.expert_out) + ((size_t)slots[k] * a.batch + b) * a.hidden + i0, part);
+#else
                 load8_f32(ptr<float>(a.expert_out) + ((size_t)slots[k] * a.batch + b) * a.hidden + i0, part);
+#endif
 #pragma unroll
                 for (int j = 0; j < kVec; ++j) ffn[j] += part[j] * scores[k];
             }
@@ -170,7 +217,11 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, const ui
     }
     compute_sync();
     marks.mark(1);
+#if MK_NORM_GAMMA_EARLY
+    store_normed(a, b, v, norm_weight(a, layer + 1), scratch, layer, g_early);
+#else
     store_normed(a, b, v, norm_weight(a, layer + 1), scratch, layer);
+#endif
 }
 
 // The top-k task: every row's choices (one warp per row: warp_choose), their sigmoid scores, and

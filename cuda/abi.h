@@ -7,7 +7,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MK_ABI_VERSION 15
+#define MK_ABI_VERSION 16
 
 // ---- The decode megakernel's task graph (docs/MEGAKERNEL.md) ------------------------------------
 // A step is a list of tasks per SM, built by the host (rust/graph). Each block runs its list in
@@ -163,7 +163,7 @@ typedef struct MkStepArgs {
     uint64_t tokens, positions, block_tables;
     uint64_t x, h, q, attn_o, attn_ml, attn_out, y_attn, router;
     uint64_t topk_slot, topk_score, slot_expert, slot_count;
-    uint64_t dense_act, expert_act, ffn_out, expert_out;
+    uint64_t dense_act, expert_act, ffn_out, expert_out;  // expert_out: bf16 [slots][batch][hidden]
     uint64_t logits, sample_score, sample_id, sampled;
     int32_t per_sm, num_counters, parity, batch;
     int32_t layers, hidden, heads, kv_heads;

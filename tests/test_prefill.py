@@ -22,7 +22,7 @@ from mk.config import PAGE_SIZE, ModelConfig
 from mk.model.names import expected_shapes
 from mk.model.paged import UNMAPPED, KVMappingError, PageAllocator
 from mk.model.reference import Model
-from mk.model.varlen import interval_block_mask, refresh_block_mask, static_block_mask
+from mk.model.varlen import attend_causal, interval_block_mask, refresh_block_mask, static_block_mask
 from mk.prefill import Prefill, PrefillRequest, Span, plan_chunks, prefill_flops, stack_experts, stacked_experts
 from mk.prefill_graphs import FreshPrompts, PrefixedChunks
 
@@ -252,6 +252,22 @@ def test_interval_block_mask_classifies_every_block(window):
         # and nothing visible is left out: every block with a visible entry is listed
         listed = (partial | full)[blk][:, kblk]
         assert not (exact & ~listed).any()
+
+
+@pytest.mark.parametrize("n", [1, 37, 130])
+def test_fused_causal_attention_is_softmax_over_each_rows_earlier_keys(n):
+    """`attend_causal` (a fresh prompt's full-attention layers on CUDA) against the definition:
+    query head h of row r attends over rows 0..r of KV head h // group."""
+    g = torch.Generator().manual_seed(SEED + n)
+    hq, hkv, d = 8, 2, 16
+    q, k, v = (torch.randn(n, h, d, dtype=torch.float64, generator=g) for h in (hq, hkv, hkv))
+    got = attend_causal(q, k, v).view(n, hq, d)
+    for h in range(hq):
+        kk, vv = k[:, h // (hq // hkv)], v[:, h // (hq // hkv)]
+        scores = (q[:, h] @ kk.T) / d**0.5
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        want = scores.softmax(-1) @ vv
+        assert torch.allclose(got[:, h], want, rtol=0, atol=1e-12), f"seed {SEED}, head {h}"
 
 
 # ---- one prompt -------------------------------------------------------------------------------------

@@ -121,26 +121,11 @@ struct PhaseMarks {
 // launch error) instead of hanging the GPU.
 constexpr uint64_t kWaitLimitNs = 2000000000ull;
 
-// (A source variant) The experts' down outputs, bf16 values, stored as bf16 (half the bytes the
-// norm loads after its FFN wait) in the first half of the fp32 buffer.
-#ifndef MK_BF16_EXPERT_OUT
-#define MK_BF16_EXPERT_OUT 0
-#endif
-// (A source variant) The norm loads its gamma values before it waits for the FFN.
-#ifndef MK_NORM_GAMMA_EARLY
-#define MK_NORM_GAMMA_EARLY 0
-#endif
-
-// The pause between two polls of a counter (0: none, a tight spin).
-#ifndef MK_SPIN_SLEEP_NS
-#define MK_SPIN_SLEEP_NS 32
-#endif
-
 __device__ __forceinline__ void spin_until(const uint32_t* c, uint32_t target) {
     if (load_acquire(c) >= target) return;
     const uint64_t start = global_ns();
     while (load_acquire(c) < target) {
-        if (MK_SPIN_SLEEP_NS > 0) __nanosleep(MK_SPIN_SLEEP_NS);
+        __nanosleep(32);
         if (global_ns() - start > kWaitLimitNs) __trap();
     }
 }

@@ -666,14 +666,8 @@ __device__ void gemv_epilogue(const MkStepArgs& a, const MkTask& t, const GemvSh
             case MK_MAT_ROUTER: ptr<float>(a.router)[b * a.experts + out_row] = v; break;
             case MK_MAT_DENSE_DOWN: ptr<float>(a.ffn_out)[b * a.hidden + out_row] = v; break;
             case MK_MAT_EXPERT_DOWN:
-                if (s.has_row[b]) {
-                    const size_t at = ((size_t)slot * a.batch + b) * a.hidden + out_row;
-#if MK_BF16_EXPERT_OUT
-                    ptr<bf16>(a.expert_out)[at] = __float2bfloat16(v);  // v is bf16 already: exact
-#else
-                    ptr<float>(a.expert_out)[at] = v;
-#endif
-                }
+                if (s.has_row[b])  // (v is a bf16 value: exact)
+                    ptr<bf16>(a.expert_out)[((size_t)slot * a.batch + b) * a.hidden + out_row] = __float2bfloat16(v);
                 break;
             case MK_MAT_LM_HEAD: ptr<float>(a.logits)[(size_t)b * a.vocab + out_row] = v * a.logit_scale; break;
             case MK_MAT_DENSE_GATE_UP:

@@ -132,15 +132,11 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, const ui
                                   float* scratch, int* slots, float* scores, PhaseMarks& marks) {
     const int b = t.arg[0], layer = t.layer;
     const bool moe = ptr<uint64_t>(a.layer_weights)[(size_t)layer * MK_LW_COUNT + MK_LW_ROUTER] != 0;
-    // The thread's gamma values prefetched now (no wait), so that store_normed's read of them after
-    // the FFN (a weight nothing else reads: often from HBM) hits in L1 or L2.
-#if MK_NORM_GAMMA_EARLY
+    // The thread's first gamma values loaded now, before any wait: store_normed needs them after
+    // the FFN, and a weight nothing else reads often comes from HBM (a prefetch into L1 instead
+    // was 0.3-0.5% slower at batch 1, docs/PERF.md).
     float g_early[kVec];
     load_first_gamma(a, norm_weight(a, layer + 1), g_early);
-#else
-    if (kVec * threadIdx.x < a.hidden)
-        asm volatile("prefetch.global.L1 [%0];" ::"l"(norm_weight(a, layer + 1) + kVec * threadIdx.x));
-#endif
     if (moe && threadIdx.x < 32) {
         // Sorted by slot (= ascending expert; slots are distinct): the reference's summation
         // order. Each choice's rank is the number of smaller slots.
@@ -172,7 +168,7 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, const ui
         } else if (a.top_k == kMaxTopK) {
             // The model's top-k: no `break` test, so the eight parts' loads go out together (one
             // round trip instead of eight: -1.5% at batch 1, docs/PERF.md); the sum keeps slot order.
-#if MK_BF16_EXPERT_OUT
+            // The parts are bf16 (16 bytes each here): half the bytes of fp32 after the FFN's wait.
             uint4 part[kMaxTopK];
 #pragma unroll
             for (int k = 0; k < kMaxTopK; ++k)
@@ -186,16 +182,6 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, const ui
                     ffn[2 * j] += f.x * scores[k], ffn[2 * j + 1] += f.y * scores[k];
                 }
             }
-#else
-            float part[kMaxTopK][kVec];
-#pragma unroll
-            for (int k = 0; k < kMaxTopK; ++k)
-                load8_f32(ptr<float>(a.expert_out) + ((size_t)slots[k] * a.batch + b) * a.hidden + i0, part[k]);
-#pragma unroll
-            for (int k = 0; k < kMaxTopK; ++k)
-#pragma unroll
-                for (int j = 0; j < kVec; ++j) ffn[j] += part[k][j] * scores[k];
-#endif
         } else {
             // A smaller top-k: each load waits for its `break` test (copying the parts into shared
             // memory with cp.async was slower, docs/PERF.md).
@@ -203,11 +189,7 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, const ui
             for (int k = 0; k < kMaxTopK; ++k) {
                 if (k >= a.top_k) break;
                 float part[kVec];
-#if MK_BF16_EXPERT_OUT
                 load8_bf16_cg(ptr<bf16>(a.expert_out) + ((size_t)slots[k] * a.batch + b) * a.hidden + i0, part);
-#else
-                load8_f32(ptr<float>(a.expert_out) + ((size_t)slots[k] * a.batch + b) * a.hidden + i0, part);
-#endif
 #pragma unroll
                 for (int j = 0; j < kVec; ++j) ffn[j] += part[j] * scores[k];
             }
@@ -217,11 +199,7 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, const ui
     }
     compute_sync();
     marks.mark(1);
-#if MK_NORM_GAMMA_EARLY
     store_normed(a, b, v, norm_weight(a, layer + 1), scratch, layer, g_early);
-#else
-    store_normed(a, b, v, norm_weight(a, layer + 1), scratch, layer);
-#endif
 }
 
 // The top-k task: every row's choices (one warp per row: warp_choose), their sigmoid scores, and

@@ -40,6 +40,7 @@ from mk.model.varlen import (
     FLEX_BLOCK,
     PackedKeys,
     Piece,
+    attend_causal,
     attend_flex,
     attend_intervals_sdpa,
     attend_sdpa,
@@ -58,6 +59,9 @@ if TYPE_CHECKING:
 BUCKETS = (256, 512, 1024, 2048, 4096, 8192)
 # Padded key columns of a full-attention layer for a chunk with a cached prefix (prefix + chunk).
 KEY_BUCKETS = tuple(1 << i for i in range(11, 19))  # 2K .. 256K
+# A fresh prompt's full-attention layers on CUDA take one fused causal kernel (`attend_causal`)
+# instead of flex attention's block mask.
+FUSED_CAUSAL = True
 
 
 @dataclass(eq=False)
@@ -226,6 +230,8 @@ class FreshPrompts(_StaticPasses):
         kk, vv = k.to(attn_dtype), v.to(attn_dtype)
         if pf.attention == "sdpa":
             return attend_sdpa(q, kk, vv, ks, b.pieces)
+        if ks.window is None and FUSED_CAUSAL and pf.device.type == "cuda":
+            return attend_causal(q, kk, vv)  # (the pads follow every real row: causal hides them)
         # fa3 builds its sequence offsets per call; the static pass takes flex.
         return attend_flex(q, kk, vv, ks, compiled=pf.attention != "flex_eager")
 

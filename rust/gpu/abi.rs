@@ -192,7 +192,7 @@ pub const TRACE_MARKED: u32 = 0x8000_0000;
 pub const LEDGER_STAGES: usize = 8192;
 
 /// Must equal `MK_ABI_VERSION` in cuda/abi.h.
-pub const ABI_VERSION: u64 = 15;
+pub const ABI_VERSION: u64 = 16;
 
 /// The values `mk_abi_layout` in cuda/abi_probe.cu holds, in its order, computed on the Rust side.
 pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {

@@ -33,7 +33,7 @@ class StepBuffers:
     dense_act: torch.Tensor  # act [B, dense_ffn]
     expert_act: torch.Tensor  # act [slots, B, expert_ffn]
     ffn_out: torch.Tensor  # fp32 [B, hidden]
-    expert_out: torch.Tensor  # fp32 [slots, B, hidden]
+    expert_out: torch.Tensor  # [slots, B, hidden] in the model dtype
     logits: torch.Tensor  # fp32 [B, vocab]
     sample_score: torch.Tensor  # fp32 [B, parts]
     sample_id: torch.Tensor  # int32 [B, parts]
@@ -77,7 +77,7 @@ class StepBuffers:
             "dense_act": ((B, cfg.prefix_dense_intermediate_size), dtype),
             "expert_act": ((max(slots, 1), B, cfg.intermediate_size), dtype),
             "ffn_out": ((B, D), f32),
-            "expert_out": ((max(slots, 1), B, D), f32),
+            "expert_out": ((max(slots, 1), B, D), dtype),  # bf16 values: the norm loads half the bytes
             "logits": ((B, cfg.vocab_size), f32),
             "sample_score": ((B, parts), f32),
             "sample_id": ((B, parts), i32),

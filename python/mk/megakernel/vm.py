@@ -137,7 +137,7 @@ class _Interpreter:
             if slot < int(b.slot_count[0]):
                 p, rows = self.expert_prefix(layer, slot), self.expert_rows(slot)
                 down = self.w[p + "down_proj.weight"][r0:r1]
-                b.expert_out[slot, rows, r0:r1] = self.matmul(b.expert_act[slot, rows], down)
+                b.expert_out[slot, rows, r0:r1] = self.matmul(b.expert_act[slot, rows], down).to(b.expert_out.dtype)
         elif matrix == Matrix.LM_HEAD:
             out = self.matmul(b.h, self.w["model.embed_tokens.weight"][r0:r1])
             b.logits[:, r0:r1] = out * cfg.logit_scale

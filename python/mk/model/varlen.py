@@ -14,6 +14,8 @@ piece only). The attention paths (`attend_*`) take Q [N, heads, d] and the gathe
 - flex: `flex_attention` with a block mask built from the intervals (compiled on CUDA);
 - fa3: FlashAttention-3 varlen (`flash_attn_interface`), causal bottom-right, window (W - 1, 0);
 - sdpa: per piece and query tile, `scaled_dot_product_attention` with an explicit boolean mask.
+`attend_causal` is the plain case (n rows over their own n keys, no window: a fresh prompt's
+full-attention layers), one fused `scaled_dot_product_attention` call.
 """
 
 from __future__ import annotations
@@ -275,6 +277,25 @@ def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: PackedK
 
         out = flex_attention(q4, k4, v4, block_mask=keys.backend_data, enable_gqa=True)
     return out[0, :, :n].transpose(0, 1).reshape(n, hq * hd)
+
+
+# Fused kernels `attend_causal` may take, in order of preference (the math one: the CPU's fallback).
+CAUSAL_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "MATH")
+
+
+def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal GQA attention of rows 0..n-1 over their own keys: q [n, heads, d], k/v [n, kv_heads, d]
+    -> [n, heads * d]. No block mask to read: on CUDA one fused kernel (cuDNN's where it takes the
+    shapes)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    n, hq, hd = q.shape
+    backends = [getattr(SDPBackend, name) for name in CAUSAL_BACKENDS]
+    with sdpa_kernel(backends, set_priority=True):
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, enable_gqa=True
+        )
+    return o[0].transpose(0, 1).reshape(n, hq * hd)
 
 
 # ---- FlashAttention-3 ----------------------------------------------------------------------------------

@@ -67,6 +67,10 @@ from mk.sampling import ConstraintSpec, SamplingParams
 from mk.tokenizer import Tokenizer
 
 NEW_TOKENS = 64
+# Room for new tokens past the longest prompt. A decode row's first streams decode while the later
+# prompts are admitted (a decode step between prefill slices: ~64 steps a 32K prompt), so 8 x 32K
+# needs well over 512 before its timed window starts.
+DECODE_ROOM = 2048
 # --grammar's rows: letters and spaces until 4,000 characters, so that the grammar never lets a
 # row end (EOS) inside the timed window, whatever the random weights prefer.
 GRAMMAR = "[a-z ]{4000}"
@@ -147,7 +151,7 @@ def decode_row(
     constraint: ConstraintSpec | None = None,
 ) -> dict:
     cfg = model.config
-    budget = 512 - 8  # new tokens a stream may make (max_context leaves 512 past the prompt)
+    budget = DECODE_ROOM - 8  # new tokens a stream may make (max_context leaves DECODE_ROOM past the prompt)
     runs = [
         submit(engine, random_prompt(cfg, ctx, gen), budget, temperature, top_p, constraint)[0] for _ in range(batch)
     ]
@@ -330,7 +334,7 @@ def main() -> None:
         model,
         backend="megakernel",
         max_batch=MAX_BATCH,
-        max_context=32768 + 512,
+        max_context=32768 + DECODE_ROOM,
         prefill_chunk=args.prefill_chunk,
         kv_fraction=args.kv_fraction,
         launch_ahead=AUTO_ON_OFF[args.launch_ahead],

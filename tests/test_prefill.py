@@ -410,7 +410,9 @@ def test_a_sliced_prefill_runs_without_autograd_as_the_whole_call(weights64, mon
     model = model_of(weights64, torch.float64)
     modes: list[bool] = []
     layers, head = Prefill.layers, Prefill.head
-    monkeypatch.setattr(Prefill, "layers", lambda self, *a: modes.append(torch.is_grad_enabled()) or layers(self, *a))
+    monkeypatch.setattr(
+        Prefill, "layers", lambda self, *a, **k: modes.append(torch.is_grad_enabled()) or layers(self, *a, **k)
+    )
     monkeypatch.setattr(Prefill, "head", lambda self, x: modes.append(torch.is_grad_enabled()) or head(self, x))
     pool = Pool(model)
     requests = [PrefillRequest(tokens_of(40), 0, pool.table(40))]
@@ -618,11 +620,13 @@ def test_a_fresh_prompt_padded_to_a_bucket_matches_the_reference(weights64, atte
 
 
 @pytest.mark.parametrize("min_rows", [256, 257])
-def test_a_large_enough_static_pass_takes_the_static_steps_and_nothing_else_does(weights64, monkeypatch, min_rows):
-    """The elementwise steps compiled per shape (GPU) serve only bucketed static passes of at least
-    STATIC_STEPS_MIN_ROWS rows: a 300-token prompt's first 256 tokens (bucket 256) take them when
-    the bar is 256, not when it is 257, and its last 44 (the usual path) never do. (float32 for the
-    grouped MoE's steps; the values of the static pass are checked above.)"""
+@pytest.mark.parametrize("n", [300, 512])
+def test_a_large_enough_static_pass_takes_the_static_steps_and_nothing_else_does(weights64, monkeypatch, min_rows, n):
+    """The elementwise steps compiled per shape (GPU) serve only chunks of a bucket's rows, at least
+    STATIC_STEPS_MIN_ROWS: a prompt's first 256 tokens (the fresh pass's bucket 256) take them when
+    the bar is 256, not when it is 257; of the rest, on the usual path, 44 rows never do and 256
+    rows (a bucket's shape: a long prompt's full chunk) do as the first. (float32 for the grouped
+    MoE's steps; the values of the static pass are checked above.)"""
     monkeypatch.setattr(prefill_module, "STATIC_STEPS_MIN_ROWS", min_rows)
     calls = []
     run = prefill_module._Op.__call__
@@ -631,11 +635,12 @@ def test_a_large_enough_static_pass_takes_the_static_steps_and_nothing_else_does
     pool = Pool(model)
     prefill = Prefill(model, chunk=256, attention="sdpa", moe="grouped", graphs=True)
     prefill.fresh = FreshPrompts(prefill, buckets=(64, 256), capture=False)
-    out = prefill([PrefillRequest(tokens_of(300), 0, pool.table(300))], pool.kv)
+    out = prefill([PrefillRequest(tokens_of(n), 0, pool.table(n))], pool.kv)
     assert out.logits.isfinite().all()
     per_pass = sum(2 + 2 * CFG.needs_rope(i) + 2 * CFG.is_moe(i) for i in range(L))  # norm, residual, rope, MoE
-    assert calls.count(True) == (per_pass if min_rows <= 256 else 0)
-    assert calls.count(False) == per_pass + (0 if min_rows <= 256 else per_pass)
+    static_passes = (1 + (n == 512)) if min_rows <= 256 else 0
+    assert calls.count(True) == static_passes * per_pass
+    assert calls.count(False) == (2 - static_passes) * per_pass
 
 
 def test_a_fresh_prompt_with_another_cache_drops_the_static_buffers(weights64):

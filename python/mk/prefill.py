@@ -496,6 +496,10 @@ class SlicedPrefill:
                 pieces, prefill._sliding_layers, cfg.sliding_window, prefill.device
             )
         self.x = prefill.embed(tokens)
+        # A chunk of exactly a fresh-prompt bucket's rows (a long prompt's full chunks, run here when
+        # sliced between decode steps or when no static pass takes them) has the static passes'
+        # shapes, whose per-shape steps the warm-up compiled: it takes them too.
+        self.static = prefill.fresh is not None and len(tokens) in prefill.fresh.buckets
         self.done = 0  # layers run so far
 
     # Without autograd, as every Prefill call: the compiled functions are guarded on the grad mode,
@@ -521,7 +525,9 @@ class SlicedPrefill:
             vv = pool_v.index_select(0, slots).to(attn_dtype)
             return p._attend(q, kk, vv, ks, self.pieces)
 
-        self.x = p.layers(self.x, self.cos, self.sin, kv.dtype, attn_dtype, write_and_attend, start, end)
+        self.x = p.layers(
+            self.x, self.cos, self.sin, kv.dtype, attn_dtype, write_and_attend, start, end, static=self.static
+        )
         self.done = end
 
     def last_rows(self) -> torch.Tensor:

@@ -101,6 +101,10 @@ __device__ __forceinline__ uint64_t global_ns() {
 #ifndef MK_TRACE_MARKS
 #define MK_TRACE_MARKS 0
 #endif
+// A diagnostic build that also records every weight copy's times (abi.h: the stream ledger).
+#ifndef MK_STREAM_LEDGER
+#define MK_STREAM_LEDGER 0
+#endif
 // With MK_TRACE_MARKS, the GEMV and expert-claim tasks mark too (their first tile's activations in
 // shared memory; its stages multiplied and reduced), in place of their producer's waits.
 #ifndef MK_GEMV_MARKS

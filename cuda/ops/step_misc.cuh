@@ -211,7 +211,8 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, const ui
 #pragma unroll
         for (int j = 0; j < kVec; ++j) r[j] = v[i0 + j];
     }
-    if (a.hidden <= kVec * kThreads) {
+    // (Not in the stream-ledger diagnostic build: its wide image would spill at the register cap.)
+    if (!MK_STREAM_LEDGER && a.hidden <= kVec * kThreads) {
         // At most one vector a thread (hidden 2048; the GPU tests' 384): the sum of squares and the
         // stores start from the registers that summed the row, with no barrier and no shared-memory
         // pass between the FFN's loads and the reduction (-0.3% at batch 1 and 8, docs/PERF.md).

@@ -133,10 +133,6 @@ __device__ __forceinline__ void tensor_copy_3d(void* dst, const void* map, int b
         : "memory");
 }
 
-#ifndef MK_STREAM_LEDGER
-#define MK_STREAM_LEDGER 0
-#endif
-
 // The ring of stages and its barriers, carved out of the block's dynamic shared memory.
 struct Ring {
     unsigned char* stages;  // [stages][kStageBytes]

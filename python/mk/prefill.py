@@ -24,7 +24,8 @@ that is one fresh prompt (no cached prefix, the common case of a short prompt) r
 static-shape pass padded to a bucket and, on CUDA, as a CUDA graph replay (`mk.prefill_graphs`):
 its ~1,700 launches and ~300 compiled-region calls otherwise cost 100-200 ms of host time. Such
 a pass of at least STATIC_STEPS_MIN_ROWS rows takes elementwise steps compiled for its exact
-shape, twice as fast as the dynamic ones.
+shape, twice as fast as the dynamic ones, and so does a chunk on the usual path whose row count
+is a bucket's (a long prompt's full chunks, sliced between decode steps or not).
 
 Page contract (the caller owns every page; prefill maps, releases and frees nothing). For a chunk
 that computes positions [a, b) of a sequence:

@@ -1,24 +1,32 @@
 #!/usr/bin/env bash
-# Runs ON the GPU machine: the end-of-session call on the code that lands (~8 min on the H200, the
-# GPU tests ~6 of them: run it alone in a call with timeout_s 600):
-# every GPU test, the decode grid of record beside the yardstick of record, and compute-sanitizer
-# memcheck and racecheck on one GPU-test step, each in its own time limit. Carry the wheel built
-# from that code, .whl/yardstick.py (a copy of shared/tools/yardstick.py) and, for the server's GPU
-# test, .whl/server-py312 (scripts/server-wheels.sh).
-#   device run:  bash scripts/device-final.sh      (carry: [".whl"])
-# Writes $OUT/{gpu-tests.log,grid.log,grid.json,sanitize.log} (at most 8 files come back) and
-# prints the tests' summary, the grid's table and the sanitizers' summaries.
+# Runs ON the GPU machine: the end-of-session calls on the code that lands, in two parts that each
+# fit one 10-minute device call (timings on the H200, 2026-12-04):
+#   tests: every GPU test (~5.5 min);
+#   grid:  the decode grid of record beside the yardstick of record (~2 min), compute-sanitizer
+#          memcheck and racecheck on the GPU-test steps (~2 min, each within its own limit), and
+#          benches/engine.py's rows (~1.5 min; ENGINE=0 skips them).
+# Carry the wheel built from that code, .whl/yardstick.py (a copy of shared/tools/yardstick.py)
+# and, for the server's GPU test, .whl/server-py312 (scripts/server-wheels.sh).
+#   device run:  bash scripts/device-final.sh tests      then      bash scripts/device-final.sh grid
+#   (carry: [".whl"], timeout_s 600; send the second call at once, while the machine is warm)
+# Writes $OUT/gpu-tests.log, or $OUT/{grid.log,grid.json,sanitize.log,engine.log,engine.json}
+# (at most 8 files come back), and prints the tests' summary, or the grid's table, the sanitizers'
+# summaries and the engine's tables.
 set -uo pipefail
 source "$(dirname "$0")/device-env.sh"
 final=$OUT
 status=0
-check=$(mktemp -d)
-OUT=$check bash scripts/device-check.sh --tests || status=1
-cp "$check/tests.log" "$final/gpu-tests.log"
-grid=$(mktemp -d)
-OUT=$grid bash scripts/device-grid.sh || status=1
-cp "$grid/grid.log" "$final/grid.log"
-python3 - "$grid" "$final/grid.json" <<'PY'
+case ${1:-} in
+tests)
+    check=$(mktemp -d)
+    OUT=$check bash scripts/device-check.sh --tests || status=1
+    cp "$check/tests.log" "$final/gpu-tests.log"
+    ;;
+grid)
+    grid=$(mktemp -d)
+    OUT=$grid bash scripts/device-grid.sh || status=1
+    cp "$grid/grid.log" "$final/grid.log"
+    python3 - "$grid" "$final/grid.json" <<'PY'
 import glob, json, sys
 src, dst = sys.argv[1:]
 rows = {"decode": [], "yardstick": []}
@@ -28,6 +36,16 @@ for kind in rows:
         rows[kind] += data["rows"] if isinstance(data, dict) else data
 json.dump(rows, open(dst, "w"), indent=1)
 PY
-sanitize_steps "$final/sanitize.log" 200
-grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$final/sanitize.log"
+    sanitize_steps "$final/sanitize.log" 120
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$final/sanitize.log"
+    if [ "${ENGINE:-1}" = 1 ]; then
+        timeout 200 python3 benches/engine.py --json "$final/engine.json" >"$final/engine.log" 2>&1 || status=1
+        grep -vE "^\{'|Warning|warn" "$final/engine.log" | tail -n 32
+    fi
+    ;;
+*)
+    echo "usage: device-final.sh tests|grid"
+    exit 2
+    ;;
+esac
 exit $status

@@ -22,7 +22,10 @@
 //! decoding stream waits at most one slice, and the admitted prompt keeps its large chunks (once
 //! nothing decodes, a call's remaining layers run at once). The call's sequences are checked
 //! before every slice; if one has left (cancelled, preempted) the call is dropped and its other
-//! sequences are planned again (their progress only moves when the last slice lands).
+//! sequences are planned again (their progress only moves when the last slice lands). With
+//! launch-ahead, a slice between the first and the last goes to the backend while the step queued
+//! before it is still in flight (it lands after the slice is issued), so that a device runs the
+//! step and the slice back to back instead of idling while the host lands the step.
 
 use std::time::Instant;
 
@@ -219,8 +222,13 @@ impl<B: Backend> Core<B> {
         let layers = self.plan_prefill_call(&mut chunks, out);
         let results_due = layers.is_none_or(|s| s.last);
         if !chunks.is_empty() {
-            // The step in flight first: the prefill writes K/V the scheduler has just mapped.
-            if let Some(flight) = self.in_flight.take() {
+            // The step in flight first: the prefill writes K/V the scheduler has just mapped, and its
+            // last slice hands over results. A slice in the middle of a call maps nothing and hands
+            // over nothing: the step stays in flight and lands after it (below, as without
+            // prefill), so that the device runs the slice right behind the step instead of waiting
+            // for the host to land the step and only then start the slice.
+            let mid_slice = layers.is_some_and(|s| s.start > 0 && !s.last);
+            if let Some(flight) = self.in_flight.take_if(|_| !mid_slice) {
                 backend_ns += self.land(flight, out);
             }
             // A prompt's last chunk samples its first token: under a grammar, with its mask, which a

@@ -121,6 +121,8 @@ pub struct MockBackend {
     /// Per `prefill` call: whether the next decode step had a row the call did not just finish
     /// prefilling (a stream that was decoding while the call was planned).
     pub prefill_decoding: Vec<bool>,
+    /// Per `prefill` call: whether a queued step was still uncollected (in flight) when it came.
+    pub prefill_behind_queued: Vec<bool>,
     /// The `prefill` calls since the last decode step (a failed packed call is retried chunk by
     /// chunk: several in one iteration), and the rows whose last chunk they ran.
     just_prefilled: Option<(Vec<usize>, std::collections::HashSet<usize>)>,
@@ -162,6 +164,7 @@ impl MockBackend {
             fail_packed_request: None,
             fail_decode_call: None,
             prefill_calls: 0,
+            prefill_behind_queued: Vec::new(),
             prefill_batches: Vec::new(),
             prefill_tokens: Vec::new(),
             prefill_layers: Vec::new(),
@@ -295,6 +298,7 @@ impl Backend for MockBackend {
         self.prefill_tokens.push(input.chunks.iter().map(|c| c.tokens.len()).sum());
         self.prefill_layers.push(input.layers.map_or(self.model.sliding.len(), |s| s.end - s.start));
         self.prefill_decoding.push(false);
+        self.prefill_behind_queued.push(!self.queued.is_empty());
         let (calls, rows) = self.just_prefilled.get_or_insert_with(Default::default);
         calls.push(self.prefill_tokens.len() - 1);
         rows.extend(input.chunks.iter().filter(|c| c.last && results_due).map(|c| c.row));

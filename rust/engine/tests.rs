@@ -834,6 +834,35 @@ fn a_sliced_prefill_keeps_its_chunks_and_the_stream_its_pace() {
     assert!(out.per_iteration[first + 1..=last].iter().all(|m| m.get(&1) == Some(&1)), "the stream skipped a step");
 }
 
+/// With launch-ahead, a slice in the middle of a sliced call is issued while the step queued
+/// before it is still in flight (a device runs the two back to back, the host landing the step
+/// after issuing the slice); the first slice (its pages just mapped) and the last (its results)
+/// land it first. The outputs stay the solo ones, with and without launch-ahead.
+#[test]
+fn a_mid_slice_is_issued_behind_the_step_in_flight() {
+    let model = MockModel::small();
+    let layers = model.sliding.len();
+    let streaming = (0, req(1, 3, SamplingParams::greedy(40).with_ignore_eos()));
+    let admitted = (3, req(2, 30, SamplingParams::greedy(5).with_ignore_eos()));
+    let arrivals = [streaming, admitted];
+    for ahead in [false, true] {
+        let mut c = budgeted_core(&model, 200, 2, 12, Some(4), 64);
+        c.layer_slices = Some(layers);
+        c.launch_ahead = ahead;
+        c.backend.queueing = ahead;
+        let out = run(&mut c, &arrivals, &[]);
+        assert_solo(&model, &arrivals, &out, 64);
+        let b = &c.backend;
+        // The stream's own prompt (whole), then the slices of the chunks of 12, 12 and 6 tokens
+        // (as in a_sliced_prefill_keeps_its_chunks_and_the_stream_its_pace): first, middle and
+        // last slice of each 12, first and last of the 6.
+        assert_eq!(b.prefill_layers, [layers, 1, 1, 1, 1, 1, 1, 2, 1], "launch-ahead {ahead}");
+        let mid = [false, false, true, false, false, true, false, false, false];
+        let expect: Vec<bool> = mid.iter().map(|&m| m && ahead).collect();
+        assert_eq!(b.prefill_behind_queued, expect, "launch-ahead {ahead}");
+    }
+}
+
 /// A sliced call whose sequence is cancelled half way is dropped (nothing more is written for it,
 /// its blocks come back); one whose packed neighbour leaves is planned again from its start and
 /// still gives its solo output.

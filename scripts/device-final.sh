@@ -2,7 +2,7 @@
 # Runs ON the GPU machine: the end-of-session calls on the code that lands, in two parts that each
 # fit one 10-minute device call (timings on the H200, 2026-12-04):
 #   tests: every GPU test (~5.5 min);
-#   grid:  the decode grid of record beside the yardstick of record (~2 min), compute-sanitizer
+#   grid:  the decode grid of record beside the yardstick of record (~2.5 min), compute-sanitizer
 #          memcheck and racecheck on the GPU-test steps (~2 min, each within its own limit), and
 #          benches/engine.py's rows (~1.5 min; ENGINE=0 skips them).
 # Carry the wheel built from that code, .whl/yardstick.py (a copy of shared/tools/yardstick.py)

@@ -805,6 +805,14 @@ fn a_request_resubmitted_under_its_id_while_a_step_is_in_flight_gets_none_of_its
     assert_eq!((&out.tokens[&1], out.finish[&1]), (&solo, reason));
 }
 
+/// A stream of 40 tokens from iteration 0, and a 30-token prompt (5 tokens) arriving at iteration 3.
+fn stream_and_long_prompt() -> [(usize, Request); 2] {
+    [
+        (0, req(1, 3, SamplingParams::greedy(40).with_ignore_eos())),
+        (3, req(2, 30, SamplingParams::greedy(5).with_ignore_eos())),
+    ]
+}
+
 /// A long prompt admitted while a stream decodes, with layer-sliced prefill: its chunks are whole
 /// (the prefill chunk, not the decode budget), each call runs a slice of the layers whose work
 /// (tokens × layers) stays within the budget, the stream gets a token every iteration, and both
@@ -814,9 +822,7 @@ fn a_sliced_prefill_keeps_its_chunks_and_the_stream_its_pace() {
     let model = MockModel::small();
     let layers = model.sliding.len();
     let (chunk, budget) = (12, 4);
-    let streaming = (0, req(1, 3, SamplingParams::greedy(40).with_ignore_eos()));
-    let admitted = (3, req(2, 30, SamplingParams::greedy(5).with_ignore_eos()));
-    let arrivals = [streaming, admitted];
+    let arrivals = stream_and_long_prompt();
     let mut c = budgeted_core(&model, 200, 2, chunk, Some(budget), 64);
     c.layer_slices = Some(layers);
     let out = run(&mut c, &arrivals, &[]);
@@ -842,9 +848,7 @@ fn a_sliced_prefill_keeps_its_chunks_and_the_stream_its_pace() {
 fn a_mid_slice_is_issued_behind_the_step_in_flight() {
     let model = MockModel::small();
     let layers = model.sliding.len();
-    let streaming = (0, req(1, 3, SamplingParams::greedy(40).with_ignore_eos()));
-    let admitted = (3, req(2, 30, SamplingParams::greedy(5).with_ignore_eos()));
-    let arrivals = [streaming, admitted];
+    let arrivals = stream_and_long_prompt();
     for ahead in [false, true] {
         let mut c = budgeted_core(&model, 200, 2, 12, Some(4), 64);
         c.layer_slices = Some(layers);

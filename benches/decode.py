@@ -100,6 +100,11 @@ def step_bytes(cfg: ModelConfig, batch: int, ctx: int, experts_per_layer: int) -
     return attn + dense + router + experts + head + batch * keys * 2 * kvw * 2
 
 
+def _option(value: str) -> int | str:
+    """A --sizes value: a number, or a name (the dealing's)."""
+    return int(value) if value.lstrip("-").isdigit() else value
+
+
 def time_events(fn, iters: int) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -152,7 +157,7 @@ def measure(
     g = step.graph(positions)
     sized_steps = {}
     for entry in sizes:
-        options = {name: int(value) for name, value in (part.split("=") for part in entry.split("+"))}
+        options = {name: _option(value) for name, value in (part.split("=") for part in entry.split("+"))}
         sized = MegakernelStep(model, kv, pages, **options)
         sized_steps[entry] = (sized, sized.graph(positions))
     # One set of buffers serves every variant: room for the most attention splits any of them has.
@@ -314,7 +319,8 @@ def main() -> None:
     parser.add_argument(
         "--sizes",
         default="",
-        help="BuildOptions variants timed beside the default, e.g. gate_up_groups=3,expert_queue=1+attn_chunk=512",
+        help="BuildOptions variants timed beside the default, e.g. gate_up_groups=3,expert_queue=1+attn_chunk=512 "
+        "(or a dealing: dealing=segregated:64)",
     )
     parser.add_argument("--no-torch", action="store_true", help="skip benches/yardstick.py's CUDA-graph column")
     args = parser.parse_args()

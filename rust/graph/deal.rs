@@ -25,15 +25,44 @@ pub enum Dealing {
     RoundRobin,
     /// Each task, in order, to the SM the cost model frees first.
     Balanced,
+    /// Attention splits round-robin over SMs [0, attention_sms), the MoE layers' expert tiles
+    /// over the others, every other task round-robin over all: no expert tile queues behind an
+    /// attention split on its SM (at batch 1 the layer's gate/up tiles otherwise start only once
+    /// their SM's split has run, docs/PERF.md). A variant to measure (`segregated:<N>`).
+    Segregated { attention_sms: usize },
 }
 
 impl Dealing {
+    /// "round_robin", "balanced" or "segregated:<attention SMs>".
     pub fn parse(name: &str) -> Option<Dealing> {
         match name {
             "round_robin" => Some(Dealing::RoundRobin),
             "balanced" => Some(Dealing::Balanced),
-            _ => None,
+            _ => {
+                let n = name.strip_prefix("segregated:")?.parse().ok()?;
+                (n > 0).then_some(Dealing::Segregated { attention_sms: n })
+            }
         }
+    }
+}
+
+/// Which SMs a task may go to under `Dealing::Segregated`.
+#[derive(Clone, Copy)]
+enum Group {
+    Attention,
+    Experts,
+    Any,
+}
+
+fn group(t: &MkTask) -> Group {
+    match t.op() {
+        Op::AttnSplit => Group::Attention,
+        Op::ExpertClaim => Group::Experts,
+        Op::Gemv => match Matrix::from_i32(t.arg[0]) {
+            Some(Matrix::ExpertGateUp | Matrix::ExpertDown) => Group::Experts,
+            _ => Group::Any,
+        },
+        _ => Group::Any,
     }
 }
 
@@ -89,6 +118,21 @@ pub fn deal(order: &[MkTask], g: &Geometry, num_sms: usize, dealing: Dealing, nu
                 per_sm[i % num_sms].push(i);
             }
         }
+        Dealing::Segregated { attention_sms } if attention_sms < num_sms => {
+            // (one round-robin cursor per group; each SM's list stays ascending)
+            let experts = num_sms - attention_sms;
+            let mut next = [0usize; 3];
+            for (i, t) in order.iter().enumerate() {
+                let (k, first, count) = match group(t) {
+                    Group::Attention => (0, 0, attention_sms),
+                    Group::Experts => (1, attention_sms, experts),
+                    Group::Any => (2, 0, num_sms),
+                };
+                per_sm[first + next[k] % count].push(i);
+                next[k] += 1;
+            }
+        }
+        Dealing::Segregated { .. } => return deal(order, g, num_sms, Dealing::RoundRobin, num_counters),
         Dealing::Balanced => {
             let mut timing = Timing::new(num_counters, num_sms);
             // (time the SM frees, SM): the earliest first, ties to the lowest index. Times are
@@ -173,6 +217,44 @@ mod tests {
             assert_eq!(all, (0..g.order.len()).collect::<Vec<_>>());
             assert_eq!(check::check(&geom, &g, 5), vec![]);
         }
+    }
+
+    #[test]
+    fn segregated_lists_keep_attention_and_expert_tiles_apart_and_stay_sound() {
+        for (geom, positions, sms, attention_sms) in [
+            (tiny(), vec![5, 130, 300], 7, 3),
+            (gpu_test(), vec![8191], 132, 64),
+            (gpu_test(), vec![0, 4095, 9000], 132, 40),
+        ] {
+            let opts =
+                BuildOptions { num_sms: sms, dealing: Dealing::Segregated { attention_sms }, ..Default::default() };
+            let g = build_step(&geom, &positions, &opts).unwrap();
+            assert!(g.per_sm.iter().all(|l| l.windows(2).all(|w| w[0] < w[1])));
+            let mut all: Vec<usize> = g.per_sm.iter().flatten().copied().collect();
+            all.sort_unstable();
+            assert_eq!(all, (0..g.order.len()).collect::<Vec<_>>());
+            assert_eq!(check::check(&geom, &g, 5), vec![]);
+            let (mut splits, mut tiles) = (0, 0);
+            for (sm, list) in g.per_sm.iter().enumerate() {
+                for &i in list {
+                    match group(&g.order[i]) {
+                        Group::Attention => {
+                            splits += 1;
+                            assert!(sm < attention_sms);
+                        }
+                        Group::Experts => {
+                            tiles += 1;
+                            assert!(sm >= attention_sms);
+                        }
+                        Group::Any => {}
+                    }
+                }
+            }
+            assert!(splits > 0 && tiles > 0, "{splits} splits, {tiles} expert tiles");
+        }
+        assert_eq!(Dealing::parse("segregated:64"), Some(Dealing::Segregated { attention_sms: 64 }));
+        assert_eq!(Dealing::parse("segregated:0"), None);
+        assert_eq!(Dealing::parse("segregated"), None);
     }
 
     #[test]

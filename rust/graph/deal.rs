@@ -203,20 +203,26 @@ impl Timing {
 #[cfg(test)]
 mod tests {
     use super::super::tests::{gpu_test, tiny};
-    use super::super::{build_step, check, BuildOptions};
+    use super::super::{build_step, check, BuildOptions, StepGraph};
     use super::*;
 
     #[test]
     fn balanced_lists_are_ordered_complete_and_sound() {
         for (geom, positions, sms) in [(tiny(), vec![5, 130, 300], 7), (gpu_test(), vec![0, 4095, 4096, 9000], 132)] {
-            let opts = BuildOptions { num_sms: sms, dealing: Dealing::Balanced, ..Default::default() };
-            let g = build_step(&geom, &positions, &opts).unwrap();
-            assert!(g.per_sm.iter().all(|l| l.windows(2).all(|w| w[0] < w[1])));
-            let mut all: Vec<usize> = g.per_sm.iter().flatten().copied().collect();
-            all.sort_unstable();
-            assert_eq!(all, (0..g.order.len()).collect::<Vec<_>>());
-            assert_eq!(check::check(&geom, &g, 5), vec![]);
+            sound_dealing(&geom, &positions, sms, Dealing::Balanced);
         }
+    }
+
+    /// The step dealt so: every task on exactly one SM, each list ascending (a subsequence of the
+    /// order: no deadlock), and the static checker finds nothing.
+    fn sound_dealing(geom: &Geometry, positions: &[usize], num_sms: usize, dealing: Dealing) -> StepGraph {
+        let g = build_step(geom, positions, &BuildOptions { num_sms, dealing, ..Default::default() }).unwrap();
+        assert!(g.per_sm.iter().all(|l| l.windows(2).all(|w| w[0] < w[1])));
+        let mut all: Vec<usize> = g.per_sm.iter().flatten().copied().collect();
+        all.sort_unstable();
+        assert_eq!(all, (0..g.order.len()).collect::<Vec<_>>());
+        assert_eq!(check::check(geom, &g, 5), vec![]);
+        g
     }
 
     #[test]
@@ -226,14 +232,7 @@ mod tests {
             (gpu_test(), vec![8191], 132, 64),
             (gpu_test(), vec![0, 4095, 9000], 132, 40),
         ] {
-            let opts =
-                BuildOptions { num_sms: sms, dealing: Dealing::Segregated { attention_sms }, ..Default::default() };
-            let g = build_step(&geom, &positions, &opts).unwrap();
-            assert!(g.per_sm.iter().all(|l| l.windows(2).all(|w| w[0] < w[1])));
-            let mut all: Vec<usize> = g.per_sm.iter().flatten().copied().collect();
-            all.sort_unstable();
-            assert_eq!(all, (0..g.order.len()).collect::<Vec<_>>());
-            assert_eq!(check::check(&geom, &g, 5), vec![]);
+            let g = sound_dealing(&geom, &positions, sms, Dealing::Segregated { attention_sms });
             let (mut splits, mut tiles) = (0, 0);
             for (sm, list) in g.per_sm.iter().enumerate() {
                 for &i in list {

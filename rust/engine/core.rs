@@ -228,8 +228,10 @@ impl<B: Backend> Core<B> {
             // prefill), so that the device runs the slice right behind the step instead of waiting
             // for the host to land the step and only then start the slice.
             let mid_slice = layers.is_some_and(|s| s.start > 0 && !s.last);
-            if let Some(flight) = self.in_flight.take_if(|_| !mid_slice) {
-                backend_ns += self.land(flight, out);
+            if !mid_slice {
+                if let Some(flight) = self.in_flight.take() {
+                    backend_ns += self.land(flight, out);
+                }
             }
             // A prompt's last chunk samples its first token: under a grammar, with its mask, which a
             // helper thread computes while the backend runs the forward pass.

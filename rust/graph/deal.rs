@@ -118,8 +118,9 @@ pub fn deal(order: &[MkTask], g: &Geometry, num_sms: usize, dealing: Dealing, nu
                 per_sm[i % num_sms].push(i);
             }
         }
-        Dealing::Segregated { attention_sms } if attention_sms < num_sms => {
-            // (one round-robin cursor per group; each SM's list stays ascending)
+        Dealing::Segregated { attention_sms } => {
+            // (one round-robin cursor per group; each SM's list stays ascending; build_step has
+            // checked that both groups of SMs are non-empty)
             let experts = num_sms - attention_sms;
             let mut next = [0usize; 3];
             for (i, t) in order.iter().enumerate() {
@@ -132,7 +133,6 @@ pub fn deal(order: &[MkTask], g: &Geometry, num_sms: usize, dealing: Dealing, nu
                 next[k] += 1;
             }
         }
-        Dealing::Segregated { .. } => return deal(order, g, num_sms, Dealing::RoundRobin, num_counters),
         Dealing::Balanced => {
             let mut timing = Timing::new(num_counters, num_sms);
             // (time the SM frees, SM): the earliest first, ties to the lowest index. Times are
@@ -251,6 +251,8 @@ mod tests {
             }
             assert!(splits > 0 && tiles > 0, "{splits} splits, {tiles} expert tiles");
         }
+        let all = BuildOptions { num_sms: 7, dealing: Dealing::Segregated { attention_sms: 7 }, ..Default::default() };
+        assert!(build_step(&tiny(), &[5], &all).is_err(), "no SM left for the expert tiles");
         assert_eq!(Dealing::parse("segregated:64"), Some(Dealing::Segregated { attention_sms: 64 }));
         assert_eq!(Dealing::parse("segregated:0"), None);
         assert_eq!(Dealing::parse("segregated"), None);

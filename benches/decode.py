@@ -10,7 +10,7 @@ embedding rows. Prints a table, writes JSON (and a PNG plot when matplotlib is t
 Unless --plain, every point is also timed, in the same run, with the tasks dealt onto the SMs by
 the cost model instead of round-robin (rust/graph/deal.rs): `mk_balanced_ms` (its modelled step
 time beside the round-robin one: `model_balanced_us`, `model_rr_us`). `--sizes` adds variants of
-the GEMV task sizes and other BuildOptions, e.g. `gate_up_groups=3,expert_queue=0`: one variant per entry
+the GEMV task sizes and other BuildOptions, e.g. `gate_up_groups=3,expert_queue=false`: one variant per entry
 (options of one variant joined by '+': `expert_queue=1+attn_chunk=512`),
 `mk_<entry>_ms`, and `<entry>_same_logits` whether it gives the default's logits bit for bit (GEMV sizes and
 dealings do; attention split sizes change the merge). With --trace, one step of each variant records
@@ -100,9 +100,11 @@ def step_bytes(cfg: ModelConfig, batch: int, ctx: int, experts_per_layer: int) -
     return attn + dense + router + experts + head + batch * keys * 2 * kvw * 2
 
 
-def _option(value: str) -> int | str:
-    """A --sizes value: a number, or a name (the dealing's)."""
-    return int(value) if value.lstrip("-").isdigit() else value
+def _option(value: str) -> int | bool:
+    """A --sizes value: a number, or true / false (BuildOptions' switches)."""
+    if value in ("true", "false"):
+        return value == "true"
+    return int(value)
 
 
 def time_events(fn, iters: int) -> float:
@@ -319,8 +321,7 @@ def main() -> None:
     parser.add_argument(
         "--sizes",
         default="",
-        help="BuildOptions variants timed beside the default, e.g. gate_up_groups=3,expert_queue=1+attn_chunk=512 "
-        "(or a dealing: dealing=segregated:64)",
+        help="BuildOptions variants timed beside the default, e.g. gate_up_groups=3,expert_queue=1+attn_chunk=512",
     )
     parser.add_argument("--no-torch", action="store_true", help="skip benches/yardstick.py's CUDA-graph column")
     args = parser.parse_args()

@@ -195,7 +195,7 @@ def test_the_rust_glue_checks_its_arguments():
         native_engine(FakeRunner({k: v for k, v in good.items() if k != "rows"}, cfg))
     with pytest.raises(ValueError, match=f"MkStepArgs is {size} bytes, got 3"):
         native_engine(FakeRunner({**good, "step_args": b"abc"}, cfg))
-    with pytest.raises(ValueError, match="dealing must be 'round_robin', 'balanced' or 'segregated:<attention SMs>'"):
+    with pytest.raises(ValueError, match="dealing must be 'round_robin' or 'balanced'"):
         native_engine(FakeRunner({**good, "dealing": "random"}, cfg))
     for key in ("kernel_masks", "late_masks"):
         with pytest.raises(ValueError, match=f'megakernel_setup\\(\\) has no "{key}"'):

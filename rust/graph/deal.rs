@@ -25,44 +25,15 @@ pub enum Dealing {
     RoundRobin,
     /// Each task, in order, to the SM the cost model frees first.
     Balanced,
-    /// Attention splits round-robin over SMs [0, attention_sms), the MoE layers' expert tiles
-    /// over the others, every other task round-robin over all: no expert tile queues behind an
-    /// attention split on its SM (at batch 1 the layer's gate/up tiles otherwise start only once
-    /// their SM's split has run, docs/PERF.md). A variant to measure (`segregated:<N>`).
-    Segregated { attention_sms: usize },
 }
 
 impl Dealing {
-    /// "round_robin", "balanced" or "segregated:<attention SMs>".
     pub fn parse(name: &str) -> Option<Dealing> {
         match name {
             "round_robin" => Some(Dealing::RoundRobin),
             "balanced" => Some(Dealing::Balanced),
-            _ => {
-                let n = name.strip_prefix("segregated:")?.parse().ok()?;
-                (n > 0).then_some(Dealing::Segregated { attention_sms: n })
-            }
+            _ => None,
         }
-    }
-}
-
-/// Which SMs a task may go to under `Dealing::Segregated`.
-#[derive(Clone, Copy)]
-enum Group {
-    Attention,
-    Experts,
-    Any,
-}
-
-fn group(t: &MkTask) -> Group {
-    match t.op() {
-        Op::AttnSplit => Group::Attention,
-        Op::ExpertClaim => Group::Experts,
-        Op::Gemv => match Matrix::from_i32(t.arg[0]) {
-            Some(Matrix::ExpertGateUp | Matrix::ExpertDown) => Group::Experts,
-            _ => Group::Any,
-        },
-        _ => Group::Any,
     }
 }
 
@@ -116,21 +87,6 @@ pub fn deal(order: &[MkTask], g: &Geometry, num_sms: usize, dealing: Dealing, nu
         Dealing::RoundRobin => {
             for i in 0..order.len() {
                 per_sm[i % num_sms].push(i);
-            }
-        }
-        Dealing::Segregated { attention_sms } => {
-            // (one round-robin cursor per group; each SM's list stays ascending; build_step has
-            // checked that both groups of SMs are non-empty)
-            let experts = num_sms - attention_sms;
-            let mut next = [0usize; 3];
-            for (i, t) in order.iter().enumerate() {
-                let (k, first, count) = match group(t) {
-                    Group::Attention => (0, 0, attention_sms),
-                    Group::Experts => (1, attention_sms, experts),
-                    Group::Any => (2, 0, num_sms),
-                };
-                per_sm[first + next[k] % count].push(i);
-                next[k] += 1;
             }
         }
         Dealing::Balanced => {
@@ -203,59 +159,20 @@ impl Timing {
 #[cfg(test)]
 mod tests {
     use super::super::tests::{gpu_test, tiny};
-    use super::super::{build_step, check, BuildOptions, StepGraph};
+    use super::super::{build_step, check, BuildOptions};
     use super::*;
 
     #[test]
     fn balanced_lists_are_ordered_complete_and_sound() {
         for (geom, positions, sms) in [(tiny(), vec![5, 130, 300], 7), (gpu_test(), vec![0, 4095, 4096, 9000], 132)] {
-            sound_dealing(&geom, &positions, sms, Dealing::Balanced);
+            let opts = BuildOptions { num_sms: sms, dealing: Dealing::Balanced, ..Default::default() };
+            let g = build_step(&geom, &positions, &opts).unwrap();
+            assert!(g.per_sm.iter().all(|l| l.windows(2).all(|w| w[0] < w[1])));
+            let mut all: Vec<usize> = g.per_sm.iter().flatten().copied().collect();
+            all.sort_unstable();
+            assert_eq!(all, (0..g.order.len()).collect::<Vec<_>>());
+            assert_eq!(check::check(&geom, &g, 5), vec![]);
         }
-    }
-
-    /// The step dealt so: every task on exactly one SM, each list ascending (a subsequence of the
-    /// order: no deadlock), and the static checker finds nothing.
-    fn sound_dealing(geom: &Geometry, positions: &[usize], num_sms: usize, dealing: Dealing) -> StepGraph {
-        let g = build_step(geom, positions, &BuildOptions { num_sms, dealing, ..Default::default() }).unwrap();
-        assert!(g.per_sm.iter().all(|l| l.windows(2).all(|w| w[0] < w[1])));
-        let mut all: Vec<usize> = g.per_sm.iter().flatten().copied().collect();
-        all.sort_unstable();
-        assert_eq!(all, (0..g.order.len()).collect::<Vec<_>>());
-        assert_eq!(check::check(geom, &g, 5), vec![]);
-        g
-    }
-
-    #[test]
-    fn segregated_lists_keep_attention_and_expert_tiles_apart_and_stay_sound() {
-        for (geom, positions, sms, attention_sms) in [
-            (tiny(), vec![5, 130, 300], 7, 3),
-            (gpu_test(), vec![8191], 132, 64),
-            (gpu_test(), vec![0, 4095, 9000], 132, 40),
-        ] {
-            let g = sound_dealing(&geom, &positions, sms, Dealing::Segregated { attention_sms });
-            let (mut splits, mut tiles) = (0, 0);
-            for (sm, list) in g.per_sm.iter().enumerate() {
-                for &i in list {
-                    match group(&g.order[i]) {
-                        Group::Attention => {
-                            splits += 1;
-                            assert!(sm < attention_sms);
-                        }
-                        Group::Experts => {
-                            tiles += 1;
-                            assert!(sm >= attention_sms);
-                        }
-                        Group::Any => {}
-                    }
-                }
-            }
-            assert!(splits > 0 && tiles > 0, "{splits} splits, {tiles} expert tiles");
-        }
-        let all = BuildOptions { num_sms: 7, dealing: Dealing::Segregated { attention_sms: 7 }, ..Default::default() };
-        assert!(build_step(&tiny(), &[5], &all).is_err(), "no SM left for the expert tiles");
-        assert_eq!(Dealing::parse("segregated:64"), Some(Dealing::Segregated { attention_sms: 64 }));
-        assert_eq!(Dealing::parse("segregated:0"), None);
-        assert_eq!(Dealing::parse("segregated"), None);
     }
 
     #[test]

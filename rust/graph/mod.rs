@@ -207,14 +207,6 @@ fn validate(g: &Geometry, o: &BuildOptions) -> Result<(), GraphError> {
     if o.gate_up_groups > GEMV_MAX_GROUPS / 2 {
         return bad(format!("gate_up_groups must be in 0..={} (0: automatic)", GEMV_MAX_GROUPS / 2));
     }
-    if let Dealing::Segregated { attention_sms } = o.dealing {
-        if attention_sms >= o.num_sms {
-            return bad(format!(
-                "a segregated dealing leaves SMs for the expert tiles: {attention_sms} of {}",
-                o.num_sms
-            ));
-        }
-    }
     Ok(())
 }
 

@@ -144,9 +144,6 @@ pub fn graph_geometry_error(config: &Bound<'_, PyAny>) -> PyResult<Option<String
 }
 
 pub fn parse_dealing(name: &str) -> PyResult<Dealing> {
-    Dealing::parse(name).ok_or_else(|| {
-        PyValueError::new_err(format!(
-            "dealing must be 'round_robin', 'balanced' or 'segregated:<attention SMs>', not {name:?}"
-        ))
-    })
+    Dealing::parse(name)
+        .ok_or_else(|| PyValueError::new_err(format!("dealing must be 'round_robin' or 'balanced', not {name:?}")))
 }

@@ -48,9 +48,8 @@ def build(
     expert_queue: bool | None = None,
     local_routing: bool | None = None,
 ) -> StepGraph:
-    """`dealing`: "round_robin" (task i to SM i mod num_sms), "balanced" (list scheduling under a
-    cost model) or "segregated:<N>" (attention splits on the first N SMs, expert tiles on the
-    others); see rust/graph/deal.rs. `row_groups`, `qkv_groups` and `gate_up_groups` size the
+    """`dealing`: "round_robin" (task i to SM i mod num_sms) or "balanced" (list scheduling under a
+    cost model); see rust/graph/deal.rs. `row_groups`, `qkv_groups` and `gate_up_groups` size the
     GEMV tasks and `attention_first` orders a MoE layer's attention before or after its expert
     gate/up tiles, `expert_queue` has the expert tiles claimed at run time and `local_routing` has
     every block choose a MoE layer's experts itself (rust/graph/mod.rs BuildOptions; None: its

@@ -1,0 +1,108 @@
+"""Runs ON the GPU machine: where a decode step's layers spend their time, from the kernel's trace
+(mk.megakernel.trace.task_times). For each MoE layer, every task family's first and median start
+(after its wait) and last end, in µs after the previous layer's norm ended; the medians over the
+full-attention and the sliding layers of 5 traced steps; and for the gate/up -> down hand-off,
+how long after the layer's last gate/up tile the down tiles arrive and start. With --sms, one
+step's task rows (first weight copy issued, arrival, start, end) on those SMs in layers 24 and 25.
+Real geometry, synthetic weights, a random cache (benches/decode.py's).
+Usage: python3 scripts/layer_timeline.py [--batch 1] [--ctx 8192] [--sms 0,37,90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benches"))
+from decode import kv_for, synthetic_stacked  # noqa: E402
+from mk.config import ModelConfig  # noqa: E402
+from mk.megakernel.graph import ARG, Matrix, Op  # noqa: E402
+from mk.megakernel.launch import MegakernelStep, trace_buffer  # noqa: E402
+from mk.megakernel.trace import task_family, task_times  # noqa: E402
+from mk.model.reference import Model  # noqa: E402
+
+TRACED_STEPS = 5
+
+
+def expert_tiles(g, sel: np.ndarray, matrix: Matrix) -> list[tuple[int, int]]:
+    return [
+        (s, i)
+        for s, i in zip(*np.nonzero(sel), strict=True)
+        if g.tasks[s, i, 0] == Op.GEMV and g.tasks[s, i, ARG] == matrix
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--ctx", type=int, default=8192)
+    parser.add_argument("--sms", default="", help="SMs whose task rows to print (layers 24 and 25), e.g. 0,37,90")
+    args = parser.parse_args()
+    cfg = ModelConfig.real()
+    model = Model(cfg, synthetic_stacked(cfg, seed=0)[0])
+    kv, tables, pages = kv_for(cfg, args.batch, args.ctx)
+    step = MegakernelStep(model, kv, pages)
+    g = step.graph([args.ctx - 1] * args.batch)
+    buf = step.buffers(g, log_residuals=False)
+    buf.tokens.copy_(torch.randint(0, cfg.vocab_size, (args.batch,), dtype=torch.int32))
+    buf.positions.fill_(args.ctx - 1)
+    buf.block_tables.copy_(tables)
+    tasks = torch.from_numpy(g.tasks.copy()).cuda()
+    for _ in range(3):
+        step.run(g, buf, tasks)
+    ops, layers = g.tasks[..., 0], g.tasks[..., 1]
+    figures: dict[str, dict[str, list[float]]] = {}
+    for _ in range(TRACED_STEPS):
+        tr = trace_buffer(g, buf.x.device)
+        step.run(g, buf, tasks, trace=tr)
+        torch.cuda.synchronize()
+        trace = tr.cpu().numpy()
+        t = task_times(g, trace)
+        begin = t.start + t.wait / t.hz * 1e9
+        for layer in range(1, cfg.num_hidden_layers):
+            t0 = t.end[t.real & (ops == Op.RESIDUAL_NORM) & (layers == layer - 1)].max()
+            sel = t.real & (layers == layer)
+            d = figures.setdefault("full" if cfg.window(layer) is None else "sliding", {})
+            families: dict[str, list[tuple[int, int]]] = {}
+            for s, i in zip(*np.nonzero(sel), strict=True):
+                families.setdefault(task_family(g.tasks[s, i]), []).append((s, i))
+            for name, where in families.items():
+                idx = tuple(np.array(where).T)
+                d.setdefault(f"{name} first start", []).append((begin[idx].min() - t0) / 1e3)
+                d.setdefault(f"{name} median start", []).append((np.median(begin[idx]) - t0) / 1e3)
+                d.setdefault(f"{name} last end", []).append((t.end[idx].max() - t0) / 1e3)
+            up, down = expert_tiles(g, sel, Matrix.EXPERT_GATE_UP), expert_tiles(g, sel, Matrix.EXPERT_DOWN)
+            if up and down:  # per-(slot, tile) tasks (no expert queues)
+                last_up = max(t.end[s, i] for s, i in up)
+                d.setdefault("down: median arrival - last gate/up end", []).append(
+                    np.median([t.start[s, i] - last_up for s, i in down]) / 1e3
+                )
+                d.setdefault("down: median start - last gate/up end", []).append(
+                    np.median([begin[s, i] - last_up for s, i in down]) / 1e3
+                )
+    sms = [int(s) for s in args.sms.split(",") if s]
+    for layer in (24, 25) if sms else ():
+        t0 = t.end[t.real & (ops == Op.RESIDUAL_NORM) & (layers == layer - 1)].max()
+        for sm in sms:
+            print(f"-- the last traced step, layer {layer}, SM {sm}: family, µs of: stream arrive start end")
+            for i in np.nonzero(t.real[sm] & (layers[sm] == layer))[0]:
+                issued = trace[sm, i, 2]
+                stream = (issued - t.first - t0) / 1e3 if issued != 0 else float("nan")
+                print(
+                    f"   {task_family(g.tasks[sm, i]):26s} {stream:7.2f} {(t.start[sm, i] - t0) / 1e3:7.2f}"
+                    f" {(begin[sm, i] - t0) / 1e3:7.2f} {(t.end[sm, i] - t0) / 1e3:7.2f}"
+                )
+    print(f"== batch {args.batch}, context {args.ctx}: medians over layers and {TRACED_STEPS} traced steps")
+    print("   (µs after the previous layer's norm ended)")
+    for kind, d in figures.items():
+        print(f"-- {kind} MoE layers")
+        for k in sorted(d, key=lambda k: np.median(d[k])):
+            print(f"  {k:45s} {np.median(d[k]):7.2f}")
+
+
+if __name__ == "__main__":
+    main()

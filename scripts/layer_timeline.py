@@ -1,8 +1,10 @@
 """Runs ON the GPU machine: where a decode step's layers spend their time, from the kernel's trace
 (mk.megakernel.trace.task_times). For each MoE layer, every task family's first and median start
 (after its wait) and last end, in µs after the previous layer's norm ended; the medians over the
-full-attention and the sliding layers of 5 traced steps; and for the gate/up -> down hand-off,
-how long after the layer's last gate/up tile the down tiles arrive and start. With --sms, one
+full-attention and the sliding layers of 5 traced steps; for the gate/up -> down hand-off, how
+long after the layer's last gate/up tile the down tiles arrive and start; and what finer counters
+could save: how much earlier each KV head's QKV tasks (each slot's gate/up tiles) end than the
+layer's last, which every attention split (down tile) waits for today. With --sms, one
 step's task rows (first weight copy issued, arrival, start, end) on those SMs in layers 24 and 25.
 Real geometry, synthetic weights, a random cache (benches/decode.py's).
 Usage: python3 scripts/layer_timeline.py [--batch 1] [--ctx 8192] [--sms 0,37,90]
@@ -34,6 +36,18 @@ def expert_tiles(g, sel: np.ndarray, matrix: Matrix) -> list[tuple[int, int]]:
         for s, i in zip(*np.nonzero(sel), strict=True)
         if g.tasks[s, i, 0] == Op.GEMV and g.tasks[s, i, ARG] == matrix
     ]
+
+
+def qkv_heads(cfg: ModelConfig, task: np.ndarray) -> range:
+    """The KV heads whose rows (Q, K or V) a QKV task writes."""
+    hd, qw, kvw = cfg.head_dim, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    r0, r1 = int(task[ARG + 1]), int(task[ARG + 1]) + 16 * int(task[ARG + 2])
+    if r0 < qw:
+        per_head, base, end = qw // cfg.num_key_value_heads, 0, qw
+    else:
+        base = qw if r0 < qw + kvw else qw + kvw
+        per_head, end = hd, base + kvw
+    return range((r0 - base) // per_head, (min(r1, end) - 1 - base) // per_head + 1)
 
 
 def main() -> None:
@@ -75,9 +89,28 @@ def main() -> None:
                 d.setdefault(f"{name} first start", []).append((begin[idx].min() - t0) / 1e3)
                 d.setdefault(f"{name} median start", []).append((np.median(begin[idx]) - t0) / 1e3)
                 d.setdefault(f"{name} last end", []).append((t.end[idx].max() - t0) / 1e3)
+            # What per-KV-head QKV counters could save: each split waits for every QKV task of the
+            # layer, not only its own head's.
+            qkv = [(s, i) for s, i in zip(*np.nonzero(sel), strict=True) if task_family(g.tasks[s, i]) == "gemv:qkv"]
+            head_end: dict[int, float] = {}
+            for s, i in qkv:
+                for h in qkv_heads(cfg, g.tasks[s, i]):
+                    head_end[h] = max(head_end.get(h, 0.0), t.end[s, i])
+            last_qkv = max(head_end.values())
+            d.setdefault("qkv: last end - its own head's last end (mean)", []).append(
+                np.mean([last_qkv - e for e in head_end.values()]) / 1e3
+            )
             up, down = expert_tiles(g, sel, Matrix.EXPERT_GATE_UP), expert_tiles(g, sel, Matrix.EXPERT_DOWN)
             if up and down:  # per-(slot, tile) tasks (no expert queues)
                 last_up = max(t.end[s, i] for s, i in up)
+                slot_end: dict[int, float] = {}
+                for s, i in up:
+                    slot = int(g.tasks[s, i, ARG + 3])
+                    slot_end[slot] = max(slot_end.get(slot, 0.0), t.end[s, i])
+                # What per-slot gate/up -> down counters could save.
+                d.setdefault("up: last end - its own slot's last end (mean)", []).append(
+                    np.mean([last_up - e for e in slot_end.values()]) / 1e3
+                )
                 d.setdefault("down: median arrival - last gate/up end", []).append(
                     np.median([t.start[s, i] - last_up for s, i in down]) / 1e3
                 )

@@ -16,6 +16,9 @@ Rows:
   the prompt tokens per second that implies, the prefill chunks it took, and how much of it the
   backend's calls took (the rest: the control plane and the hand-over); the median of TTFT_RUNS
   prompts, with the fastest and slowest (`ttft_min_ms`, `ttft_max_ms`).
+- reuse: a conversation's next turn: a 2K, 8K or 32K prompt, then the same tokens and
+  REUSE_NEW_TOKENS more, whose prefix the KV cache holds (`cached` tokens): the second prompt's
+  time to first token, timed as the ttft rows are.
 - admit: one stream decoding at 8K while a 32K prompt arrives: the stream's longest and median gap
   between tokens while the long prompt is admitted, and the long prompt's time to first token.
 The engine runs with the server's defaults (`python -m mk.server`: prefill chunk
@@ -29,6 +32,7 @@ True); a 32K prompt is prefilled once first, so that its buckets' captures are n
 `--sliced-prefill off` cuts the prompt into chunks of the budget instead of running whole chunks a few
 layers an iteration;
 `--prefill-only` runs the ttft and admit rows alone (with `--quick`: 512 and 8K prompts, and admit);
+`--prompts N,M` times prompts of those lengths in the ttft rows instead;
 `--cold` leaves `--prefix-graphs`' captures to the timed rows (a new server's first long prompts),
 `--kv-fraction F` gives the KV pool the server's share (0.9) instead of 0.6.
 `--temperature T` makes the decode streams seeded draws at T, which the kernel draws itself (Gumbel
@@ -78,6 +82,9 @@ GRAMMAR = "[a-z ]{4000}"
 # A ttft row's prompts: one prompt's time moves by several ms from run to run (a 2K prompt took
 # 50.5 and 58.5 ms in two processes, the difference outside the backend's calls).
 TTFT_RUNS = 5
+# A reuse row's next turn: the new tokens after the cached prompt (a user's message and the
+# assistant's previous answer, say).
+REUSE_NEW_TOKENS = 256
 ADMIT_SLOW_GAP_S = 0.02  # a stream's gap the admit row lists (a decode step is ~3 ms)
 
 
@@ -233,28 +240,37 @@ def settled_stats(engine: Engine) -> dict:
         stats = again
 
 
-def ttft_row(engine: Engine, cfg: ModelConfig, n: int, gen: torch.Generator) -> dict:
+def ttft_row(engine: Engine, cfg: ModelConfig, n: int, gen: torch.Generator, new_tokens: int | None = None) -> dict:
     """The median of TTFT_RUNS prompts of n tokens (each a fresh one), with the fastest and the
-    slowest time beside it."""
-    runs = sorted((ttft_run(engine, cfg, n, gen) for _ in range(TTFT_RUNS)), key=lambda r: r["ttft_ms"])
+    slowest time beside it; with `new_tokens`, of TTFT_RUNS next turns (ttft_run)."""
+    runs = [ttft_run(engine, cfg, n, gen, new_tokens) for _ in range(TTFT_RUNS)]
+    runs.sort(key=lambda r: r["ttft_ms"])
     return {**runs[(len(runs) - 1) // 2], "ttft_min_ms": runs[0]["ttft_ms"], "ttft_max_ms": runs[-1]["ttft_ms"]}
 
 
-def ttft_run(engine: Engine, cfg: ModelConfig, n: int, gen: torch.Generator) -> dict:
+def ttft_run(engine: Engine, cfg: ModelConfig, n: int, gen: torch.Generator, new_tokens: int | None = None) -> dict:
     """One prompt. Also splits the time: the backend's calls (the prefill chunks, mostly) and the
     rest (the control plane, the hand-over of the token), from the loop's own counters over the
-    request."""
+    request. With `new_tokens`, a conversation's next turn: an n-token prompt first (not timed),
+    then the same n tokens and `new_tokens` more, whose prefix the cache holds (`cached`: the
+    tokens it reused)."""
+    prompt = random_prompt(cfg, n, gen)
+    if new_tokens is not None:
+        wait([submit(engine, prompt, 1)[0]])
+        settled_stats(engine)
+        prompt += random_prompt(cfg, new_tokens, gen)
     before = engine.native_stats()
-    t, start = submit(engine, random_prompt(cfg, n, gen), 1)
+    t, start = submit(engine, prompt, 1)
     wait([t])
     seconds = t.times[0] - start
     after = settled_stats(engine)
     backend_ms = (after["backend_ns"] - before["backend_ns"]) / 1e6
     return {
-        "row": "ttft",
-        "prompt": n,
+        "row": "ttft" if new_tokens is None else "reuse",
+        "prompt": len(prompt),
+        "cached": after["prefix_hit_tokens"] - before["prefix_hit_tokens"],
         "ttft_ms": seconds * 1e3,
-        "prompt_tok_s": n / seconds,
+        "prompt_tok_s": len(prompt) / seconds,
         "prefill_chunks": after["prefill_chunks"] - before["prefill_chunks"],
         "backend_ms": backend_ms,
         "outside_backend_ms": seconds * 1e3 - backend_ms,
@@ -287,6 +303,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default="bench-out/engine.json")
     parser.add_argument("--quick", action="store_true", help="batch 1 and 8 at 8K, 512- and 8K-token prompts")
+    parser.add_argument("--prompts", default="", help="the ttft rows' prompt lengths, e.g. 3000,5281 (tokens)")
     parser.add_argument(
         "--launch-ahead", choices=list(AUTO_ON_OFF), default="auto", help="Engine(launch_ahead=...); auto: on"
     )
@@ -341,6 +358,9 @@ def main() -> None:
     full = [(b, c) for c in (8192, 32768) for b in (1, 4, 8)] + [(MAX_BATCH, 8192)] * (MAX_BATCH > 8)
     points = [(1, 8192), (8, 8192)] if args.quick else full
     prompts = [512, 8192] if args.quick else [512, 2048, 8192, 32768]
+    if args.prompts:
+        prompts = [int(n) for n in args.prompts.split(",")]
+    reuse = [8192] if args.quick else [2048, 8192, 32768]
     started = time.perf_counter()  # the engine's start: its prefill warm-up (compiles, graph captures)
     engine = Engine(
         model,
@@ -379,6 +399,9 @@ def main() -> None:
         for n in prompts:
             rows.append(ttft_row(engine, cfg, n, gen))
             print(rows[-1], flush=True)
+        for n in reuse:
+            rows.append(ttft_row(engine, cfg, n, gen, REUSE_NEW_TOKENS))
+            print(rows[-1], flush=True)
         for b, c in [] if args.prefill_only else points:
             rows.append(decode_row(engine, model, b, c, gen, args.temperature, args.top_p, grammar))
             print(rows[-1], flush=True)
@@ -398,7 +421,7 @@ def main() -> None:
         phases = ["launch_prepare_us", "launch_upload_us", "launch_call_us", "launch_wait_us", "loop_host_us"]
         print_table("host time of a decode step (µs)", decode, ["batch", "ctx", *phases])
     other = [r for r in rows if r["row"] != "decode"]
-    cols = ["row", "prompt", "ttft_ms", "ttft_min_ms", "ttft_max_ms", "prompt_tok_s", "prefill_chunks"]
+    cols = ["row", "prompt", "cached", "ttft_ms", "ttft_min_ms", "ttft_max_ms", "prompt_tok_s", "prefill_chunks"]
     cols += ["backend_ms", "outside_backend_ms"]
     cols += ["longest_gap_ms", "median_gap_ms"]
     print_table("time to first token", other, cols)

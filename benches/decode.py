@@ -88,6 +88,23 @@ def kv_for(cfg: ModelConfig, batch: int, ctx: int):
     return kv, tables.cuda(), pages
 
 
+def random_step(model: Model, batch: int, ctx: int):
+    """A MegakernelStep of `batch` rows at `ctx` on a random cache (kv_for), ready to run: the
+    step, its graph, its buffers (random tokens, every row at position ctx - 1) and its task list
+    on the device, run 3 times to warm up."""
+    kv, tables, pages = kv_for(model.config, batch, ctx)
+    step = MegakernelStep(model, kv, pages)
+    g = step.graph([ctx - 1] * batch)
+    buf = step.buffers(g, log_residuals=False)
+    buf.tokens.copy_(torch.randint(0, model.config.vocab_size, (batch,), dtype=torch.int32))
+    buf.positions.fill_(ctx - 1)
+    buf.block_tables.copy_(tables)
+    tasks = torch.from_numpy(g.tasks.copy()).cuda()
+    for _ in range(3):
+        step.run(g, buf, tasks)
+    return step, g, buf, tasks
+
+
 def step_bytes(cfg: ModelConfig, batch: int, ctx: int, experts_per_layer: int) -> int:
     d, qw, kvw = cfg.hidden_size, cfg.q_width, cfg.kv_width
     attn = (qw * d + 2 * kvw * d + d * qw) * 2 * cfg.num_hidden_layers

@@ -61,11 +61,10 @@ import torch
 
 import mk
 from common import print_table, write_json
-from decode import kv_for, time_events
+from decode import random_step, time_events
 from mk.config import ModelConfig
 from mk.engine import Engine
 from mk.engine_api import AUTO_ON_OFF, MAX_BATCH, PREFILL_CHUNK
-from mk.megakernel.launch import MegakernelStep
 from mk.model import synthetic_weights
 from mk.model.reference import Model
 from mk.sampling import ConstraintSpec, SamplingParams
@@ -138,16 +137,7 @@ def random_prompt(cfg: ModelConfig, n: int, gen: torch.Generator) -> list[int]:
 
 def kernel_step_ms(model: Model, batch: int, ctx: int) -> float:
     """The megakernel's own step for `batch` rows at `ctx` (random cache, as benches/decode.py)."""
-    kv, tables, pages = kv_for(model.config, batch, ctx)
-    step = MegakernelStep(model, kv, pages)
-    g = step.graph([ctx - 1] * batch)
-    buf = step.buffers(g, log_residuals=False)
-    buf.tokens.copy_(torch.randint(0, model.config.vocab_size, (batch,), dtype=torch.int32))
-    buf.positions.fill_(ctx - 1)
-    buf.block_tables.copy_(tables)
-    tasks = torch.from_numpy(g.tasks.copy()).cuda()
-    for _ in range(3):
-        step.run(g, buf, tasks)
+    step, g, buf, tasks = random_step(model, batch, ctx)
     return time_events(lambda: step.run(g, buf, tasks), 20) * 1e3
 
 

@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benches"))
-from decode import kv_for, synthetic_stacked  # noqa: E402
+from decode import random_step, synthetic_stacked  # noqa: E402
 from mk.config import ModelConfig  # noqa: E402
 from mk.megakernel.graph import ARG, Matrix, Op  # noqa: E402
-from mk.megakernel.launch import MegakernelStep, trace_buffer  # noqa: E402
+from mk.megakernel.launch import trace_buffer  # noqa: E402
 from mk.megakernel.trace import task_family, task_times  # noqa: E402
 from mk.model.reference import Model  # noqa: E402
 
@@ -58,16 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = ModelConfig.real()
     model = Model(cfg, synthetic_stacked(cfg, seed=0)[0])
-    kv, tables, pages = kv_for(cfg, args.batch, args.ctx)
-    step = MegakernelStep(model, kv, pages)
-    g = step.graph([args.ctx - 1] * args.batch)
-    buf = step.buffers(g, log_residuals=False)
-    buf.tokens.copy_(torch.randint(0, cfg.vocab_size, (args.batch,), dtype=torch.int32))
-    buf.positions.fill_(args.ctx - 1)
-    buf.block_tables.copy_(tables)
-    tasks = torch.from_numpy(g.tasks.copy()).cuda()
-    for _ in range(3):
-        step.run(g, buf, tasks)
+    step, g, buf, tasks = random_step(model, args.batch, args.ctx)
     ops, layers = g.tasks[..., 0], g.tasks[..., 1]
     figures: dict[str, dict[str, list[float]]] = {}
     for _ in range(TRACED_STEPS):

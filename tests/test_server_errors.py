@@ -206,7 +206,10 @@ def test_full_waiting_queue_is_503_with_retry_after(server):
         ready = threading.Event()
         t = threading.Thread(target=hold, args=(ready, running))
         t.start()
-        ready.wait(30)
+        # Each step must have happened before the next request: without it the probe below could
+        # reach the queue before the waiting request (it failed so once in CI, on a loaded machine,
+        # when a 30 s wait ran out unchecked).
+        assert ready.wait(120), "the running request never streamed" if running else "the waiting one never queued"
         threads.append(t)
     r = post(server, COMP, {"prompt": "x", "max_tokens": 2})
     err = assert_error(r, 503)

@@ -25,15 +25,14 @@ The engine runs with the server's defaults (`python -m mk.server`: prefill chunk
 mk.engine_api.PREFILL_CHUNK, max batch mk.engine_api.MAX_BATCH, launch-ahead on) except its KV share of memory (0.6,
 leaving room for the kernel-only measurement); `--launch-ahead off` runs one step at a time,
 `--prefill-chunk N` another chunk, `--prefill-graphs off` prefills fresh prompts without CUDA
-graphs, `--prefix-graphs` runs chunks after a cached prefix as CUDA graphs too (Engine(prefix_graphs=
-True); a 32K prompt is prefilled once first, so that its buckets' captures are not timed),
+graphs, `--prefix-graphs auto|on|off` runs chunks after a cached prefix as CUDA graphs (Engine(prefix_graphs=
+...); auto: the next turn's chunks, up to 2048 tokens; on: every length; captured during the engine's warm-up),
 `--decode-prefill-budget N` prefills at most N prompt tokens an iteration while a stream decodes
 (through the whole model, with the sliced prefill that is on by default: mk.engine_api.DECODE_PREFILL_BUDGET);
 `--sliced-prefill off` cuts the prompt into chunks of the budget instead of running whole chunks a few
 layers an iteration;
 `--prefill-only` runs the ttft and admit rows alone (with `--quick`: 512 and 8K prompts, and admit);
 `--prompts N,M` times prompts of those lengths in the ttft rows instead;
-`--cold` leaves `--prefix-graphs`' captures to the timed rows (a new server's first long prompts),
 `--kv-fraction F` gives the KV pool the server's share (0.9) instead of 0.6.
 `--temperature T` makes the decode streams seeded draws at T, which the kernel draws itself (Gumbel
 noise in its sample tasks); with `--top-p P` below 1 as well they come back to the host sampler.
@@ -44,8 +43,9 @@ drawn by the kernel among the mask's tokens (the mask uploaded before each step)
 too, the masks computed while each step runs (Engine(late_masks=...), on by default; `--late-masks off`
 uploads the masks before each step instead).
 Usage: python benches/engine.py [--json out.json] [--quick] [--launch-ahead auto|on|off] [--prefill-chunk N]
-       [--prefill-graphs auto|on|off] [--prefix-graphs] [--decode-prefill-budget N] [--sliced-prefill auto|on|off]
-       [--prefill-only] [--cold] [--kv-fraction F] [--temperature T] [--top-p P]
+       [--prefill-graphs auto|on|off] [--prefix-graphs auto|on|off] [--decode-prefill-budget N]
+       [--sliced-prefill auto|on|off]
+       [--prefill-only] [--kv-fraction F] [--temperature T] [--top-p P]
        [--grammar [--kernel-masks auto|on|off] [--late-masks auto|on|off]]
 """
 
@@ -301,16 +301,13 @@ def main() -> None:
     parser.add_argument(
         "--prefill-graphs", choices=list(AUTO_ON_OFF), default="auto", help="Engine(prefill_graphs=...); auto: on"
     )
-    parser.add_argument("--prefix-graphs", action="store_true", help="Engine(prefix_graphs=True)")
+    parser.add_argument(
+        "--prefix-graphs", choices=list(AUTO_ON_OFF), default="auto", help="Engine(prefix_graphs=...); auto: ≤ 2048"
+    )
     parser.add_argument(
         "--prefill-only", action="store_true", help="only the time-to-first-token and admission rows (no decode rows)"
     )
     parser.add_argument("--kv-fraction", type=float, default=0.6, help="Engine(kv_fraction=...); the server's: 0.9")
-    parser.add_argument(
-        "--cold",
-        action="store_true",
-        help="no warm-up of --prefix-graphs' captures: the timed rows include them, as a new server's first prompts do",
-    )
     parser.add_argument(
         "--decode-prefill-budget",
         type=int,
@@ -361,7 +358,7 @@ def main() -> None:
         kv_fraction=args.kv_fraction,
         launch_ahead=AUTO_ON_OFF[args.launch_ahead],
         prefill_graphs=AUTO_ON_OFF[args.prefill_graphs],
-        prefix_graphs=args.prefix_graphs,
+        prefix_graphs=AUTO_ON_OFF[args.prefix_graphs],
         decode_prefill_budget=args.decode_prefill_budget,
         sliced_prefill=AUTO_ON_OFF[args.sliced_prefill],
         kernel_masks=AUTO_ON_OFF[args.kernel_masks],
@@ -369,23 +366,15 @@ def main() -> None:
         tokenizer_json=Tokenizer.from_dir(Path(mk.__file__).parent / "embedded").hf.to_str() if args.grammar else None,
     )
     start_s = time.perf_counter() - started
-    print(f"engine start (prefill warm-up included): {start_s:.1f} s", flush=True)
+    free_gib = torch.cuda.mem_get_info()[0] / 2**30
+    print(
+        f"engine start (prefill warm-up included): {start_s:.1f} s, {free_gib:.1f} GiB of GPU memory left", flush=True
+    )
     grammar = ConstraintSpec("regex", GRAMMAR) if args.grammar else None
     rows = []
     try:
         submit_warm, _ = submit(engine, random_prompt(cfg, 600, gen), 8)  # first-call costs out of the way
         wait([submit_warm])
-        if args.prefix_graphs and not args.cold:  # the captures of a long prompt's prefixed chunks, at their first use
-            submit_long, _ = submit(engine, random_prompt(cfg, max(prompts), gen), 1)
-            wait([submit_long])
-            if engine.decode_prefill_budget < engine.prefill_chunk:  # and of the budget's chunks, beside a stream
-                beside, _ = submit(engine, random_prompt(cfg, 600, gen), 4000)
-                while not beside.times:
-                    time.sleep(0.01)
-                submit_long, _ = submit(engine, random_prompt(cfg, max(prompts), gen), 1)
-                wait([submit_long])
-                beside.stream.cancel()
-                beside.done.wait(60)
         for n in prompts:
             rows.append(ttft_row(engine, cfg, n, gen))
             print(rows[-1], flush=True)
@@ -398,8 +387,8 @@ def main() -> None:
         if not args.quick or args.prefill_only:
             rows.append(admit_row(engine, cfg, gen))
             print(rows[-1], flush=True)
-        peak = torch.cuda.max_memory_reserved() / 2**30
-        print(f"GPU memory reserved by torch at its peak: {peak:.1f} GiB of {torch.cuda.mem_get_info()[1] / 2**30:.0f}")
+        peak, total = torch.cuda.max_memory_reserved() / 2**30, torch.cuda.mem_get_info()[1] / 2**30
+        print(f"GPU memory reserved by torch at its peak: {peak:.1f} GiB of {total:.0f}")
     finally:
         engine.close()
     decode = [r for r in rows if r["row"] == "decode"]
@@ -415,7 +404,15 @@ def main() -> None:
     cols += ["backend_ms", "outside_backend_ms"]
     cols += ["longest_gap_ms", "median_gap_ms"]
     print_table("time to first token", other, cols)
-    write_json(args.json, "engine", rows, engine_start_s=start_s)
+    write_json(
+        args.json,
+        "engine",
+        rows,
+        engine_start_s=start_s,
+        free_after_start_gib=free_gib,
+        torch_peak_reserved_gib=peak,
+        gpu_gib=total,
+    )
 
 
 if __name__ == "__main__":

@@ -12,11 +12,12 @@ import pytest
 import torch
 from test_engine import common, prompt, reference_greedy, run
 
-from mk.config import ModelConfig
+from mk.config import PAGE_SIZE, ModelConfig
 from mk.engine import Engine
 from mk.model import PageAllocator, synthetic_weights
 from mk.model.paged import pages_needed
 from mk.model.reference import Model
+from mk.prefill_graphs import NEXT_TURN_BUCKETS
 from mk.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -98,6 +99,27 @@ def test_a_lone_greedy_request_matches_the_reference_loop_in_fp32(model):
         assert tokens == reference_greedy(w32, p, 16, ignore_eos=True)[0]
     finally:
         e.close()
+
+
+def test_the_warm_up_captures_every_next_turn_shape_and_a_next_turn_replays_one(engine):
+    """Before serving, the engine captured the CUDA graph of every padded shape a chunk after a cached
+    prefix can take (Prefill's default: the next turn's buckets); a conversation's next turn, its
+    history from the prefix cache, replays one of them: no capture at its first use."""
+    prefixed = engine._runner.fast_prefill.prefixed
+    assert prefixed is not None and prefixed.buckets == NEXT_TURN_BUCKETS[:2]  # (the 512-token chunk)
+    max_end = engine._runner.max_pages * PAGE_SIZE
+    shapes = {prefixed.shape(start, n) for start, n in prefixed.warm_up_chunks(max_end)}
+    assert set(prefixed._buckets) == shapes and len(shapes) == 2 * 3  # keys: 2K, 4K, 8K
+    assert all(b.graph is not None for b in prefixed._buckets.values()), "a shape fell back to eager"
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    first = prompt(1000, 5)
+    [(answer, _, _)] = run(engine, [(0, first, greedy)])
+    hits = engine.native_stats()["prefix_hit_tokens"]
+    [(tokens, finish, _)] = run(engine, [(0, first + answer + prompt(100, 6), greedy)])
+    assert finish == "length" and len(tokens) == 4
+    assert engine.native_stats()["prefix_hit_tokens"] - hits >= 960, "the history came from the prefix cache"
+    assert engine._runner.fast_prefill.prefixed is prefixed, "the prefixed pass failed and fell back"
+    assert set(prefixed._buckets) == shapes and all(b.graph is not None for b in prefixed._buckets.values())
 
 
 def test_a_mixed_batch_with_a_chunked_long_prompt(engine):

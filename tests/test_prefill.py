@@ -24,7 +24,7 @@ from mk.model.paged import UNMAPPED, KVMappingError, PageAllocator
 from mk.model.reference import Model
 from mk.model.varlen import attend_causal, interval_block_mask, refresh_block_mask, static_block_mask
 from mk.prefill import Prefill, PrefillRequest, Span, plan_chunks, prefill_flops, stack_experts, stacked_experts
-from mk.prefill_graphs import FreshPrompts, PrefixedChunks
+from mk.prefill_graphs import BUCKETS, FreshPrompts, PrefixedChunks
 
 torch.set_num_threads(1)
 
@@ -714,6 +714,38 @@ def test_prefixed_chunks_cover_what_their_buckets_hold_and_refuse_unmapped_prefi
         PrefixedChunks(prefill, buckets=(100,), capture=False)
     assert Prefill(model, chunk=200, prefix_graphs=True).prefixed is None, "no bucket fits a 200-token chunk"
     assert Prefill(model, chunk=256, prefix_graphs=True).prefixed is not None
+
+
+@pytest.mark.parametrize("max_end", [2, 200, 257, 300, 513, 1024, 1500, 2048, 5000])
+def test_prefixed_warm_up_chunks_take_every_shape_a_context_reaches_once(weights64, max_end):
+    """The warm-up's chunks (one per padded shape) against every shape a chunk ending by `max_end`
+    can take, tried at the lengths and ends where a bucket changes."""
+    prefill = Prefill(model_of(weights64, torch.float64), chunk=512, moe="loop", graphs=False)
+    p = PrefixedChunks(prefill, buckets=(256, 512), key_buckets=(512, 1024, 2048), capture=False)
+    chunks = p.warm_up_chunks(max_end)
+    shapes = [p.shape(start, n) for start, n in chunks]
+    assert all(p.covers(start, n) and start + n <= max_end for start, n in chunks), chunks
+    assert len(set(shapes)) == len(shapes), f"a shape twice: {chunks}"
+    edges = {1, 2, 255, 256, 257, 511, 512, 513, 1023, 1024, 1025, 2047, 2048, max_end - 1, max_end}
+    reachable = {
+        p.shape(end - n, n)
+        for n in edges
+        for end in edges | {n + 1}
+        if 0 < n and end <= max_end and p.covers(end - n, n)
+    }
+    assert set(shapes) == reachable
+
+
+def test_prefix_graphs_modes(weights64):
+    """Prefill(prefix_graphs=...): "auto" is the next turn's buckets on CUDA (test_prefill_gpu.py),
+    none on the CPU; True every bucket the chunk holds; False none."""
+    model = model_of(weights64, torch.float64)
+    assert Prefill(model, chunk=8192).prefixed is None, "auto: CUDA only"
+    assert Prefill(model, chunk=8192, prefix_graphs=True).prefixed.buckets == BUCKETS
+    assert Prefill(model, chunk=1024, prefix_graphs=True).prefixed.buckets == (256, 512, 1024)
+    assert Prefill(model, chunk=8192, prefix_graphs=False).prefixed is None
+    with pytest.raises(ValueError, match="prefix_graphs must be"):
+        Prefill(model, prefix_graphs="on")
 
 
 def test_a_prefixed_chunk_with_another_cache_drops_the_static_buffers(weights64):

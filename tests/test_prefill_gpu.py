@@ -32,6 +32,7 @@ from mk.model.paged import UNMAPPED
 from mk.model.reference import Model
 from mk.model.varlen import fa3_available
 from mk.prefill import Prefill, PrefillRequest, Span, stack_experts
+from mk.prefill_graphs import NEXT_TURN_BUCKETS
 
 pytestmark = pytest.mark.gpu
 
@@ -255,6 +256,9 @@ def test_window_release_between_chunks_changes_nothing(models, prefill):
 
     kept, _ = run(False)
     out, freed = run(True)
+    # Prefill's default on CUDA: chunks of up to NEXT_TURN_BUCKETS[-1] after a cached prefix replay graphs.
+    assert prefill.prefixed is not None and prefill.prefixed.buckets == NEXT_TURN_BUCKETS
+    assert sorted(prefill.prefixed._buckets) == [(1024, 16384), (2048, 4096), (2048, 8192)]
     assert len(freed) > 3 * 40, "too little released to mean anything"
     assert torch.isfinite(out.logits).all() and torch.isfinite(out.hidden).all(), f"seed {SEED}"
     assert torch.allclose(out.logits, kept.logits, rtol=1e-3, atol=1e-3), f"seed {SEED}"

@@ -60,11 +60,12 @@ def test_server_and_engine_share_their_defaults():
     assert AUTO_ON_OFF[args.launch_ahead] is engine_defaults["launch_ahead"].default is None
     assert AUTO_ON_OFF[args.prefill_graphs] is engine_defaults["prefill_graphs"].default is None
     assert AUTO_ON_OFF[args.kernel_masks] is engine_defaults["kernel_masks"].default is None
-    for flag in ("launch_ahead", "prefill_graphs", "kernel_masks", "late_masks", "sliced_prefill"):  # alone: on
+    switches = ("launch_ahead", "prefill_graphs", "prefix_graphs", "kernel_masks", "late_masks", "sliced_prefill")
+    for flag in switches:  # alone: on
         option = "--" + flag.replace("_", "-")
         assert getattr(parse_args([option]), flag) == "on" and getattr(parse_args([option, "off"]), flag) == "off"
     assert args.decode_prefill_budget is engine_defaults["decode_prefill_budget"].default is None
-    assert args.prefix_graphs is engine_defaults["prefix_graphs"].default is False  # experimental: off
+    assert AUTO_ON_OFF[args.prefix_graphs] is engine_defaults["prefix_graphs"].default is None
     assert AUTO_ON_OFF[args.sliced_prefill] is engine_defaults["sliced_prefill"].default is None
     assert AUTO_ON_OFF[args.late_masks] is engine_defaults["late_masks"].default is None
 

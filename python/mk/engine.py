@@ -126,10 +126,12 @@ class Engine:
     its padded length, captured at start (`mk.prefill_graphs`; a few GB of GPU memory). None (the
     default): on wherever the fast prefill runs on a GPU.
 
-    `prefix_graphs`: the fast prefill also runs a chunk after a cached prefix (a long prompt's later
-    chunks, a prompt that reuses a cached prefix) as a CUDA graph of its padded length and key count,
-    captured at its first use (`mk.prefill_graphs.PrefixedChunks`). Off by default until measured
-    on a GPU.
+    `prefix_graphs`: the fast prefill also runs a chunk after a cached prefix (a conversation's next
+    turn, a long prompt's later chunks) as a CUDA graph of its padded length and key count
+    (`mk.prefill_graphs.PrefixedChunks`), each shape the context allows captured at start. None (the
+    default): chunks of up to `mk.prefill_graphs.NEXT_TURN_BUCKETS[-1]` tokens on a GPU (a re-sent
+    2K-32K-token prompt with 256 new tokens: 136-199 ms eager, 29-49 ms replayed on the H200,
+    docs/PERF.md); True: every chunk length, for more memory and captures; False: none.
 
     `kernel_masks`: with the megakernel backend, a decode row under a grammar whose token the kernel
     can draw (greedy or a temperature alone) is drawn by the kernel among its mask's tokens (the
@@ -174,7 +176,7 @@ class Engine:
         sliced_prefill: bool | None = None,
         kernel_masks: bool | None = None,
         late_masks: bool | None = None,
-        prefix_graphs: bool = False,
+        prefix_graphs: bool | None = None,
     ) -> None:
         cfg = model.config
         if max_batch is None:
@@ -230,6 +232,7 @@ class Engine:
             self._runner.warm_up()
             # After the warm-up, which captures them (a capture that failed turned them off).
             self.prefill_graphs = fast is not None and fast.fresh is not None and fast.fresh.capture
+            self.prefix_graphs = fast is not None and fast.prefixed is not None and fast.prefixed.capture
             self._native = _native.Engine(
                 self._runner,
                 sliding=sliding,
@@ -446,7 +449,9 @@ def _put_all(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
         queue.put_nowait(event)
 
 
-def _fast_prefill(model: Model, mode: str, chunk: int, graphs: bool | None, prefix_graphs: bool) -> Prefill | None:
+def _fast_prefill(
+    model: Model, mode: str, chunk: int, graphs: bool | None, prefix_graphs: bool | None
+) -> Prefill | None:
     """The engine's `mk.prefill` runner, or None for the reference model's forward (see `Engine`)."""
     if mode not in ("auto", "fast", "reference"):
         raise ValueError(f"prefill must be 'auto', 'fast' or 'reference', not {mode!r}")
@@ -456,7 +461,12 @@ def _fast_prefill(model: Model, mode: str, chunk: int, graphs: bool | None, pref
     if cuda:  # before anything records weight addresses (the megakernel's tables)
         stack_experts(model.weights, model.config)
     # Rust hands over at most `chunk` tokens a call, so each call is one chunk of mk.prefill.
-    return Prefill(model, chunk=chunk, graphs="auto" if graphs is None else graphs, prefix_graphs=prefix_graphs)
+    return Prefill(
+        model,
+        chunk=chunk,
+        graphs="auto" if graphs is None else graphs,
+        prefix_graphs="auto" if prefix_graphs is None else prefix_graphs,
+    )
 
 
 # On the CPU the default pool fits a full batch of contexts up to this long (Engine's docstring).

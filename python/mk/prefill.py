@@ -65,7 +65,7 @@ from mk.model.varlen import (
     fa3_available,
     pack_keys,
 )
-from mk.prefill_graphs import BUCKETS, FreshPrompts, PrefixedChunks
+from mk.prefill_graphs import BUCKETS, NEXT_TURN_BUCKETS, FreshPrompts, PrefixedChunks
 
 # Tokens per chunk by default (the engine's prefill chunk on a GPU, which it passes here): large
 # enough that a chunk is compute bound on an H200 (each chunk re-reads all ~60 GB of expert
@@ -209,9 +209,9 @@ class Prefill:
     fresh prompt alone (no cached prefix) runs as a static-shape pass padded to a bucket
     (`mk.prefill_graphs`), captured as a CUDA graph on CUDA ("auto": on CUDA with the grouped MoE;
     True on the CPU runs the static pass eagerly, for tests). prefix_graphs: the same for a chunk
-    of one sequence after a cached prefix (`PrefixedChunks`; off by default until measured on a
-    GPU; on CUDA only with compiled flex and the grouped MoE, and only for a chunk of at least the
-    smallest bucket).
+    of one sequence after a cached prefix (`PrefixedChunks`): "auto" (the default) for chunks of up
+    to NEXT_TURN_BUCKETS[-1] tokens on CUDA, True for every bucket, False for none; on CUDA only
+    with compiled flex and the grouped MoE, and only where the chunk holds the smallest bucket.
 
     Grouped MoE needs each layer's experts stacked: views when they already are (see
     `stack_experts`, which the engine should call once after loading), else a copy per layer
@@ -227,7 +227,7 @@ class Prefill:
         moe: str = "auto",
         compile: bool | str = "auto",
         graphs: bool | str = "auto",
-        prefix_graphs: bool = False,
+        prefix_graphs: bool | str = "auto",
     ) -> None:
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
@@ -269,7 +269,10 @@ class Prefill:
         # CUDA: the static pass takes compiled flex (SDPA and eager flex would materialise [rows,
         # keys] scores) and a capturable MoE; every chunk: at least the smallest bucket.
         fits = chunk >= BUCKETS[0] and not (cuda and (attention in ("sdpa", "flex_eager") or moe != "grouped"))
-        self.prefixed = PrefixedChunks(self) if prefix_graphs and fits else None
+        if prefix_graphs not in ("auto", True, False):
+            raise ValueError(f"prefix_graphs must be 'auto', True or False, got {prefix_graphs!r}")
+        prefix_buckets = {"auto": NEXT_TURN_BUCKETS if cuda else (), True: BUCKETS, False: ()}[prefix_graphs]
+        self.prefixed = PrefixedChunks(self, buckets=prefix_buckets) if prefix_buckets and fits else None
 
     def graph_pool(self):
         """The memory pool every CUDA graph of this prefill's static passes is captured in (one:

@@ -20,8 +20,13 @@ bucket of N rows and its full-attention keys to one of `KEY_BUCKETS` columns (sl
 window before the chunk, whose width N fixes), gathers the keys by static slot tables that pad
 with the first key's slot, and gives each query row its visible key columns as intervals (lo, hi)
 in static buffers; the flex block mask's tensors are rewritten from them before each replay. One
-graph per (N, key bucket), captured at its first use; pads write as the last prompt row, as above.
-Off unless asked for (`Prefill(prefix_graphs=True)`) until a GPU run has measured it.
+graph per (N, key bucket), captured at its first use (the engine's warm-up captures every shape
+its contexts can reach: `PrefixedChunks.warm_up_chunks`); pads write as the last prompt row, as
+above. By default only for chunks of up to `NEXT_TURN_BUCKETS[-1]` tokens, a conversation's next
+turn after its cached history: there the eager path's ~130 ms of launches was most of the time to
+first token (H200: a re-sent 2K-32K prompt with 256 new tokens, 136-199 ms eager, 29-49 ms replayed;
+docs/PERF.md, twenty-fourth session). A long prompt's later chunks (8K after a cached 8K-24K) gain
+~2% from a graph, which is not worth the captures and their memory.
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ if TYPE_CHECKING:
 BUCKETS = (256, 512, 1024, 2048, 4096, 8192)
 # Padded key columns of a full-attention layer for a chunk with a cached prefix (prefix + chunk).
 KEY_BUCKETS = tuple(1 << i for i in range(11, 19))  # 2K .. 256K
+# The chunk buckets after a cached prefix that run as CUDA graphs by default (module docs).
+NEXT_TURN_BUCKETS = tuple(b for b in BUCKETS if b <= 2048)
 # A fresh prompt's full-attention layers on CUDA take one fused causal kernel (`attend_causal`)
 # instead of flex attention's block mask.
 FUSED_CAUSAL = True
@@ -257,6 +264,23 @@ class PrefixedChunks(_StaticPasses):
     def covers(self, start: int, n: int) -> bool:
         return start > 0 and 0 < n <= self.buckets[-1] and start + n <= self.key_buckets[-1]
 
+    def shape(self, start: int, n: int) -> tuple[int, int]:
+        """The padded (rows, full-attention key columns) of a chunk it covers."""
+        size = next(b for b in self.buckets if b >= n)
+        return size, next(k for k in self.key_buckets if k >= max(size, start + n))
+
+    def warm_up_chunks(self, max_end: int) -> list[tuple[int, int]]:
+        """(start, n) of one chunk per shape that chunks ending by position `max_end` can take, so
+        that a warm-up can capture them all before serving."""
+        chunks = {}
+        for size in self.buckets:
+            for k_full in self.key_buckets:
+                end = min(k_full, max_end)
+                n = min(size, end - 1)  # this bucket's longest chunk ending there, after a cached token
+                if n > 0 and self.covers(end - n, n):
+                    chunks.setdefault(self.shape(end - n, n), (end - n, n))
+        return sorted(chunks.values(), key=lambda c: (c[1], c[0]))
+
     def __call__(
         self, tokens: torch.Tensor, start: int, table: torch.Tensor, table_dev: torch.Tensor, kv: PagedKV
     ) -> torch.Tensor:
@@ -268,8 +292,7 @@ class PrefixedChunks(_StaticPasses):
         cfg, device = pf.config, pf.device
         check_mapped(table, torch.arange(cfg.num_hidden_layers), start, start + n, "written")
         self._use(kv)
-        size = next(b for b in self.buckets if b >= n)
-        k_full = next(k for k in self.key_buckets if k >= max(size, start + n))
+        size, k_full = self.shape(start, n)
         b = self._buckets.get((size, k_full)) or self._new_bucket(size, k_full)
         source = torch.arange(size, device=device).clamp(max=n - 1)  # pads write as the last real row
         positions = start + source

@@ -44,10 +44,11 @@ class PrefillRunner:
     def warm_up(self) -> None:
         """Run the fast prefill on scratch pages before serving, so its first-call compilation (tens of
         seconds on a GPU) does not land on the first request; on a GPU also capture the CUDA graphs
-        of fresh prompts (mk.prefill_graphs), then run one whole chunk the usual way, so that neither
-        does the allocation of a full chunk's activations (a few GB; a capture empties the cache).
-        Uses blocks from 0 on, which nothing holds yet and every later prefill overwrites before
-        reading."""
+        of fresh prompts and of chunks after a cached prefix (mk.prefill_graphs; the latter's long
+        prefixes read scratch pages again and again), then run one whole chunk the usual way, so
+        that neither does the allocation of a full chunk's activations (a few GB; a capture empties
+        the cache). Uses blocks from 0 on, which nothing holds yet and every later prefill
+        overwrites before reading."""
         if self.fast_prefill is None or self.kv.num_blocks < self.layers:
             return
         started = time.perf_counter()
@@ -74,18 +75,32 @@ class PrefillRunner:
             # equal dimensions alike, likely compiled again for the first such chunk (a first-use
             # pause of ~8 s on the H200, every decoding stream waiting: docs/PERF.md, sixteenth session).
             prefix = 2 * FLEX_BLOCK  # 16 rows pad to 2 blocks, their 16 + prefix keys to 3
-            pages = prefix // PAGE_SIZE + 1
-            if self.kv.num_blocks >= pages * self.layers and self.max_pages >= pages:
-                prefixed = torch.full_like(table, -1)
-                blocks = torch.arange(pages * self.layers, dtype=torch.int32).view(pages, self.layers)
-                prefixed[:, :pages] = blocks.T
-                prefill([PrefillRequest([0] * 16, prefix, prefixed)], self.kv)
+            prefix_pages = prefix // PAGE_SIZE + 1
+            if self.kv.num_blocks >= prefix_pages * self.layers and self.max_pages >= prefix_pages:
+                prefix_table = torch.full_like(table, -1)
+                blocks = torch.arange(prefix_pages * self.layers, dtype=torch.int32).view(prefix_pages, self.layers)
+                prefix_table[:, :prefix_pages] = blocks.T
+                prefill([PrefillRequest([0] * 16, prefix, prefix_table)], self.kv)
         if whole and fresh is not None and fresh.capture:
             # One fresh prompt per padded length a prompt of up to n tokens can take.
             sizes = sorted({min(size, n) for size in fresh.buckets})
             log.info("capturing the prefill's CUDA graphs for fresh prompts of up to %d tokens", sizes[-1])
             for m in sizes:
                 prefill([PrefillRequest([0] * m, 0, chunk_table)], self.kv)
+        prefixed = prefill.prefixed
+        chunks = prefixed.warm_up_chunks(self.max_pages * PAGE_SIZE) if prefixed is not None else []
+        if whole and chunks and prefixed.capture:
+            # Every page of the context maps to one of the chunk's scratch blocks (its layer's).
+            aliased = chunk_table[:, torch.arange(self.max_pages) % pages]
+            log.info(
+                "capturing the prefill's CUDA graphs for %d shapes of chunks after a cached prefix (up to %d "
+                "tokens after up to %d)",
+                len(chunks),
+                max(m for _, m in chunks),
+                max(start for start, _ in chunks),
+            )
+            for start, m in chunks:
+                prefill([PrefillRequest([0] * m, start, aliased)], self.kv)
         if whole:
             with _usual_path(prefill):
                 prefill([PrefillRequest([0] * n, 0, chunk_table)], self.kv)

@@ -493,6 +493,9 @@ def _pool_blocks(model: Model, blocks: int | None, nbytes: int | None, fraction:
     if model.device.type == "cuda":
         if not 0 < fraction < 1:
             raise ValueError(f"kv_fraction must be in (0, 1), got {fraction}")
+        # Blocks PyTorch caches but does not use count as free (e.g. what building the weights left):
+        # the driver's figure leaves them out, and the first graph capture hands them back anyway.
+        torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(model.device)
         return fit(int(free * fraction))
     return default

@@ -22,7 +22,7 @@ Rows:
 - admit: one stream decoding at 8K while a 32K prompt arrives: the stream's longest and median gap
   between tokens while the long prompt is admitted, and the long prompt's time to first token.
 The engine runs with the server's defaults (`python -m mk.server`: prefill chunk
-mk.engine_api.PREFILL_CHUNK, max batch mk.engine_api.MAX_BATCH, launch-ahead on) except its KV share of memory (0.6,
+mk.engine_api.PREFILL_CHUNK, max batch mk.engine_api.MAX_BATCH, launch-ahead on) except its KV share of memory (0.5,
 leaving room for the kernel-only measurement); `--launch-ahead off` runs one step at a time,
 `--prefill-chunk N` another chunk, `--prefill-graphs off` prefills fresh prompts without CUDA
 graphs, `--prefix-graphs auto|on|off` runs chunks after a cached prefix as CUDA graphs (Engine(prefix_graphs=
@@ -33,7 +33,7 @@ graphs, `--prefix-graphs auto|on|off` runs chunks after a cached prefix as CUDA 
 layers an iteration;
 `--prefill-only` runs the ttft and admit rows alone (with `--quick`: 512 and 8K prompts, and admit);
 `--prompts N,M` times prompts of those lengths in the ttft rows instead;
-`--kv-fraction F` gives the KV pool the server's share (0.9) instead of 0.6.
+`--kv-fraction F` gives the KV pool the server's share (0.9) instead of 0.5.
 `--temperature T` makes the decode streams seeded draws at T, which the kernel draws itself (Gumbel
 noise in its sample tasks); with `--top-p P` below 1 as well they come back to the host sampler.
 `--grammar` puts the decode streams under a regular expression (GRAMMAR; the built-in model's
@@ -307,7 +307,7 @@ def main() -> None:
     parser.add_argument(
         "--prefill-only", action="store_true", help="only the time-to-first-token and admission rows (no decode rows)"
     )
-    parser.add_argument("--kv-fraction", type=float, default=0.6, help="Engine(kv_fraction=...); the server's: 0.9")
+    parser.add_argument("--kv-fraction", type=float, default=0.5, help="Engine(kv_fraction=...); the server's: 0.9")
     parser.add_argument(
         "--decode-prefill-budget",
         type=int,

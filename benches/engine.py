@@ -26,7 +26,8 @@ mk.engine_api.PREFILL_CHUNK, max batch mk.engine_api.MAX_BATCH, launch-ahead on)
 leaving room for the kernel-only measurement); `--launch-ahead off` runs one step at a time,
 `--prefill-chunk N` another chunk, `--prefill-graphs off` prefills fresh prompts without CUDA
 graphs, `--prefix-graphs auto|on|off` runs chunks after a cached prefix as CUDA graphs (Engine(prefix_graphs=
-...); auto: the next turn's chunks, up to 2048 tokens; on: every length; captured during the engine's warm-up),
+...); auto: the next turn's chunks, up to mk.prefill_graphs.NEXT_TURN_BUCKETS[-1] tokens; on: every
+length; captured during the engine's warm-up),
 `--decode-prefill-budget N` prefills at most N prompt tokens an iteration while a stream decodes
 (through the whole model, with the sliced prefill that is on by default: mk.engine_api.DECODE_PREFILL_BUDGET);
 `--sliced-prefill off` cuts the prompt into chunks of the budget instead of running whole chunks a few
@@ -67,6 +68,7 @@ from mk.engine import Engine
 from mk.engine_api import AUTO_ON_OFF, MAX_BATCH, PREFILL_CHUNK
 from mk.model import synthetic_weights
 from mk.model.reference import Model
+from mk.prefill_graphs import NEXT_TURN_BUCKETS
 from mk.sampling import ConstraintSpec, SamplingParams
 from mk.tokenizer import Tokenizer
 
@@ -302,7 +304,10 @@ def main() -> None:
         "--prefill-graphs", choices=list(AUTO_ON_OFF), default="auto", help="Engine(prefill_graphs=...); auto: on"
     )
     parser.add_argument(
-        "--prefix-graphs", choices=list(AUTO_ON_OFF), default="auto", help="Engine(prefix_graphs=...); auto: ≤ 2048"
+        "--prefix-graphs",
+        choices=list(AUTO_ON_OFF),
+        default="auto",
+        help=f"Engine(prefix_graphs=...); auto: chunks of up to {NEXT_TURN_BUCKETS[-1]} tokens",
     )
     parser.add_argument(
         "--prefill-only", action="store_true", help="only the time-to-first-token and admission rows (no decode rows)"

@@ -12,9 +12,9 @@ Rows:
   (µs per launch: `launch_prepare_us` task lists, page tables and checks, `launch_upload_us`,
   `launch_call_us`, `launch_wait_us` the wait for the step and its copies back, which holds the
   kernel) and outside it (`loop_host_us` per loop iteration).
-- ttft: one prompt alone (512, 2K, 8K, 32K tokens), one new token: submission to first token,
-  the prompt tokens per second that implies, the prefill chunks it took, and how much of it the
-  backend's calls took (the rest: the control plane and the hand-over); the median of TTFT_RUNS
+- ttft: one prompt alone (512, 2K, 5,281 (just past the 4K bucket), 8K, 32K tokens), one new token:
+  submission to first token, the prompt tokens per second that implies, the prefill chunks it took,
+  and how much of it the backend's calls took (the rest: the control plane and the hand-over); the median of TTFT_RUNS
   prompts, with the fastest and slowest (`ttft_min_ms`, `ttft_max_ms`).
 - reuse: a conversation's next turn: a 2K, 8K or 32K prompt, then the same tokens and
   REUSE_NEW_TOKENS more, whose prefix the KV cache holds (`cached` tokens): the second prompt's
@@ -27,7 +27,9 @@ leaving room for the kernel-only measurement); `--launch-ahead off` runs one ste
 `--prefill-chunk N` another chunk, `--prefill-graphs off` prefills fresh prompts without CUDA
 graphs, `--prefix-graphs auto|on|off` runs chunks after a cached prefix as CUDA graphs (Engine(prefix_graphs=
 ...); auto: the next turn's chunks, up to mk.prefill_graphs.NEXT_TURN_BUCKETS[-1] tokens; on: every
-length; captured during the engine's warm-up),
+length; captured during the engine's warm-up), `--fresh-split off` runs a fresh prompt just past a
+bucket of 4K or more as the next bucket's graph instead of that bucket's and a next-turn graph of the
+rest (Engine(fresh_split=...), on by default),
 `--decode-prefill-budget N` prefills at most N prompt tokens an iteration while a stream decodes
 (through the whole model, with the sliced prefill that is on by default: mk.engine_api.DECODE_PREFILL_BUDGET);
 `--sliced-prefill off` cuts the prompt into chunks of the budget instead of running whole chunks a few
@@ -44,7 +46,8 @@ drawn by the kernel among the mask's tokens (the mask uploaded before each step)
 too, the masks computed while each step runs (Engine(late_masks=...), on by default; `--late-masks off`
 uploads the masks before each step instead).
 Usage: python benches/engine.py [--json out.json] [--quick] [--launch-ahead auto|on|off] [--prefill-chunk N]
-       [--prefill-graphs auto|on|off] [--prefix-graphs auto|on|off] [--decode-prefill-budget N]
+       [--prefill-graphs auto|on|off] [--prefix-graphs auto|on|off] [--fresh-split on|off]
+       [--decode-prefill-budget N]
        [--sliced-prefill auto|on|off]
        [--prefill-only] [--kv-fraction F] [--temperature T] [--top-p P]
        [--grammar [--kernel-masks auto|on|off] [--late-masks auto|on|off]]
@@ -312,6 +315,9 @@ def main() -> None:
     parser.add_argument(
         "--prefill-only", action="store_true", help="only the time-to-first-token and admission rows (no decode rows)"
     )
+    parser.add_argument(
+        "--fresh-split", choices=["on", "off"], default="on", help="Engine(fresh_split=...): on (the default)"
+    )
     parser.add_argument("--kv-fraction", type=float, default=0.5, help="Engine(kv_fraction=...); the server's: 0.9")
     parser.add_argument(
         "--decode-prefill-budget",
@@ -349,7 +355,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     full = [(b, c) for c in (8192, 32768) for b in (1, 4, 8)] + [(MAX_BATCH, 8192)] * (MAX_BATCH > 8)
     points = [(1, 8192), (8, 8192)] if args.quick else full
-    prompts = [512, 8192] if args.quick else [512, 2048, 8192, 32768]
+    # (5281: just past the 4K bucket, where the fresh split replays two graphs)
+    prompts = [512, 8192] if args.quick else [512, 2048, 5281, 8192, 32768]
     if args.prompts:
         prompts = [int(n) for n in args.prompts.split(",")]
     reuse = [8192] if args.quick else [2048, 8192, 32768]
@@ -366,6 +373,7 @@ def main() -> None:
         launch_ahead=AUTO_ON_OFF[args.launch_ahead],
         prefill_graphs=AUTO_ON_OFF[args.prefill_graphs],
         prefix_graphs=AUTO_ON_OFF[args.prefix_graphs],
+        fresh_split=args.fresh_split == "on",
         decode_prefill_budget=args.decode_prefill_budget,
         sliced_prefill=AUTO_ON_OFF[args.sliced_prefill],
         kernel_masks=AUTO_ON_OFF[args.kernel_masks],
@@ -419,6 +427,7 @@ def main() -> None:
         free_after_start_gib=free_gib,
         torch_peak_reserved_gib=peak,
         gpu_gib=total,
+        settings=vars(args),
     )
 
 

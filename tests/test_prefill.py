@@ -18,13 +18,14 @@ from routing import RoutingLog, tie_gap
 import mk.model.experts as grouped_moe
 import mk.model.moe as reference_moe
 import mk.prefill as prefill_module
+import mk.prefill_graphs as prefill_graphs
 from mk.config import PAGE_SIZE, ModelConfig
 from mk.model.names import expected_shapes
 from mk.model.paged import UNMAPPED, KVMappingError, PageAllocator
 from mk.model.reference import Model
 from mk.model.varlen import attend_causal, interval_block_mask, refresh_block_mask, static_block_mask
 from mk.prefill import Prefill, PrefillRequest, Span, plan_chunks, prefill_flops, stack_experts, stacked_experts
-from mk.prefill_graphs import BUCKETS, FreshPrompts, PrefixedChunks
+from mk.prefill_graphs import BUCKETS, NEXT_TURN_BUCKETS, FreshPrompts, PrefixedChunks, fresh_split
 
 torch.set_num_threads(1)
 
@@ -746,6 +747,106 @@ def test_prefix_graphs_modes(weights64):
     assert Prefill(model, chunk=8192, prefix_graphs=False).prefixed is None
     with pytest.raises(ValueError, match="prefix_graphs must be"):
         Prefill(model, prefix_graphs="on")
+
+
+def test_fresh_split_cuts_only_just_past_a_compute_bound_bucket(weights64):
+    """The real buckets: a fresh prompt up to half a bucket of at least SPLIT_MIN_BUCKET past it is
+    cut at that bucket, when the next-turn passes cover the rest; nothing else is."""
+    prefill = Prefill(model_of(weights64, torch.float64), chunk=16384, moe="loop", graphs=True, prefix_graphs=False)
+    fresh = prefill.fresh
+    next_turn = PrefixedChunks(prefill, buckets=NEXT_TURN_BUCKETS, capture=False)
+    every = PrefixedChunks(prefill, buckets=BUCKETS, capture=False)
+    assert prefill_graphs.SPLIT_MIN_BUCKET == 4096 and fresh.buckets[-1] == 8192
+    want = {1: 0, 2048: 0, 2049: 0, 3000: 0, 4096: 0, 4097: 4096, 5281: 4096, 6144: 4096, 6145: 0, 8192: 0}
+    assert {n: fresh_split(n, fresh, next_turn) for n in want} == want
+    # Past the largest fresh bucket (a chunk of more than 8K tokens): its rest may be half of 8K with
+    # every prefixed bucket, at most the largest next-turn bucket by default.
+    assert [fresh_split(n, fresh, every) for n in (8193, 12288, 12289)] == [8192, 8192, 0]
+    assert [fresh_split(n, fresh, next_turn) for n in (8193, 10240, 10241)] == [8192, 8192, 0]
+    assert fresh_split(5281, None, next_turn) == 0 and fresh_split(5281, fresh, None) == 0
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex_eager"])
+@pytest.mark.parametrize("n,cut", [(300, 256), (384, 256), (385, 0), (256, 0)])
+def test_a_fresh_prompt_just_past_a_bucket_runs_as_two_static_passes(weights64, monkeypatch, attention, n, cut):
+    """With SPLIT_MIN_BUCKET at the tiny buckets' 256, a fresh prompt of up to 384 tokens runs as the
+    fresh pass of 256 rows, then the rest after it as a chunk after a cached prefix (both static
+    passes, run eagerly here), and gives the reference's logits, residual and pages; 385 (a rest of
+    more than half the bucket) and 256 (a bucket exactly) stay one chunk, as does any prompt with
+    fresh_split off."""
+    monkeypatch.setattr(prefill_graphs, "SPLIT_MIN_BUCKET", 256)
+    model = model_of(weights64, torch.float64)
+    for split_on in (True, False):
+        pool = Pool(model)
+        toks = tokens_of(n)
+        table = pool.table(n)
+        prefill = Prefill(model, chunk=512, attention=attention, moe="loop", graphs=True, fresh_split=split_on)
+        prefill.fresh = FreshPrompts(prefill, buckets=(64, 256), capture=False)
+        prefill.prefixed = PrefixedChunks(prefill, buckets=(256,), key_buckets=(512,), capture=False)
+        chunks = []
+        out = prefill([PrefillRequest(toks, 0, table)], pool.kv, return_hidden=True, before_chunk=chunks.append)
+        what = f"{attention} n={n} fresh_split={split_on}"
+        if cut and split_on:
+            assert chunks == [[Span(0, 0, cut)], [Span(0, cut, n)]], what
+            assert list(prefill.fresh._buckets) == [256] and list(prefill.prefixed._buckets) == [(256, 512)], what
+        else:
+            assert chunks == [[Span(0, 0, n)]], what
+            assert not prefill.prefixed._buckets, what
+        check(out, 0, *pool.reference(toks, 0, table), torch.float64, what)
+        pool.assert_pages_equal([table], 1e-10, what)
+
+
+def test_a_packed_call_is_never_split(weights64, monkeypatch):
+    monkeypatch.setattr(prefill_graphs, "SPLIT_MIN_BUCKET", 256)
+    model = model_of(weights64, torch.float64)
+    pool = Pool(model)
+    prefill = Prefill(model, chunk=512, attention="sdpa", moe="loop", graphs=True)
+    prefill.fresh = FreshPrompts(prefill, buckets=(64, 256), capture=False)
+    prefill.prefixed = PrefixedChunks(prefill, buckets=(256,), key_buckets=(512,), capture=False)
+    chunks = []
+    requests = [PrefillRequest(tokens_of(300), 0, pool.table(300)), PrefillRequest(tokens_of(20, 1), 0, pool.table(20))]
+    out = prefill(requests, pool.kv, before_chunk=chunks.append)
+    assert chunks == [[Span(0, 0, 300), Span(1, 0, 20)]]
+    for i, r in enumerate(requests):
+        assert rel_err(out.logits[i], pool.reference(r.tokens, 0, r.block_table)[0]) < 1e-10, f"seed {SEED}"
+
+
+def test_a_shape_whose_capture_fails_runs_eagerly_and_the_others_keep_their_graphs(weights64, monkeypatch):
+    """The capture bookkeeping (`_StaticPasses._run`) with a stand-in capture: a shape whose capture
+    failed is never tried again and runs its pass each call; a captured one replays; the count of
+    failed shapes is what the warm-up reports."""
+    prefill = Prefill(model_of(weights64, torch.float64), chunk=256, graphs=True, moe="loop")
+    passes = prefill.fresh = FreshPrompts(prefill, buckets=(64, 256), capture=False)
+    passes.capture = True  # (a CUDA-only state: the capture and the graph are stood in for below)
+    log = []
+
+    class Graph:
+        def __init__(self, n):
+            self.n = n
+
+        def replay(self):
+            log.append(("replay", self.n))
+
+    def capture(b, kv):
+        log.append(("capture", b.n))
+        passes._pass(b, kv)
+        if b.n == 256:
+            b.uncapturable = True
+        else:
+            b.graph = Graph(b.n)
+
+    monkeypatch.setattr(passes, "_capture", capture)
+    monkeypatch.setattr(passes, "_pass", lambda b, kv: log.append(("pass", b.n)))
+    pool = Pool(model_of(weights64, torch.float64))
+    for n in (40, 200, 40, 200):
+        passes(tokens_of(n), pool.table(n), pool.kv)
+    assert log == [
+        *[("capture", 64), ("pass", 64), ("replay", 64)],
+        *[("capture", 256), ("pass", 256)],
+        ("replay", 64),
+        ("pass", 256),
+    ]
+    assert passes.uncapturable() == 1 and passes.capture
 
 
 def test_a_prefixed_chunk_with_another_cache_drops_the_static_buffers(weights64):

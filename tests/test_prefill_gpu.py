@@ -196,6 +196,30 @@ def test_chunks_after_a_cached_prefix_replay_cuda_graphs_that_match_the_referenc
     assert sorted(p.prefixed._buckets) == [(1024, 8192), (2048, 4096), (2048, 8192)]
 
 
+def test_a_fresh_prompt_just_past_4k_replays_two_graphs_that_match_the_references(models):
+    """The defaults at an 8K chunk: a fresh 5000-token prompt runs as the 4096-token fresh graph,
+    then its last 904 tokens as the next-turn graph of (1024 rows, 8192 keys), not as the 8192
+    bucket's pass (mk.prefill_graphs.fresh_split); as close to the references as the eager pass,
+    only its own positions written. With fresh_split off it takes the 8192 bucket."""
+    pools = Pools(models, L * 200)
+    for split in (True, False):
+        p = Prefill(models[0], chunk=8192, fresh_split=split)
+        toks = tokens_of(5000, salt=int(split))
+        table = pools.table(5000, 80)
+        chunks = []
+        out = p([PrefillRequest(toks, 0, table)], pools.kv, before_chunk=chunks.append)
+        pools.check_logits(out.logits[0], *pools.references(toks, 0, table), f"fresh_split={split}")
+        pools.check_pages([table], f"fresh_split={split}")
+        if split:
+            assert chunks == [[Span(0, 0, 4096)], [Span(0, 4096, 5000)]]
+            assert sorted(p.fresh._buckets) == [4096] and sorted(p.prefixed._buckets) == [(1024, 8192)]
+            assert p.fresh._buckets[4096].graph is not None and p.prefixed._buckets[1024, 8192].graph is not None
+        else:
+            assert chunks == [[Span(0, 0, 5000)]] and sorted(p.fresh._buckets) == [8192]
+        p.fresh.release()
+        p.prefixed.release()
+
+
 LENGTHS = [1, 63, 64, 65, 300, 1000, 4500]
 
 

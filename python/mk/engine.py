@@ -132,6 +132,9 @@ class Engine:
     default): chunks of up to `mk.prefill_graphs.NEXT_TURN_BUCKETS[-1]` tokens on a GPU (a re-sent
     2K-32K-token prompt with 256 new tokens: 136-199 ms eager, 29-49 ms replayed on the H200,
     docs/PERF.md); True: every chunk length, for more memory and captures; False: none.
+    `fresh_split` (with both kinds of graph): a fresh prompt alone just past a bucket of 4K tokens
+    or more replays that bucket's graph and then a next-turn graph of the rest, instead of the next
+    bucket's graph of twice the rows (`mk.prefill_graphs.fresh_split`). On by default.
 
     `kernel_masks`: with the megakernel backend, a decode row under a grammar whose token the kernel
     can draw (greedy or a temperature alone) is drawn by the kernel among its mask's tokens (the
@@ -177,6 +180,7 @@ class Engine:
         kernel_masks: bool | None = None,
         late_masks: bool | None = None,
         prefix_graphs: bool | None = None,
+        fresh_split: bool = True,
     ) -> None:
         cfg = model.config
         if max_batch is None:
@@ -192,7 +196,7 @@ class Engine:
         self.kernel_masks = self.backend == "megakernel" if kernel_masks is None else kernel_masks
         if late_masks and not self.kernel_masks:
             raise ValueError("late_masks needs kernel_masks (the megakernel backend's)")
-        fast = _fast_prefill(model, prefill, prefill_chunk, prefill_graphs, prefix_graphs)
+        fast = _fast_prefill(model, prefill, prefill_chunk, prefill_graphs, prefix_graphs, fresh_split)
         self.prefill = "reference" if fast is None else "fast"
         if sliced_prefill and fast is None:
             raise ValueError("sliced_prefill needs the fast prefill (prefill='fast')")
@@ -230,7 +234,7 @@ class Engine:
             self._runner = ReferenceRunner(model, num_blocks, max_batch, max_context, fast_prefill=fast)
         try:
             self._runner.warm_up()
-            # After the warm-up, which captures them (a capture that failed turned them off).
+            # After the warm-up, which captures them (a shape whose capture failed runs eagerly).
             self.prefill_graphs = fast is not None and fast.fresh is not None and fast.fresh.capture
             self.prefix_graphs = fast is not None and fast.prefixed is not None and fast.prefixed.capture
             self._native = _native.Engine(
@@ -450,7 +454,7 @@ def _put_all(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
 
 
 def _fast_prefill(
-    model: Model, mode: str, chunk: int, graphs: bool | None, prefix_graphs: bool | None
+    model: Model, mode: str, chunk: int, graphs: bool | None, prefix_graphs: bool | None, fresh_split: bool
 ) -> Prefill | None:
     """The engine's `mk.prefill` runner, or None for the reference model's forward (see `Engine`)."""
     if mode not in ("auto", "fast", "reference"):
@@ -460,12 +464,14 @@ def _fast_prefill(
         return None
     if cuda:  # before anything records weight addresses (the megakernel's tables)
         stack_experts(model.weights, model.config)
-    # Rust hands over at most `chunk` tokens a call, so each call is one chunk of mk.prefill.
+    # Rust hands over at most `chunk` tokens a call, so each call is one chunk of mk.prefill (or two
+    # static passes: mk.prefill_graphs.split_fresh).
     return Prefill(
         model,
         chunk=chunk,
         graphs="auto" if graphs is None else graphs,
         prefix_graphs="auto" if prefix_graphs is None else prefix_graphs,
+        fresh_split=fresh_split,
     )
 
 

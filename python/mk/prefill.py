@@ -22,7 +22,8 @@ On CUDA the elementwise steps (norm, RoPE, SwiGLU activation, combine, residual)
 `torch.compile` (dynamic shapes: one compile each per process; eager if compiling fails). A chunk
 that is one fresh prompt (no cached prefix, the common case of a short prompt) runs as a
 static-shape pass padded to a bucket and, on CUDA, as a CUDA graph replay (`mk.prefill_graphs`):
-its ~1,700 launches and ~300 compiled-region calls otherwise cost 100-200 ms of host time. Such
+its ~1,700 launches and ~300 compiled-region calls otherwise cost 100-200 ms of host time (one
+just past a bucket of 4K or more runs as that bucket and the rest after it: `fresh_split`). Such
 a pass of at least STATIC_STEPS_MIN_ROWS rows takes elementwise steps compiled for its exact
 shape, twice as fast as the dynamic ones, and so does a chunk on the usual path whose row count
 is a bucket's (a long prompt's full chunks, sliced between decode steps or not).
@@ -65,7 +66,7 @@ from mk.model.varlen import (
     fa3_available,
     pack_keys,
 )
-from mk.prefill_graphs import BUCKETS, NEXT_TURN_BUCKETS, FreshPrompts, PrefixedChunks
+from mk.prefill_graphs import BUCKETS, NEXT_TURN_BUCKETS, FreshPrompts, PrefixedChunks, fresh_split
 
 # Tokens per chunk by default (the engine's prefill chunk on a GPU, which it passes here): large
 # enough that a chunk is compute bound on an H200 (each chunk re-reads all ~60 GB of expert
@@ -212,6 +213,9 @@ class Prefill:
     of one sequence after a cached prefix (`PrefixedChunks`): "auto" (the default) for chunks of up
     to NEXT_TURN_BUCKETS[-1] tokens on CUDA, True for every bucket, False for none; on CUDA only
     with compiled flex and the grouped MoE, and only where the chunk holds the smallest bucket.
+    fresh_split: with both kinds of static pass, a fresh prompt alone just past a bucket of at
+    least SPLIT_MIN_BUCKET tokens runs as that bucket's pass and its rest as a chunk after a cached
+    prefix (`mk.prefill_graphs.fresh_split`), instead of the next bucket's pass of twice the rows.
 
     Grouped MoE needs each layer's experts stacked: views when they already are (see
     `stack_experts`, which the engine should call once after loading), else a copy per layer
@@ -228,6 +232,7 @@ class Prefill:
         compile: bool | str = "auto",
         graphs: bool | str = "auto",
         prefix_graphs: bool | str = "auto",
+        fresh_split: bool = True,
     ) -> None:
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
@@ -273,6 +278,7 @@ class Prefill:
             raise ValueError(f"prefix_graphs must be 'auto', True or False, got {prefix_graphs!r}")
         prefix_buckets = {"auto": NEXT_TURN_BUCKETS if cuda else (), True: BUCKETS, False: ()}[prefix_graphs]
         self.prefixed = PrefixedChunks(self, buckets=prefix_buckets) if prefix_buckets and fits else None
+        self.fresh_split = fresh_split
 
     def graph_pool(self):
         """The memory pool every CUDA graph of this prefill's static passes is captured in (one:
@@ -313,7 +319,7 @@ class Prefill:
             raise ValueError(f"KV cache is on {kv.device}, the model on {self.device}")
         tokens = self._check_requests(requests)
         last_x: list[torch.Tensor | None] = [None] * len(requests)
-        for plan in plan_chunks([len(t) for t in tokens], self.chunk):
+        for plan in self._plan(requests, tokens):
             if before_chunk is not None:
                 before_chunk([Span(r, requests[r].start + off, requests[r].start + off + n) for r, off, n in plan])
             pieces = self._pieces(requests, plan)
@@ -323,6 +329,17 @@ class Prefill:
                     last_x[r] = x_last[i]
         x = torch.stack(last_x)  # type: ignore[arg-type]
         return PrefillOutput(self.head(x), x if return_hidden else None)
+
+    def _plan(self, requests: Sequence[PrefillRequest], tokens: list[torch.Tensor]) -> list[list[tuple[int, int, int]]]:
+        """`plan_chunks`, with a chunk that is a fresh prompt alone just past a bucket cut in two
+        static passes where that is faster (`fresh_split`)."""
+        plan = []
+        for chunk in plan_chunks([len(t) for t in tokens], self.chunk):
+            (r, off, n), cut = chunk[0], 0
+            if self.fresh_split and len(chunk) == 1 and requests[r].start + off == 0:
+                cut = fresh_split(n, self.fresh, self.prefixed)
+            plan += [[(r, 0, cut)], [(r, cut, n - cut)]] if cut else [chunk]
+        return plan
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Logits of residual rows x [n, D]: the final norm and the LM head."""

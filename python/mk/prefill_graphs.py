@@ -27,6 +27,12 @@ turn after its cached history: there the eager path's ~130 ms of launches was mo
 first token (H200: a re-sent 2K-32K prompt with 256 new tokens, 136-199 ms eager, 29-49 ms replayed;
 docs/PERF.md, twenty-fourth session). A long prompt's later chunks (8K after a cached 8K-24K) gain
 ~2% from a graph, which is not worth the captures and their memory.
+
+A fresh prompt just past a bucket of 4K or more (`fresh_split`: 4,097 to 6,144 tokens by default)
+is cut in two: that bucket's fresh pass, then the rest as a chunk after a cached prefix. Both
+replay graphs, and together should cost about three quarters of the next bucket's pass (predicted
+from the H200's 88 ms for 4,096 fresh tokens, 177 ms for 5,281 or 8,192, and 29-35 ms for 256
+tokens after a 2K-8K prefix; not yet measured: docs/PERF.md, twenty-fifth session).
 """
 
 from __future__ import annotations
@@ -66,9 +72,29 @@ BUCKETS = (256, 512, 1024, 2048, 4096, 8192)
 KEY_BUCKETS = tuple(1 << i for i in range(11, 19))  # 2K .. 256K
 # The chunk buckets after a cached prefix that run as CUDA graphs by default (module docs).
 NEXT_TURN_BUCKETS = tuple(b for b in BUCKETS if b <= 2048)
+# A fresh prompt just past a bucket of at least this many rows runs as that bucket's pass and, for the
+# rest (at most half the bucket), a chunk after a cached prefix (`fresh_split`). From 4K tokens a
+# fresh pass is compute bound: on the H200 a 4,096-token prompt took 88 ms and 5,281 or 8,192
+# tokens 177 ms (docs/PERF.md, twenty-third session), while a next-turn chunk of 256 rows after an
+# 8K prefix took 35 ms. Below 4K the 2K -> 4K step (52 -> 88 ms) leaves too little to win.
+SPLIT_MIN_BUCKET = 4096
 # A fresh prompt's full-attention layers on CUDA take one fused causal kernel (`attend_causal`)
 # instead of flex attention's block mask.
 FUSED_CAUSAL = True
+
+
+def fresh_split(n: int, fresh: FreshPrompts | None, prefixed: PrefixedChunks | None) -> int:
+    """Where a fresh prompt of n tokens is best cut in two static passes: the length of its first
+    chunk, a fresh bucket B >= SPLIT_MIN_BUCKET just below n, when the rest (at most B / 2) is a
+    chunk `prefixed` covers after it; else 0 (one chunk). The first costs about half of the next
+    bucket's pass and the rest at most about half again (SPLIT_MIN_BUCKET's measurements)."""
+    if fresh is None or prefixed is None:
+        return 0
+    first = max((b for b in fresh.buckets if b < n), default=0)
+    rest = n - first
+    if first < SPLIT_MIN_BUCKET or rest > first // 2 or not prefixed.covers(first, rest):
+        return 0
+    return first
 
 
 @dataclass(eq=False)
@@ -89,6 +115,7 @@ class _Bucket:
     keys: dict[int | None, PackedKeys]
     pieces: list[Piece] = field(default_factory=list)  # the SDPA path's pieces (fresh only)
     graph: torch.cuda.CUDAGraph | None = field(default=None)
+    uncapturable: bool = False  # its capture failed: this shape runs eagerly from then on
 
 
 class _StaticPasses:
@@ -115,12 +142,13 @@ class _StaticPasses:
             self._kv = weakref.ref(kv)
 
     def _run(self, b, kv: PagedKV) -> None:
-        if not self.capture:
-            self._pass(b, kv)
-            return
-        if b.graph is None:
+        if b.graph is None and self.capture and not b.uncapturable:
             self._capture(b, kv)
-        if b.graph is not None:
+            if b.graph is None:
+                return  # (the capture's eager pass computed this call's result)
+        if b.graph is None:
+            self._pass(b, kv)
+        else:
             b.graph.replay()
 
     def _pass(self, b, kv: PagedKV) -> None:
@@ -143,6 +171,13 @@ class _StaticPasses:
         """Layer `layer`'s attention output for the bucket's rows (their K and V already written)."""
         raise NotImplementedError
 
+    def uncapturable(self) -> int:
+        """How many of its shapes failed to capture (and run eagerly)."""
+        return sum(b.uncapturable for b in self._buckets.values())
+
+    def _shape_name(self, b: _Bucket) -> str:
+        return f"{b.n}-token"
+
     def _bucket(
         self, n: int, cos: torch.Tensor, sin: torch.Tensor, keys: dict, pieces: list[Piece] | None = None
     ) -> _Bucket:
@@ -162,7 +197,8 @@ class _StaticPasses:
 
     def _capture(self, b, kv: PagedKV) -> None:
         """One eager pass (it compiles and allocates what this length needs, and computes this
-        call's result), then the capture; a capture that fails warns and leaves the bucket eager."""
+        call's result), then the capture. A capture that fails (e.g. out of memory for a long
+        context's key bucket) warns and leaves this shape eager; the others keep their graphs."""
         device = self.prefill.device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -179,8 +215,9 @@ class _StaticPasses:
             # An invalidated capture raises while ending it, before the graph's context gives the
             # stream back: this thread must not stay on the capture stream.
             torch.cuda.set_stream(stream)
-            warnings.warn(f"capturing the {b.n}-token prefill failed ({type(e).__name__}: {e}); eager", stacklevel=4)
-            self.capture = False
+            what = f"{type(e).__name__}: {e}"
+            warnings.warn(f"capturing the {self._shape_name(b)} prefill failed ({what}); eager", stacklevel=4)
+            b.uncapturable = True
             return
         b.graph = graph
 
@@ -355,6 +392,10 @@ class PrefixedChunks(_StaticPasses):
         b = self._bucket(n, cos, sin, keys)
         self._buckets[n, k_full] = b
         return b
+
+    def _shape_name(self, b: _Bucket) -> str:
+        full = b.keys.get(None)  # (a model without full-attention layers has no key bucket)
+        return f"{b.n}-token after a prefix" + (f" ({full.slots.shape[1]} key columns)" if full else "")
 
     def _attend(self, b: _Bucket, layer: int, q, k, v, pool_k, pool_v, attn_dtype: torch.dtype) -> torch.Tensor:
         """Over the prefix and the chunk, gathered from the pool by the static slot tables."""

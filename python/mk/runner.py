@@ -104,6 +104,9 @@ class PrefillRunner:
         if whole:
             with _usual_path(prefill):
                 prefill([PrefillRequest([0] * n, 0, chunk_table)], self.kv)
+        for passes, what in ((fresh, "fresh prompts"), (prefixed, "chunks after a cached prefix")):
+            if passes is not None and passes.uncapturable():
+                log.warning("%d shapes of %s could not be captured and run eagerly", passes.uncapturable(), what)
         log.info("prefill warm-up done in %.1f s", time.perf_counter() - started)
 
     def release_graphs(self) -> None:

@@ -25,7 +25,14 @@ from mk.model.paged import UNMAPPED, KVMappingError, PageAllocator
 from mk.model.reference import Model
 from mk.model.varlen import attend_causal, interval_block_mask, refresh_block_mask, static_block_mask
 from mk.prefill import Prefill, PrefillRequest, Span, plan_chunks, prefill_flops, stack_experts, stacked_experts
-from mk.prefill_graphs import BUCKETS, NEXT_TURN_BUCKETS, FreshPrompts, PrefixedChunks, fresh_split
+from mk.prefill_graphs import (
+    BUCKETS,
+    NEXT_TURN_BUCKETS,
+    SEPARATE_PASSES_MAX,
+    FreshPrompts,
+    PrefixedChunks,
+    fresh_split,
+)
 
 torch.set_num_threads(1)
 
@@ -809,6 +816,35 @@ def test_a_packed_call_is_never_split(weights64, monkeypatch):
     assert chunks == [[Span(0, 0, 300), Span(1, 0, 20)]]
     for i, r in enumerate(requests):
         assert rel_err(out.logits[i], pool.reference(r.tokens, 0, r.block_table)[0]) < 1e-10, f"seed {SEED}"
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex_eager"])
+def test_a_few_sequences_that_static_passes_cover_run_one_after_another(weights64, attention):
+    """A chunk of up to SEPARATE_PASSES_MAX sequences, each of which a static pass covers (here a
+    fresh prompt and two chunks after a cached prefix), runs each alone through its pass: the
+    reference's logits, residuals and pages. One more such sequence, or one that no pass covers,
+    and the chunk is one packed pass on the usual path (no static bucket used)."""
+    model = model_of(weights64, torch.float64)
+    lengths = [(0, 40), (100, 30), (200, 150), (0, 20)]  # (cached prefix, new tokens)
+    for count, uncovered in ((SEPARATE_PASSES_MAX, False), (SEPARATE_PASSES_MAX + 1, False), (2, True)):
+        pool = Pool(model)
+        prefill = prefixed_prefill(model, attention)
+        prefill.fresh = FreshPrompts(prefill, buckets=(64,), capture=False)
+        requests = []
+        for i, (start, n) in enumerate(lengths[:count]):
+            n = 100 if uncovered and i == 0 else n  # past the fresh pass's 64 rows
+            toks = tokens_of(start + n, salt=i)
+            table = pool.table(start + n)
+            for kv in (pool.kv, pool.kv_ref)[: 2 * (start > 0)]:
+                model.forward(toks[:start], 0, kv, table)
+            requests.append(PrefillRequest(toks[start:], start, table))
+        out = prefill(requests, pool.kv, return_hidden=True)
+        what = f"{attention}, {count} sequences{', one uncovered' if uncovered else ''}"
+        separate = count <= SEPARATE_PASSES_MAX and not uncovered
+        assert bool(prefill.fresh._buckets) == bool(prefill.prefixed._buckets) == separate, what
+        for i, r in enumerate(requests):
+            check(out, i, *pool.reference(r.tokens, r.start, r.block_table), torch.float64, f"{what}: {i}")
+        pool.assert_pages_equal([r.block_table for r in requests], 1e-10, what)
 
 
 def test_a_shape_whose_capture_fails_runs_eagerly_and_the_others_keep_their_graphs(weights64, monkeypatch):

@@ -237,7 +237,8 @@ def test_packed_prompts_of_mixed_lengths(models, chunk):
 
 def test_prefix_reuse_past_the_window(models, prefill):
     """A cached 4224-token prefix (66 pages) whose sliding-layer page 0 is already released, then
-    900 new tokens; a fresh 700-token prompt in the same call."""
+    900 new tokens; a fresh 700-token prompt in the same call. Two sequences that static passes
+    cover: they replay their graphs one after the other (mk.prefill_graphs.SEPARATE_PASSES_MAX)."""
     pools = Pools(models, L * 100)
     toks = tokens_of(5124)
     table = pools.table(5124, 81)
@@ -256,6 +257,7 @@ def test_prefix_reuse_past_the_window(models, prefill):
     pools.check_logits(out.logits[0], *pools.references(toks[4224:], 4224, table), "prefix")
     pools.check_logits(out.logits[1], *pools.references(other, 0, fresh), "fresh")
     pools.check_pages([table, fresh], "prefix")
+    assert prefill.prefixed._buckets[1024, 8192].graph is not None and prefill.fresh._buckets[1024].graph is not None
 
 
 def test_window_release_between_chunks_changes_nothing(models, prefill):

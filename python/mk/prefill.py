@@ -45,7 +45,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -66,7 +66,14 @@ from mk.model.varlen import (
     fa3_available,
     pack_keys,
 )
-from mk.prefill_graphs import BUCKETS, NEXT_TURN_BUCKETS, FreshPrompts, PrefixedChunks, fresh_split
+from mk.prefill_graphs import (
+    BUCKETS,
+    NEXT_TURN_BUCKETS,
+    SEPARATE_PASSES_MAX,
+    FreshPrompts,
+    PrefixedChunks,
+    fresh_split,
+)
 
 # Tokens per chunk by default (the engine's prefill chunk on a GPU, which it passes here): large
 # enough that a chunk is compute bound on an H200 (each chunk re-reads all ~60 GB of expert
@@ -393,6 +400,10 @@ class Prefill:
     # ---- one chunk -------------------------------------------------------------------------------
     def _chunk(self, tokens: torch.Tensor, pieces: list[Piece], kv: PagedKV) -> torch.Tensor:
         """All layers over one packed chunk; returns the residual at each piece's last row [pieces, D]."""
+        if 1 < len(pieces) <= SEPARATE_PASSES_MAX and all(self._static(p) for p in pieces):
+            # A few sequences, each a static pass: one replay each beats a packed eager pass.
+            rows = [self._chunk(tokens[p.q_off : p.q_off + p.n], [replace(p, q_off=0)], kv) for p in pieces]
+            return torch.cat(rows)
         if self.fresh is not None and len(pieces) == 1 and pieces[0].first == 0 and self.fresh.covers(len(tokens)):
             try:
                 return self.fresh(tokens, pieces[0].table, kv)
@@ -412,6 +423,12 @@ class Prefill:
         sliced = SlicedPrefill(self, tokens, pieces, kv)
         sliced.run(0, self.config.num_hidden_layers)
         return sliced.last_rows()
+
+    def _static(self, piece: Piece) -> bool:
+        """Whether a chunk of this piece alone takes a static pass (a graph on CUDA)."""
+        if piece.first == 0:
+            return self.fresh is not None and self.fresh.covers(piece.n)
+        return self.prefixed is not None and self.prefixed.covers(piece.first, piece.n)
 
     def pools(self, kv: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V pools as [slots, kv_heads, head_dim] (a slot: block * page size + offset)."""

@@ -32,7 +32,10 @@ A fresh prompt just past a bucket of 4K or more (`fresh_split`: 4,097 to 6,144 t
 is cut in two: that bucket's fresh pass, then the rest as a chunk after a cached prefix. Both
 replay graphs, and together should cost about three quarters of the next bucket's pass (predicted
 from the H200's 88 ms for 4,096 fresh tokens, 177 ms for 5,281 or 8,192, and 29-35 ms for 256
-tokens after a 2K-8K prefix; not yet measured: docs/PERF.md, twenty-fifth session).
+tokens after a 2K-8K prefix; not yet measured: docs/PERF.md, twenty-fifth session). And a chunk
+of a few sequences that static passes cover one by one (up to `SEPARATE_PASSES_MAX`: next turns or
+short prompts arriving together) replays their graphs one after another instead of running one
+packed pass on the usual path.
 """
 
 from __future__ import annotations
@@ -78,6 +81,12 @@ NEXT_TURN_BUCKETS = tuple(b for b in BUCKETS if b <= 2048)
 # tokens 177 ms (docs/PERF.md, twenty-third session), while a next-turn chunk of 256 rows after an
 # 8K prefix took 35 ms. Below 4K the 2K -> 4K step (52 -> 88 ms) leaves too little to win.
 SPLIT_MIN_BUCKET = 4096
+# A chunk of a few sequences, each of which a static pass covers, runs them one after another (CUDA:
+# one graph replay each) instead of one packed pass on the usual path, whose launches cost ~130 ms
+# at any size on the H200 (a 2K-32K prompt re-sent with 256 new tokens: 136-199 ms eager); a
+# replay took 24-52 ms (a fresh 512-2K prompt, a next turn after 2K-32K), so up to three replays
+# cost about what one packed call does (docs/PERF.md, twenty-fourth session).
+SEPARATE_PASSES_MAX = 3
 # A fresh prompt's full-attention layers on CUDA take one fused causal kernel (`attend_causal`)
 # instead of flex attention's block mask.
 FUSED_CAUSAL = True

@@ -19,6 +19,9 @@ Rows:
 - reuse: a conversation's next turn: a 2K, 8K or 32K prompt, then the same tokens and
   REUSE_NEW_TOKENS more, whose prefix the KV cache holds (`cached` tokens): the second prompt's
   time to first token, timed as the ttft rows are.
+- burst: 2, 3 and 4 such next turns (2K cached, 256 new tokens each) arriving together: from the
+  first submission to the last first token (up to mk.prefill_graphs.SEPARATE_PASSES_MAX sequences
+  replay a graph each, one after another; more take one packed pass).
 - admit: one stream decoding at 8K while a 32K prompt arrives: the stream's longest and median gap
   between tokens while the long prompt is admitted, and the long prompt's time to first token.
 The engine runs with the server's defaults (`python -m mk.server`: prefill chunk
@@ -71,7 +74,7 @@ from mk.engine import Engine
 from mk.engine_api import AUTO_ON_OFF, MAX_BATCH, PREFILL_CHUNK
 from mk.model import synthetic_weights
 from mk.model.reference import Model
-from mk.prefill_graphs import NEXT_TURN_BUCKETS
+from mk.prefill_graphs import NEXT_TURN_BUCKETS, SEPARATE_PASSES_MAX
 from mk.sampling import ConstraintSpec, SamplingParams
 from mk.tokenizer import Tokenizer
 
@@ -89,6 +92,11 @@ TTFT_RUNS = 5
 # A reuse row's next turn: the new tokens after the cached prompt (a user's message and the
 # assistant's previous answer, say).
 REUSE_NEW_TOKENS = 256
+# A burst row's conversations: their cached prompts (then REUSE_NEW_TOKENS new tokens each), and how
+# many arrive together (up to mk.prefill_graphs.SEPARATE_PASSES_MAX replay a graph each; one more is
+# one packed pass).
+BURST_PROMPT = 2048
+BURST_SIZES = (2, SEPARATE_PASSES_MAX, SEPARATE_PASSES_MAX + 1)
 ADMIT_SLOW_GAP_S = 0.02  # a stream's gap the admit row lists (a decode step is ~3 ms)
 
 
@@ -272,6 +280,35 @@ def ttft_run(engine: Engine, cfg: ModelConfig, n: int, gen: torch.Generator, new
     }
 
 
+def burst_row(engine: Engine, cfg: ModelConfig, k: int, gen: torch.Generator) -> dict:
+    """k conversations' next turns arriving together (each BURST_PROMPT cached tokens and
+    REUSE_NEW_TOKENS new ones), nothing else running: from the first submission to the last
+    first token; the median of TTFT_RUNS bursts, with the fastest and slowest beside it."""
+    runs = []
+    for _ in range(TTFT_RUNS):
+        prompts = [random_prompt(cfg, BURST_PROMPT, gen) for _ in range(k)]
+        wait([submit(engine, p, 1)[0] for p in prompts])
+        before = settled_stats(engine)
+        streams = [submit(engine, p + random_prompt(cfg, REUSE_NEW_TOKENS, gen), 1) for p in prompts]
+        wait([t for t, _ in streams])
+        after = settled_stats(engine)
+        seconds = max(t.times[0] for t, _ in streams) - streams[0][1]
+        runs.append((seconds * 1e3, after["prefix_hit_tokens"] - before["prefix_hit_tokens"], after, before))
+    runs.sort(key=lambda r: r[0])
+    ms, cached, after, before = runs[(len(runs) - 1) // 2]
+    return {
+        "row": "burst",
+        "prompt": BURST_PROMPT + REUSE_NEW_TOKENS,
+        "sequences": k,
+        "cached": cached,
+        "ttft_ms": ms,
+        "ttft_min_ms": runs[0][0],
+        "ttft_max_ms": runs[-1][0],
+        "prefill_chunks": after["prefill_chunks"] - before["prefill_chunks"],
+        "backend_ms": (after["backend_ns"] - before["backend_ns"]) / 1e6,
+    }
+
+
 def admit_row(engine: Engine, cfg: ModelConfig, gen: torch.Generator) -> dict:
     """A stream decoding at 8K while a 32K prompt is admitted."""
     stream, _ = submit(engine, random_prompt(cfg, 8192, gen), 2000)
@@ -396,6 +433,9 @@ def main() -> None:
         for n in reuse:
             rows.append(ttft_row(engine, cfg, n, gen, REUSE_NEW_TOKENS))
             print(rows[-1], flush=True)
+        for k in [] if args.quick else BURST_SIZES:
+            rows.append(burst_row(engine, cfg, k, gen))
+            print(rows[-1], flush=True)
         for b, c in [] if args.prefill_only else points:
             rows.append(decode_row(engine, model, b, c, gen, args.temperature, args.top_p, grammar))
             print(rows[-1], flush=True)
@@ -415,7 +455,17 @@ def main() -> None:
         phases = ["launch_prepare_us", "launch_upload_us", "launch_call_us", "launch_wait_us", "loop_host_us"]
         print_table("host time of a decode step (µs)", decode, ["batch", "ctx", *phases])
     other = [r for r in rows if r["row"] != "decode"]
-    cols = ["row", "prompt", "cached", "ttft_ms", "ttft_min_ms", "ttft_max_ms", "prompt_tok_s", "prefill_chunks"]
+    cols = [
+        "row",
+        "prompt",
+        "sequences",
+        "cached",
+        "ttft_ms",
+        "ttft_min_ms",
+        "ttft_max_ms",
+        "prompt_tok_s",
+        "prefill_chunks",
+    ]
     cols += ["backend_ms", "outside_backend_ms"]
     cols += ["longest_gap_ms", "median_gap_ms"]
     print_table("time to first token", other, cols)

@@ -19,11 +19,13 @@ Rows:
 - reuse: a conversation's next turn: a 2K, 8K or 32K prompt, then the same tokens and
   REUSE_NEW_TOKENS more, whose prefix the KV cache holds (`cached` tokens): the second prompt's
   time to first token, timed as the ttft rows are.
-- burst: 2, 3 and 4 such next turns (2K cached, 256 new tokens each) arriving together: from the
-  first submission to the last first token (up to mk.prefill_graphs.SEPARATE_PASSES_MAX sequences
-  replay a graph each, one after another; more take one packed pass).
+- burst: 2, 3, 4 and 8 such next turns (2K cached, 256 new tokens each) arriving together: from
+  the first submission to the last first token (up to mk.prefill_graphs.SEPARATE_PASSES_MAX
+  sequences replay a graph each, one after another; more take one packed pass).
 - admit: one stream decoding at 8K while a 32K prompt arrives: the stream's longest and median gap
-  between tokens while the long prompt is admitted, and the long prompt's time to first token.
+  between tokens while the long prompt is admitted, and the long prompt's time to first token. And
+  the same while a next turn of ADMIT_NEXT_TURN new tokens after 8K cached ones arrives: one graph
+  replay (`--whole-chunk-tokens 0`: slices of the eager path).
 The engine runs with the server's defaults (`python -m mk.server`: prefill chunk
 mk.engine_api.PREFILL_CHUNK, max batch mk.engine_api.MAX_BATCH, launch-ahead on) except its KV share of memory (0.5,
 leaving room for the kernel-only measurement); `--launch-ahead off` runs one step at a time,
@@ -36,7 +38,8 @@ rest (Engine(fresh_split=...), on by default),
 `--decode-prefill-budget N` prefills at most N prompt tokens an iteration while a stream decodes
 (through the whole model, with the sliced prefill that is on by default: mk.engine_api.DECODE_PREFILL_BUDGET);
 `--sliced-prefill off` cuts the prompt into chunks of the budget instead of running whole chunks a few
-layers an iteration;
+layers an iteration; `--whole-chunk-tokens N` slices a lone chunk only past N tokens (Engine(
+whole_chunk_tokens=...); default mk.engine_api.WHOLE_CHUNK_TOKENS, where such a chunk replays a graph);
 `--prefill-only` runs the ttft and admit rows alone (with `--quick`: 512 and 8K prompts, and admit);
 `--prompts N,M` times prompts of those lengths in the ttft rows instead;
 `--kv-fraction F` gives the KV pool the server's share (0.9) instead of 0.5.
@@ -50,8 +53,7 @@ too, the masks computed while each step runs (Engine(late_masks=...), on by defa
 uploads the masks before each step instead).
 Usage: python benches/engine.py [--json out.json] [--quick] [--launch-ahead auto|on|off] [--prefill-chunk N]
        [--prefill-graphs auto|on|off] [--prefix-graphs auto|on|off] [--fresh-split on|off]
-       [--decode-prefill-budget N]
-       [--sliced-prefill auto|on|off]
+       [--decode-prefill-budget N] [--sliced-prefill auto|on|off] [--whole-chunk-tokens N]
        [--prefill-only] [--kv-fraction F] [--temperature T] [--top-p P]
        [--grammar [--kernel-masks auto|on|off] [--late-masks auto|on|off]]
 """
@@ -71,7 +73,7 @@ from common import print_table, write_json
 from decode import random_step, time_events
 from mk.config import ModelConfig
 from mk.engine import Engine
-from mk.engine_api import AUTO_ON_OFF, MAX_BATCH, PREFILL_CHUNK
+from mk.engine_api import AUTO_ON_OFF, MAX_BATCH, PREFILL_CHUNK, WHOLE_CHUNK_TOKENS
 from mk.model import synthetic_weights
 from mk.model.reference import Model
 from mk.prefill_graphs import NEXT_TURN_BUCKETS, SEPARATE_PASSES_MAX
@@ -93,11 +95,14 @@ TTFT_RUNS = 5
 # assistant's previous answer, say).
 REUSE_NEW_TOKENS = 256
 # A burst row's conversations: their cached prompts (then REUSE_NEW_TOKENS new tokens each), and how
-# many arrive together (up to mk.prefill_graphs.SEPARATE_PASSES_MAX replay a graph each; one more is
-# one packed pass).
+# many arrive together (up to mk.prefill_graphs.SEPARATE_PASSES_MAX replay a graph each; more are one
+# packed pass: the rows after it say what that costs, and so where the limit belongs).
 BURST_PROMPT = 2048
-BURST_SIZES = (2, SEPARATE_PASSES_MAX, SEPARATE_PASSES_MAX + 1)
-ADMIT_SLOW_GAP_S = 0.02  # a stream's gap the admit row lists (a decode step is ~3 ms)
+BURST_SIZES = (2, SEPARATE_PASSES_MAX, SEPARATE_PASSES_MAX + 1, 8)
+ADMIT_SLOW_GAP_S = 0.02
+# The second admit row's next turn (after 8K cached): within mk.engine_api.WHOLE_CHUNK_TOKENS, so one
+# graph replay by default, or slices of the eager path with --whole-chunk-tokens 0.
+ADMIT_NEXT_TURN = 1000  # a stream's gap the admit row lists (a decode step is ~3 ms)
 
 
 class Timed:
@@ -309,12 +314,17 @@ def burst_row(engine: Engine, cfg: ModelConfig, k: int, gen: torch.Generator) ->
     }
 
 
-def admit_row(engine: Engine, cfg: ModelConfig, gen: torch.Generator) -> dict:
-    """A stream decoding at 8K while a 32K prompt is admitted."""
+def admit_row(engine: Engine, cfg: ModelConfig, gen: torch.Generator, new: int = 32768, cached: int = 0) -> dict:
+    """A stream decoding at 8K while a prompt of `new` tokens is admitted; with `cached`, after that
+    many tokens the prefix cache holds (a conversation's next turn, its history sent before)."""
+    history = random_prompt(cfg, cached, gen) if cached else []
+    if history:
+        wait([submit(engine, history, 1)[0]])
     stream, _ = submit(engine, random_prompt(cfg, 8192, gen), 2000)
     while len(stream.times) < 20:
         time.sleep(0.005)
-    long, start = submit(engine, random_prompt(cfg, 32768, gen), 1)
+    hits = engine.native_stats()["prefix_hit_tokens"]
+    long, start = submit(engine, history + random_prompt(cfg, new, gen), 1)
     wait([long])
     wait([stream])
     during = [b - a for a, b in zip(stream.times, stream.times[1:], strict=False) if start <= b <= long.times[0] + 0.05]
@@ -322,7 +332,8 @@ def admit_row(engine: Engine, cfg: ModelConfig, gen: torch.Generator) -> dict:
     slow = sorted(g * 1e3 for g in during if g > ADMIT_SLOW_GAP_S)
     return {
         "row": "admit",
-        "prompt": 32768,
+        "prompt": cached + new,
+        "cached": engine.native_stats()["prefix_hit_tokens"] - hits,
         "ttft_ms": (long.times[0] - start) * 1e3,
         "longest_gap_ms": max(during) * 1e3 if during else None,
         "median_gap_ms": statistics.median(gaps) * 1e3,
@@ -354,6 +365,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--fresh-split", choices=["on", "off"], default="on", help="Engine(fresh_split=...): on (the default)"
+    )
+    parser.add_argument(
+        "--whole-chunk-tokens",
+        type=int,
+        default=None,
+        help=f"Engine(whole_chunk_tokens=...): default the engine's ({WHOLE_CHUNK_TOKENS}, with the graphs)",
     )
     parser.add_argument("--kv-fraction", type=float, default=0.5, help="Engine(kv_fraction=...); the server's: 0.9")
     parser.add_argument(
@@ -411,6 +428,7 @@ def main() -> None:
         prefill_graphs=AUTO_ON_OFF[args.prefill_graphs],
         prefix_graphs=AUTO_ON_OFF[args.prefix_graphs],
         fresh_split=args.fresh_split == "on",
+        whole_chunk_tokens=args.whole_chunk_tokens,
         decode_prefill_budget=args.decode_prefill_budget,
         sliced_prefill=AUTO_ON_OFF[args.sliced_prefill],
         kernel_masks=AUTO_ON_OFF[args.kernel_masks],
@@ -441,6 +459,8 @@ def main() -> None:
             print(rows[-1], flush=True)
         if not args.quick or args.prefill_only:
             rows.append(admit_row(engine, cfg, gen))
+            print(rows[-1], flush=True)
+            rows.append(admit_row(engine, cfg, gen, ADMIT_NEXT_TURN, cached=8192))
             print(rows[-1], flush=True)
         peak, total = torch.cuda.max_memory_reserved() / 2**30, torch.cuda.mem_get_info()[1] / 2**30
         print(f"GPU memory reserved by torch at its peak since the engine's start: {peak:.1f} GiB of {total:.0f}")

@@ -32,6 +32,7 @@ from test_engine import common, prompt, run
 
 from mk.config import ModelConfig
 from mk.engine import Engine
+from mk.engine_api import WHOLE_CHUNK_TOKENS
 from mk.megakernel.support import MAX_STEP_ROWS
 from mk.model import synthetic_weights
 from mk.model.reference import Model
@@ -206,9 +207,11 @@ def test_launch_ahead_agrees_with_synchronous_steps(model, rows):
 def test_a_sliced_prefill_beside_a_decoding_stream_agrees(model):
     """sliced_prefill on the megakernel backend (mk.prefill.SlicedPrefill on CUDA): a 1,500-token
     prompt submitted once a stream decodes goes in chunks of 640 tokens (budget 128 x 5 layers), a
-    layer an iteration, a decode step between; both requests' tokens agree with the same engine
-    cutting that prompt into 128-token chunks instead, until the first near-tie, as in `compare`
-    (the two chunkings round differently in bf16)."""
+    layer an iteration, a decode step between (whole_chunk_tokens=0); both requests' tokens agree
+    with the same engine cutting that prompt into 128-token chunks instead, until the first
+    near-tie, as in `compare` (the two chunkings round differently in bf16). By default those
+    chunks of 640 (within WHOLE_CHUNK_TOKENS) run whole, as graph replays: no slices, and the
+    same agreement."""
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in (160, 12)]
     prompts = [prompt(20, 31), prompt(1500, 32)]
 
@@ -226,11 +229,16 @@ def test_a_sliced_prefill_beside_a_decoding_stream_agrees(model):
     with engine(model, "megakernel", sliced_prefill=False, **options) as e:
         plain = asyncio.run(main(e))
         assert e.native_stats()["prefill_slices"] == 0
-    with engine(model, "megakernel", sliced_prefill=True, **options) as e:
+    with engine(model, "megakernel", sliced_prefill=True, whole_chunk_tokens=0, **options) as e:
         sliced = asyncio.run(main(e))
         assert e.native_stats()["prefill_slices"] >= model.config.num_hidden_layers
+    with engine(model, "megakernel", sliced_prefill=True, **options) as e:
+        assert e.whole_chunk_tokens == WHOLE_CHUNK_TOKENS
+        whole = asyncio.run(main(e))
+        assert e.native_stats()["prefill_slices"] == 0
     requests = list(zip([0.0, 0.0], prompts, params, strict=True))
     assert compare("sliced prefill", sliced, plain, requests) >= 40
+    assert compare("whole chunks beside the stream", whole, plain, requests) >= 40
 
 
 def test_temperature_rows_draw_on_the_gpu_as_the_host_sampler_would(model):

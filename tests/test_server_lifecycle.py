@@ -68,6 +68,8 @@ def test_server_and_engine_share_their_defaults():
     assert AUTO_ON_OFF[args.prefix_graphs] is engine_defaults["prefix_graphs"].default is None
     assert AUTO_ON_OFF[args.sliced_prefill] is engine_defaults["sliced_prefill"].default is None
     assert AUTO_ON_OFF[args.late_masks] is engine_defaults["late_masks"].default is None
+    assert args.whole_chunk_tokens is engine_defaults["whole_chunk_tokens"].default is None
+    assert parse_args(["--whole-chunk-tokens", "0"]).whole_chunk_tokens == 0
 
 
 def test_help_documents_every_flag():
@@ -76,7 +78,7 @@ def test_help_documents_every_flag():
     for flag in ("--host", "--port", "--model", "--synthetic", "--served-model-name", "--max-batch", "--max-context",
                  "--kv-fraction", "--prefill-chunk", "--api-key", "--log-level", "--drain-timeout", "--backend",
                  "--prefill", "--launch-ahead", "--prefill-graphs", "--prefix-graphs", "--decode-prefill-budget",
-                 "--sliced-prefill", "--kernel-masks", "--late-masks"):  # fmt: skip
+                 "--sliced-prefill", "--whole-chunk-tokens", "--kernel-masks", "--late-masks"):  # fmt: skip
         assert flag in out.stdout
 
 

@@ -151,6 +151,7 @@ class Engine:
         launch_ahead: bool = False,
         decode_prefill_budget: int | None = None,
         layer_sliced_prefill: bool = False,
+        whole_chunk_tokens: int = 0,
     ) -> Engine: ...
     def submit(
         self,

@@ -28,6 +28,7 @@ from mk.engine_api import (
     DECODE_PREFILL_BUDGET,
     MAX_BATCH,
     PREFILL_CHUNK,
+    WHOLE_CHUNK_TOKENS,
     EngineClosed,
     EngineFull,
     EngineStats,
@@ -113,6 +114,10 @@ class Engine:
     with the default budget: a 27 ms longest pause while a 32K prompt was admitted, that prompt's
     first token at 1.18x its standalone prefill, docs/PERF.md). Needs the fast prefill. None (the
     default): on wherever the fast prefill runs on a GPU.
+    `whole_chunk_tokens`: with `sliced_prefill`, a call of one chunk of up to this many tokens is
+    not sliced (0: every call beyond the budget is). None (the default): with both kinds of prefill
+    graph mk.engine_api.WHOLE_CHUNK_TOKENS (such a chunk replays its graph at once), else 0
+    (`self.whole_chunk_tokens`).
 
     `launch_ahead`: each decode step is launched before the previous step's tokens are handed
     over (rust/engine/core.rs); the streams are the same. The megakernel backend then queues steps
@@ -181,6 +186,7 @@ class Engine:
         late_masks: bool | None = None,
         prefix_graphs: bool | None = None,
         fresh_split: bool = True,
+        whole_chunk_tokens: int | None = None,
     ) -> None:
         cfg = model.config
         if max_batch is None:
@@ -188,6 +194,8 @@ class Engine:
         if prefill_chunk is None:
             prefill_chunk = PREFILL_CHUNK if model.device.type == "cuda" else CPU_PREFILL_CHUNK
         self.prefill_chunk = prefill_chunk
+        if whole_chunk_tokens is not None and whole_chunk_tokens < 0:
+            raise ValueError(f"whole_chunk_tokens must be >= 0 (or None), got {whole_chunk_tokens}")
         if decode_prefill_budget is not None and decode_prefill_budget < 1:
             raise ValueError(f"decode_prefill_budget must be >= 1 (or None), got {decode_prefill_budget}")
         self.backend = choose_backend(model, backend)
@@ -237,6 +245,10 @@ class Engine:
             # After the warm-up, which captures them (a shape whose capture failed runs eagerly).
             self.prefill_graphs = fast is not None and fast.fresh is not None and fast.fresh.capture
             self.prefix_graphs = fast is not None and fast.prefixed is not None and fast.prefixed.capture
+            if whole_chunk_tokens is None:  # a lone chunk that replays a graph runs whole
+                graphed = sliced_prefill and self.prefill_graphs and self.prefix_graphs
+                whole_chunk_tokens = WHOLE_CHUNK_TOKENS if graphed else 0
+            self.whole_chunk_tokens = whole_chunk_tokens
             self._native = _native.Engine(
                 self._runner,
                 sliding=sliding,
@@ -255,6 +267,7 @@ class Engine:
                 launch_ahead=self.launch_ahead,
                 decode_prefill_budget=decode_prefill_budget,
                 layer_sliced_prefill=sliced_prefill,
+                whole_chunk_tokens=self.whole_chunk_tokens,
             )
         except BaseException:
             # Drop the prefill's CUDA graphs now: left to the garbage collector, their memory pools

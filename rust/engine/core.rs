@@ -25,7 +25,10 @@
 //! sequences are planned again (their progress only moves when the last slice lands). With
 //! launch-ahead, a slice between the first and the last goes to the backend while the step queued
 //! before it is still in flight (it lands after the slice is issued), so that a device runs the
-//! step and the slice back to back instead of idling while the host lands the step.
+//! step and the slice back to back instead of idling while the host lands the step. A call of one
+//! chunk of at most `Core::whole_chunk_tokens` tokens is not sliced: the engine sets that where
+//! such a chunk replays a CUDA graph, which pauses the streams once and for less than the slices
+//! of the eager path would, each of them one share of its fixed launch cost.
 
 use std::time::Instant;
 
@@ -124,6 +127,9 @@ pub struct Core<B> {
     /// The model's layers, where prefill is layer-sliced while a sequence decodes (module docs);
     /// None: every prefill call runs the whole model.
     pub layer_slices: Option<usize>,
+    /// A prefill call of one chunk of at most this many tokens runs the whole model even where
+    /// `layer_slices` would slice it (module docs); 0: none.
+    pub whole_chunk_tokens: usize,
     in_flight: Option<Flight>,
     previous: Vec<Option<usize>>,
     sliced: Option<Sliced>,
@@ -145,6 +151,7 @@ impl<B: Backend> Core<B> {
             check_invariants: false,
             launch_ahead: false,
             layer_slices: None,
+            whole_chunk_tokens: 0,
             in_flight: None,
             previous: Vec::new(),
             sliced: None,
@@ -154,8 +161,8 @@ impl<B: Backend> Core<B> {
 
     /// This iteration's prefill call into `chunks`: the next slice of a sliced call whose
     /// sequences all still wait for it, else newly planned chunks, sliced (module docs) where
-    /// `layer_slices` is set, a sequence decodes and they hold more tokens than the budget. None:
-    /// the call runs the whole model.
+    /// `layer_slices` is set, a sequence decodes and they hold more tokens than the budget (and
+    /// than `whole_chunk_tokens` if they are one chunk). None: the call runs the whole model.
     fn plan_prefill_call(&mut self, chunks: &mut Vec<PrefillChunk>, out: &mut Vec<Event>) -> Option<LayerSlice> {
         if let Some(mut sl) = self.sliced.take() {
             if sl.chunks.iter().zip(&sl.owners).all(|(c, o)| owner(&self.sched, c) == Some(*o)) {
@@ -179,7 +186,7 @@ impl<B: Backend> Core<B> {
         }
         let layers = layers?;
         let tokens: usize = chunks.iter().map(|c| c.end - c.start).sum();
-        if tokens <= budget {
+        if tokens <= budget || (chunks.len() == 1 && tokens <= self.whole_chunk_tokens) {
             return None;
         }
         let owners = chunks.iter().map(|c| owner(&self.sched, c).expect("a planned chunk's sequence")).collect();

@@ -79,6 +79,8 @@ proptest! {
         // Layer-sliced prefill within this budget while a stream decodes (cancellations and
         // preemptions then drop sliced calls half done).
         sliced_budget in proptest::option::of(1usize..40),
+        // ... except a lone chunk of up to this many tokens, which runs whole.
+        whole_chunk in 0usize..16,
         // With queueing: rows under a grammar are queued too, their masks delivered late.
         late_masks in any::<bool>(),
     ) {
@@ -88,6 +90,7 @@ proptest! {
         let blocks = probe.prefill_blocks_needed(MAX_CONTEXT, chunk) + spare;
         let mut c = budgeted_core(&model, blocks, max_batch, chunk, sliced_budget, MAX_CONTEXT);
         c.layer_slices = sliced_budget.map(|_| model.sliding.len());
+        c.whole_chunk_tokens = whole_chunk;
         c.launch_ahead = launch_ahead > 0;
         c.backend.queueing = launch_ahead == 2;
         c.backend.queue_limit = queue_limit;

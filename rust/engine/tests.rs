@@ -391,6 +391,7 @@ fn engine_config_and_submission_errors() {
         check_invariants: true,
         launch_ahead: false,
         layer_sliced_prefill: false,
+        whole_chunk_tokens: 0,
     };
     // 64 tokens need 16 pages on the full layer + 2 × 4 on sliding ones... with a 64-token chunk
     // the sliding transient is the whole chunk: 48 blocks.
@@ -418,6 +419,7 @@ fn the_loop_thread_serves_concurrent_clients() {
         check_invariants: true,
         launch_ahead: true,
         layer_sliced_prefill: false,
+        whole_chunk_tokens: 0,
     };
     let engine = std::sync::Arc::new(Engine::start(config, MockBackend::new(model.clone(), 300)).unwrap());
     let arrivals = mixed_workload(24);
@@ -474,6 +476,7 @@ fn threaded_engine(model: &MockModel, launch_ahead: bool) -> Engine {
         check_invariants: true,
         launch_ahead,
         layer_sliced_prefill: false,
+        whole_chunk_tokens: 0,
     };
     Engine::start(config, MockBackend::new(model.clone(), 300)).unwrap()
 }
@@ -555,6 +558,7 @@ fn shutdown_cancels_everything_in_flight() {
         check_invariants: false,
         launch_ahead: false,
         layer_sliced_prefill: false,
+        whole_chunk_tokens: 0,
     };
     let engine = Engine::start(config, MockBackend::new(model, 300)).unwrap();
     for i in 0..6 {
@@ -579,6 +583,7 @@ fn queue_limit_counts_only_unadmitted_requests() {
         check_invariants: false,
         launch_ahead: false,
         layer_sliced_prefill: false,
+        whole_chunk_tokens: 0,
     };
     let engine = Engine::start(config, NoopBackend::new(5)).unwrap();
     let mut accepted = 0;
@@ -838,6 +843,38 @@ fn a_sliced_prefill_keeps_its_chunks_and_the_stream_its_pace() {
     let first = out.per_iteration.iter().position(|m| m.contains_key(&1)).unwrap();
     let last = out.per_iteration.iter().rposition(|m| m.contains_key(&1)).unwrap();
     assert!(out.per_iteration[first + 1..=last].iter().all(|m| m.get(&1) == Some(&1)), "the stream skipped a step");
+}
+
+/// A call of one chunk within `whole_chunk_tokens` runs the whole model though a stream decodes
+/// (on a GPU: one graph replay instead of slices of the eager path); a larger chunk, or two
+/// chunks together, are sliced as before. The outputs are the solo ones either way.
+#[test]
+fn a_lone_chunk_within_whole_chunk_tokens_is_not_sliced() {
+    let model = MockModel::small();
+    let layers = model.sliding.len();
+    let streaming = (0, req(1, 3, SamplingParams::greedy(40).with_ignore_eos()));
+    let lone = (3, req(2, 8, SamplingParams::greedy(5).with_ignore_eos()));
+    let (a, b) = (
+        (3, req(3, 5, SamplingParams::greedy(5).with_ignore_eos())),
+        (3, req(4, 3, SamplingParams::greedy(5).with_ignore_eos())),
+    );
+    // (whole_chunk_tokens, arrivals, the prefill calls' (tokens, layers))
+    let cases = [
+        (8, vec![streaming.clone(), lone.clone()], vec![(3, layers), (8, layers)]),
+        (7, vec![streaming.clone(), lone], vec![(3, layers), (8, 1), (8, 1), (8, 1)]),
+        (8, vec![streaming, a, b], vec![(3, layers), (8, 1), (8, 1), (8, 1)]),
+    ];
+    for (whole, arrivals, expect) in cases {
+        let mut c = budgeted_core(&model, 200, 3, 12, Some(4), 64);
+        c.layer_slices = Some(layers);
+        c.whole_chunk_tokens = whole;
+        let out = run(&mut c, &arrivals, &[]);
+        assert_solo(&model, &arrivals, &out, 64);
+        let b = &c.backend;
+        let calls: Vec<(usize, usize)> =
+            b.prefill_tokens.iter().copied().zip(b.prefill_layers.iter().copied()).collect();
+        assert_eq!(calls, expect, "whole_chunk_tokens {whole}, {} prompts", arrivals.len() - 1);
+    }
 }
 
 /// With launch-ahead, a slice in the middle of a sliced call is issued while the step queued

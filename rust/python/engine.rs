@@ -67,13 +67,14 @@ impl PyEngine {
     /// `decode_prefill_budget`: prompt tokens an iteration prefills while some sequence decodes
     /// (None: `prefill_chunk`). `layer_sliced_prefill`: while some sequence decodes, prefill whole
     /// chunks over several iterations, a few layers each, within that budget (the runner's
-    /// `prefill` takes layer slices; rust/engine/core.rs).
+    /// `prefill` takes layer slices; rust/engine/core.rs), except a call of one chunk of at most
+    /// `whole_chunk_tokens` tokens (0: none), which runs whole.
     #[new]
     #[pyo3(signature = (
         runner, *, sliding, window, num_blocks, vocab_size, eos_token_id=None, max_batch=8,
         max_context=4096, prefill_chunk=512, max_waiting=1024, salt=Vec::new(), check_invariants=false,
         noop_token=1, backend="reference", tokenizer_json=None, launch_ahead=false, decode_prefill_budget=None,
-        layer_sliced_prefill=false
+        layer_sliced_prefill=false, whole_chunk_tokens=0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -96,6 +97,7 @@ impl PyEngine {
         launch_ahead: bool,
         decode_prefill_budget: Option<usize>,
         layer_sliced_prefill: bool,
+        whole_chunk_tokens: usize,
     ) -> PyResult<Self> {
         let grammars = match (&tokenizer_json, eos_token_id) {
             (None, _) => None,
@@ -119,6 +121,7 @@ impl PyEngine {
             check_invariants,
             launch_ahead,
             layer_sliced_prefill,
+            whole_chunk_tokens,
         };
         let engine = match (runner, backend) {
             (Some(r), "reference") => Engine::start(cfg, reference_backend(r, vocab_size)),

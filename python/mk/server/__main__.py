@@ -21,7 +21,15 @@ from typing import NoReturn
 
 import torch
 
-from mk.engine_api import AUTO_ON_OFF, CPU_MAX_BATCH, CPU_PREFILL_CHUNK, DECODE_PREFILL_BUDGET, MAX_BATCH, PREFILL_CHUNK
+from mk.engine_api import (
+    AUTO_ON_OFF,
+    CPU_MAX_BATCH,
+    CPU_PREFILL_CHUNK,
+    DECODE_PREFILL_BUDGET,
+    MAX_BATCH,
+    PREFILL_CHUNK,
+    WHOLE_CHUNK_TOKENS,
+)
 from mk.prefill_graphs import NEXT_TURN_BUCKETS
 from mk.server.app import App
 from mk.server.serve import check_port, serve
@@ -162,6 +170,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "decoding stream's longest pause while a 32K prompt was admitted fell from 511 ms to 27 ms, the prompt's "
         "first token at 1.18x its standalone prefill); auto = on wherever the fast prefill runs on a GPU; on needs "
         "the fast prefill (default: %(default)s)",
+    )
+    p.add_argument(
+        "--whole-chunk-tokens",
+        type=_at_least(0),
+        help="with --sliced-prefill: a prompt chunk of one request of up to this many tokens runs at once, not in "
+        "slices (it replays a CUDA graph, which pauses the streams once and less than the eager slices would); 0 = "
+        f"slice every chunk past the budget (default: {WHOLE_CHUNK_TOKENS} with both kinds of prefill graph, else 0)",
     )
     _auto_on_off(
         p,
@@ -343,6 +358,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         prefix_graphs=AUTO_ON_OFF[args.prefix_graphs],
         decode_prefill_budget=args.decode_prefill_budget,
         sliced_prefill=AUTO_ON_OFF[args.sliced_prefill],
+        whole_chunk_tokens=args.whole_chunk_tokens,
         kernel_masks=AUTO_ON_OFF[args.kernel_masks],
         late_masks=AUTO_ON_OFF[args.late_masks],
     )
@@ -356,7 +372,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         engine.prefill_chunk,
         " and ".join(kind for kind, on in graphs if on) or "off",
         engine.decode_prefill_budget,
-        ", in layer slices" if engine.sliced_prefill else "",
+        _slices(engine),
         "on" if engine.launch_ahead else "off",
         engine.max_batch,
         max_context,
@@ -370,6 +386,14 @@ def build_state(args: argparse.Namespace) -> ServerState:
         max_body_bytes=args.max_body_mb * 2**20,
         stats_interval=args.stats_interval,
     )
+
+
+def _slices(engine) -> str:
+    """The ready line's words on the sliced prefill."""
+    if not engine.sliced_prefill:
+        return ""
+    whole = engine.whole_chunk_tokens
+    return ", in layer slices" + (f" (a lone chunk of up to {whole} tokens at once)" if whole else "")
 
 
 def _synthetic(device: torch.device):

@@ -19,9 +19,8 @@ Rows:
 - reuse: a conversation's next turn: a 2K, 8K or 32K prompt, then the same tokens and
   REUSE_NEW_TOKENS more, whose prefix the KV cache holds (`cached` tokens): the second prompt's
   time to first token, timed as the ttft rows are.
-- burst: 2, 3, 4 and 8 such next turns (2K cached, 256 new tokens each) arriving together: from
-  the first submission to the last first token (up to mk.prefill_graphs.SEPARATE_PASSES_MAX
-  sequences replay a graph each, one after another; more take one packed pass).
+- burst: 2, 4, 8 and 16 such next turns (2K cached, 256 new tokens each) arriving together: from
+  the first submission to the last first token (BURST_SIZES says which path each takes).
 - admit: one stream decoding at 8K while a 32K prompt arrives: the stream's longest and median gap
   between tokens while the long prompt is admitted, and the long prompt's time to first token. And
   the same while a next turn of ADMIT_NEXT_TURN new tokens after 8K cached ones arrives: one graph
@@ -76,7 +75,7 @@ from mk.engine import Engine
 from mk.engine_api import AUTO_ON_OFF, MAX_BATCH, PREFILL_CHUNK, WHOLE_CHUNK_TOKENS
 from mk.model import synthetic_weights
 from mk.model.reference import Model
-from mk.prefill_graphs import NEXT_TURN_BUCKETS, SEPARATE_PASSES_MAX
+from mk.prefill_graphs import NEXT_TURN_BUCKETS
 from mk.sampling import ConstraintSpec, SamplingParams
 from mk.tokenizer import Tokenizer
 
@@ -95,10 +94,10 @@ TTFT_RUNS = 5
 # assistant's previous answer, say).
 REUSE_NEW_TOKENS = 256
 # A burst row's conversations: their cached prompts (then REUSE_NEW_TOKENS new tokens each), and how
-# many arrive together (up to mk.prefill_graphs.SEPARATE_PASSES_MAX replay a graph each; more are one
-# packed pass: the rows after it say what that costs, and so where the limit belongs).
+# many arrive together: 2 and 4 share one graph replay (mk.prefill_graphs.PACKED_SEQUENCES), 8 take
+# two, 16 one packed pass on the usual path (more than STATIC_PASSES_MAX replays).
 BURST_PROMPT = 2048
-BURST_SIZES = (2, SEPARATE_PASSES_MAX, SEPARATE_PASSES_MAX + 1, 8)
+BURST_SIZES = (2, 4, 8, 16)
 ADMIT_SLOW_GAP_S = 0.02
 # The second admit row's next turn (after 8K cached): within mk.engine_api.WHOLE_CHUNK_TOKENS, so one
 # graph replay by default, or slices of the eager path with --whole-chunk-tokens 0.

@@ -108,8 +108,9 @@ def test_the_warm_up_captures_every_next_turn_shape_and_a_next_turn_replays_one(
     prefixed = engine._runner.fast_prefill.prefixed
     assert prefixed is not None and prefixed.buckets == NEXT_TURN_BUCKETS[:2]  # (the 512-token chunk)
     max_end = engine._runner.max_pages * PAGE_SIZE
-    shapes = {prefixed.shape(start, n) for start, n in prefixed.warm_up_chunks(max_end)}
+    shapes = {prefixed.shape([chunk]) for chunk in prefixed.warm_up_chunks(max_end)}
     assert set(prefixed._buckets) == shapes and len(shapes) == 2 * 3  # keys: 2K, 4K, 8K
+    assert prefixed.packed_shapes == shapes, "next turns packed together take only captured shapes"
     assert all(b.graph is not None for b in prefixed._buckets.values()), "a shape fell back to eager"
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     first = prompt(1000, 5)

@@ -28,7 +28,8 @@ from mk.prefill import Prefill, PrefillRequest, Span, plan_chunks, prefill_flops
 from mk.prefill_graphs import (
     BUCKETS,
     NEXT_TURN_BUCKETS,
-    SEPARATE_PASSES_MAX,
+    PACKED_SEQUENCES,
+    STATIC_PASSES_MAX,
     FreshPrompts,
     PrefixedChunks,
     fresh_split,
@@ -709,9 +710,12 @@ def test_prefixed_chunks_cover_what_their_buckets_hold_and_refuse_unmapped_prefi
     model = model_of(weights64, torch.float64)
     prefill = prefixed_prefill(model, "sdpa")
     p = prefill.prefixed
-    assert p.covers(1, 256) and p.covers(256, 256)
-    assert not p.covers(0, 10), "a fresh prompt is FreshPrompts' (or the usual path's)"
-    assert not p.covers(10, 257) and not p.covers(300, 213), "past the row or key buckets"
+    assert p.covers([(1, 256)]) and p.covers([(256, 256)])
+    assert not p.covers([(0, 10)]), "a fresh prompt alone is FreshPrompts' (or the usual path's)"
+    assert not p.covers([(10, 257)]) and not p.covers([(300, 213)]), "past the row or key buckets"
+    assert p.covers([(0, 10), (5, 20)]) and p.covers([(50, 64)] * PACKED_SEQUENCES), "packed, a fresh one beside"
+    assert not p.covers([(1, 1)] * (PACKED_SEQUENCES + 1)), "more sequences than one pass packs"
+    assert not p.covers([(100, 200), (10, 57)]) and not p.covers([(300, 100), (200, 13)]), "rows, keys"
     pool = Pool(model)
     toks = tokens_of(200)
     table = pool.table(200)
@@ -731,17 +735,23 @@ def test_prefixed_warm_up_chunks_take_every_shape_a_context_reaches_once(weights
     prefill = Prefill(model_of(weights64, torch.float64), chunk=512, moe="loop", graphs=False)
     p = PrefixedChunks(prefill, buckets=(256, 512), key_buckets=(512, 1024, 2048), capture=False)
     chunks = p.warm_up_chunks(max_end)
-    shapes = [p.shape(start, n) for start, n in chunks]
-    assert all(p.covers(start, n) and start + n <= max_end for start, n in chunks), chunks
+    shapes = [p.shape([(start, n)]) for start, n in chunks]
+    assert all(p.covers([(start, n)]) and start + n <= max_end for start, n in chunks), chunks
     assert len(set(shapes)) == len(shapes), f"a shape twice: {chunks}"
     edges = {1, 2, 255, 256, 257, 511, 512, 513, 1023, 1024, 1025, 2047, 2048, max_end - 1, max_end}
     reachable = {
-        p.shape(end - n, n)
+        p.shape([(end - n, n)])
         for n in edges
         for end in edges | {n + 1}
-        if 0 < n and end <= max_end and p.covers(end - n, n)
+        if 0 < n and end <= max_end and p.covers([(end - n, n)])
     }
     assert set(shapes) == reachable
+    # Packed sequences, once limited to what the warm-up captures, take only those shapes.
+    p.limit_packing(max_end)
+    spans = [(end - n, n) for n in edges for end in edges | {n + 1} if 0 < n and end <= max_end]
+    packed = {p.shape([a, b]) for a in spans for b in spans if p.covers([a, b])}
+    assert packed <= set(shapes), packed - set(shapes)
+    assert max_end < 512 or any(p.covers([a, b]) for a in spans for b in spans), "nothing packs"
 
 
 def test_prefix_graphs_modes(weights64):
@@ -818,33 +828,67 @@ def test_a_packed_call_is_never_split(weights64, monkeypatch):
         assert rel_err(out.logits[i], pool.reference(r.tokens, 0, r.block_table)[0]) < 1e-10, f"seed {SEED}"
 
 
+def cached(pool: Pool, model: Model, spans: list[tuple[int, int]], salt: int = 0) -> list[PrefillRequest]:
+    """A request per (start, n) span: its sequence's first `start` tokens in both pools (the
+    reference's forward), the next n to prefill."""
+    requests = []
+    for i, (start, n) in enumerate(spans):
+        toks = tokens_of(start + n, salt=salt + i)
+        table = pool.table(start + n)
+        for kv in (pool.kv, pool.kv_ref)[: 2 * (start > 0)]:
+            model.forward(toks[:start], 0, kv, table)
+        requests.append(PrefillRequest(toks[start:], start, table))
+    return requests
+
+
+def check_requests(pool: Pool, out, requests: list[PrefillRequest], what: str) -> None:
+    """Each request's logits and residual against the reference, and every page: nothing written
+    outside a request's own new positions (the reference writes only those too)."""
+    for i, r in enumerate(requests):
+        check(out, i, *pool.reference(r.tokens, r.start, r.block_table), torch.float64, f"{what}: request {i}")
+    pool.assert_pages_equal([r.block_table for r in requests], 1e-10, what)
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "flex_eager"])
-def test_a_few_sequences_that_static_passes_cover_run_one_after_another(weights64, attention):
-    """A chunk of up to SEPARATE_PASSES_MAX sequences, each of which a static pass covers (here a
-    fresh prompt and two chunks after a cached prefix), runs each alone through its pass: the
-    reference's logits, residuals and pages. One more such sequence, or one that no pass covers,
-    and the chunk is one packed pass on the usual path (no static bucket used)."""
+def test_sequences_after_cached_prefixes_share_one_static_pass(weights64, attention):
+    """Up to PACKED_SEQUENCES chunks of different sequences, each after its cached prefix (two past
+    the 96-token window, whose sliding keys start inside the prefix; a fresh prompt among them),
+    take one static pass of PrefixedChunks: the reference's logits, residuals and pages."""
     model = model_of(weights64, torch.float64)
-    lengths = [(0, 40), (100, 30), (200, 150), (0, 20)]  # (cached prefix, new tokens)
-    for count, uncovered in ((SEPARATE_PASSES_MAX, False), (SEPARATE_PASSES_MAX + 1, False), (2, True)):
+    pool = Pool(model)
+    prefill = prefixed_prefill(model, attention)
+    prefill.fresh = FreshPrompts(prefill, buckets=(64,), capture=False)
+    spans = [(0, 40), (100, 30), (130, 70), (30, 50)][:PACKED_SEQUENCES]
+    requests = cached(pool, model, spans)
+    blocks = torch.cat([r.block_table[r.block_table != UNMAPPED] for r in requests]).long().unique()
+    before = pool.kv.k[blocks].clone()
+    out = prefill(requests, pool.kv, return_hidden=True)
+    assert list(prefill.prefixed._buckets) == [(256, 512)] and not prefill.fresh._buckets, "one packed pass"
+    check_requests(pool, out, requests, f"{attention}, packed")
+    changed = (pool.kv.k[blocks] != before).any(-1).any(-1)  # [blocks, 64]: compared with the reference's above
+    assert changed.any()
+
+
+@pytest.mark.parametrize("limit", [STATIC_PASSES_MAX, 1])
+def test_more_sequences_than_one_pass_packs_take_several_or_the_usual_path(weights64, monkeypatch, limit):
+    """Sequences in order, grouped greedily: six short next turns take two packed passes (four,
+    then two) within STATIC_PASSES_MAX, else one packed pass on the usual path; a fresh prompt no
+    pass takes alone (100 tokens, past the 64-row fresh bucket) may join a group; and one left
+    alone (its keys would take the others' past 512 columns) keeps the chunk on the usual path."""
+    monkeypatch.setattr(prefill_module, "STATIC_PASSES_MAX", limit)
+    model = model_of(weights64, torch.float64)
+    for spans, passes in (([(20, 10)] * 6, 2), ([(20, 10), (0, 100)], 1), ([(250, 20), (200, 20), (0, 70)], 0)):
         pool = Pool(model)
-        prefill = prefixed_prefill(model, attention)
+        prefill = prefixed_prefill(model, "sdpa")
         prefill.fresh = FreshPrompts(prefill, buckets=(64,), capture=False)
-        requests = []
-        for i, (start, n) in enumerate(lengths[:count]):
-            n = 100 if uncovered and i == 0 else n  # past the fresh pass's 64 rows
-            toks = tokens_of(start + n, salt=i)
-            table = pool.table(start + n)
-            for kv in (pool.kv, pool.kv_ref)[: 2 * (start > 0)]:
-                model.forward(toks[:start], 0, kv, table)
-            requests.append(PrefillRequest(toks[start:], start, table))
+        requests = cached(pool, model, spans, salt=len(spans))
+        calls: list[int] = []
+        run = prefill.prefixed._run
+        prefill.prefixed._run = lambda b, kv, calls=calls, run=run: calls.append(b.n) or run(b, kv)
         out = prefill(requests, pool.kv, return_hidden=True)
-        what = f"{attention}, {count} sequences{', one uncovered' if uncovered else ''}"
-        separate = count <= SEPARATE_PASSES_MAX and not uncovered
-        assert bool(prefill.fresh._buckets) == bool(prefill.prefixed._buckets) == separate, what
-        for i, r in enumerate(requests):
-            check(out, i, *pool.reference(r.tokens, r.start, r.block_table), torch.float64, f"{what}: {i}")
-        pool.assert_pages_equal([r.block_table for r in requests], 1e-10, what)
+        want = passes if passes <= limit else 0
+        assert len(calls) == want and not prefill.fresh._buckets, f"{spans}: {calls}"
+        check_requests(pool, out, requests, f"{spans}, limit {limit}")
 
 
 def test_a_shape_whose_capture_fails_runs_eagerly_and_the_others_keep_their_graphs(weights64, monkeypatch):

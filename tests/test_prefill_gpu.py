@@ -237,8 +237,8 @@ def test_packed_prompts_of_mixed_lengths(models, chunk):
 
 def test_prefix_reuse_past_the_window(models, prefill):
     """A cached 4224-token prefix (66 pages) whose sliding-layer page 0 is already released, then
-    900 new tokens; a fresh 700-token prompt in the same call. Two sequences that static passes
-    cover: they replay their graphs one after the other (mk.prefill_graphs.SEPARATE_PASSES_MAX)."""
+    900 new tokens; a fresh 700-token prompt in the same call. The two share one static pass after
+    cached prefixes, replayed as the graph of (2048 rows, 8192 keys) (mk.prefill_graphs.PrefixedChunks)."""
     pools = Pools(models, L * 100)
     toks = tokens_of(5124)
     table = pools.table(5124, 81)
@@ -257,7 +257,33 @@ def test_prefix_reuse_past_the_window(models, prefill):
     pools.check_logits(out.logits[0], *pools.references(toks[4224:], 4224, table), "prefix")
     pools.check_logits(out.logits[1], *pools.references(other, 0, fresh), "fresh")
     pools.check_pages([table, fresh], "prefix")
-    assert prefill.prefixed._buckets[1024, 8192].graph is not None and prefill.fresh._buckets[1024].graph is not None
+    assert prefill.prefixed._buckets[2048, 8192].graph is not None
+
+
+def test_next_turns_arriving_together_replay_one_packed_graph_that_matches_the_references(models):
+    """Four sequences in one call, one static pass (PACKED_SEQUENCES): next turns of 300, 100 and
+    250 tokens after cached prefixes of 6000 (past the 4096 window: sliding keys start inside the
+    prefix), 1500 and 4100 tokens, and a fresh 200-token prompt. One replay of the (1024 rows,
+    16384 keys) graph; each sequence as close to the references as the eager pass is, only its
+    own positions written. The same call again with other tokens replays it."""
+    p = Prefill(models[0], chunk=2048)
+    pools = Pools(models, L * 450)
+    spans = [(6000, 300), (1500, 100), (4100, 250), (0, 200)]
+    for salt in (0, 1):
+        requests, tables = [], []
+        for i, (start, n) in enumerate(spans):
+            toks = tokens_of(start + n, salt=10 * salt + i)
+            table = pools.table(start + n, 100)
+            for model, kv in ((pools.bf, pools.kv), (pools.bf, pools.kv_bf), (pools.fp, pools.kv_fp)):
+                if start:
+                    model.forward(toks[:start], 0, kv, table, last_only=True)
+            requests.append(PrefillRequest(toks[start:], start, table))
+            tables.append(table)
+        out = p(requests, pools.kv)
+        for i, r in enumerate(requests):
+            pools.check_logits(out.logits[i], *pools.references(r.tokens, r.start, r.block_table), f"packed {i}")
+        pools.check_pages(tables, f"packed, round {salt}")
+    assert list(p.prefixed._buckets) == [(1024, 16384)] and p.prefixed._buckets[1024, 16384].graph is not None
 
 
 def test_window_release_between_chunks_changes_nothing(models, prefill):

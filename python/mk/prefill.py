@@ -69,7 +69,7 @@ from mk.model.varlen import (
 from mk.prefill_graphs import (
     BUCKETS,
     NEXT_TURN_BUCKETS,
-    SEPARATE_PASSES_MAX,
+    STATIC_PASSES_MAX,
     FreshPrompts,
     PrefixedChunks,
     fresh_split,
@@ -400,10 +400,10 @@ class Prefill:
     # ---- one chunk -------------------------------------------------------------------------------
     def _chunk(self, tokens: torch.Tensor, pieces: list[Piece], kv: PagedKV) -> torch.Tensor:
         """All layers over one packed chunk; returns the residual at each piece's last row [pieces, D]."""
-        if 1 < len(pieces) <= SEPARATE_PASSES_MAX and all(self._static(p) for p in pieces):
-            # A few sequences, each a static pass: one replay each beats a packed eager pass.
-            rows = [self._chunk(tokens[p.q_off : p.q_off + p.n], [replace(p, q_off=0)], kv) for p in pieces]
-            return torch.cat(rows)
+        groups = self._static_groups(pieces) if len(pieces) > 1 else None
+        if groups is not None and 1 < len(groups) <= STATIC_PASSES_MAX:
+            # A few static passes (graph replays) beat one packed pass on the usual path.
+            return torch.cat([self._chunk(*_group(tokens, g), kv) for g in groups])
         if self.fresh is not None and len(pieces) == 1 and pieces[0].first == 0 and self.fresh.covers(len(tokens)):
             try:
                 return self.fresh(tokens, pieces[0].table, kv)
@@ -412,9 +412,9 @@ class Prefill:
             except Exception as e:  # a compile or capture failure must cost speed, not the request
                 warnings.warn(f"the fresh-prompt pass failed ({type(e).__name__}: {e}); the usual path", stacklevel=2)
                 self.fresh = None
-        if self.prefixed is not None and len(pieces) == 1 and self.prefixed.covers(pieces[0].first, len(tokens)):
+        if self.prefixed is not None and self.prefixed.covers(_spans(pieces)):
             try:
-                return self.prefixed(tokens, pieces[0].first, pieces[0].table, pieces[0].table_dev, kv)
+                return self.prefixed(tokens, pieces, kv)
             except KVMappingError:
                 raise
             except Exception as e:  # as above
@@ -424,11 +424,26 @@ class Prefill:
         sliced.run(0, self.config.num_hidden_layers)
         return sliced.last_rows()
 
-    def _static(self, piece: Piece) -> bool:
-        """Whether a chunk of this piece alone takes a static pass (a graph on CUDA)."""
-        if piece.first == 0:
-            return self.fresh is not None and self.fresh.covers(piece.n)
-        return self.prefixed is not None and self.prefixed.covers(piece.first, piece.n)
+    def _static_groups(self, pieces: list[Piece]) -> list[list[Piece]] | None:
+        """The pieces in order, in groups that one static pass each takes (a fresh prompt alone, or
+        up to PACKED_SEQUENCES after cached prefixes, a fresh one among them), each as large as it
+        can be; None if some piece is left alone without a static pass."""
+        groups: list[list[Piece]] = []
+        for p in pieces:
+            if groups and self.prefixed is not None and self.prefixed.covers(_spans(groups[-1] + [p])):
+                groups[-1].append(p)
+            else:
+                groups.append([p])
+        alone = [g[0] for g in groups if len(g) == 1]
+        if any(not self._static_alone(p) for p in alone):
+            return None
+        return groups
+
+    def _static_alone(self, p: Piece) -> bool:
+        """Whether a static pass takes this piece alone."""
+        if p.first == 0:
+            return self.fresh is not None and self.fresh.covers(p.n)
+        return self.prefixed is not None and self.prefixed.covers(_spans([p]))
 
     def pools(self, kv: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V pools as [slots, kv_heads, head_dim] (a slot: block * page size + offset)."""
@@ -513,6 +528,16 @@ class Prefill:
         if int(t.min()) < 0 or int(t.max()) >= self.config.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
         return t.to(self.device)
+
+
+def _spans(pieces: list[Piece]) -> list[tuple[int, int]]:
+    return [(p.first, p.n) for p in pieces]
+
+
+def _group(tokens: torch.Tensor, group: list[Piece]) -> tuple[torch.Tensor, list[Piece]]:
+    """The rows of consecutive pieces of a chunk, and the pieces with their rows counted from there."""
+    lo = group[0].q_off
+    return tokens[lo : group[-1].q_off + group[-1].n], [replace(p, q_off=p.q_off - lo) for p in group]
 
 
 class SlicedPrefill:

@@ -16,16 +16,20 @@ its peak activations' memory reserved while it lives).
 
 A chunk with a cached prefix (positions start..start+n-1 of one sequence, start > 0) reads the
 prefix's keys from the cache, so its shapes depend on start too: `PrefixedChunks` pads it to a
-bucket of N rows and its full-attention keys to one of `KEY_BUCKETS` columns (sliding layers: the
-window before the chunk, whose width N fixes), gathers the keys by static slot tables that pad
-with the first key's slot, and gives each query row its visible key columns as intervals (lo, hi)
-in static buffers; the flex block mask's tensors are rewritten from them before each replay. One
-graph per (N, key bucket), captured at its first use (the engine's warm-up captures every shape
-its contexts can reach: `PrefixedChunks.warm_up_chunks`); pads write as the last prompt row, as
-above. By default only for chunks of up to `NEXT_TURN_BUCKETS[-1]` tokens, a conversation's next
-turn after its cached history: there the eager path's ~130 ms of launches was most of the time to
-first token (H200: a re-sent 2K-32K prompt with 256 new tokens, 136-199 ms eager, 29-49 ms replayed;
-docs/PERF.md, twenty-fourth session). A long prompt's later chunks (8K after a cached 8K-24K) gain
+bucket of N rows and its full-attention keys to one of `KEY_BUCKETS` columns (sliding layers: room
+for `PACKED_SEQUENCES` windows before their chunks, which N fixes), gathers the keys by static
+slot tables that pad with the first key's slot, and gives each query row its visible key columns
+as intervals (lo, hi) in static buffers; the flex block mask's tensors are rewritten from them
+before each replay. Up to `PACKED_SEQUENCES` such chunks of different sequences (next turns
+arriving together, a fresh prompt beside them) share one pass: their rows back to back, each
+one's keys a segment of the key columns, each row's interval inside its own segment, so a shape's
+graph serves any packing of it. One graph per (N, key bucket), captured at its first use (the
+engine's warm-up captures every shape its contexts can reach: `PrefixedChunks.warm_up_chunks`);
+pads write as the last real row, as above. By default only for chunks of up to
+`NEXT_TURN_BUCKETS[-1]` tokens, a conversation's next turn after its cached history: there the
+eager path's ~130 ms of launches was most of the time to first token (H200: a re-sent 2K-32K
+prompt with 256 new tokens, 136-199 ms eager, 29-49 ms replayed; docs/PERF.md, twenty-fourth
+session). A long prompt's later chunks (8K after a cached 8K-24K) gain
 ~2% from a graph, which is not worth the captures and their memory.
 
 A fresh prompt just past a bucket of 4K or more (`fresh_split`: 4,097 to 6,144 tokens by default)
@@ -33,15 +37,15 @@ is cut in two: that bucket's fresh pass, then the rest as a chunk after a cached
 replay graphs, and together should cost about three quarters of the next bucket's pass (predicted
 from the H200's 88 ms for 4,096 fresh tokens, 177 ms for 5,281 or 8,192, and 29-35 ms for 256
 tokens after a 2K-8K prefix; not yet measured: docs/PERF.md, twenty-fifth session). And a chunk
-of a few sequences that static passes cover one by one (up to `SEPARATE_PASSES_MAX`: next turns or
-short prompts arriving together) replays their graphs one after another instead of running one
-packed pass on the usual path.
+of several sequences that up to `STATIC_PASSES_MAX` static passes take (`Prefill._static_groups`)
+replays them one after another instead of running one packed pass on the usual path.
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -81,12 +85,18 @@ NEXT_TURN_BUCKETS = tuple(b for b in BUCKETS if b <= 2048)
 # tokens 177 ms (docs/PERF.md, twenty-third session), while a next-turn chunk of 256 rows after an
 # 8K prefix took 35 ms. Below 4K the 2K -> 4K step (52 -> 88 ms) leaves too little to win.
 SPLIT_MIN_BUCKET = 4096
-# A chunk of a few sequences, each of which a static pass covers, runs them one after another (CUDA:
-# one graph replay each) instead of one packed pass on the usual path, whose launches cost ~130 ms
+# Most sequences one pass after cached prefixes packs (next turns arriving together; a fresh prompt
+# may join them). The sliding layers' key columns are fixed per shape, a window for each of these,
+# so a lone next turn gathers that many windows' keys where it needs one (predicted: ~0.6 ms more
+# of a 29-47 ms replay on the H200).
+PACKED_SEQUENCES = 4
+# A chunk of several sequences that static passes cover (a fresh prompt alone, or up to
+# PACKED_SEQUENCES after cached prefixes) runs as up to this many of them, one after another (CUDA:
+# one graph replay each), instead of one packed pass on the usual path, whose launches cost ~130 ms
 # at any size on the H200 (a 2K-32K prompt re-sent with 256 new tokens: 136-199 ms eager); a
-# replay took 24-52 ms (a fresh 512-2K prompt, a next turn after 2K-32K), so up to three replays
-# cost about what one packed call does (docs/PERF.md, twenty-fourth session).
-SEPARATE_PASSES_MAX = 3
+# replay took 24-52 ms (a fresh 512-2K prompt, a next turn after 2K-32K), so three replays cost
+# about what one packed call does (docs/PERF.md, twenty-fourth session).
+STATIC_PASSES_MAX = 3
 # A fresh prompt's full-attention layers on CUDA take one fused causal kernel (`attend_causal`)
 # instead of flex attention's block mask.
 FUSED_CAUSAL = True
@@ -101,26 +111,28 @@ def fresh_split(n: int, fresh: FreshPrompts | None, prefixed: PrefixedChunks | N
         return 0
     first = max((b for b in fresh.buckets if b < n), default=0)
     rest = n - first
-    if first < SPLIT_MIN_BUCKET or rest > first // 2 or not prefixed.covers(first, rest):
+    if first < SPLIT_MIN_BUCKET or rest > first // 2 or not prefixed.covers([(first, rest)]):
         return 0
     return first
 
 
 @dataclass(eq=False)
 class _Bucket:
-    """The static inputs and output of one padded shape (fresh prompts: n rows; chunks after a
-    cached prefix: n rows and the full-attention key columns, keys[None].slots' width), and its
-    graph (CUDA)."""
+    """The static inputs and output of one padded shape (fresh prompts: n rows; chunks after cached
+    prefixes: n rows and the full-attention key columns, keys[None].slots' width), and its graph
+    (CUDA)."""
 
     n: int
-    tokens: torch.Tensor  # long [n]: the prompt or chunk, then pads
+    tokens: torch.Tensor  # long [n]: the prompt or chunks, then pads
     source: torch.Tensor  # long [n]: the row each row writes as (its own; a pad: the last real one)
     slots: torch.Tensor  # long [layers, n]: the pool slot of each row's source per layer
-    out: torch.Tensor  # [1, hidden] (accumulation dtype): the residual at the last real row
+    last: torch.Tensor  # long [m]: the rows whose residuals are the output (each sequence's last)
+    out: torch.Tensor  # [m, hidden] (accumulation dtype): the residuals at `last`
     cos: torch.Tensor  # [n, head_dim / 2] at each row's source position
     sin: torch.Tensor
     # Per attention window. Fresh: causal and windowed over the rows themselves. Prefixed: slots
-    # [layers of the kind, columns] of the keys before and in the chunk, each row's lo/hi [n].
+    # [layers of the kind, columns] of each sequence's keys before and in the chunk, one segment
+    # after the other, and each row's lo/hi [n] in its sequence's segment.
     keys: dict[int | None, PackedKeys]
     pieces: list[Piece] = field(default_factory=list)  # the SDPA path's pieces (fresh only)
     graph: torch.cuda.CUDAGraph | None = field(default=None)
@@ -174,7 +186,7 @@ class _StaticPasses:
             return self._attend(b, layer, q, k, v, pool_k, pool_v, attn_dtype)
 
         x = pf.layers(pf.embed(b.tokens), b.cos, b.sin, kv.dtype, attn_dtype, write_and_attend, static=True)
-        b.out.copy_(x.index_select(0, b.source[-1:]))  # the last row is, or writes as, the chunk's last
+        b.out.copy_(x.index_select(0, b.last))
 
     def _attend(self, b, layer: int, q, k, v, pool_k, pool_v, attn_dtype: torch.dtype) -> torch.Tensor:
         """Layer `layer`'s attention output for the bucket's rows (their K and V already written)."""
@@ -188,16 +200,18 @@ class _StaticPasses:
         return f"{b.n}-token"
 
     def _bucket(
-        self, n: int, cos: torch.Tensor, sin: torch.Tensor, keys: dict, pieces: list[Piece] | None = None
+        self, n: int, m: int, cos: torch.Tensor, sin: torch.Tensor, keys: dict, pieces: list[Piece] | None = None
     ) -> _Bucket:
-        """A bucket of n rows with zeroed static inputs and output, besides the given ones."""
+        """A bucket of n rows and m outputs with zeroed static inputs and output, besides the given
+        ones."""
         pf, cfg, device = self.prefill, self.prefill.config, self.prefill.device
         return _Bucket(
             n=n,
             tokens=torch.zeros(n, dtype=torch.long, device=device),
             source=torch.zeros(n, dtype=torch.long, device=device),
             slots=torch.zeros(cfg.num_hidden_layers, n, dtype=torch.long, device=device),
-            out=torch.zeros(1, cfg.hidden_size, dtype=pf.acc, device=device),
+            last=torch.zeros(m, dtype=torch.long, device=device),
+            out=torch.zeros(m, cfg.hidden_size, dtype=pf.acc, device=device),
             cos=cos,
             sin=sin,
             keys=keys,
@@ -256,6 +270,7 @@ class FreshPrompts(_StaticPasses):
         b.slots.copy_(table.index_select(1, source // PAGE_SIZE).long() * PAGE_SIZE + source % PAGE_SIZE)
         b.tokens.zero_()
         b.tokens[:n].copy_(tokens)
+        b.last.fill_(n - 1)
         self._run(b, kv)
         return b.out.clone()
 
@@ -272,7 +287,7 @@ class FreshPrompts(_StaticPasses):
             if pf.attention != "sdpa":
                 ks.backend_data = flex_block_mask(ks, flex_len(n), flex_len(n))
             keys[window] = ks
-        b = self._bucket(n, cos, sin, keys, pieces=pieces)
+        b = self._bucket(n, 1, cos, sin, keys, pieces=pieces)
         self._buckets[n] = b
         return b
 
@@ -290,8 +305,10 @@ class FreshPrompts(_StaticPasses):
 
 
 class PrefixedChunks(_StaticPasses):
-    """Prefills a chunk of one sequence after a cached prefix (module docs) through static-shape
-    passes, captured as CUDA graphs when `capture` (CUDA only)."""
+    """Prefills a chunk of up to PACKED_SEQUENCES sequences, each after its cached prefix (module
+    docs; a fresh prompt may join others), through static-shape passes, captured as CUDA graphs
+    when `capture` (CUDA only). A chunk's sequences are given as (start, n) spans: positions
+    start..start+n-1 of each."""
 
     def __init__(
         self,
@@ -305,80 +322,123 @@ class PrefixedChunks(_StaticPasses):
         if not self.buckets or any(b % FLEX_BLOCK or b < 2 * FLEX_BLOCK for b in (*self.buckets, *key_buckets)):
             raise ValueError(f"buckets must be multiples of {FLEX_BLOCK}, at least {2 * FLEX_BLOCK} (flex_len)")
         self.key_buckets = tuple(sorted(key_buckets))
+        # The shapes several sequences packed together may take (one alone may take any): those
+        # the warm-up captured (`limit_packing`); None: any.
+        self.packed_shapes: set[tuple[int, int]] | None = None
         self._layer_rows: dict[int | None, torch.Tensor] = {}  # per window: its layers, on the device
 
-    def covers(self, start: int, n: int) -> bool:
-        return start > 0 and 0 < n <= self.buckets[-1] and start + n <= self.key_buckets[-1]
+    def covers(self, spans: Sequence[tuple[int, int]]) -> bool:
+        """Whether one pass takes these (start, n) spans of distinct sequences: up to
+        PACKED_SEQUENCES of them (a fresh one only beside others), their rows within a bucket and
+        their keys within a key bucket."""
+        if not 0 < len(spans) <= PACKED_SEQUENCES or any(n < 1 or start < 0 for start, n in spans):
+            return False
+        if len(spans) == 1 and spans[0][0] == 0:
+            return False  # a fresh prompt alone is FreshPrompts' (or the usual path's)
+        rows, keys = sum(n for _, n in spans), sum(start + n for start, n in spans)
+        if rows > self.buckets[-1] or max(next(b for b in self.buckets if b >= rows), keys) > self.key_buckets[-1]:
+            return False
+        return len(spans) == 1 or self.packed_shapes is None or self.shape(spans) in self.packed_shapes
 
-    def shape(self, start: int, n: int) -> tuple[int, int]:
-        """The padded (rows, full-attention key columns) of a chunk it covers."""
-        size = next(b for b in self.buckets if b >= n)
-        return size, next(k for k in self.key_buckets if k >= max(size, start + n))
+    def shape(self, spans: Sequence[tuple[int, int]]) -> tuple[int, int]:
+        """The padded (rows, full-attention key columns) of spans it covers."""
+        rows, keys = sum(n for _, n in spans), sum(start + n for start, n in spans)
+        size = next(b for b in self.buckets if b >= rows)
+        return size, next(k for k in self.key_buckets if k >= max(size, keys))
 
     def warm_up_chunks(self, max_end: int) -> list[tuple[int, int]]:
         """(start, n) of one chunk per shape that chunks ending by position `max_end` can take, so
-        that a warm-up can capture them all before serving."""
+        that a warm-up can capture them all before serving (a shape's graph serves any of its
+        packings)."""
         chunks = {}
         for size in self.buckets:
             for k_full in self.key_buckets:
                 end = min(k_full, max_end)
                 n = min(size, end - 1)  # this bucket's longest chunk ending there, after a cached token
-                if n > 0 and self.covers(end - n, n):
-                    chunks.setdefault(self.shape(end - n, n), (end - n, n))
+                if n > 0 and self.covers([(end - n, n)]):
+                    chunks.setdefault(self.shape([(end - n, n)]), (end - n, n))
         return sorted(chunks.values(), key=lambda c: (c[1], c[0]))
 
-    def __call__(
-        self, tokens: torch.Tensor, start: int, table: torch.Tensor, table_dev: torch.Tensor, kv: PagedKV
-    ) -> torch.Tensor:
-        """The residual [1, hidden] at the last of `tokens` (positions start..start+n-1 of the
-        sequence whose block table, int32 [layers, pages], is `table` on the CPU and `table_dev` on
-        the device, whose earlier positions are in the cache), after writing their K and V. The
-        static inputs are computed on the device: no host copy, no wait."""
-        n, pf = len(tokens), self.prefill
+    def limit_packing(self, max_end: int) -> None:
+        """Packs sequences only into the shapes that one chunk ending by position `max_end` takes
+        (those `warm_up_chunks(max_end)` captures): their rows and keys add up, and a larger sum
+        would take a shape that was never captured."""
+        self.packed_shapes = {self.shape([c]) for c in self.warm_up_chunks(max_end)}
+
+    def __call__(self, tokens: torch.Tensor, pieces: Sequence[Piece], kv: PagedKV) -> torch.Tensor:
+        """The residual [len(pieces), hidden] at each piece's last row: `tokens` holds the pieces'
+        rows back to back (`Piece.q_off`), each piece positions first..first+n-1 of its own
+        sequence, whose earlier positions are in the cache and whose block table (int32 [layers,
+        pages], every piece's of one width) is `table` on the CPU and `table_dev` on the device;
+        their K and V are written. The static inputs are computed on the device from one upload of
+        a few numbers a piece: no wait for the device beyond that copy's."""
+        pf = self.prefill
         cfg, device = pf.config, pf.device
-        check_mapped(table, torch.arange(cfg.num_hidden_layers), start, start + n, "written")
+        size, k_full = self.shape([(p.first, p.n) for p in pieces])
+        windows = sorted({cfg.window(layer) for layer in range(cfg.num_hidden_layers)}, key=lambda w: w or 0)
+        for p in pieces:
+            check_mapped(p.table, torch.arange(cfg.num_hidden_layers), p.first, p.first + p.n, "written")
+        # Per piece: its first position, rows and first row; per window its first key and key count.
+        host = [[p.first, p.n, p.q_off] for p in pieces]
+        for window in windows:
+            layers = torch.tensor([i for i in range(cfg.num_hidden_layers) if cfg.window(i) == window])
+            for row, p in zip(host, pieces, strict=True):
+                first = 0 if window is None else max(0, p.first - window + 1)
+                check_mapped(p.table, layers, first, p.first + p.n, "read")
+                row += [first, p.first + p.n - first]
         self._use(kv)
-        size, k_full = self.shape(start, n)
         b = self._buckets.get((size, k_full)) or self._new_bucket(size, k_full)
-        source = torch.arange(size, device=device).clamp(max=n - 1)  # pads write as the last real row
-        positions = start + source
+        meta = torch.tensor(host, device=device)
+        k, total = len(pieces), len(tokens)
+        piece_of = torch.repeat_interleave(torch.arange(k, device=device), meta[:, 1], output_size=total)
+        source = torch.arange(size, device=device).clamp(max=total - 1)  # pads write as the last real row
+        row_piece = piece_of[source]
+        positions = meta[row_piece, 0] + source - meta[row_piece, 2]
+        tables = torch.stack([p.table_dev for p in pieces]).long()  # [pieces, layers, pages]
         b.source.copy_(source)
-        b.slots.copy_(table_dev.index_select(1, positions // PAGE_SIZE).long() * PAGE_SIZE + positions % PAGE_SIZE)
+        b.slots.copy_(_slots(tables, torch.arange(cfg.num_hidden_layers, device=device), row_piece, positions))
         b.tokens.zero_()
-        b.tokens[:n].copy_(tokens)
+        b.tokens[:total].copy_(tokens)
+        b.last.zero_()
+        b.last[:k].copy_(meta[:, 2] + meta[:, 1] - 1)
         cos, sin = cos_sin(cfg, positions, pf.dtype)
         b.cos.copy_(cos)
         b.sin.copy_(sin)
-        for window, ks in b.keys.items():
-            self._fill_keys(ks, window, start, n, positions, table, table_dev)
+        for i, window in enumerate(windows):
+            used = sum(row[4 + 2 * i] for row in host)
+            keys = meta[:, 3 + 2 * i], meta[:, 4 + 2 * i], used
+            self._fill_keys(b.keys[window], window, keys, tables, row_piece, positions)
         self._run(b, kv)
-        return b.out.clone()
+        return b.out[:k].clone()
 
     def _fill_keys(
         self,
         ks: PackedKeys,
         window: int | None,
-        start: int,
-        n: int,
+        keys: tuple[torch.Tensor, torch.Tensor, int],
+        tables: torch.Tensor,
+        row_piece: torch.Tensor,
         positions: torch.Tensor,
-        table: torch.Tensor,
-        table_dev: torch.Tensor,
     ) -> None:
-        """Key columns k_first.. (the prefix and the chunk; pad columns take the first key's slot,
-        which no row sees) and each row's visible columns [lo, hi]."""
-        first = 0 if window is None else max(0, start - window + 1)
-        layers = sorted(ks.row_of, key=ks.row_of.__getitem__)
-        check_mapped(table, torch.tensor(layers), first, start + n, "read")
+        """The pieces' key columns, one segment after the other (`keys`: each piece's first key
+        position and count, its prefix within the window and its chunk, and their sum; pad columns
+        take the first piece's first key's slot, which no row sees), and each row's visible columns
+        [lo, hi] in its piece's segment."""
+        first, count, used = keys
+        device = positions.device
         if window not in self._layer_rows:
-            self._layer_rows[window] = torch.tensor(layers, device=positions.device)
+            self._layer_rows[window] = torch.tensor(sorted(ks.row_of, key=ks.row_of.__getitem__), device=device)
         cols = ks.slots.shape[1]
-        kpos = first + torch.arange(cols, device=positions.device)
-        kpos = torch.where(kpos < start + n, kpos, first)
-        rows = table_dev.index_select(0, self._layer_rows[window])
-        ks.slots.copy_(rows.index_select(1, kpos // PAGE_SIZE).long() * PAGE_SIZE + kpos % PAGE_SIZE)
-        lo = torch.zeros_like(positions) if window is None else (positions - window + 1).clamp(min=first) - first
-        ks.lo.copy_(lo)
-        ks.hi.copy_(positions - first)
+        start = torch.cumsum(count, 0) - count  # each piece's first column
+        col_piece = torch.repeat_interleave(torch.arange(len(count), device=device), count, output_size=used)
+        col_piece = torch.nn.functional.pad(col_piece, (0, cols - used))
+        col = torch.arange(cols, device=device)
+        kpos = torch.where(col < used, first[col_piece] + col - start[col_piece], first[0])
+        ks.slots.copy_(_slots(tables, self._layer_rows[window], col_piece, kpos))
+        base = start[row_piece] - first[row_piece]  # a row's column of position p: base + p
+        lo = first[row_piece] if window is None else torch.maximum(first[row_piece], positions - window + 1)
+        ks.lo.copy_(base + lo)
+        ks.hi.copy_(base + positions)
         if ks.backend_data is not None:
             refresh_block_mask(ks.backend_data, ks.lo, ks.hi, cols)
 
@@ -388,8 +448,8 @@ class PrefixedChunks(_StaticPasses):
         keys = {}
         for window in {cfg.window(layer) for layer in range(cfg.num_hidden_layers)}:
             layers = [layer for layer in range(cfg.num_hidden_layers) if cfg.window(layer) == window]
-            # Sliding: the window - 1 keys before the chunk's first row and the chunk's own.
-            cols = k_full if window is None else flex_len(window - 1 + n)
+            # Sliding: for each sequence the window - 1 keys before its chunk, and the chunks' own.
+            cols = k_full if window is None else flex_len(PACKED_SEQUENCES * (window - 1) + n)
             q = torch.zeros(n, dtype=torch.int32, device=device)
             slots = torch.zeros(len(layers), cols, dtype=torch.long, device=device)
             empty = torch.empty(0, dtype=torch.long, device=device)
@@ -398,7 +458,7 @@ class PrefixedChunks(_StaticPasses):
             if pf.attention != "sdpa":
                 ks.backend_data = static_block_mask(ks.lo, ks.hi, cols)
             keys[window] = ks
-        b = self._bucket(n, cos, sin, keys)
+        b = self._bucket(n, PACKED_SEQUENCES, cos, sin, keys)
         self._buckets[n, k_full] = b
         return b
 
@@ -407,7 +467,7 @@ class PrefixedChunks(_StaticPasses):
         return f"{b.n}-token after a prefix" + (f" ({full.slots.shape[1]} key columns)" if full else "")
 
     def _attend(self, b: _Bucket, layer: int, q, k, v, pool_k, pool_v, attn_dtype: torch.dtype) -> torch.Tensor:
-        """Over the prefix and the chunk, gathered from the pool by the static slot tables."""
+        """Over the prefixes and the chunks, gathered from the pool by the static slot tables."""
         pf = self.prefill
         ks = b.keys[pf.config.window(layer)]
         cols = ks.slots[ks.row_of[layer]]
@@ -415,3 +475,11 @@ class PrefixedChunks(_StaticPasses):
         if pf.attention == "sdpa":
             return attend_intervals_sdpa(q, kk, vv, ks.lo, ks.hi)
         return attend_flex(q, kk, vv, ks, compiled=pf.attention != "flex_eager")
+
+
+def _slots(tables: torch.Tensor, layers: torch.Tensor, piece: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """long [len(layers), m]: the pool slot of position positions[j] of piece piece[j]'s sequence on
+    each of `layers`, from the pieces' block tables `tables` [pieces, all layers, pages]."""
+    _, num_layers, pages = tables.shape
+    index = piece[None, :] * (num_layers * pages) + layers[:, None] * pages + (positions // PAGE_SIZE)[None, :]
+    return tables.view(-1)[index] * PAGE_SIZE + (positions % PAGE_SIZE)[None, :]

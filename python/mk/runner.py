@@ -89,6 +89,8 @@ class PrefillRunner:
                 prefill([PrefillRequest([0] * m, 0, chunk_table)], self.kv)
         prefixed = prefill.prefixed
         chunks = prefixed.warm_up_chunks(self.max_pages * PAGE_SIZE) if prefixed is not None else []
+        if prefixed is not None:  # (sequences packed together: within the shapes captured here)
+            prefixed.limit_packing(self.max_pages * PAGE_SIZE)
         if whole and chunks and prefixed.capture:
             # Every page of the context maps to one of the chunk's scratch blocks (its layer's).
             aliased = chunk_table[:, torch.arange(self.max_pages) % pages]

@@ -21,7 +21,7 @@ import mk.prefill as prefill_module
 import mk.prefill_graphs as prefill_graphs
 from mk.config import PAGE_SIZE, ModelConfig
 from mk.model.names import expected_shapes
-from mk.model.paged import UNMAPPED, KVMappingError, PageAllocator
+from mk.model.paged import UNMAPPED, KVMappingError, PageAllocator, pages_needed
 from mk.model.reference import Model
 from mk.model.varlen import attend_causal, interval_block_mask, refresh_block_mask, static_block_mask
 from mk.prefill import Prefill, PrefillRequest, Span, plan_chunks, prefill_flops, stack_experts, stacked_experts
@@ -828,13 +828,20 @@ def test_a_packed_call_is_never_split(weights64, monkeypatch):
         assert rel_err(out.logits[i], pool.reference(r.tokens, 0, r.block_table)[0]) < 1e-10, f"seed {SEED}"
 
 
-def cached(pool: Pool, model: Model, spans: list[tuple[int, int]], salt: int = 0) -> list[PrefillRequest]:
+def cached(
+    pool: Pool, model: Model, spans: list[tuple[int, int]], salt: int = 0, narrow: bool = False
+) -> list[PrefillRequest]:
     """A request per (start, n) span: its sequence's first `start` tokens in both pools (the
-    reference's forward), the next n to prefill."""
+    reference's forward), the next n to prefill; `narrow`: each block table only as wide as its
+    sequence needs (tables of several widths)."""
     requests = []
     for i, (start, n) in enumerate(spans):
         toks = tokens_of(start + n, salt=salt + i)
-        table = pool.table(start + n)
+        if narrow:
+            table = pool.alloc.new_table(CFG, pages_needed(start + n))
+            pool.alloc.ensure(table, start + n)
+        else:
+            table = pool.table(start + n)
         for kv in (pool.kv, pool.kv_ref)[: 2 * (start > 0)]:
             model.forward(toks[:start], 0, kv, table)
         requests.append(PrefillRequest(toks[start:], start, table))
@@ -853,13 +860,15 @@ def check_requests(pool: Pool, out, requests: list[PrefillRequest], what: str) -
 def test_sequences_after_cached_prefixes_share_one_static_pass(weights64, attention):
     """Up to PACKED_SEQUENCES chunks of different sequences, each after its cached prefix (two past
     the 96-token window, whose sliding keys start inside the prefix; a fresh prompt among them),
-    take one static pass of PrefixedChunks: the reference's logits, residuals and pages."""
+    take one static pass of PrefixedChunks, their block tables of several widths: the
+    reference's logits, residuals and pages."""
     model = model_of(weights64, torch.float64)
     pool = Pool(model)
     prefill = prefixed_prefill(model, attention)
     prefill.fresh = FreshPrompts(prefill, buckets=(64,), capture=False)
     spans = [(0, 40), (100, 30), (130, 70), (30, 50)][:PACKED_SEQUENCES]
-    requests = cached(pool, model, spans)
+    requests = cached(pool, model, spans, narrow=True)
+    assert len({r.block_table.shape[1] for r in requests}) > 1
     blocks = torch.cat([r.block_table[r.block_table != UNMAPPED] for r in requests]).long().unique()
     before = pool.kv.k[blocks].clone()
     out = prefill(requests, pool.kv, return_hidden=True)
@@ -889,6 +898,38 @@ def test_more_sequences_than_one_pass_packs_take_several_or_the_usual_path(weigh
         want = passes if passes <= limit else 0
         assert len(calls) == want and not prefill.fresh._buckets, f"{spans}: {calls}"
         check_requests(pool, out, requests, f"{spans}, limit {limit}")
+
+
+def test_a_missing_page_raises_before_any_pass_of_the_chunk_writes(weights64):
+    """Six sequences take two packed passes; the last one's page is unmapped: KVMappingError, and
+    the first pass has written nothing (the page contract: a chunk writes nothing before it is
+    checked whole)."""
+    model = model_of(weights64, torch.float64)
+    pool = Pool(model)
+    prefill = prefixed_prefill(model, "sdpa")
+    requests = cached(pool, model, [(20, 10)] * 6)
+    requests[-1].block_table[0, 0] = UNMAPPED  # layer 0 (full attention) reads its prefix there
+    before = pool.kv.k.clone()
+    with pytest.raises(KVMappingError, match="page 0 is unmapped"):
+        prefill(requests, pool.kv)
+    assert torch.equal(pool.kv.k.nan_to_num(), before.nan_to_num()), "a pass wrote before the chunk was checked"
+
+
+def test_a_static_pass_out_of_memory_takes_the_usual_path_for_that_chunk_only(weights64, monkeypatch):
+    model = model_of(weights64, torch.float64)
+    pool = Pool(model)
+    prefill = prefixed_prefill(model, "sdpa")
+    prefixed = prefill.prefixed
+
+    def out_of_memory(b, kv):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (stand-in)")
+
+    monkeypatch.setattr(prefixed, "_run", out_of_memory)
+    requests = cached(pool, model, [(100, 30)])
+    with pytest.warns(UserWarning, match="ran out of GPU memory"):
+        out = prefill(requests, pool.kv, return_hidden=True)
+    check_requests(pool, out, requests, "after an out-of-memory pass")
+    assert prefill.prefixed is prefixed, "the static passes stay on for other chunks"
 
 
 def test_a_shape_whose_capture_fails_runs_eagerly_and_the_others_keep_their_graphs(weights64, monkeypatch):

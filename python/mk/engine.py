@@ -247,6 +247,8 @@ class Engine:
             self.prefix_graphs = fast is not None and fast.prefixed is not None and fast.prefixed.capture
             if whole_chunk_tokens is None:  # a lone chunk that replays a graph runs whole
                 graphed = sliced_prefill and self.prefill_graphs and self.prefix_graphs
+                if graphed:  # (and every shape's capture took)
+                    graphed = not (fast.fresh.uncapturable() or fast.prefixed.uncapturable())
                 whole_chunk_tokens = WHOLE_CHUNK_TOKENS if graphed else 0
             self.whole_chunk_tokens = whole_chunk_tokens
             self._native = _native.Engine(

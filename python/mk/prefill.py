@@ -72,6 +72,7 @@ from mk.prefill_graphs import (
     STATIC_PASSES_MAX,
     FreshPrompts,
     PrefixedChunks,
+    check_pieces,
     fresh_split,
 )
 
@@ -403,12 +404,15 @@ class Prefill:
         groups = self._static_groups(pieces) if len(pieces) > 1 else None
         if groups is not None and 1 < len(groups) <= STATIC_PASSES_MAX:
             # A few static passes (graph replays) beat one packed pass on the usual path.
+            check_pieces(self.config, pieces)  # (a missing page raises before any pass writes)
             return torch.cat([self._chunk(*_group(tokens, g), kv) for g in groups])
         if self.fresh is not None and len(pieces) == 1 and pieces[0].first == 0 and self.fresh.covers(len(tokens)):
             try:
                 return self.fresh(tokens, pieces[0].table, kv)
             except KVMappingError:
                 raise
+            except torch.cuda.OutOfMemoryError as e:
+                _out_of_memory(e, "fresh-prompt")
             except Exception as e:  # a compile or capture failure must cost speed, not the request
                 warnings.warn(f"the fresh-prompt pass failed ({type(e).__name__}: {e}); the usual path", stacklevel=2)
                 self.fresh = None
@@ -417,6 +421,8 @@ class Prefill:
                 return self.prefixed(tokens, pieces, kv)
             except KVMappingError:
                 raise
+            except torch.cuda.OutOfMemoryError as e:
+                _out_of_memory(e, "prefixed-chunk")
             except Exception as e:  # as above
                 warnings.warn(f"the prefixed-chunk pass failed ({type(e).__name__}: {e}); the usual path", stacklevel=2)
                 self.prefixed = None
@@ -528,6 +534,13 @@ class Prefill:
         if int(t.min()) < 0 or int(t.max()) >= self.config.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
         return t.to(self.device)
+
+
+def _out_of_memory(error: Exception, what: str) -> None:
+    """A static pass that ran out of memory (its padded shape, e.g. a long context's key bucket):
+    this chunk takes the usual path, which pads nothing, and the static passes stay on for the
+    others."""
+    warnings.warn(f"the {what} pass ran out of GPU memory ({error}); this chunk takes the usual path", stacklevel=3)
 
 
 def _spans(pieces: list[Piece]) -> list[tuple[int, int]]:

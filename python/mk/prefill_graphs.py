@@ -70,6 +70,7 @@ from mk.model.varlen import (
 )
 
 if TYPE_CHECKING:
+    from mk.config import ModelConfig
     from mk.prefill import Prefill
 
 # Padded chunk lengths. Below a few thousand tokens a prefill reads nearly every expert's weights
@@ -369,32 +370,31 @@ class PrefixedChunks(_StaticPasses):
         """The residual [len(pieces), hidden] at each piece's last row: `tokens` holds the pieces'
         rows back to back (`Piece.q_off`), each piece positions first..first+n-1 of its own
         sequence, whose earlier positions are in the cache and whose block table (int32 [layers,
-        pages], every piece's of one width) is `table` on the CPU and `table_dev` on the device;
-        their K and V are written. The static inputs are computed on the device from one upload of
-        a few numbers a piece: no wait for the device beyond that copy's."""
+        pages]) is `table` on the CPU and `table_dev` on the device; their K and V are written.
+        The static inputs are computed on the device from one upload of a few numbers a piece,
+        which waits for nothing on the device."""
         pf = self.prefill
         cfg, device = pf.config, pf.device
         size, k_full = self.shape([(p.first, p.n) for p in pieces])
-        windows = sorted({cfg.window(layer) for layer in range(cfg.num_hidden_layers)}, key=lambda w: w or 0)
-        for p in pieces:
-            check_mapped(p.table, torch.arange(cfg.num_hidden_layers), p.first, p.first + p.n, "written")
+        check_pieces(cfg, pieces)
+        windows = _windows(cfg)
         # Per piece: its first position, rows and first row; per window its first key and key count.
-        host = [[p.first, p.n, p.q_off] for p in pieces]
-        for window in windows:
-            layers = torch.tensor([i for i in range(cfg.num_hidden_layers) if cfg.window(i) == window])
-            for row, p in zip(host, pieces, strict=True):
-                first = 0 if window is None else max(0, p.first - window + 1)
-                check_mapped(p.table, layers, first, p.first + p.n, "read")
-                row += [first, p.first + p.n - first]
+        host = [[p.first, p.n, p.q_off, *(x for w in windows for x in _key_range(w, p))] for p in pieces]
         self._use(kv)
         b = self._buckets.get((size, k_full)) or self._new_bucket(size, k_full)
-        meta = torch.tensor(host, device=device)
+        meta = torch.tensor(host)
+        if device.type == "cuda":  # (pinned: the copy waits for nothing queued before it)
+            meta = meta.pin_memory()
+        meta = meta.to(device, non_blocking=True)
         k, total = len(pieces), len(tokens)
         piece_of = torch.repeat_interleave(torch.arange(k, device=device), meta[:, 1], output_size=total)
         source = torch.arange(size, device=device).clamp(max=total - 1)  # pads write as the last real row
         row_piece = piece_of[source]
         positions = meta[row_piece, 0] + source - meta[row_piece, 2]
-        tables = torch.stack([p.table_dev for p in pieces]).long()  # [pieces, layers, pages]
+        # [pieces, layers, pages], each table padded to the widest (no position maps to the padding)
+        width = max(p.table_dev.shape[1] for p in pieces)
+        pad = torch.nn.functional.pad
+        tables = torch.stack([pad(p.table_dev, (0, width - p.table_dev.shape[1]), value=-1) for p in pieces]).long()
         b.source.copy_(source)
         b.slots.copy_(_slots(tables, torch.arange(cfg.num_hidden_layers, device=device), row_piece, positions))
         b.tokens.zero_()
@@ -448,8 +448,9 @@ class PrefixedChunks(_StaticPasses):
         keys = {}
         for window in {cfg.window(layer) for layer in range(cfg.num_hidden_layers)}:
             layers = [layer for layer in range(cfg.num_hidden_layers) if cfg.window(layer) == window]
-            # Sliding: for each sequence the window - 1 keys before its chunk, and the chunks' own.
-            cols = k_full if window is None else flex_len(PACKED_SEQUENCES * (window - 1) + n)
+            # Sliding: for each sequence the window - 1 keys before its chunk, and the chunks' own (no
+            # more than all their keys: a short context's take fewer).
+            cols = k_full if window is None else min(k_full, flex_len(PACKED_SEQUENCES * (window - 1) + n))
             q = torch.zeros(n, dtype=torch.int32, device=device)
             slots = torch.zeros(len(layers), cols, dtype=torch.long, device=device)
             empty = torch.empty(0, dtype=torch.long, device=device)
@@ -475,6 +476,31 @@ class PrefixedChunks(_StaticPasses):
         if pf.attention == "sdpa":
             return attend_intervals_sdpa(q, kk, vv, ks.lo, ks.hi)
         return attend_flex(q, kk, vv, ks, compiled=pf.attention != "flex_eager")
+
+
+def check_pieces(cfg: ModelConfig, pieces: Sequence[Piece]) -> None:
+    """Raises KVMappingError unless every page a static pass of these pieces writes (their own
+    positions, every layer) or reads (their keys, per window) is mapped: before anything is
+    written, whichever pieces run in which pass."""
+    layers = torch.arange(cfg.num_hidden_layers)
+    for p in pieces:
+        check_mapped(p.table, layers, p.first, p.first + p.n, "written")
+    for window in _windows(cfg):
+        of_kind = torch.tensor([i for i in range(cfg.num_hidden_layers) if cfg.window(i) == window])
+        for p in pieces:
+            first, count = _key_range(window, p)
+            check_mapped(p.table, of_kind, first, first + count, "read")
+
+
+def _windows(cfg: ModelConfig) -> list[int | None]:
+    """The attention windows of the model's layers (None: full attention), in one order."""
+    return sorted({cfg.window(layer) for layer in range(cfg.num_hidden_layers)}, key=lambda w: w or 0)
+
+
+def _key_range(window: int | None, p: Piece) -> tuple[int, int]:
+    """The first key position a piece's rows see through `window`, and the count from there to its end."""
+    first = 0 if window is None else max(0, p.first - window + 1)
+    return first, p.first + p.n - first
 
 
 def _slots(tables: torch.Tensor, layers: torch.Tensor, piece: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

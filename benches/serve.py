@@ -1,7 +1,9 @@
 """End-to-end serving benchmark: concurrent streaming clients against `python -m mk.server` over loopback.
 
 For each concurrency level, that many clients each send streaming completions back to back (fixed prompt
-and output lengths: greedy, EOS ignored) until the level's request count is done. Reports requests/s,
+and output lengths: greedy, EOS ignored) until the level's request count is done. Identical clients that
+start together stay in step, so their requests arrive in bursts; `--rates` sends them instead at random
+times (a Poisson process at each rate, seeded), as independent users would. Reports requests/s,
 output tokens/s, time to first token and inter-token latency percentiles, as a table and JSON.
 
 Tokens are timed, not text: every request asks for continuous usage stats (`stream_options`:
@@ -14,13 +16,16 @@ do that too, but such rows are sampled on the host, one step at a time: not what
   python benches/serve.py --url http://127.0.0.1:8000      # an already running server
   python benches/serve.py --server-args=--synthetic        # a server started with these flags (with "=":
                                                            # a value starting with "--" is a flag otherwise)
+  python benches/serve.py --rates 2,5,10                   # open loop: requests arriving at these rates a second
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
+import random
 import shlex
 import statistics
 import subprocess
@@ -63,8 +68,8 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     return {"ttft": ttft, "gaps": gaps, "e2e": end - start, "tokens": tokens, "most_per_chunk": most_per_chunk}
 
 
-async def run_level(url: str, concurrency: int, requests: int, prompt: str, max_tokens: int) -> dict:
-    body = {
+def request_body(prompt: str, max_tokens: int) -> dict:
+    return {
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -72,6 +77,11 @@ async def run_level(url: str, concurrency: int, requests: int, prompt: str, max_
         "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
+
+
+async def run_level(url: str, concurrency: int, requests: int, prompt: str, max_tokens: int) -> dict:
+    """Closed loop: `concurrency` clients, each sending its next request when its last one ends."""
+    body = request_body(prompt, max_tokens)
     queue = list(range(requests))
     results: list[dict] = []
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -85,11 +95,33 @@ async def run_level(url: str, concurrency: int, requests: int, prompt: str, max_
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - start
+    return {"concurrency": concurrency, "rate": None, **summarise(results, wall)}
+
+
+async def run_rate(url: str, rate: float, requests: int, prompt: str, max_tokens: int, seed: int = 0) -> dict:
+    """Open loop: requests arriving at random (a Poisson process of `rate` a second, seeded), each
+    sent when it arrives whatever the others do, as independent users' would be."""
+    body = request_body(prompt, max_tokens)
+    rng = random.Random(seed)
+    arrivals = list(itertools.accumulate(rng.expovariate(rate) for _ in range(requests)))
+    limits = httpx.Limits(max_connections=requests + 4, max_keepalive_connections=requests + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
+        async def arrive(at: float) -> dict:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            return await one_request(client, url, body)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(arrive(at) for at in arrivals))
+        wall = time.perf_counter() - start
+    return {"concurrency": None, "rate": rate, **summarise(list(results), wall)}
+
+
+def summarise(results: list[dict], wall: float) -> dict:
     ttfts = [r["ttft"] for r in results]
     gaps = [g for r in results for g in r["gaps"]]
     tokens = sum(r["tokens"] for r in results)
     return {
-        "concurrency": concurrency,
         "requests": len(results),
         "req_per_s": len(results) / wall,
         "out_tok_per_s": tokens / wall,
@@ -122,8 +154,15 @@ def main() -> None:
         default="--device cpu",
         help='flags of the server this script starts, one string: --server-args="--synthetic --max-batch 16"',
     )
-    p.add_argument("--concurrency", default="1,8,16,64", help="comma-separated client counts")
-    p.add_argument("--requests", type=int, default=0, help="requests per level (default: 4 x concurrency, >= 8)")
+    p.add_argument("--concurrency", default="1,8,16,64", help="comma-separated client counts (closed loop)")
+    p.add_argument(
+        "--rates",
+        default="",
+        help="comma-separated request rates per second instead (open loop: Poisson arrivals, seeded), e.g. 2,5,10",
+    )
+    p.add_argument(
+        "--requests", type=int, default=0, help="requests per level (default: 4 x concurrency, >= 8; 32 per rate)"
+    )
     p.add_argument("--prompt-words", type=int, default=100, help="words in the prompt (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default: %(default)s)")
     p.add_argument("--json", help="write the rows here")
@@ -136,11 +175,15 @@ def main() -> None:
         prompt = " ".join(f"w{i % 50}" for i in range(args.prompt_words))
         asyncio.run(run_level(url, 1, 2, prompt, 4))  # warm-up
         rows = []
-        for c in (int(x) for x in args.concurrency.split(",")):
-            rows.append(asyncio.run(run_level(url, c, args.requests or max(8, 4 * c), prompt, args.max_tokens)))
-        columns = ["concurrency", "requests", "req_per_s", "out_tok_per_s", "ttft_p50_ms", "ttft_p90_ms",
-                   "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "e2e_p50_s",
-                   "every_token_streamed"]  # fmt: skip
+        if args.rates:
+            for rate in (float(x) for x in args.rates.split(",")):
+                rows.append(asyncio.run(run_rate(url, rate, args.requests or 32, prompt, args.max_tokens)))
+        else:
+            for c in (int(x) for x in args.concurrency.split(",")):
+                rows.append(asyncio.run(run_level(url, c, args.requests or max(8, 4 * c), prompt, args.max_tokens)))
+        columns = ["rate" if args.rates else "concurrency", "requests", "req_per_s", "out_tok_per_s",
+                   "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms",
+                   "e2e_p50_s", "every_token_streamed"]  # fmt: skip
         title = f"serving: {args.prompt_words}-word prompts, {args.max_tokens} output tokens, {url}"
         print_table(title, rows, columns)
         if args.json:

@@ -218,9 +218,11 @@ class Prefill:
     fresh prompt alone (no cached prefix) runs as a static-shape pass padded to a bucket
     (`mk.prefill_graphs`), captured as a CUDA graph on CUDA ("auto": on CUDA with the grouped MoE;
     True on the CPU runs the static pass eagerly, for tests). prefix_graphs: the same for a chunk
-    of one sequence after a cached prefix (`PrefixedChunks`): "auto" (the default) for chunks of up
-    to NEXT_TURN_BUCKETS[-1] tokens on CUDA, True for every bucket, False for none; on CUDA only
-    with compiled flex and the grouped MoE, and only where the chunk holds the smallest bucket.
+    of up to PACKED_SEQUENCES sequences after their cached prefixes (`PrefixedChunks`; a chunk of
+    more takes up to STATIC_PASSES_MAX static passes, `_static_groups`): "auto" (the default) for
+    chunks of up to NEXT_TURN_BUCKETS[-1] tokens on CUDA, True for every bucket, False for none; on
+    CUDA only with compiled flex and the grouped MoE, and only where the chunk holds the smallest
+    bucket.
     fresh_split: with both kinds of static pass, a fresh prompt alone just past a bucket of at
     least SPLIT_MIN_BUCKET tokens runs as that bucket's pass and its rest as a chunk after a cached
     prefix (`mk.prefill_graphs.fresh_split`), instead of the next bucket's pass of twice the rows.

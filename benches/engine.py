@@ -293,7 +293,9 @@ def burst_row(engine: Engine, cfg: ModelConfig, k: int, gen: torch.Generator) ->
         prompts = [random_prompt(cfg, BURST_PROMPT, gen) for _ in range(k)]
         wait([submit(engine, p, 1)[0] for p in prompts])
         before = settled_stats(engine)
-        streams = [submit(engine, p + random_prompt(cfg, REUSE_NEW_TOKENS, gen), 1) for p in prompts]
+        turns = [p + random_prompt(cfg, REUSE_NEW_TOKENS, gen) for p in prompts]
+        with engine.together():  # one iteration admits them all
+            streams = [submit(engine, turn, 1) for turn in turns]
         wait([t for t, _ in streams])
         after = settled_stats(engine)
         seconds = max(t.times[0] for t, _ in streams) - streams[0][1]

@@ -203,6 +203,27 @@ def test_the_prefixed_chunk_pass_gives_the_reference_tokens_and_close_releases_i
     assert not prefixed._buckets
 
 
+def test_next_turns_arriving_together_share_one_static_pass_and_give_the_reference_tokens(model, engine):
+    """Three conversations, then their next turns submitted together: the engine's one prefill call
+    holds the three chunks after their cached prefixes (from the prefix cache, not page-aligned
+    at the end), and `prefix_graphs=True` on the CPU runs them as one packed static pass, eagerly
+    (what a GPU replays as one graph); each conversation's tokens are the reference's."""
+    e = engine(max_batch=4, prefill="fast", prefill_chunk=256, prefix_graphs=True)
+    prefixed = e._runner.fast_prefill.prefixed
+    histories = [prompt(70 + 30 * i, 20 + i) for i in range(3)]
+    run(e, [(0, h, GREEDY) for h in histories])
+    turns = [h + prompt(15 + 5 * i, 30 + i) for i, h in enumerate(histories)]
+    calls = []
+    run_pass = prefixed._run
+    prefixed._run = lambda b, kv: calls.append(b.n) or run_pass(b, kv)
+    hits = e.native_stats()["prefix_hit_tokens"]
+    results = run(e, [(0, t, GREEDY) for t in turns])
+    assert e.native_stats()["prefix_hit_tokens"] - hits >= 64 * 3, "the histories came from the prefix cache"
+    assert calls == [256], f"one packed pass of the three next turns: {calls}"
+    for t, (tokens, _, _) in zip(turns, results, strict=True):
+        assert tokens == reference_greedy(model, t, GREEDY.max_tokens)[0]
+
+
 def test_a_failing_prefill_ends_only_its_own_request(model, engine):
     """The runner raises on one of three prompts that arrive together (one packed call): the packed
     call fails, each prompt is retried alone, and only the bad one ends with an error."""

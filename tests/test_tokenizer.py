@@ -2,11 +2,13 @@
 detokenizer, stop strings)."""
 
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+import mk
 from mk import tokenizer_files
 from mk.config import ModelConfig
 from mk.model import synthetic_weights, write_checkpoint
@@ -142,3 +144,71 @@ def test_chat_template_is_json_safe_for_tool_arguments():
     start = text.index("<|START_ACTION|>") + len("<|START_ACTION|>")
     action = json.loads(text[start : text.index("<|END_ACTION|>")])
     assert action == [{"tool_call_id": "0", "tool_name": "get", "parameters": {"q": "<x>"}}]
+
+
+# ---- the segment cache (a re-rendered conversation's earlier messages are not tokenized again) ----
+EMBEDDED = Tokenizer.from_dir(Path(mk.__file__).parent / "embedded")
+long_texts = st.text(st.characters(exclude_categories=("Cs",)), min_size=0, max_size=200)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(long_texts, st.sampled_from(sorted(EMBEDDED._segments.added))), max_size=10))
+def test_the_segment_cache_encodes_as_tokenizers_does(parts):
+    """Text of special tokens and arbitrary text between them (whitespace and characters of every
+    kind next to the tokens), encoded twice (the second time from the cache): the ids `tokenizers`
+    gives, for the built-in model's tokenizer and the test tokenizer."""
+    text = "".join(parts)
+    for tok in (EMBEDDED, TOK):
+        assert tok._segments is not None, "both tokenizers are ones the cache is exact for"
+        want = tok.hf.encode(text, add_special_tokens=False).ids
+        assert tok.encode(text, add_special_tokens=False) == want
+        assert tok.encode(text, add_special_tokens=False) == want
+
+
+def test_a_next_turn_tokenizes_only_its_new_messages(monkeypatch):
+    """The same conversation rendered again with one more message: the earlier messages' text
+    comes from the cache, only the new one (and pieces too short to cache) is encoded."""
+    tok = Tokenizer.builtin(512)
+    history = [{"role": "user", "content": "print the first " + "ten thousand primes, " * 20}]
+    history.append({"role": "assistant", "content": "Here is a sieve " + "that works, " * 30})
+    first = tok.apply_chat_template(history)
+    tok.encode(first, add_special_tokens=False)
+    encoded: list[str] = []
+    hf = tok._segments.hf
+    monkeypatch.setattr(
+        tok._segments, "hf", type("Spy", (), {"encode": lambda _, t, **kw: encoded.append(t) or hf.encode(t, **kw)})()
+    )
+    new = {"role": "user", "content": "now make it faster " * 10}
+    second = tok.apply_chat_template([*history, new])
+    assert tok.encode(second, add_special_tokens=False) == hf.encode(second, add_special_tokens=False).ids
+    assert any(new["content"] in t for t in encoded)
+    assert all(len(t) < tok._segments.MIN_CHARS for t in encoded if new["content"] not in t), encoded
+
+
+def test_no_segment_cache_where_tokenizers_would_not_split_alike(monkeypatch):
+    """An added token that strips its neighbours' whitespace joins pieces the cache would keep apart:
+    that tokenizer gets no cache (and encodes as ever); a small budget keeps the cache within it."""
+    spec = json.loads(TOK.hf.to_str())
+    spec["added_tokens"][-1]["lstrip"] = True
+    from tokenizers import Tokenizer as HFTokenizer
+
+    stripping = Tokenizer(HFTokenizer.from_str(json.dumps(spec)), {})
+    assert stripping._segments is None
+    token = spec["added_tokens"][-1]["content"]
+    text = "x   " + token + " y"
+    assert stripping.encode(text, add_special_tokens=False) == stripping.hf.encode(text, add_special_tokens=False).ids
+    # Added tokens one of which begins another: the longest at the leftmost place wins, as in `tokenizers`.
+    from tokenizers import AddedToken
+
+    overlapping = HFTokenizer.from_str(TOK.hf.to_str())
+    overlapping.add_special_tokens([AddedToken("<x>", special=True), AddedToken("<x><y>", special=True)])
+    tok = Tokenizer(overlapping, {})
+    assert tok._segments is not None
+    for text in ("a<x><y>b", "<x><x><y><y>", "<x>" * 3 + " tail"):
+        assert tok.encode(text, add_special_tokens=False) == overlapping.encode(text, add_special_tokens=False).ids
+    monkeypatch.setattr(type(TOK._segments), "BUDGET_CHARS", 1000)
+    tok = Tokenizer.builtin(512)
+    for i in range(30):
+        text = f"message {i}: " + "lorem ipsum dolor " * 8
+        assert tok.encode(text, add_special_tokens=False) == tok.hf.encode(text, add_special_tokens=False).ids
+    assert 0 < tok._segments.chars <= 1000 and len(tok._segments.pieces) <= 1000 // 64

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+import threading
+from collections import OrderedDict
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,7 @@ class Tokenizer:
             int(i) for i, t in (config.get("added_tokens_decoder") or {}).items() if t.get("special", False)
         ) | frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
         self.byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
+        self._segments = _SegmentCache.for_tokenizer(tokenizer)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -53,6 +57,8 @@ class Tokenizer:
         return self.hf.get_vocab_size()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not add_special_tokens and self._segments is not None:
+            return self._segments.encode(text)
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
@@ -91,6 +97,75 @@ class Tokenizer:
         if not isinstance(t, str) or not t:
             raise TemplateError("this checkpoint has no chat template (tokenizer_config.json: chat_template)")
         return t
+
+
+class _SegmentCache:
+    """Encodes text (without post-processing) the way `tokenizers` does, a piece at a time: the added
+    tokens it holds, and the text between them, each through a cache. A conversation's prompt is
+    rendered again at every turn, and its earlier messages, separated by special tokens, come back
+    unchanged: only the new ones are tokenized (a 4,000-token prompt takes ~4 ms to encode on one
+    core, a 30,000-token history tens of ms of a next turn's time to first token).
+
+    Exact only where `tokenizers` treats every piece between added tokens alone, which
+    `for_tokenizer` checks: no normalizer, a byte-level pre-tokenizer without a prefix space, a
+    model without dropout, and added tokens that strip no neighbouring whitespace and match the
+    raw text. Otherwise there is no cache."""
+
+    # Cached text, in characters: the least recently used pieces go first past it.
+    BUDGET_CHARS = 1 << 24
+    # Shorter pieces cost less to encode than to look up and keep.
+    MIN_CHARS = 64
+
+    def __init__(self, tokenizer: HFTokenizer, added: dict[str, int]) -> None:
+        self.hf = tokenizer
+        self.added = added
+        # Leftmost-longest, as `tokenizers` matches added tokens.
+        self.split = re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")")
+        self.pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self.chars = 0
+        self.lock = threading.Lock()  # (the server encodes on several threads)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: HFTokenizer) -> _SegmentCache | None:
+        spec = json.loads(tokenizer.to_str())
+        pre = spec.get("pre_tokenizer") or {}
+        tokens = tokenizer.get_added_tokens_decoder().values()
+        exact = (
+            spec.get("normalizer") is None
+            and pre.get("type") == "ByteLevel"
+            and not pre.get("add_prefix_space", True)
+            and not (spec.get("model") or {}).get("dropout")
+            and not any(t.lstrip or t.rstrip or t.single_word or t.normalized for t in tokens)
+        )
+        added = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.content}
+        return cls(tokenizer, added) if exact and added else None
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for i, piece in enumerate(self.split.split(text)):
+            if i % 2:
+                ids.append(self.added[piece])
+            elif piece:
+                ids += self._piece(piece)
+        return ids
+
+    def _piece(self, text: str) -> list[int]:
+        if len(text) < self.MIN_CHARS:
+            return self.hf.encode(text, add_special_tokens=False).ids
+        with self.lock:
+            ids = self.pieces.get(text)
+            if ids is not None:
+                self.pieces.move_to_end(text)
+                return ids
+        ids = self.hf.encode(text, add_special_tokens=False).ids
+        with self.lock:
+            if text not in self.pieces and len(text) <= self.BUDGET_CHARS:
+                self.pieces[text] = ids
+                self.chars += len(text)
+                while self.chars > self.BUDGET_CHARS:
+                    old, _ = self.pieces.popitem(last=False)
+                    self.chars -= len(old)
+        return ids
 
 
 def _token_text(v: Any) -> str | None:

@@ -185,6 +185,45 @@ def test_a_next_turn_tokenizes_only_its_new_messages(monkeypatch):
     assert all(len(t) < tok._segments.MIN_CHARS for t in encoded if new["content"] not in t), encoded
 
 
+def with_steps(**steps) -> Tokenizer:
+    """The test tokenizer with other normalizer / pre-tokenizer steps (tokenizer.json's spec)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    spec = {**json.loads(TOK.hf.to_str()), **steps}
+    return Tokenizer(HFTokenizer.from_str(json.dumps(spec)), {})
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.one_of(long_texts, st.sampled_from(sorted(TOK._segments.added))), max_size=8))
+def test_piecewise_normalizers_and_pre_tokenizers_keep_the_cache_exact(parts):
+    """NFC and a digit split before the byte-level step (the kind of steps a real checkpoint's
+    tokenizer has) act on each piece alone: the cache stays on and exact."""
+    tok = PIECEWISE
+    assert tok._segments is not None
+    text = "".join(parts)
+    want = tok.hf.encode(text, add_special_tokens=False).ids
+    assert tok.encode(text, add_special_tokens=False) == want == tok.encode(text, add_special_tokens=False)
+
+
+PIECEWISE = with_steps(
+    normalizer={"type": "NFC"},
+    pre_tokenizer={
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Digits", "individual_digits": True},
+            json.loads(TOK.hf.to_str())["pre_tokenizer"],
+        ],
+    },
+)
+
+
+def test_no_segment_cache_for_steps_that_see_the_whole_input():
+    byte_level = json.loads(TOK.hf.to_str())["pre_tokenizer"]
+    prefixed = with_steps(pre_tokenizer={**byte_level, "add_prefix_space": True})
+    metaspace = with_steps(pre_tokenizer={"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first"})
+    assert prefixed._segments is None and metaspace._segments is None
+
+
 def test_no_segment_cache_where_tokenizers_would_not_split_alike(monkeypatch):
     """An added token that strips its neighbours' whitespace joins pieces the cache would keep apart:
     that tokenizer gets no cache (and encodes as ever); a small budget keeps the cache within it."""

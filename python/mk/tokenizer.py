@@ -107,14 +107,23 @@ class _SegmentCache:
     core, a 30,000-token history tens of ms of a next turn's time to first token).
 
     Exact only where `tokenizers` treats every piece between added tokens alone, which
-    `for_tokenizer` checks: no normalizer, a byte-level pre-tokenizer without a prefix space, a
-    model without dropout, and added tokens that strip no neighbouring whitespace and match the
-    raw text. Otherwise there is no cache."""
+    `for_tokenizer` checks: normalizers and pre-tokenizers that act on each piece by itself (none
+    that adds a prefix space or treats the input's first piece apart), a model without dropout,
+    added tokens that strip no neighbouring whitespace and match the raw text, and a probe of
+    pieces next to every added token encoded both ways. Otherwise there is no cache."""
 
     # Cached text, in characters: the least recently used pieces go first past it.
     BUDGET_CHARS = 1 << 24
     # Shorter pieces cost less to encode than to look up and keep.
     MIN_CHARS = 64
+    # Steps that act on each piece between added tokens alone, whatever came before it.
+    PIECEWISE_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase"})
+    PIECEWISE_PRE_TOKENIZERS = frozenset(
+        {"ByteLevel", "Digits", "Split", "Punctuation", "Whitespace", "WhitespaceSplit"}
+    )
+    # Text around the added tokens in the probe: spaces, line breaks, digits, a combining accent,
+    # characters outside the BMP.
+    PROBE = ("", " ", "  x", "\n", "\n\n  def f():", "12 345", "e\u0301 caf\u00e9", "\u4e16\u754c\U0001f642", "\t!")
 
     def __init__(self, tokenizer: HFTokenizer, added: dict[str, int]) -> None:
         self.hf = tokenizer
@@ -128,17 +137,26 @@ class _SegmentCache:
     @classmethod
     def for_tokenizer(cls, tokenizer: HFTokenizer) -> _SegmentCache | None:
         spec = json.loads(tokenizer.to_str())
-        pre = spec.get("pre_tokenizer") or {}
+        normalizer, pre = spec.get("normalizer"), spec.get("pre_tokenizer")
         tokens = tokenizer.get_added_tokens_decoder().values()
         exact = (
-            spec.get("normalizer") is None
-            and pre.get("type") == "ByteLevel"
-            and not pre.get("add_prefix_space", True)
+            _steps_among(normalizer, "normalizers", cls.PIECEWISE_NORMALIZERS)
+            and _steps_among(pre, "pretokenizers", cls.PIECEWISE_PRE_TOKENIZERS)
+            and not any(step.get("add_prefix_space") for step in _steps(pre, "pretokenizers"))
             and not (spec.get("model") or {}).get("dropout")
-            and not any(t.lstrip or t.rstrip or t.single_word or t.normalized for t in tokens)
+            and not any(t.lstrip or t.rstrip or t.single_word or (t.normalized and normalizer) for t in tokens)
         )
         added = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.content}
-        return cls(tokenizer, added) if exact and added else None
+        if not exact or not added:
+            return None
+        cache = cls(tokenizer, added)
+        probe = [a + t + b for t in added for a in cls.PROBE for b in cls.PROBE[:4]]
+        probe.append("".join(cls.PROBE).join(added))
+        if any(cache.encode(p) != tokenizer.encode(p, add_special_tokens=False).ids for p in probe):
+            return None
+        cache.pieces.clear()
+        cache.chars = 0
+        return cache
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -166,6 +184,17 @@ class _SegmentCache:
                     old, _ = self.pieces.popitem(last=False)
                     self.chars -= len(old)
         return ids
+
+
+def _steps(spec: dict | None, key: str) -> list[dict]:
+    """A tokenizer.json normalizer's or pre-tokenizer's steps (a Sequence's, or itself alone)."""
+    if spec is None:
+        return []
+    return [s for step in spec[key] for s in _steps(step, key)] if spec.get("type") == "Sequence" else [spec]
+
+
+def _steps_among(spec: dict | None, key: str, kinds: frozenset[str]) -> bool:
+    return all(step.get("type") in kinds for step in _steps(spec, key))
 
 
 def _token_text(v: Any) -> str | None:

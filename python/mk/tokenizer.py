@@ -110,7 +110,7 @@ class _SegmentCache:
     `for_tokenizer` checks: normalizers and pre-tokenizers that act on each piece by itself (none
     that adds a prefix space or treats the input's first piece apart), a model without dropout,
     added tokens that strip no neighbouring whitespace and match the raw text, and a probe of
-    pieces next to every added token encoded both ways. Otherwise there is no cache."""
+    text next to the added tokens encoded both ways. Otherwise there is no cache."""
 
     # Cached text, in characters: the least recently used pieces go first past it.
     BUDGET_CHARS = 1 << 24
@@ -121,6 +121,8 @@ class _SegmentCache:
     PIECEWISE_PRE_TOKENIZERS = frozenset(
         {"ByteLevel", "Digits", "Split", "Punctuation", "Whitespace", "WhitespaceSplit"}
     )
+    # Added tokens whose every neighbourhood the load-time probe tries (all of them meet once).
+    PROBE_TOKENS = 64
     # Text around the added tokens in the probe: spaces, line breaks, digits, a combining accent,
     # characters outside the BMP.
     PROBE = ("", " ", "  x", "\n", "\n\n  def f():", "12 345", "e\u0301 caf\u00e9", "\u4e16\u754c\U0001f642", "\t!")
@@ -136,21 +138,23 @@ class _SegmentCache:
 
     @classmethod
     def for_tokenizer(cls, tokenizer: HFTokenizer) -> _SegmentCache | None:
-        spec = json.loads(tokenizer.to_str())
-        normalizer, pre = spec.get("normalizer"), spec.get("pre_tokenizer")
+        # (each part's own spec: the whole tokenizer's JSON holds its vocabulary, megabytes of it)
+        normalizer, pre = (
+            json.loads(p.__getstate__()) if p else None for p in (tokenizer.normalizer, tokenizer.pre_tokenizer)
+        )
         tokens = tokenizer.get_added_tokens_decoder().values()
         exact = (
             _steps_among(normalizer, "normalizers", cls.PIECEWISE_NORMALIZERS)
             and _steps_among(pre, "pretokenizers", cls.PIECEWISE_PRE_TOKENIZERS)
             and not any(step.get("add_prefix_space") for step in _steps(pre, "pretokenizers"))
-            and not (spec.get("model") or {}).get("dropout")
+            and not getattr(tokenizer.model, "dropout", None)
             and not any(t.lstrip or t.rstrip or t.single_word or (t.normalized and normalizer) for t in tokens)
         )
         added = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.content}
         if not exact or not added:
             return None
         cache = cls(tokenizer, added)
-        probe = [a + t + b for t in added for a in cls.PROBE for b in cls.PROBE[:4]]
+        probe = [a + t + b for t in list(added)[: cls.PROBE_TOKENS] for a in cls.PROBE for b in cls.PROBE[:4]]
         probe.append("".join(cls.PROBE).join(added))
         if any(cache.encode(p) != tokenizer.encode(p, add_special_tokens=False).ids for p in probe):
             return None

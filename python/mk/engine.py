@@ -480,7 +480,7 @@ def _fast_prefill(
     if cuda:  # before anything records weight addresses (the megakernel's tables)
         stack_experts(model.weights, model.config)
     # Rust hands over at most `chunk` tokens a call, so each call is one chunk of mk.prefill (or two
-    # static passes: mk.prefill_graphs.split_fresh).
+    # static passes: mk.prefill_graphs.fresh_split).
     return Prefill(
         model,
         chunk=chunk,

@@ -23,7 +23,7 @@ from mk.config import PAGE_SIZE, ModelConfig
 from mk.model.names import expected_shapes
 from mk.model.paged import UNMAPPED, KVMappingError, PageAllocator, pages_needed
 from mk.model.reference import Model
-from mk.model.varlen import attend_causal, interval_block_mask, refresh_block_mask, static_block_mask
+from mk.model.varlen import Piece, attend_causal, interval_block_mask, refresh_block_mask, static_block_mask
 from mk.prefill import Prefill, PrefillRequest, Span, plan_chunks, prefill_flops, stack_experts, stacked_experts
 from mk.prefill_graphs import (
     BUCKETS,
@@ -960,7 +960,8 @@ def test_a_shape_whose_capture_fails_runs_eagerly_and_the_others_keep_their_grap
     monkeypatch.setattr(passes, "_pass", lambda b, kv: log.append(("pass", b.n)))
     pool = Pool(model_of(weights64, torch.float64))
     for n in (40, 200, 40, 200):
-        passes(tokens_of(n), pool.table(n), pool.kv)
+        table = pool.table(n)
+        passes(tokens_of(n), Piece(0, n, 0, table, table), pool.kv)
     assert log == [
         *[("capture", 64), ("pass", 64), ("replay", 64)],
         *[("capture", 256), ("pass", 256)],
@@ -968,6 +969,9 @@ def test_a_shape_whose_capture_fails_runs_eagerly_and_the_others_keep_their_grap
         ("pass", 256),
     ]
     assert passes.uncapturable() == 1 and passes.capture
+    table = pool.table(40)
+    with pytest.raises(ValueError, match="fresh prompt"):
+        passes(tokens_of(40), Piece(8, 40, 0, table, table), pool.kv)
 
 
 def test_a_prefixed_chunk_with_another_cache_drops_the_static_buffers(weights64):

@@ -223,16 +223,23 @@ def test_a_fresh_prompt_just_past_4k_replays_two_graphs_that_match_the_reference
 LENGTHS = [1, 63, 64, 65, 300, 1000, 4500]
 
 
+@pytest.mark.parametrize("static", [True, False], ids=["static-passes", "usual-path"])
 @pytest.mark.parametrize("chunk", [8192, 1000])
-def test_packed_prompts_of_mixed_lengths(models, chunk):
-    p = Prefill(models[0], chunk=chunk)
+def test_packed_prompts_of_mixed_lengths(models, chunk, static):
+    """Seven fresh prompts in one call. By default its chunks of several sequences run as static
+    passes (a few graph replays); without them, as one packed pass on the usual path, which the
+    engine's layer-sliced prefill and every chunk no static pass takes still run."""
+    paths = {} if static else {"graphs": False, "prefix_graphs": False}
+    p = Prefill(models[0], chunk=chunk, **paths)
     pools = Pools(models, L * 140)
     prompts = [tokens_of(n, salt=i) for i, n in enumerate(LENGTHS)]
     tables = [pools.table(n, 72) for n in LENGTHS]
     out = p([PrefillRequest(t, 0, tb) for t, tb in zip(prompts, tables, strict=True)], pools.kv)
+    what = f"chunk {chunk}, {'static passes' if static else 'usual path'}"
     for i, (t, tb) in enumerate(zip(prompts, tables, strict=True)):
-        pools.check_logits(out.logits[i], *pools.references(t, 0, tb), f"chunk {chunk} prompt {i}")
-    pools.check_pages(tables, f"chunk {chunk}")
+        pools.check_logits(out.logits[i], *pools.references(t, 0, tb), f"{what}, prompt {i}")
+    pools.check_pages(tables, what)
+    assert (p.prefixed is not None and bool(p.prefixed._buckets)) == static, what
 
 
 def test_prefix_reuse_past_the_window(models, prefill):
@@ -319,9 +326,13 @@ def test_window_release_between_chunks_changes_nothing(models, prefill):
 def test_gpu_test_geometry_with_routing(prefill):
     """GPU-test geometry proper (32 experts, top-8): a 5000-token prompt and three short ones,
     K/V compared in aggregate (bf16 near-tie flips hit a few tokens, in the reference as well),
-    the logits by cosine."""
+    the logits by cosine; with the default static passes and on the usual path alone."""
     models = bf16_and_fp32(GPU_TEST, SEED + 7)
-    p = Prefill(models[0], chunk=2048)
+    for p in (Prefill(models[0], chunk=2048), Prefill(models[0], chunk=2048, graphs=False, prefix_graphs=False)):
+        routed_prompts(models, p)
+
+
+def routed_prompts(models, p: Prefill) -> None:
     pools = Pools(models, L * 140, floor=2e-2, direct=0.25)
     lengths = [5000, 1, 200, 3000]
     prompts = [tokens_of(n, salt=i) for i, n in enumerate(lengths)]
@@ -340,7 +351,7 @@ def test_gpu_test_geometry_with_routing(prefill):
             f"seed {SEED}: prompt {i} logits cosine {cosine(got, fp):.4f} to fp32 (bar {bar:.4f}), "
             f"{cosine(got, bf):.4f} to bf16"
         )
-    pools.check_pages(tables, "gpu_test geometry")
+    pools.check_pages(tables, f"gpu_test geometry, graphs {p.fresh is not None}")
 
 
 @pytest.mark.skipif(not fa3_available(), reason="flash_attn_interface (FlashAttention-3) is not installed")

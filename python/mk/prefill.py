@@ -65,6 +65,7 @@ from mk.model.varlen import (
     compile_settings,
     fa3_available,
     pack_keys,
+    to_device,
 )
 from mk.prefill_graphs import (
     BUCKETS,
@@ -378,7 +379,7 @@ class Prefill:
         pieces, q_off = [], 0
         for r, off, n in plan:
             table = requests[r].block_table.to(device="cpu", dtype=torch.int32, copy=copy)
-            pieces.append(Piece(requests[r].start + off, n, q_off, table, table.to(self.device)))
+            pieces.append(Piece(requests[r].start + off, n, q_off, table, to_device(table, self.device)))
             q_off += n
         return pieces
 
@@ -410,7 +411,7 @@ class Prefill:
             return torch.cat([self._chunk(*_group(tokens, g), kv) for g in groups])
         if self.fresh is not None and len(pieces) == 1 and pieces[0].first == 0 and self.fresh.covers(len(tokens)):
             try:
-                return self.fresh(tokens, pieces[0].table, kv)
+                return self.fresh(tokens, pieces[0], kv)
             except KVMappingError:
                 raise
             except torch.cuda.OutOfMemoryError as e:
@@ -535,7 +536,7 @@ class Prefill:
             raise ValueError("a request has no tokens")
         if int(t.min()) < 0 or int(t.max()) >= self.config.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
-        return t.to(self.device)
+        return to_device(t, self.device)
 
 
 def _out_of_memory(error: Exception, what: str) -> None:
@@ -564,7 +565,7 @@ class SlicedPrefill:
     def __init__(self, prefill: Prefill, tokens: torch.Tensor, pieces: list[Piece], kv: PagedKV) -> None:
         cfg = prefill.config
         self.prefill, self.pieces, self.kv = prefill, pieces, kv
-        positions = torch.cat([torch.arange(p.first, p.first + p.n) for p in pieces]).to(prefill.device)
+        positions = to_device(torch.cat([torch.arange(p.first, p.first + p.n) for p in pieces]), prefill.device)
         self.cos, self.sin = cos_sin(cfg, positions, prefill.dtype)
         self.keys: dict[int | None, PackedKeys] = {}
         if prefill._full_layers:
@@ -610,7 +611,7 @@ class SlicedPrefill:
 
     def last_rows(self) -> torch.Tensor:
         """The residual at each piece's last row [pieces, D]."""
-        rows = torch.tensor([pc.q_off + pc.n - 1 for pc in self.pieces], device=self.prefill.device)
+        rows = to_device(torch.tensor([pc.q_off + pc.n - 1 for pc in self.pieces]), self.prefill.device)
         return self.x.index_select(0, rows)
 
     @torch.no_grad()

@@ -67,6 +67,7 @@ from mk.model.varlen import (
     flex_len,
     refresh_block_mask,
     static_block_mask,
+    to_device,
 )
 
 if TYPE_CHECKING:
@@ -224,13 +225,15 @@ class _StaticPasses:
         call's result), then the capture. A capture that fails (e.g. out of memory for a long
         context's key bucket) warns and leaves this shape eager; the others keep their graphs."""
         device = self.prefill.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            self._pass(b, kv)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(stream)
+        try:
+            with torch.cuda.stream(side):
+                self._pass(b, kv)
+        finally:  # (a pass that raised, e.g. out of memory, has queued writes the next path must follow)
+            stream.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
         try:
             # Thread-local: the decode loop's launches on other threads go on during a capture.
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
@@ -257,18 +260,22 @@ class FreshPrompts(_StaticPasses):
     def covers(self, n: int) -> bool:
         return 0 < n <= self.buckets[-1]
 
-    def __call__(self, tokens: torch.Tensor, table: torch.Tensor, kv: PagedKV) -> torch.Tensor:
-        """The residual [1, hidden] at the last of `tokens` (positions 0..n-1 of the sequence whose
-        block table, int32 [layers, pages] on the CPU, is `table`), after writing their K and V."""
+    def __call__(self, tokens: torch.Tensor, piece: Piece, kv: PagedKV) -> torch.Tensor:
+        """The residual [1, hidden] at the last of `tokens` (on the device: positions 0..n-1 of
+        `piece`'s sequence, whose first must be 0), after writing their K and V. The static inputs
+        are computed on the device, waiting for nothing queued there."""
         n = len(tokens)
-        cfg = self.prefill.config
-        check_mapped(table, torch.arange(cfg.num_hidden_layers), 0, n, "written")
+        cfg, device = self.prefill.config, self.prefill.device
+        if piece.first != 0 or piece.n != n:
+            raise ValueError(f"a fresh prompt's piece holds positions 0..{n - 1}, not {piece.first}..+{piece.n}")
+        check_mapped(piece.table, torch.arange(cfg.num_hidden_layers), 0, n, "written")
         self._use(kv)
         size = next(b for b in self.buckets if b >= n)
         b = self._buckets.get(size) or self._new_bucket(size)
-        source = torch.arange(size).clamp(max=n - 1)  # pads write as the last real row
+        source = torch.arange(size, device=device).clamp(max=n - 1)  # pads write as the last real row
         b.source.copy_(source)
-        b.slots.copy_(table.index_select(1, source // PAGE_SIZE).long() * PAGE_SIZE + source % PAGE_SIZE)
+        layers = torch.arange(cfg.num_hidden_layers, device=device)
+        b.slots.copy_(_slots(piece.table_dev[None].long(), layers, torch.zeros_like(source), source))
         b.tokens.zero_()
         b.tokens[:n].copy_(tokens)
         b.last.fill_(n - 1)
@@ -382,10 +389,7 @@ class PrefixedChunks(_StaticPasses):
         host = [[p.first, p.n, p.q_off, *(x for w in windows for x in _key_range(w, p))] for p in pieces]
         self._use(kv)
         b = self._buckets.get((size, k_full)) or self._new_bucket(size, k_full)
-        meta = torch.tensor(host)
-        if device.type == "cuda":  # (pinned: the copy waits for nothing queued before it)
-            meta = meta.pin_memory()
-        meta = meta.to(device, non_blocking=True)
+        meta = to_device(torch.tensor(host), device)
         k, total = len(pieces), len(tokens)
         piece_of = torch.repeat_interleave(torch.arange(k, device=device), meta[:, 1], output_size=total)
         source = torch.arange(size, device=device).clamp(max=total - 1)  # pads write as the last real row

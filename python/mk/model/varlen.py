@@ -36,6 +36,16 @@ FLEX_BLOCK = 128
 SDPA_TILE_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 28}
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`. From the CPU to CUDA through pinned memory, non-blocking: the copy is queued
+    behind the stream's work, where a copy from pageable memory would first wait for that work to
+    finish (PyTorch synchronises the stream after it), leaving the GPU idle while the host prepares
+    what follows. (PyTorch keeps the pinned block until the copy has run.)"""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @dataclass(slots=True)
 class Piece:
     """One sequence's tokens in a chunk: positions [first, first + n), query rows [q_off, q_off + n)."""
@@ -68,7 +78,7 @@ def pack_keys(pieces: list[Piece], layers: list[int], window: int | None, device
     """Key layout and pool rows of one chunk for `layers` (all of one kind); raises
     KVMappingError if a page to be written or read is unmapped on any of them."""
     rows = torch.tensor(layers, dtype=torch.long)
-    rows_dev = rows.to(device)
+    rows_dev = to_device(rows, device)
     slots, write_cols, lo_parts, hi_parts = [], [], [], []
     k_first, k_off, k_len = [], [], []
     off = 0

@@ -325,8 +325,8 @@ def attend_fa3(
     n, hq, hd = q.shape
     if keys.backend_data is None:
         q_lens = [p.n for p in pieces]
-        cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=q.device)
-        cu_k = torch.tensor([*keys.k_off, keys.n_keys], dtype=torch.int32, device=q.device)
+        cu_q = to_device(torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32), q.device)
+        cu_k = to_device(torch.tensor([*keys.k_off, keys.n_keys], dtype=torch.int32), q.device)
         keys.backend_data = (cu_q, cu_k, max(q_lens), max(keys.k_len))
     cu_q, cu_k, max_q, max_k = keys.backend_data
     window = (keys.window - 1, 0) if keys.window is not None else (-1, -1)

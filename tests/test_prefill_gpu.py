@@ -276,6 +276,7 @@ def test_next_turns_arriving_together_replay_one_packed_graph_that_matches_the_r
     p = Prefill(models[0], chunk=2048)
     pools = Pools(models, L * 450)
     spans = [(6000, 300), (1500, 100), (4100, 250), (0, 200)]
+    graphs = []
     for salt in (0, 1):
         requests, tables = [], []
         for i, (start, n) in enumerate(spans):
@@ -290,7 +291,9 @@ def test_next_turns_arriving_together_replay_one_packed_graph_that_matches_the_r
         for i, r in enumerate(requests):
             pools.check_logits(out.logits[i], *pools.references(r.tokens, r.start, r.block_table), f"packed {i}")
         pools.check_pages(tables, f"packed, round {salt}")
-    assert list(p.prefixed._buckets) == [(1024, 16384)] and p.prefixed._buckets[1024, 16384].graph is not None
+        assert list(p.prefixed._buckets) == [(1024, 16384)], f"round {salt}"
+        graphs.append(p.prefixed._buckets[1024, 16384].graph)
+    assert graphs[0] is not None and graphs[1] is graphs[0], "the second round captured again (or ran eagerly)"
 
 
 def test_window_release_between_chunks_changes_nothing(models, prefill):

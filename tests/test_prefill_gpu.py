@@ -172,6 +172,42 @@ def test_fresh_prompts_replay_cuda_graphs_that_match_the_references(models, pref
     print(f"a 512-token fresh prompt at the GPU-test geometry: {graph:.1f} ms as a graph, {eager_ms:.1f} eager")
 
 
+def test_a_failed_capture_leaves_its_shape_eager_and_the_others_replaying(models, monkeypatch):
+    """The capture failure path on a real CUDA capture: the 256-token bucket's capture is broken on
+    purpose (a synchronisation of the capturing stream, which CUDA refuses and which invalidates
+    the capture). That call warns and is still right; the 1024-token bucket's capture after it, in
+    the same graph pool, succeeds and replays; the 256-token shape runs eagerly from then on, as
+    close to the references as before."""
+    p = Prefill(models[0], chunk=2048)
+    fresh = p.fresh
+    assert fresh is not None and fresh.capture
+    real_pass = fresh._pass
+
+    def broken_for_256(b, kv):
+        if b.n == 256 and torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream().synchronize()  # not permitted on a capturing stream
+        real_pass(b, kv)
+
+    monkeypatch.setattr(fresh, "_pass", broken_for_256)
+    pools = Pools(models, L * 60)
+    tables = []
+    for i, n in enumerate([200, 1000, 1000, 250]):
+        toks = tokens_of(n, salt=20 + i)
+        table = pools.table(n, 16)
+        if i == 0:
+            with pytest.warns(UserWarning, match="capturing the 256-token prefill failed"):
+                out = p([PrefillRequest(toks, 0, table)], pools.kv)
+        else:
+            out = p([PrefillRequest(toks, 0, table)], pools.kv)
+        pools.check_logits(out.logits[0], *pools.references(toks, 0, table), f"{n} tokens, call {i}")
+        tables.append(table)
+    pools.check_pages(tables, "a failed capture")
+    assert p.fresh is fresh, "the fresh-prompt pass was switched off (see the warning)"
+    assert sorted(fresh._buckets) == [256, 1024] and fresh.uncapturable() == 1
+    assert fresh._buckets[256].graph is None and fresh._buckets[1024].graph is not None
+    assert torch.cuda.current_stream() == torch.cuda.default_stream(), "left on the capture's stream"
+
+
 def test_chunks_after_a_cached_prefix_replay_cuda_graphs_that_match_the_references(models):
     """With prefix_graphs, a long prompt's later chunks (cached prefix, start > 0) run as CUDA graphs
     of padded (rows, keys) buckets (mk.prefill_graphs.PrefixedChunks): 7000 tokens in chunks of

@@ -352,6 +352,7 @@ def test_the_warm_up_runs_a_chunk_after_a_cached_prefix(model, monkeypatch):
     prompts (as many keys as rows), two packed ones, and a chunk after a cached prefix (more keys
     than rows: unseen, its compilation stalled the first long prompt's admission ~8 s on the H200),
     all on scratch blocks (for the prefixed chunk, five pages a layer)."""
+    import mk.runner
     from mk.prefill import Prefill
     from mk.runner import ReferenceRunner
 
@@ -362,10 +363,27 @@ def test_the_warm_up_runs_a_chunk_after_a_cached_prefix(model, monkeypatch):
         calls.append([(len(r.tokens), r.start, r.block_table.clone()) for r in requests])
         return real(self, requests, kv, *args, **kwargs)
 
+    class Bar:  # the progress bar, as on a terminal
+        def __init__(self, total: int, **kwargs) -> None:
+            self.total, self.n, self.disable = total, 0, False
+            bars.append(self)
+
+        def update(self, n: int = 1) -> None:
+            self.n += n
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+    bars: list[Bar] = []
     monkeypatch.setattr(Prefill, "__call__", spy)
+    monkeypatch.setattr(mk.runner, "tqdm", Bar)
     layers = model.config.num_hidden_layers
     runner = ReferenceRunner(model, 5 * layers, 2, 512, fast_prefill=Prefill(model, chunk=256))
     runner.warm_up()
+    assert [(b.total, b.n) for b in bars] == [(len(calls), len(calls))], "the bar counts every pass once"
     starts = [[(n, start) for n, start, _ in call] for call in calls]
     assert [(16, 0)] in starts and [(16, 0), (32, 0)] in starts
     assert [(16, 256)] in starts  # 272 keys: 3 flex blocks of 128, its rows 2

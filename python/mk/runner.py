@@ -14,9 +14,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from mk.config import PAGE_SIZE
 from mk.model.reference import Model
@@ -48,13 +51,28 @@ class PrefillRunner:
         prefixes read scratch pages again and again), then run one whole chunk the usual way, so
         that neither does the allocation of a full chunk's activations (a few GB; a capture empties
         the cache). Uses blocks from 0 on, which nothing holds yet and every later prefill
-        overwrites before reading."""
+        overwrites before reading. A progress bar counts the passes where stderr is a terminal."""
         if self.fast_prefill is None or self.kv.num_blocks < self.layers:
             return
         started = time.perf_counter()
+        fresh, prefixed = self.fast_prefill.fresh, self.fast_prefill.prefixed
+        passes = self._warm_up_passes()
+        bar = tqdm(total=len(passes), desc="prefill warm-up", unit="pass", disable=None)  # (None: a terminal's)
+        # The log lines go above the bar while it shows.
+        with bar, contextlib.nullcontext() if bar.disable else logging_redirect_tqdm():
+            for note, run in passes:
+                if note:
+                    log.info(note)
+                run()
+                bar.update()
+        for static, what in ((fresh, "fresh prompts"), (prefixed, "chunks after a cached prefix")):
+            if static is not None and static.uncapturable():
+                log.warning("%d shapes of %s could not be captured and run eagerly", static.uncapturable(), what)
+        log.info("prefill warm-up done in %.1f s", time.perf_counter() - started)
+
+    def _warm_up_passes(self) -> list[tuple[str | None, Callable[[], object]]]:
+        """The warm-up's prefill calls in order, each with the log line that opens its part (or None)."""
         prefill, fresh = self.fast_prefill, self.fast_prefill.fresh
-        if prefill.compiled:
-            log.info("compiling the prefill path (torch.compile; the first start takes a while)")
         table = torch.full((self.layers, self.max_pages), -1, dtype=torch.int32)
         table[:, 0] = torch.arange(self.layers, dtype=torch.int32)
         n = min(prefill.chunk, self.max_pages * PAGE_SIZE)
@@ -63,30 +81,40 @@ class PrefillRunner:
         if whole:
             chunk_table = torch.arange(self.layers * pages, dtype=torch.int32).view(self.layers, pages)
             chunk_table = torch.nn.functional.pad(chunk_table, (0, self.max_pages - pages), value=-1)
-        with _usual_path(prefill):  # first, whatever the prompts' shapes
-            for m in (16, 48):  # a second length, so dynamic-shape compilation is settled too
-                prefill([PrefillRequest([0] * m, 0, table)], self.kv)
-            if self.kv.num_blocks >= 2 * self.layers:  # and a packed call of two sequences
-                other = table.clone()
-                other[:, 0] += self.layers
-                prefill([PrefillRequest([0] * 16, 0, table), PrefillRequest([0] * 32, 0, other)], self.kv)
-            # And a chunk after a cached prefix whose keys pad to more flex blocks than its rows: every
-            # call above has as many keys as rows, and the compiled flex attention, which sizes
-            # equal dimensions alike, likely compiled again for the first such chunk (a first-use
-            # pause of ~8 s on the H200, every decoding stream waiting: docs/PERF.md, sixteenth session).
-            prefix = 2 * FLEX_BLOCK  # 16 rows pad to 2 blocks, their 16 + prefix keys to 3
-            prefix_pages = prefix // PAGE_SIZE + 1
-            if self.kv.num_blocks >= prefix_pages * self.layers and self.max_pages >= prefix_pages:
-                prefix_table = torch.full_like(table, -1)
-                blocks = torch.arange(prefix_pages * self.layers, dtype=torch.int32).view(prefix_pages, self.layers)
-                prefix_table[:, :prefix_pages] = blocks.T
-                prefill([PrefillRequest([0] * 16, prefix, prefix_table)], self.kv)
+
+        def call(requests: list[PrefillRequest], usual: bool = False) -> Callable[[], object]:
+            def run():
+                with _usual_path(prefill) if usual else contextlib.nullcontext():
+                    prefill(requests, self.kv)
+
+            return run
+
+        # First the usual path, whatever the prompts' shapes: two lengths, so that dynamic-shape
+        # compilation is settled too.
+        compiling = "compiling the prefill path (torch.compile; the first start takes a while)"
+        passes = [(compiling if prefill.compiled else None, call([PrefillRequest([0] * 16, 0, table)], True))]
+        passes.append((None, call([PrefillRequest([0] * 48, 0, table)], True)))
+        if self.kv.num_blocks >= 2 * self.layers:  # and a packed call of two sequences
+            other = table.clone()
+            other[:, 0] += self.layers
+            passes.append((None, call([PrefillRequest([0] * 16, 0, table), PrefillRequest([0] * 32, 0, other)], True)))
+        # And a chunk after a cached prefix whose keys pad to more flex blocks than its rows: every
+        # call above has as many keys as rows, and the compiled flex attention, which sizes
+        # equal dimensions alike, likely compiled again for the first such chunk (a first-use
+        # pause of ~8 s on the H200, every decoding stream waiting: docs/PERF.md, sixteenth session).
+        prefix = 2 * FLEX_BLOCK  # 16 rows pad to 2 blocks, their 16 + prefix keys to 3
+        prefix_pages = prefix // PAGE_SIZE + 1
+        if self.kv.num_blocks >= prefix_pages * self.layers and self.max_pages >= prefix_pages:
+            prefix_table = torch.full_like(table, -1)
+            blocks = torch.arange(prefix_pages * self.layers, dtype=torch.int32).view(prefix_pages, self.layers)
+            prefix_table[:, :prefix_pages] = blocks.T
+            passes.append((None, call([PrefillRequest([0] * 16, prefix, prefix_table)], True)))
         if whole and fresh is not None and fresh.capture:
             # One fresh prompt per padded length a prompt of up to n tokens can take.
             sizes = sorted({min(size, n) for size in fresh.buckets})
-            log.info("capturing the prefill's CUDA graphs for fresh prompts of up to %d tokens", sizes[-1])
-            for m in sizes:
-                prefill([PrefillRequest([0] * m, 0, chunk_table)], self.kv)
+            note = f"capturing the prefill's CUDA graphs for fresh prompts of up to {sizes[-1]} tokens"
+            for i, m in enumerate(sizes):
+                passes.append((None if i else note, call([PrefillRequest([0] * m, 0, chunk_table)])))
         prefixed = prefill.prefixed
         chunks = prefixed.warm_up_chunks(self.max_pages * PAGE_SIZE) if prefixed is not None else []
         if prefixed is not None:  # (sequences packed together: within the shapes captured here)
@@ -94,22 +122,15 @@ class PrefillRunner:
         if whole and chunks and prefixed.capture:
             # Every page of the context maps to one of the chunk's scratch blocks (its layer's).
             aliased = chunk_table[:, torch.arange(self.max_pages) % pages]
-            log.info(
-                "capturing the prefill's CUDA graphs for %d shapes of chunks after a cached prefix (up to %d "
-                "tokens after up to %d)",
-                len(chunks),
-                max(m for _, m in chunks),
-                max(start for start, _ in chunks),
+            note = (
+                f"capturing the prefill's CUDA graphs for {len(chunks)} shapes of chunks after a cached prefix "
+                f"(up to {max(m for _, m in chunks)} tokens after up to {max(start for start, _ in chunks)})"
             )
-            for start, m in chunks:
-                prefill([PrefillRequest([0] * m, start, aliased)], self.kv)
+            for i, (start, m) in enumerate(chunks):
+                passes.append((None if i else note, call([PrefillRequest([0] * m, start, aliased)])))
         if whole:
-            with _usual_path(prefill):
-                prefill([PrefillRequest([0] * n, 0, chunk_table)], self.kv)
-        for passes, what in ((fresh, "fresh prompts"), (prefixed, "chunks after a cached prefix")):
-            if passes is not None and passes.uncapturable():
-                log.warning("%d shapes of %s could not be captured and run eagerly", passes.uncapturable(), what)
-        log.info("prefill warm-up done in %.1f s", time.perf_counter() - started)
+            passes.append((None, call([PrefillRequest([0] * n, 0, chunk_table)], True)))
+        return passes
 
     def release_graphs(self) -> None:
         """Drop the fast prefill's CUDA graphs and their memory (the engine has stopped)."""

@@ -974,6 +974,29 @@ def test_a_shape_whose_capture_fails_runs_eagerly_and_the_others_keep_their_grap
         passes(tokens_of(40), Piece(8, 40, 0, table, table), pool.kv)
 
 
+def test_an_invalidated_capture_is_ended_and_later_captures_take_a_new_pool(monkeypatch):
+    """PyTorch's capture_end raises on a capture CUDA invalidated before it ends the allocator's
+    recording into the pool; `_end_abandoned_capture` ends it and renews the prefill's pool. When
+    the capture had ended (the allocator refuses to end it again), the pool stays."""
+    from types import SimpleNamespace
+
+    from mk.prefill_graphs import _end_abandoned_capture
+
+    ended, renewed = [], []
+    prefill = SimpleNamespace(device=torch.device("cuda", 3), renew_graph_pool=lambda: renewed.append(True))
+
+    def end(device, pool):
+        ended.append((device, pool))
+        if pool == (0, 2):
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
+    _end_abandoned_capture(prefill, (0, 1))
+    assert ended == [(3, (0, 1))] and renewed == [True]
+    _end_abandoned_capture(prefill, (0, 2))
+    assert ended[-1] == (3, (0, 2)) and renewed == [True], "an ended capture's pool stays"
+
+
 def test_a_prefixed_chunk_with_another_cache_drops_the_static_buffers(weights64):
     model = model_of(weights64, torch.float64)
     prefill = prefixed_prefill(model, "sdpa")

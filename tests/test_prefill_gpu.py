@@ -175,12 +175,14 @@ def test_fresh_prompts_replay_cuda_graphs_that_match_the_references(models, pref
 def test_a_failed_capture_leaves_its_shape_eager_and_the_others_replaying(models, monkeypatch):
     """The capture failure path on a real CUDA capture: the 256-token bucket's capture is broken on
     purpose (a synchronisation of the capturing stream, which CUDA refuses and which invalidates
-    the capture). That call warns and is still right; the 1024-token bucket's capture after it, in
-    the same graph pool, succeeds and replays; the 256-token shape runs eagerly from then on, as
-    close to the references as before."""
+    the capture). That call warns and is still right; the 1024-token bucket's capture after it
+    succeeds and replays, in a new graph pool (PyTorch leaves the old one "recording":
+    `mk.prefill_graphs._end_abandoned_capture`); the 256-token shape runs eagerly from then on,
+    as close to the references as before."""
     p = Prefill(models[0], chunk=2048)
     fresh = p.fresh
     assert fresh is not None and fresh.capture
+    first_pool = p.graph_pool()
     real_pass = fresh._pass
 
     def broken_for_256(b, kv):
@@ -206,6 +208,7 @@ def test_a_failed_capture_leaves_its_shape_eager_and_the_others_replaying(models
     assert sorted(fresh._buckets) == [256, 1024] and fresh.uncapturable() == 1
     assert fresh._buckets[256].graph is None and fresh._buckets[1024].graph is not None
     assert torch.cuda.current_stream() == torch.cuda.default_stream(), "left on the capture's stream"
+    assert p.graph_pool() != first_pool, "later captures went on into the abandoned capture's pool"
 
 
 def test_chunks_after_a_cached_prefix_replay_cuda_graphs_that_match_the_references(models):

@@ -97,6 +97,33 @@ def test_kernel_masks_need_the_megakernel(flag):
     assert "needs the megakernel backend" in out.stderr.strip().splitlines()[-1]
 
 
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("replica", [None, "1"])
+def test_replicas_draw_no_progress_bars(monkeypatch, replica):
+    """Data-parallel replicas write to the parent's terminal, where their bars would overwrite one
+    another: a replica's engine starts without one, a lone server's with."""
+    import mk.engine
+    from mk.server.__main__ import build_state
+
+    seen = {}
+
+    def engine(model, **kwargs):
+        seen.update(kwargs)
+        raise _Stop
+
+    monkeypatch.setattr(mk.engine, "Engine", engine)
+    if replica is None:
+        monkeypatch.delenv("MK_REPLICA", raising=False)
+    else:
+        monkeypatch.setenv("MK_REPLICA", replica)
+    with pytest.raises(_Stop):
+        build_state(parse_args(["--device", "cpu"]))
+    assert seen["progress"] is (replica is None)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("nmc-tiny")

@@ -156,6 +156,9 @@ class Engine:
     batch 8 793 → 852, docs/PERF.md). None (the default): on wherever `kernel_masks` and
     launch-ahead are.
 
+    `progress`: the start's prefill warm-up (on a GPU: compilation and every CUDA graph's capture,
+    tens of seconds) shows a progress bar where stderr is a terminal.
+
     KV pool: `kv_blocks` blocks, else `kv_bytes`, else on a GPU `kv_fraction` of the memory free
     after the weights, else (CPU) room for one sequence of `max_context` tokens or `max_batch` of
     up to CPU_BATCH_CONTEXT tokens, whichever is more (a full batch of long contexts would be
@@ -187,6 +190,7 @@ class Engine:
         prefix_graphs: bool | None = None,
         fresh_split: bool = True,
         whole_chunk_tokens: int | None = None,
+        progress: bool = True,
     ) -> None:
         cfg = model.config
         if max_batch is None:
@@ -241,7 +245,7 @@ class Engine:
         else:
             self._runner = ReferenceRunner(model, num_blocks, max_batch, max_context, fast_prefill=fast)
         try:
-            self._runner.warm_up()
+            self._runner.warm_up(progress)
             # After the warm-up, which captures them (a shape whose capture failed runs eagerly).
             self.prefill_graphs = fast is not None and fast.fresh is not None and fast.fresh.capture
             self.prefix_graphs = fast is not None and fast.prefixed is not None and fast.prefixed.capture

@@ -298,6 +298,11 @@ class Prefill:
             self._graph_pool = torch.cuda.graph_pool_handle()
         return self._graph_pool
 
+    def renew_graph_pool(self) -> None:
+        """Later captures take a new pool (`graph_pool`): the current one is unusable after a
+        capture CUDA invalidated (mk.prefill_graphs). The graphs in the old one keep it."""
+        self._graph_pool = None
+
     def _stack_all(self) -> None:
         cfg, w = self.config, self.model.weights
         moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)]

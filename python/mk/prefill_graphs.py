@@ -152,7 +152,6 @@ class _StaticPasses:
         self.capture = capture and prefill.device.type == "cuda"
         self._buckets: dict = {}
         self._kv: weakref.ref[PagedKV] | None = None
-        self._pool = prefill.graph_pool() if self.capture else None
 
     def release(self) -> None:
         """Drop every bucket and graph (captured again at their next use)."""
@@ -234,14 +233,16 @@ class _StaticPasses:
         finally:  # (a pass that raised, e.g. out of memory, has queued writes the next path must follow)
             stream.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        pool = self.prefill.graph_pool()
         try:
             # Thread-local: the decode loop's launches on other threads go on during a capture.
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self._pass(b, kv)
         except Exception as e:  # a capture failure must cost speed, not the request
             # An invalidated capture raises while ending it, before the graph's context gives the
             # stream back: this thread must not stay on the capture stream.
             torch.cuda.set_stream(stream)
+            _end_abandoned_capture(self.prefill, pool)
             what = f"{type(e).__name__}: {e}"
             warnings.warn(f"capturing the {self._shape_name(b)} prefill failed ({what}); eager", stacklevel=4)
             b.uncapturable = True
@@ -482,6 +483,22 @@ class PrefixedChunks(_StaticPasses):
         return attend_flex(q, kk, vv, ks, compiled=pf.attention != "flex_eager")
 
 
+def _end_abandoned_capture(prefill: Prefill, pool) -> None:
+    """After a capture that failed: if CUDA invalidated it, PyTorch's `capture_end` raised before
+    telling its allocators that the capture into `pool` was over, so the pool stays "recording"
+    and every later capture into it is refused ("already recording to mempool_id"). End that
+    (PyTorch's own call), and have later captures use a new pool: the pinned-memory allocator
+    may hold the same stale entry, which no Python call ends. (The abandoned capture's share of
+    the old pool stays reserved.)"""
+    device = prefill.device.index if prefill.device.index is not None else torch.cuda.current_device()
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None) or torch._C._cuda_endAllocateCurrentStreamToPool
+    try:
+        end(device, pool)
+    except RuntimeError:
+        return  # the capture had ended (an error inside a valid capture): the pool is fine
+    prefill.renew_graph_pool()
+
+
 def check_pieces(cfg: ModelConfig, pieces: Sequence[Piece]) -> None:
     """Raises KVMappingError unless every page a static pass of these pieces writes (their own
     positions, every layer) or reads (their keys, per window) is mapped: before anything is
@@ -512,4 +529,4 @@ def _slots(tables: torch.Tensor, layers: torch.Tensor, piece: torch.Tensor, posi
     each of `layers`, from the pieces' block tables `tables` [pieces, all layers, pages]."""
     _, num_layers, pages = tables.shape
     index = piece[None, :] * (num_layers * pages) + layers[:, None] * pages + (positions // PAGE_SIZE)[None, :]
-    return tables.view(-1)[index] * PAGE_SIZE + (positions % PAGE_SIZE)[None, :]
+    return tables.reshape(-1)[index] * PAGE_SIZE + (positions % PAGE_SIZE)[None, :]

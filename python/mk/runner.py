@@ -44,20 +44,20 @@ class PrefillRunner:
         self.tables = torch.full((max_batch, self.layers, self.max_pages), -1, dtype=torch.int32)
         self.sliced: SlicedPrefill | None = None  # a layer-sliced prefill call in progress
 
-    def warm_up(self) -> None:
+    def warm_up(self, progress: bool = True) -> None:
         """Run the fast prefill on scratch pages before serving, so its first-call compilation (tens of
         seconds on a GPU) does not land on the first request; on a GPU also capture the CUDA graphs
         of fresh prompts and of chunks after a cached prefix (mk.prefill_graphs; the latter's long
         prefixes read scratch pages again and again), then run one whole chunk the usual way, so
         that neither does the allocation of a full chunk's activations (a few GB; a capture empties
         the cache). Uses blocks from 0 on, which nothing holds yet and every later prefill
-        overwrites before reading. A progress bar counts the passes where stderr is a terminal."""
+        overwrites before reading. With `progress`, a bar counts the passes where stderr is a terminal."""
         if self.fast_prefill is None or self.kv.num_blocks < self.layers:
             return
         started = time.perf_counter()
         fresh, prefixed = self.fast_prefill.fresh, self.fast_prefill.prefixed
         passes = self._warm_up_passes()
-        bar = tqdm(total=len(passes), desc="prefill warm-up", unit="pass", disable=None)  # (None: a terminal's)
+        bar = tqdm(total=len(passes), desc="prefill warm-up", unit="pass", disable=None if progress else True)
         # The log lines go above the bar while it shows.
         with bar, contextlib.nullcontext() if bar.disable else logging_redirect_tqdm():
             for note, run in passes:

@@ -76,9 +76,9 @@ class MegakernelRunner(PrefillRunner):
         with torch.cuda.stream(self.stream):
             return super().prefill(pieces, dirty, layers)
 
-    def warm_up(self) -> None:
+    def warm_up(self, progress: bool = True) -> None:
         with torch.cuda.stream(self.stream):
-            super().warm_up()
+            super().warm_up(progress)
         self.stream.synchronize()
 
     def megakernel_setup(self) -> dict[str, int | bytes]:

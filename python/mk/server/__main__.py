@@ -319,6 +319,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
     from mk.tokenizer import Tokenizer
 
     cuda = torch.cuda.is_available()
+    progress = os.environ.get("MK_REPLICA") is None  # (replicas share the parent's terminal: no bars)
     if args.device == "cuda" and not cuda:
         raise RuntimeError("--device cuda: no GPU is visible")
     if args.synthetic and not cuda:
@@ -330,7 +331,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.model is not None:
         log.info("loading %s on %s (%s)", args.model, device, dtype)
-        model = load(args.model, device=device, dtype=dtype, progress=True)
+        model = load(args.model, device=device, dtype=dtype, progress=progress)
         tokenizer = Tokenizer.from_dir(args.model)
         name = args.served_model_name or args.model.resolve().name
         default_context = int(tokenizer.config.get("model_max_length") or 8192)
@@ -361,6 +362,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         whole_chunk_tokens=args.whole_chunk_tokens,
         kernel_masks=AUTO_ON_OFF[args.kernel_masks],
         late_masks=AUTO_ON_OFF[args.late_masks],
+        progress=progress,
     )
     graphs = (("of fresh prompts", engine.prefill_graphs), ("after a cached prefix", engine.prefix_graphs))
     log.info(

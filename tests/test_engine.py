@@ -364,7 +364,8 @@ def test_the_warm_up_runs_a_chunk_after_a_cached_prefix(model, monkeypatch):
         return real(self, requests, kv, *args, **kwargs)
 
     class Bar:  # the progress bar, as on a terminal
-        def __init__(self, total: int, **kwargs) -> None:
+        def __init__(self, total: int, disable=False, **kwargs) -> None:
+            assert disable is None, "a bar where stderr is a terminal (tqdm's disable=None)"
             self.total, self.n, self.disable = total, 0, False
             bars.append(self)
 

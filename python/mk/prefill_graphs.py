@@ -152,6 +152,7 @@ class _StaticPasses:
         self.capture = capture and prefill.device.type == "cuda"
         self._buckets: dict = {}
         self._kv: weakref.ref[PagedKV] | None = None
+        self._layers = torch.arange(prefill.config.num_hidden_layers, device=prefill.device)  # every layer's index
 
     def release(self) -> None:
         """Drop every bucket and graph (captured again at their next use)."""
@@ -275,8 +276,7 @@ class FreshPrompts(_StaticPasses):
         b = self._buckets.get(size) or self._new_bucket(size)
         source = torch.arange(size, device=device).clamp(max=n - 1)  # pads write as the last real row
         b.source.copy_(source)
-        layers = torch.arange(cfg.num_hidden_layers, device=device)
-        b.slots.copy_(_slots(piece.table_dev[None].long(), layers, torch.zeros_like(source), source))
+        b.slots.copy_(_slots(piece.table_dev[None].long(), self._layers, torch.zeros_like(source), source))
         b.tokens.zero_()
         b.tokens[:n].copy_(tokens)
         b.last.fill_(n - 1)
@@ -401,7 +401,7 @@ class PrefixedChunks(_StaticPasses):
         pad = torch.nn.functional.pad
         tables = torch.stack([pad(p.table_dev, (0, width - p.table_dev.shape[1]), value=-1) for p in pieces]).long()
         b.source.copy_(source)
-        b.slots.copy_(_slots(tables, torch.arange(cfg.num_hidden_layers, device=device), row_piece, positions))
+        b.slots.copy_(_slots(tables, self._layers, row_piece, positions))
         b.tokens.zero_()
         b.tokens[:total].copy_(tokens)
         b.last.zero_()

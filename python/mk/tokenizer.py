@@ -142,7 +142,8 @@ class _SegmentCache:
         normalizer, pre = (
             json.loads(p.__getstate__()) if p else None for p in (tokenizer.normalizer, tokenizer.pre_tokenizer)
         )
-        tokens = tokenizer.get_added_tokens_decoder().values()
+        decoder = tokenizer.get_added_tokens_decoder()
+        tokens = decoder.values()
         exact = (
             _steps_among(normalizer, "normalizers", cls.PIECEWISE_NORMALIZERS)
             and _steps_among(pre, "pretokenizers", cls.PIECEWISE_PRE_TOKENIZERS)
@@ -150,7 +151,7 @@ class _SegmentCache:
             and not getattr(tokenizer.model, "dropout", None)
             and not any(t.lstrip or t.rstrip or t.single_word or (t.normalized and normalizer) for t in tokens)
         )
-        added = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.content}
+        added = {t.content: i for i, t in decoder.items() if t.content}
         if not exact or not added:
             return None
         cache = cls(tokenizer, added)

@@ -347,6 +347,46 @@ def test_an_engine_that_fails_to_start_drops_its_prefill_graphs(model, monkeypat
     assert len(released) == 1
 
 
+def test_the_cpu_runner_runs_short_calls_on_one_thread(model, monkeypatch):
+    """On the CPU, decode steps and prefill calls of fewer than mk.runner.SERIAL_TOKENS tokens run on
+    one intra-op thread (the loop thread's OpenMP workers sleep between a step's small ops), longer
+    calls on the threads set, and the count set comes back after every call, one that raises too."""
+    import mk.runner
+    from mk.runner import ReferenceRunner
+
+    seen: list[tuple[str, int]] = []
+
+    def spy(name, real):
+        def call(self, *args, **kwargs):
+            seen.append((name, torch.get_num_threads()))
+            if args[0].numel() == 3:  # (the call that fails)
+                raise RuntimeError("the model failed")
+            return real(self, *args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(Model, "decode", spy("decode", Model.decode))
+    monkeypatch.setattr(Model, "forward", spy("forward", Model.forward))
+    monkeypatch.setattr(mk.runner, "SERIAL_TOKENS", 8)
+    layers = model.config.num_hidden_layers
+    runner = ReferenceRunner(model, 4 * layers, 2, 256)
+    table = torch.full((layers, runner.max_pages), -1, dtype=torch.int32)
+    table[:, 0] = torch.arange(layers, dtype=torch.int32)
+    dirty = [(0, table.numpy().tobytes())]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runner.prefill([(0, prompt(12), 0, False)], dirty)  # 12 tokens: past the limit
+        runner.prefill([(0, prompt(4), 12, True)], [])
+        runner.decode([0], [5], [16], [])
+        with pytest.raises(RuntimeError, match="the model failed"):
+            runner.prefill([(0, prompt(3), 17, True)], [])
+        assert torch.get_num_threads() == 2, "the count set comes back after a call that raised"
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [("forward", 2), ("forward", 1), ("decode", 1), ("forward", 1)]
+
+
 def test_the_warm_up_runs_a_chunk_after_a_cached_prefix(model, monkeypatch):
     """The prefill's warm-up compiles every shape a server meets before its first request: fresh
     prompts (as many keys as rows), two packed ones, and a chunk after a cached prefix (more keys

@@ -28,6 +28,14 @@ from mk.prefill import Prefill, PrefillRequest, SlicedPrefill
 
 log = logging.getLogger("mk")
 
+# On the CPU, a call of fewer tokens than this (every decode step, a short prompt) runs on one
+# intra-op thread. The decode loop's thread is not the one that loaded the model, so its OpenMP
+# team of workers comes on top of the main thread's; with more workers than cores libgomp spins
+# only briefly, and each of a step's few hundred small parallel regions waits for sleeping workers
+# to wake. The built-in model on 2 cores (benches/cpu_engine.py): a batch-1 step 19.6 → 6.8 ms,
+# 8 rows 61 → 25 ms; a 512-token chunk takes about as long either way, longer ones gain from threads.
+SERIAL_TOKENS = 512
+
 
 class PrefillRunner:
     """The model over a paged KV pool: prefill (and its warm-up); decode is each backend's own."""
@@ -153,6 +161,10 @@ class PrefillRunner:
         layer-sliced call (rust/engine/core.rs), the same pieces in every slice from layer 0 on;
         logits only from the slice that ends at the last layer, [0, vocab] before it."""
         self._sync(dirty)
+        with _threads_for(self.model, sum(len(tokens) for _, tokens, _, _ in pieces)):
+            return self._prefill(pieces, layers)
+
+    def _prefill(self, pieces: list[tuple[int, list[int], int, bool]], layers: tuple[int, int] | None):
         last = [i for i, (_, _, _, is_last) in enumerate(pieces) if is_last]
         if layers is not None:
             return self._prefill_slice(pieces, last, *layers)
@@ -198,7 +210,22 @@ class ReferenceRunner(PrefillRunner):
     def decode(self, rows: list[int], tokens: list[int], positions: list[int], dirty: list[tuple[int, bytes]]):
         self._sync(dirty)
         tables = [self.tables[r] for r in rows]
-        return _host(self.model.decode(torch.tensor(tokens), torch.tensor(positions), self.kv, tables))
+        with _threads_for(self.model, len(rows)):
+            return _host(self.model.decode(torch.tensor(tokens), torch.tensor(positions), self.kv, tables))
+
+
+@contextlib.contextmanager
+def _threads_for(model: Model, tokens: int):
+    """One intra-op thread for the duration on the CPU when `tokens` < SERIAL_TOKENS, else as set."""
+    if model.device.type != "cpu" or tokens >= SERIAL_TOKENS:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager

@@ -216,7 +216,8 @@ class ReferenceRunner(PrefillRunner):
 
 @contextlib.contextmanager
 def _threads_for(model: Model, tokens: int):
-    """One intra-op thread for the duration on the CPU when `tokens` < SERIAL_TOKENS, else as set."""
+    """One intra-op thread for the duration on the CPU when `tokens` < SERIAL_TOKENS, else as set.
+    (Other threads keep their count; one that first uses PyTorch meanwhile starts with one.)"""
     if model.device.type != "cpu" or tokens >= SERIAL_TOKENS:
         yield
         return

@@ -32,8 +32,9 @@ log = logging.getLogger("mk")
 # intra-op thread. The decode loop's thread is not the one that loaded the model, so its OpenMP
 # team of workers comes on top of the main thread's; with more workers than cores libgomp spins
 # only briefly, and each of a step's few hundred small parallel regions waits for sleeping workers
-# to wake. The built-in model on 2 cores (benches/cpu_engine.py): a batch-1 step 19.6 → 6.8 ms,
-# 8 rows 61 → 25 ms; a 512-token chunk takes about as long either way, longer ones gain from threads.
+# to wake. The built-in model on 2 cores (benches/cpu_engine.py, 256-token contexts): a batch-1 step
+# 18.8 → 6.9 ms, 8 rows 77 → 27 ms; a 512-token prompt takes about as long either way, longer ones
+# gain from the threads (docs/PERF.md, twenty-seventh session).
 SERIAL_TOKENS = 512
 
 

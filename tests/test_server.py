@@ -81,7 +81,7 @@ def test_continuous_usage_stats_make_a_chunk_per_token(client):
         )
     )
     counted = [c.usage.completion_tokens for c in chat if c.choices and c.usage and c.choices[0].finish_reason is None]
-    assert counted == list(range(1, 17))
+    assert counted == list(range(0, 17))  # the role's chunk first, before any token (as vLLM's)
 
 
 def test_several_prompts_token_ids_echo_and_n(client):
@@ -283,6 +283,24 @@ def test_raw_sse_framing(server):
     assert events[-1] == "data: [DONE]"
     ids = {json.loads(e[6:])["id"] for e in events[:-1]}
     assert len(ids) == 1
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_include_usage_sends_a_null_usage_until_the_usage_chunk(server, path):
+    """The OpenAI API's shape: with stream_options.include_usage, every chunk but the last has
+    `"usage": null`, and the last has the usage and no choices."""
+    body = {"model": NAME, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}, "n": 2}
+    body.update({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"})
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    chunks = [json.loads(e[6:]) for e in r.text.split("\n\n") if e and e != "data: [DONE]"]
+    assert len(chunks) > 2 and all("usage" in c and c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+def test_a_completion_without_max_tokens_makes_16(client):
+    """The OpenAI completions API's default, and vLLM's (a chat's is the rest of the context)."""
+    out = client.completions.create(model=NAME, prompt="x = 1", temperature=0, extra_body={"ignore_eos": True})
+    assert (out.usage.completion_tokens, out.choices[0].finish_reason) == (16, "length")
 
 
 def test_the_shipped_model_answers_a_chat(client):

@@ -94,6 +94,8 @@ def test_invalid_json_and_non_object_bodies(server):
         ({"messages": USER, "max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
         ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
         ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [*USER, {"role": "system", "content": None}]}, "messages[1].content"),
     ],
 )
 def test_bad_chat_fields_name_the_field(server, body, param):

@@ -132,6 +132,14 @@ def prepare(kind: str, body: dict) -> None:
     sampling_params(req, budget, 0, None)
 
 
+def test_a_completion_asking_no_limit_gets_16_tokens_and_a_chat_the_rest_of_the_context():
+    completion = CompletionRequest.model_validate({"prompt": "x"})
+    chat = ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}]})
+    assert max_new_tokens(completion, 10, 512) == 16
+    assert max_new_tokens(completion, 507, 512) == 5  # what the context leaves
+    assert max_new_tokens(chat, 10, 512) == 502
+
+
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(["chat", "completion"]), st.data())
 def test_request_preparation_raises_only_api_errors(kind, data):

@@ -7,6 +7,7 @@ import openai
 import pytest
 from server_util import ServerProcess
 
+from mk.config import ModelConfig
 from mk.server.chat import build_prompt
 from mk.server.schemas import ChatRequest
 from mk.tokenizer import Tokenizer
@@ -163,3 +164,35 @@ def test_chat_logprobs_are_the_content_tokens_only(client):
     # A tool call's tokens are no content either.
     out = client.chat.completions.create(model="scripted", messages=script(CALL_TEXT), tools=TOOLS, logprobs=True)
     assert out.choices[0].logprobs.content == []
+
+
+def test_a_call_cut_off_by_max_tokens_comes_back_as_far_as_it_got(client):
+    """Streamed or not (as the OpenAI API does), with finish_reason "length"; nothing is dropped."""
+    tok = Tokenizer.builtin(ModelConfig.tiny().vocab_size)  # the scripted server's
+    cut = len(tok.encode(CALL_TEXT[: CALL_TEXT.index("Paris") + 2], add_special_tokens=False))
+    kwargs = dict(model="scripted", messages=script(CALL_TEXT), tools=TOOLS, max_tokens=cut)
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "length"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments.startswith('{"city": "Pa')
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+LEAKY = (
+    "Let me<|START_OF_TURN_TOKEN|> think.<|END_THINKING|><|START_RESPONSE|>Hi<|SYSTEM_TOKEN|> there."
+    "<|END_RESPONSE|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"
+)
+
+
+def test_special_tokens_other_than_the_answer_markers_add_no_text(client):
+    """A turn's control tokens the model writes (past an ignored EOS, say) stay out of the reasoning
+    and the content, streamed or not (vLLM's skip_special_tokens, on by default)."""
+    message = client.chat.completions.create(model="scripted", messages=script(LEAKY)).choices[0].message
+    assert (message.reasoning_content, message.content) == ("Let me think.", "Hi there.")
+    chunks = list(client.chat.completions.create(model="scripted", messages=script(LEAKY), stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Let me think."
+    assert "".join(d.content or "" for d in deltas) == "Hi there."

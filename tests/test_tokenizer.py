@@ -101,6 +101,16 @@ def test_detokenizer_on_arbitrary_ids_matches_a_full_decode(ids):
     assert "".join([d.push(i) for i in ids] + [d.flush()]) == TOK.decode(ids)
 
 
+@settings(max_examples=100, deadline=None)
+@given(texts)
+def test_detokenizer_keeps_only_the_special_tokens_it_is_told_to(text):
+    """A chat's text: its answer markers, and no other special token (vLLM's skip_special_tokens)."""
+    ids = TOK.encode("<|START_RESPONSE|>" + text + "<|CHATBOT_TOKEN|><|END_RESPONSE|>", add_special_tokens=False)
+    d = Detokenizer(TOK, skip_special_tokens=True, keep=("<|START_RESPONSE|>", "<|END_RESPONSE|>"))
+    plain = TOK.decode(TOK.encode(text, add_special_tokens=False))
+    assert "".join([d.push(i) for i in ids] + [d.flush()]) == "<|START_RESPONSE|>" + plain + "<|END_RESPONSE|>"
+
+
 def test_detokenizer_holds_a_split_emoji_until_it_completes():
     ids = TOK.encode("a😀", add_special_tokens=False)
     assert len(ids) > 2  # the emoji's four bytes come as several tokens

@@ -15,6 +15,8 @@ class SamplingError(ValueError):
 
 
 CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "lark")
+# New tokens when a request names no limit (vLLM's SamplingParams and the OpenAI completions API).
+DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +43,7 @@ class SamplingParams:
     token's log-probability plus that many top alternatives (0 = chosen token only).
     """
 
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+from collections.abc import Collection
 
 from mk.tokenizer import Tokenizer
 
@@ -18,9 +19,11 @@ class Detokenizer:
     tokenizers re-decode a short window and hold text while it ends in U+FFFD.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False, keep: Collection[str] = ()) -> None:
+        """`skip_special_tokens`: special tokens add no text, except those whose texts `keep` holds."""
         self.tok = tokenizer
-        self.skip = skip_special_tokens
+        kept = {tokenizer.hf.token_to_id(t) for t in keep}
+        self.hidden = tokenizer.special_ids - kept if skip_special_tokens else frozenset()
         self.ids: list[int] = []
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if tokenizer.byte_level else None
         self._prefix = 0  # decode window start
@@ -29,7 +32,7 @@ class Detokenizer:
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
         if self._utf8 is not None:
-            if self.skip and token_id in self.tok.special_ids:
+            if token_id in self.hidden:
                 return ""
             return self._utf8.decode(self.tok.token_bytes(token_id))
         return self._advance(final=False)
@@ -43,14 +46,17 @@ class Detokenizer:
     def _advance(self, final: bool) -> str:
         if self._read == len(self.ids):
             return ""
-        before = self.tok.decode(self.ids[self._prefix : self._read], self.skip)
-        now = self.tok.decode(self.ids[self._prefix :], self.skip)
+        before = self._decode(self.ids[self._prefix : self._read])
+        now = self._decode(self.ids[self._prefix :])
         if not final and (now.endswith("\ufffd") or len(now) <= len(before)):
             return ""
         new = now[len(before) :]
         self._read = len(self.ids)
         self._prefix = max(self._prefix, self._read - _CONTEXT_TOKENS)
         return new
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode([i for i in ids if i not in self.hidden])
 
 
 class StopMatcher:

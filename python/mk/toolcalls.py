@@ -22,6 +22,8 @@ START_ACTION = "<|START_ACTION|>"
 END_ACTION = "<|END_ACTION|>"
 ANSWER_STARTS = ("<|START_RESPONSE|>", "<|START_TEXT|>")
 ANSWER_ENDS = ("<|END_RESPONSE|>", "<|END_TEXT|>")
+# The special tokens that mark the sections of an answer: the only ones whose text a chat keeps.
+MARKERS = (START_THINKING, END_THINKING, START_ACTION, END_ACTION, *ANSWER_STARTS, *ANSWER_ENDS)
 
 
 class ToolCallError(ValueError):
@@ -52,7 +54,7 @@ def new_call_id() -> str:
 
 
 class Cmd4Stream:
-    """Incremental parser: `feed` decoded text (special tokens kept) as it is generated, `finish` at the end.
+    """Incremental parser: `feed` decoded text (with the MARKERS' texts) as it is generated, `finish` at the end.
 
     `thinking=False` when the prompt already closed the thinking block (the model starts in the answer).
     `tools=False` drops tool calls (no tools offered, or tool_choice "none").

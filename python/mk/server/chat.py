@@ -70,6 +70,8 @@ def _history(messages: list[Message], tool_names: set[str] | None) -> list[dict[
     open_calls: dict[str, str] = {}  # client id -> per-turn id, for calls not yet answered
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
+        if m.content is None and m.role != "assistant":
+            raise bad_request(f"{where}: a {m.role} message needs content", f"{where}.content")
         if open_calls and m.role != "tool":
             raise bad_request(
                 f"{where}: the tool calls {sorted(open_calls)} of the previous assistant message have no tool "

@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from mk.server.chat import ChatPrompt, build_prompt
 from mk.server.errors import APIError, bad_request, error_body
-from mk.server.generate import ChoiceRun, collect, gather_all, note, start_runs, stream_choices, usage
+from mk.server.generate import (
+    ChoiceRun,
+    collect,
+    gather_all,
+    note,
+    start_runs,
+    stream_choices,
+    usage,
+    with_usage,
+)
 from mk.server.logprobs import chat_logprobs
 from mk.server.params import constraint, max_new_tokens, parse_request, sampling_params
 from mk.server.schemas import ChatRequest
 from mk.server.state import ServerState
-from mk.toolcalls import Cmd4Stream, ContentTokens, Delta, ToolCallError
+from mk.toolcalls import MARKERS, Cmd4Stream, ContentTokens, Delta, ToolCallError
 
 
 async def chat_completions(state: ServerState, obj: Any, info: dict) -> dict | AsyncIterator:
@@ -31,7 +39,7 @@ async def chat_completions(state: ServerState, obj: Any, info: dict) -> dict | A
     rid = "chatcmpl-" + info["id"]
     grammar = constraint(req, prompt.thinking)
     requests = [(prompt.token_ids, sampling_params(req, max_tokens, i, logprobs, grammar)) for i in range(req.n)]
-    runs = start_runs(state, requests, rid, req.stop, arrival, skip_special_tokens=False)
+    runs = start_runs(state, requests, rid, req.stop, arrival, keep_special=MARKERS)
     state.metrics.count_prompt(len(prompt.token_ids) * req.n)
     info["prompt_tokens"] = len(prompt.token_ids)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name}
@@ -48,10 +56,8 @@ async def _collect(state: ServerState, req: ChatRequest, prompt: ChatPrompt, run
     parsed = Cmd4Stream(prompt.thinking, prompt.policy.calls_allowed)
     parsed.feed(text)
     parsed.finish()
-    calls = parsed.calls
-    if reason == "length":  # a call cut off by max_tokens is no call
-        calls = [c for c in calls if _is_object(c.arguments)]
-    else:
+    calls = parsed.calls  # (a call cut off by max_tokens comes back as far as it got, as streamed)
+    if reason != "length":
         try:
             prompt.policy.check_final(parsed)
         except ToolCallError as e:
@@ -83,7 +89,9 @@ async def _stream(
         return {**head, "choices": [choice]}
 
     for run in runs:
-        yield chunk(run.index, {"role": "assistant", "content": ""})
+        yield with_usage(
+            chunk(run.index, {"role": "assistant", "content": ""}), req.stream_options, len(prompt.token_ids), runs
+        )
     events = [_choice_events(state, req, prompt, run, chunk) for run in runs]
     async for item in stream_choices(events, runs, head, req.stream_options, len(prompt.token_ids), info):
         yield item
@@ -135,10 +143,3 @@ async def _choice_events(
                 yield error_body(str(e), "tool_call_generation_error")
                 return
         yield chunk(run.index, {}, "tool_calls" if parser.calls and reason != "length" else reason)
-
-
-def _is_object(arguments: str) -> bool:
-    try:
-        return isinstance(json.loads(arguments), dict)
-    except json.JSONDecodeError:
-        return False

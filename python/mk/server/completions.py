@@ -34,7 +34,7 @@ async def completions(state: ServerState, obj: Any, info: dict) -> dict | AsyncI
         for (ids, _), budget in zip(prompts, budgets, strict=True)
         for i in range(req.n)
     ]
-    runs = start_runs(state, requests, rid, req.stop, arrival, skip_special_tokens=True)
+    runs = start_runs(state, requests, rid, req.stop, arrival)
     echoes = [text if req.echo else "" for _, text in prompts for _ in range(req.n)]
     choices = [_Choice(run, echo) for run, echo in zip(runs, echoes, strict=True)]
     prompt_tokens = sum(len(ids) for ids, _ in prompts)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,7 +57,7 @@ class ChoiceRun:
         stops: list[str],
         metrics: Metrics,
         arrival: float,
-        skip_special_tokens: bool,
+        keep_special: Collection[str] = (),
         stop_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.index = index
@@ -65,7 +65,9 @@ class ChoiceRun:
         # Tokens that end a request without adding text (EOS, the request's stop ids); a grammar's
         # end stops on a token that is part of the answer.
         self.silent_stops = stop_token_ids | {tokenizer.eos_token_id}
-        self.detok = Detokenizer(tokenizer, skip_special_tokens)
+        # Special tokens add no text (vLLM's skip_special_tokens), but for the markers `keep_special`
+        # names (a chat answer's sections, which mk.toolcalls parses).
+        self.detok = Detokenizer(tokenizer, skip_special_tokens=True, keep=keep_special)
         self.stops = StopMatcher(stops)
         self.metrics = metrics
         self.arrival = arrival
@@ -182,7 +184,7 @@ def start_runs(
     rid: str,
     stops: list[str],
     arrival: float,
-    skip_special_tokens: bool,
+    keep_special: Collection[str] = (),
 ) -> list[ChoiceRun]:
     """One engine request and ChoiceRun per (prompt ids, params), choice i as `{rid}-{i}`; if one is
     refused, those already submitted are cancelled."""
@@ -191,9 +193,7 @@ def start_runs(
         for i, (ids, params) in enumerate(requests):
             stream = submit(state.engine, ids, params, f"{rid}-{i}")
             stop_ids = frozenset(params.stop_token_ids)
-            runs.append(
-                ChoiceRun(i, stream, state.tokenizer, stops, state.metrics, arrival, skip_special_tokens, stop_ids)
-            )
+            runs.append(ChoiceRun(i, stream, state.tokenizer, stops, state.metrics, arrival, keep_special, stop_ids))
     except BaseException:
         for run in runs:
             run.stream.cancel()
@@ -246,17 +246,26 @@ async def stream_choices(
     then the usage chunk when asked for, and [DONE]. With continuous usage stats (`options`, the
     request's stream_options) every chunk carries the usage so far, and every token makes one."""
     include_usage = options is not None and options.include_usage
-    continuous = options is not None and options.continuous_usage_stats
     for run in runs:
-        run.every_token = continuous
+        run.every_token = options is not None and options.continuous_usage_stats
     try:
         async for item in merged(events):
             if "error" in item:
                 yield item
                 break
-            yield {**item, "usage": usage(prompt_tokens, runs)} if continuous else item
+            yield with_usage(item, options, prompt_tokens, runs)
     finally:
         note(info, runs)
     if include_usage:
         yield {**head, "choices": [], "usage": usage(prompt_tokens, runs)}
     yield "[DONE]"
+
+
+def with_usage(chunk: dict, options, prompt_tokens: int, runs: list[ChoiceRun]) -> dict:
+    """A stream chunk as the request's stream_options ask: with continuous usage stats, the usage so
+    far; with include_usage alone, a null usage (the last chunk has the usage: the OpenAI API's shape)."""
+    if options is not None and options.continuous_usage_stats:
+        return {**chunk, "usage": usage(prompt_tokens, runs)}
+    if options is not None and options.include_usage:
+        return {**chunk, "usage": None}
+    return chunk

@@ -6,7 +6,7 @@ import json
 from typing import Any, TypeVar
 
 from mk import _native
-from mk.sampling import ConstraintSpec, SamplingError, SamplingParams
+from mk.sampling import DEFAULT_MAX_TOKENS, ConstraintSpec, SamplingError, SamplingParams
 from mk.server.errors import APIError, bad_request
 from mk.server.schemas import ChatRequest, CompletionRequest, NamedToolChoice, _Sampling, validate
 from mk.server.state import ServerState
@@ -50,7 +50,8 @@ def refuse_unsupported(req: _Sampling) -> None:
 
 
 def max_new_tokens(req: _Sampling, prompt_len: int, max_context: int) -> int:
-    """The generation budget: what the request asks for, or the rest of the context."""
+    """The generation budget: what the request asks for, else for a completion DEFAULT_MAX_TOKENS (the
+    OpenAI API's and vLLM's default) and for a chat the rest of the context (at most)."""
     asked = req.max_tokens
     if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
         if asked is not None and asked != req.max_completion_tokens:
@@ -72,7 +73,9 @@ def max_new_tokens(req: _Sampling, prompt_len: int, max_context: int) -> int:
             param="max_tokens",
             code="context_length_exceeded",
         )
-    return asked if asked is not None else room
+    if asked is None:
+        return min(DEFAULT_MAX_TOKENS, room) if isinstance(req, CompletionRequest) else room
+    return asked
 
 
 def constraint(req: _Sampling, thinking: bool | None = None) -> ConstraintSpec | None:
@@ -82,7 +85,8 @@ def constraint(req: _Sampling, thinking: bool | None = None) -> ConstraintSpec |
     reasoning the prompt opened (`thinking`: free text up to its end marker), then either
     `<|START_RESPONSE|>` body `<|END_RESPONSE|>` (body: the constrained one, else any text) or,
     where tools may be called, `<|START_ACTION|>` and a JSON list of calls whose names are the
-    request's tools (tool_choice's one, once, for a named function) and whose parameters follow
+    request's tools (tool_choice's one, once, for a named function; one call at most without
+    parallel_tool_calls) and whose parameters follow
     each tool's schema. tool_choice "required" or a named function allows only the action."""
     tools = _tool_calls(req) if isinstance(req, ChatRequest) else None
     found: list[tuple[str, str, str]] = []  # (field, kind, value); kind "choice": a Lark rule body of alternatives
@@ -152,7 +156,7 @@ def _tool_calls(req: ChatRequest) -> tuple[dict[str, Any], bool] | None:
         if named in (None, t.function.name)
     ]
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
-    if named is not None:
+    if named is not None or not req.parallel_tool_calls:
         schema["maxItems"] = 1
     return schema, named is not None or req.tool_choice == "required"
 

@@ -20,9 +20,7 @@ MAX_N = 32
 MAX_STOPS = 16
 
 # Top-level fields accepted and ignored: they change nothing a self-hosted engine computes.
-IGNORED_FIELDS = frozenset(
-    {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier", "prompt_cache_key"}
-)
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
 # SGLang's extensions, which sglang-router adds to every request it forwards (--data-parallel-size):
 # accepted at the value that means what mk does anyway, refused at any other.
 NEUTRAL_EXTENSIONS = {
@@ -186,6 +184,7 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # False: at most one call (the grammar's)
     include_reasoning: bool = True
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None

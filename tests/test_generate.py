@@ -29,7 +29,7 @@ class _Events:
 def _pieces(tokens: list[int], logprobs: bool) -> list:
     events = [TokenEvent(t, -0.5 if logprobs else None) for t in tokens[:-1]]
     events.append(TokenEvent(tokens[-1], -0.5 if logprobs else None, finish_reason="length"))
-    run = ChoiceRun(0, _Events(events), TOK, [], Metrics("m"), time.monotonic(), skip_special_tokens=True)
+    run = ChoiceRun(0, _Events(events), TOK, [], Metrics("m"), time.monotonic())
 
     async def collect():
         return [p async for p in run.pieces()]

@@ -4,12 +4,12 @@
 
 Rows:
 - decode: B streams of ctx-token random prompts (B = 1, 4, 8; ctx 256 and 2K), greedy,
-  `ignore_eos`; once every stream has its first token, the next NEW_TOKENS steps are timed:
+  `ignore_eos`, timed as benches/engine.py times them (NEW_TOKENS steps once every stream decodes):
   per-stream and aggregate decode tok/s, ms per step, and the weights' bytes per step over the
   step time (a CPU has no speed-of-light figure of record here: a step of this model is bound by
   dispatch, not by memory).
-- ttft: one random prompt alone (64, 512, 2K tokens), one new token: submission to first token;
-  the median of TTFT_RUNS prompts.
+- ttft: one random prompt alone (64, 512, 2K tokens), one new token: submission to first token,
+  benches/engine.py's ttft rows (the median of its TTFT_RUNS prompts).
 
 `--serial-tokens N` sets mk.runner.SERIAL_TOKENS (calls of fewer tokens run on one intra-op
 thread; 0: never) for an A/B of that policy.
@@ -27,48 +27,45 @@ import torch
 
 import mk.runner
 from common import print_table, write_json
-from engine import random_prompt, submit, wait
+from engine import NEW_TOKENS, Timed, random_prompt, submit, ttft_row, window_rates
 from mk.default_model import NAME, load_default
 from mk.engine import Engine
 
-NEW_TOKENS = 48
-TTFT_RUNS = 5
 MAX_CONTEXT = 4096
 
 
-def decode_row(engine: Engine, batch: int, ctx: int, gen: torch.Generator, weight_bytes: int) -> dict:
-    cfg = engine.config
-    runs = [submit(engine, random_prompt(cfg, ctx, gen), NEW_TOKENS + 16)[0] for _ in range(batch)]
+def cpu_decode_row(engine: Engine, batch: int, ctx: int, gen: torch.Generator, weight_bytes: int) -> dict:
+    """B streams decoding together: NEW_TOKENS steps timed from two tokens after the last stream's
+    first (the iteration that prefilled the last prompt also made the others' tokens), then cancelled."""
+    room = engine.max_context - ctx
+    runs: list[Timed] = [submit(engine, random_prompt(engine.config, ctx, gen), room)[0] for _ in range(batch)]
     deadline = time.perf_counter() + 600
-    while not all(r.times for r in runs):
-        if time.perf_counter() > deadline:
-            raise RuntimeError("the streams did not all start decoding")
-        time.sleep(0.001)
-    wait(runs)
-    # The steps that every stream took part in: from the last first token on.
-    start = max(r.times[0] for r in runs)
-    spans = [[t for t in r.times if t >= start] for r in runs]
-    steps = min(len(s) for s in spans) - 1
-    seconds = max(s[steps] - s[0] for s in spans)
-    step_ms = seconds / steps * 1e3
+
+    def until(done) -> None:
+        while not done():
+            if time.perf_counter() > deadline or any(r.done.is_set() for r in runs):
+                raise RuntimeError("the streams did not all keep decoding")
+            time.sleep(0.001)
+
+    until(lambda: all(r.times for r in runs))
+    started = [len(r.times) for r in runs]
+    until(lambda: all(len(r.times) >= n + 2 for r, n in zip(runs, started, strict=True)))
+    marks = [len(r.times) for r in runs]
+    until(lambda: min(len(r.times) - m for r, m in zip(runs, marks, strict=True)) >= NEW_TOKENS)
+    for r in runs:
+        r.stream.cancel()
+    for r in runs:
+        r.done.wait(60)
+    per_stream, aggregate = window_rates(runs, marks, NEW_TOKENS)
+    step_ms = 1e3 / statistics.median(per_stream)
     return {
         "batch": batch,
         "ctx": ctx,
-        "steps": steps,
         "ms_per_step": step_ms,
-        "tok_s_per_stream": 1e3 / step_ms,
-        "tok_s_aggregate": batch * 1e3 / step_ms,
+        "tok_s_per_stream": statistics.median(per_stream),
+        "tok_s_aggregate": aggregate,
         "weight_gb_s": weight_bytes / (step_ms / 1e3) / 1e9,
     }
-
-
-def ttft_row(engine: Engine, n: int, gen: torch.Generator) -> dict:
-    times = []
-    for _ in range(TTFT_RUNS):
-        timed, start = submit(engine, random_prompt(engine.config, n, gen), 1)
-        wait([timed])
-        times.append((timed.times[0] - start) * 1e3)
-    return {"prompt": n, "ttft_ms": statistics.median(times), "ttft_min_ms": min(times), "ttft_max_ms": max(times)}
 
 
 def main() -> None:
@@ -91,17 +88,18 @@ def main() -> None:
     prompts = [64, 512] if args.quick else [64, 512, 2048]
     try:
         submit(engine, random_prompt(model.config, 64, gen), 4)[0].done.wait(60)  # first-call costs
-        decode = [decode_row(engine, b, c, gen, weight_bytes) for b, c in shapes]
-        ttft = [ttft_row(engine, n, gen) for n in prompts]
+        decode = [cpu_decode_row(engine, b, c, gen, weight_bytes) for b, c in shapes]
+        ttft = [ttft_row(engine, model.config, n, gen) for n in prompts]
     finally:
         engine.close()
     title = f"{NAME} on the CPU ({torch.get_num_threads()} threads, serial below {args.serial_tokens} tokens)"
     print_table(
         f"decode: {title}",
         decode,
-        ["batch", "ctx", "steps", "ms_per_step", "tok_s_per_stream", "tok_s_aggregate", "weight_gb_s"],
+        ["batch", "ctx", "ms_per_step", "tok_s_per_stream", "tok_s_aggregate", "weight_gb_s"],
     )
-    print_table(f"time to first token: {title}", ttft, ["prompt", "ttft_ms", "ttft_min_ms", "ttft_max_ms"])
+    columns = ["prompt", "ttft_ms", "ttft_min_ms", "ttft_max_ms", "prompt_tok_s", "backend_ms"]
+    print_table(f"time to first token: {title}", ttft, columns)
     write_json(
         args.json,
         "cpu_engine",

@@ -196,12 +196,7 @@ def decode_row(
         r.stream.cancel()
     for r in runs:
         r.done.wait(60)
-    # The window: from the last stream's token at its mark to the first stream's NEW_TOKENS-th after it.
-    lo = max(r.times[m - 1] for r, m in zip(runs, marks, strict=True))
-    hi = min(r.times[m - 1 + NEW_TOKENS] for r, m in zip(runs, marks, strict=True))
-    inside = sum(sum(1 for t in r.times if lo < t <= hi) for r in runs)
-    aggregate = inside / (hi - lo)
-    per_stream = [NEW_TOKENS / (r.times[m - 1 + NEW_TOKENS] - r.times[m - 1]) for r, m in zip(runs, marks, strict=True)]
+    per_stream, aggregate = window_rates(runs, marks, NEW_TOKENS)
     step_ms = kernel_step_ms(model, batch, ctx)
     torch.cuda.empty_cache()  # its scratch cache
     stream_ms = 1e3 / statistics.median(per_stream)
@@ -220,6 +215,16 @@ def decode_row(
         "kernel_tok_s": batch / step_ms * 1e3,
         **launch_phases(before, after),
     }
+
+
+def window_rates(runs: list[Timed], marks: list[int], tokens: int) -> tuple[list[float], float]:
+    """Each stream's tok/s over its `tokens` tokens after its mark, and the aggregate tok/s over the
+    window from the last stream's token at its mark to the first stream's `tokens`-th after it."""
+    lo = max(r.times[m - 1] for r, m in zip(runs, marks, strict=True))
+    hi = min(r.times[m - 1 + tokens] for r, m in zip(runs, marks, strict=True))
+    inside = sum(sum(1 for t in r.times if lo < t <= hi) for r in runs)
+    per_stream = [tokens / (r.times[m - 1 + tokens] - r.times[m - 1]) for r, m in zip(runs, marks, strict=True)]
+    return per_stream, inside / (hi - lo)
 
 
 def launch_phases(before: dict, after: dict) -> dict:

@@ -16,7 +16,7 @@ from server_util import ServerProcess
 from mk.default_model import NAME
 from mk.server.chat import build_prompt
 from mk.server.errors import APIError
-from mk.server.params import max_new_tokens, refuse_unsupported, sampling_params
+from mk.server.params import constraint, max_new_tokens, refuse_unsupported, sampling_params
 from mk.server.schemas import ChatRequest, CompletionRequest
 from mk.server.state import ServerState
 from mk.tokenizer import Tokenizer
@@ -130,6 +130,14 @@ def prepare(kind: str, body: dict) -> None:
         ids = [1] * (len(req.prompt) if isinstance(req.prompt, list) else 4)
     budget = max_new_tokens(req, len(ids), STATE.engine.max_context)
     sampling_params(req, budget, 0, None)
+
+
+@pytest.mark.parametrize("parallel,one", [(True, False), (None, False), (False, True)])
+def test_parallel_tool_calls_false_lets_the_grammar_allow_one_call(parallel, one):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": tools, "parallel_tool_calls": parallel}
+    grammar = constraint(ChatRequest.model_validate(body), thinking=True).value
+    assert ('"maxItems": 1' in grammar) == one
 
 
 def test_a_completion_asking_no_limit_gets_16_tokens_and_a_chat_the_rest_of_the_context():

@@ -169,12 +169,15 @@ def test_chat_logprobs_are_the_content_tokens_only(client):
 def test_a_call_cut_off_by_max_tokens_comes_back_as_far_as_it_got(client):
     """Streamed or not (as the OpenAI API does), with finish_reason "length"; nothing is dropped."""
     tok = Tokenizer.builtin(ModelConfig.tiny().vocab_size)  # the scripted server's
-    cut = len(tok.encode(CALL_TEXT[: CALL_TEXT.index("Paris") + 2], add_special_tokens=False))
+    ids = tok.encode(CALL_TEXT, add_special_tokens=False)
+    cut = next(n for n in range(len(ids)) if '"city": "P' in tok.decode(ids[:n]))  # inside "Paris"
     kwargs = dict(model="scripted", messages=script(CALL_TEXT), tools=TOOLS, max_tokens=cut)
     choice = client.chat.completions.create(**kwargs).choices[0]
     assert choice.finish_reason == "length"
     (call,) = choice.message.tool_calls
-    assert call.function.name == "get_weather" and call.function.arguments.startswith('{"city": "Pa')
+    assert call.function.name == "get_weather" and call.function.arguments.startswith('{"city": "P')
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(call.function.arguments)
     chunks = list(client.chat.completions.create(**kwargs, stream=True))
     deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments

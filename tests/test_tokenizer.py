@@ -86,7 +86,7 @@ def test_token_bytes_of_special_tokens_are_their_text():
 @example("\ufffd", False)  # the character a split one would show as, in the text itself
 def test_detokenizer_pieces_add_up_and_never_break_a_character(text, skip):
     ids = TOK.encode("<|START_RESPONSE|>" + text, add_special_tokens=False)
-    d = Detokenizer(TOK, skip_special_tokens=skip)
+    d = Detokenizer(TOK, keep_special=() if skip else None)
     pieces = [d.push(i) for i in ids]
     pieces.append(d.flush())
     assert "".join(pieces) == TOK.decode(ids, skip_special_tokens=skip)
@@ -106,8 +106,8 @@ def test_detokenizer_on_arbitrary_ids_matches_a_full_decode(ids):
 def test_detokenizer_keeps_only_the_special_tokens_it_is_told_to(text):
     """A chat's text: its answer markers, and no other special token (vLLM's skip_special_tokens)."""
     ids = TOK.encode("<|START_RESPONSE|>" + text + "<|CHATBOT_TOKEN|><|END_RESPONSE|>", add_special_tokens=False)
-    d = Detokenizer(TOK, skip_special_tokens=True, keep=("<|START_RESPONSE|>", "<|END_RESPONSE|>"))
-    plain = TOK.decode(TOK.encode(text, add_special_tokens=False))
+    d = Detokenizer(TOK, keep_special=("<|START_RESPONSE|>", "<|END_RESPONSE|>"))
+    plain = TOK.decode(TOK.encode(text, add_special_tokens=False), skip_special_tokens=True)
     assert "".join([d.push(i) for i in ids] + [d.flush()]) == "<|START_RESPONSE|>" + plain + "<|END_RESPONSE|>"
 
 

@@ -34,6 +34,15 @@ def test_whole_output_gives_reasoning_and_calls():
     POLICY.check_final(s)
 
 
+def test_a_call_cut_off_before_its_arguments_keeps_none():
+    """Cut off by max_tokens (complete=False), a named call is not made to look finished with `{}`."""
+    cut = CALLS[: CALLS.index('"parameters"')]
+    s = Cmd4Stream()
+    s.feed(cut)
+    s.finish(complete=False)
+    assert [(c.name, c.arguments) for c in s.calls] == [("get_weather", "")]
+
+
 def test_answer_without_calls():
     s = parse(ANSWER)
     assert (s.reasoning, s.content, s.calls) == ("Hmm.", "Use `x < y` here.", [])

@@ -46,7 +46,7 @@ class _Choice:
         self.finish: str | None = None
         self.cached = 0
         self.stream = None
-        self._detok = Detokenizer(tokenizer, skip_special_tokens=True) if params.stop else None
+        self._detok = Detokenizer(tokenizer, keep_special=()) if params.stop else None
         self._stops = StopMatcher(list(params.stop)) if params.stop else None
         self._so_far = ""
 

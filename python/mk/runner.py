@@ -33,8 +33,8 @@ log = logging.getLogger("mk")
 # team of workers comes on top of the main thread's; with more workers than cores libgomp spins
 # only briefly, and each of a step's few hundred small parallel regions waits for sleeping workers
 # to wake. The built-in model on 2 cores (benches/cpu_engine.py, 256-token contexts): a batch-1 step
-# 18.8 → 6.9 ms, 8 rows 77 → 27 ms; a 512-token prompt takes about as long either way, longer ones
-# gain from the threads (docs/PERF.md, twenty-seventh session).
+# 20.8 → 7.9 ms, 8 rows 73.5 → 30.5 ms; a 512-token prompt takes about as long either way, longer
+# ones gain from the threads (docs/PERF.md, twenty-seventh session).
 SERIAL_TOKENS = 512
 
 
@@ -218,7 +218,8 @@ class ReferenceRunner(PrefillRunner):
 @contextlib.contextmanager
 def _threads_for(model: Model, tokens: int):
     """One intra-op thread for the duration on the CPU when `tokens` < SERIAL_TOKENS, else as set.
-    (Other threads keep their count; one that first uses PyTorch meanwhile starts with one.)"""
+    (Other threads keep their count; one that first uses PyTorch meanwhile starts with one. Each
+    change also clears oneDNN's primitive cache, a cost the figures above include.)"""
     if model.device.type != "cpu" or tokens >= SERIAL_TOKENS:
         yield
         return

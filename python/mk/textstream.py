@@ -19,11 +19,12 @@ class Detokenizer:
     tokenizers re-decode a short window and hold text while it ends in U+FFFD.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False, keep: Collection[str] = ()) -> None:
-        """`skip_special_tokens`: special tokens add no text, except those whose texts `keep` holds."""
+    def __init__(self, tokenizer: Tokenizer, keep_special: Collection[str] | None = None) -> None:
+        """`keep_special`: the special tokens whose text comes out (the others add none, as vLLM's
+        skip_special_tokens); None: all of them."""
         self.tok = tokenizer
-        kept = {tokenizer.hf.token_to_id(t) for t in keep}
-        self.hidden = tokenizer.special_ids - kept if skip_special_tokens else frozenset()
+        kept = {tokenizer.hf.token_to_id(t) for t in keep_special or ()}
+        self.hidden = frozenset() if keep_special is None else tokenizer.special_ids - kept
         self.ids: list[int] = []
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if tokenizer.byte_level else None
         self._prefix = 0  # decode window start

@@ -79,7 +79,9 @@ class Cmd4Stream:
         self._raw += text
         return self._take(self._filter.write_decoded(text)) if text else Delta()
 
-    def finish(self) -> Delta:
+    def finish(self, complete: bool = True) -> Delta:
+        """The rest, at the end of the output; `complete=False`: cut off (max_tokens), so a call with no
+        arguments yet stays without them."""
         delta = self._take(self._filter.flush_partials())
         # melody right-trims the answer; the text the model wrote ends as it ends (as completions do).
         kept = _trailing_whitespace(_answer_text(self._raw, self._thinking))
@@ -88,7 +90,7 @@ class Cmd4Stream:
         delta.content += missing
         if START_ACTION in self._raw:
             self.action_problem = _check_action(self._raw.split(START_ACTION, 1)[1].split(END_ACTION, 1)[0])
-        for i, call in enumerate(self.calls):
+        for i, call in enumerate(self.calls if complete else ()):
             if not call.arguments.strip():  # `"parameters": {}` comes through as no arguments at all
                 call.arguments = "{}"
                 delta.tool_calls.append({"index": i, "function": {"arguments": "{}"}})

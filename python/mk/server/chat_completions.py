@@ -55,13 +55,16 @@ async def _collect(state: ServerState, req: ChatRequest, prompt: ChatPrompt, run
     text, tokens, reason = got.text, got.tokens, got.finish_reason
     parsed = Cmd4Stream(prompt.thinking, prompt.policy.calls_allowed)
     parsed.feed(text)
-    parsed.finish()
+    parsed.finish(complete=reason != "length")
     calls = parsed.calls  # (a call cut off by max_tokens comes back as far as it got, as streamed)
-    if reason != "length":
-        try:
+    try:
+        if reason == "length":
+            for call in calls:
+                prompt.policy.check_name(call.name)
+        else:
             prompt.policy.check_final(parsed)
-        except ToolCallError as e:
-            raise APIError(502, str(e), type="tool_call_generation_error") from None
+    except ToolCallError as e:
+        raise APIError(502, str(e), type="tool_call_generation_error") from None
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content or (None if calls else "")}
     if req.include_reasoning and parsed.reasoning:
         message["reasoning_content"] = parsed.reasoning
@@ -107,7 +110,7 @@ async def _choice_events(
         tokens += content_tokens.take(piece.tokens)
         delta = parser.feed(piece.text)
         if piece.finish_reason is not None:
-            tail = parser.finish()
+            tail = parser.finish(complete=piece.finish_reason != "length")
             delta = Delta(
                 delta.reasoning + tail.reasoning, delta.content + tail.content, delta.tool_calls + tail.tool_calls
             )

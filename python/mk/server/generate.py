@@ -18,8 +18,6 @@ from mk.server.state import ServerState
 from mk.textstream import Detokenizer, StopMatcher
 from mk.tokenizer import Tokenizer
 
-# An engine "cancelled" ending the client did not ask for (the server drained past its timeout).
-
 
 def submit(engine: AsyncEngine, prompt: list[int], params: SamplingParams, request_id: str) -> RequestStream:
     try:
@@ -65,9 +63,9 @@ class ChoiceRun:
         # Tokens that end a request without adding text (EOS, the request's stop ids); a grammar's
         # end stops on a token that is part of the answer.
         self.silent_stops = stop_token_ids | {tokenizer.eos_token_id}
-        # Special tokens add no text (vLLM's skip_special_tokens), but for the markers `keep_special`
-        # names (a chat answer's sections, which mk.toolcalls parses).
-        self.detok = Detokenizer(tokenizer, skip_special_tokens=True, keep=keep_special)
+        # Special tokens add no text, but for the markers `keep_special` names (a chat answer's
+        # sections, which mk.toolcalls parses).
+        self.detok = Detokenizer(tokenizer, keep_special)
         self.stops = StopMatcher(stops)
         self.metrics = metrics
         self.arrival = arrival

@@ -156,7 +156,7 @@ def _tool_calls(req: ChatRequest) -> tuple[dict[str, Any], bool] | None:
         if named in (None, t.function.name)
     ]
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
-    if named is not None or not req.parallel_tool_calls:
+    if named is not None or req.parallel_tool_calls is False:
         schema["maxItems"] = 1
     return schema, named is not None or req.tool_choice == "required"
 

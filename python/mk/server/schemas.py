@@ -20,7 +20,9 @@ MAX_N = 32
 MAX_STOPS = 16
 
 # Top-level fields accepted and ignored: they change nothing a self-hosted engine computes.
-IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
+IGNORED_FIELDS = frozenset(
+    {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "parallel_tool_calls"}
+)  # (parallel_tool_calls: a chat's own field; accepted and ignored on completions)
 # SGLang's extensions, which sglang-router adds to every request it forwards (--data-parallel-size):
 # accepted at the value that means what mk does anyway, refused at any other.
 NEUTRAL_EXTENSIONS = {
@@ -184,7 +186,7 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True  # False: at most one call (the grammar's)
+    parallel_tool_calls: bool | None = True  # False: at most one call (the grammar's); None: True
     include_reasoning: bool = True
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None

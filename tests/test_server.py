@@ -199,7 +199,11 @@ def test_logprobs(client):
     comp = client.completions.create(model=NAME, prompt="x", max_tokens=5, temperature=0, logprobs=2)
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == comp.usage.completion_tokens
-    assert all(len(t) <= 2 for t in lp.top_logprobs)
+    assert all(len(t) <= 3 for t in lp.top_logprobs)  # the two most likely and the sampled token
+    assert all(token in t for t, token in zip(lp.top_logprobs, lp.tokens, strict=True))
+    lp = client.completions.create(model=NAME, prompt="x", max_tokens=5, temperature=0.9, seed=1, logprobs=0)
+    lp = lp.choices[0].logprobs
+    assert lp.top_logprobs == [{token: token_lp} for token, token_lp in zip(lp.tokens, lp.token_logprobs, strict=True)]
 
 
 def test_metrics_count_tokens_and_latencies(server, client):

@@ -30,9 +30,9 @@ def completion_logprobs(tokenizer: Tokenizer, tokens: list[Token], offset: int) 
         text = tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
         out["tokens"].append(text)
         out["token_logprobs"].append(logprob)
-        out["top_logprobs"].append(
-            {tokenizer.token_bytes(t).decode("utf-8", errors="replace"): lp for t, lp in top} if top else None
-        )
+        alternatives = {tokenizer.token_bytes(t).decode("utf-8", errors="replace"): lp for t, lp in top or ()}
+        alternatives.setdefault(text, logprob)  # the sampled token's too: up to logprobs + 1 (OpenAI's, vLLM's)
+        out["top_logprobs"].append(alternatives)
         out["text_offset"].append(offset)
         offset += len(text)
     return out

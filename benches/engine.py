@@ -101,7 +101,9 @@ BURST_SIZES = (2, 4, 8, 16)
 ADMIT_SLOW_GAP_S = 0.02
 # The second admit row's next turn (after 8K cached): within mk.engine_api.WHOLE_CHUNK_TOKENS, so one
 # graph replay by default, or slices of the eager path with --whole-chunk-tokens 0.
-ADMIT_NEXT_TURN = 1000  # a stream's gap the admit row lists (a decode step is ~3 ms)
+# (900: with the last partial page of the 8K history not cached, the uncached tokens stay within
+# 1024; 1000 made 1,064, past WHOLE_CHUNK_TOKENS, so that row had timed the sliced path.)
+ADMIT_NEXT_TURN = 900
 
 
 class Timed:

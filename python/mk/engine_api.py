@@ -33,10 +33,10 @@ DECODE_PREFILL_BUDGET = 512
 # With the sliced prefill and both kinds of prefill graph: a prefill call of one chunk of up to this
 # many tokens (a next turn's new tokens, a short prompt, a long prompt's last chunk) runs whole
 # while streams decode, one graph replay, instead of slices of the eager path. Each slice carries
-# its share of the eager path's ~130 ms of launches, so a 1,024-token next turn paused the streams
-# ~65 ms twice and answered after ~200 ms; its replay should pause them once for ~40-50 ms (a
-# 256-token next turn replayed in 29-47 ms after 2K-32K, a fresh 2K prompt in 52: docs/PERF.md,
-# twenty-fourth session; predicted, not yet measured).
+# its share of the eager path's ~130 ms of launches. On the H200 (docs/PERF.md, twenty-seventh
+# session), beside a stream decoding at 8K: a next turn of 964 new tokens after 8K cached ones
+# replayed whole paused the stream once for 54 ms and answered in 56 ms; one of 1,064 (past this
+# limit, sliced) paused it for 78 and 102 ms and answered in 196 ms. 512 would slice such turns.
 WHOLE_CHUNK_TOKENS = 1024
 # Sequences decoded together on a GPU, unless told otherwise (the engine's and the server's
 # default): the rows of one megakernel launch (16: its wide image). On the H200 at 8K context 16

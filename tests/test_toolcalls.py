@@ -43,6 +43,15 @@ def test_a_call_cut_off_before_its_arguments_keeps_none():
     assert [(c.name, c.arguments) for c in s.calls] == [("get_weather", "")]
 
 
+def test_a_cut_off_output_is_held_to_its_call_names_only():
+    cut = CALLS[: CALLS.index("Paris") + 2]  # the arguments are not JSON yet
+    POLICY.check_final(parse(cut, complete=False))
+    with pytest.raises(ToolCallError, match="not valid JSON"):
+        POLICY.check_final(parse(cut))
+    with pytest.raises(ToolCallError, match="not among"):
+        ToolPolicy(["now"]).check_final(parse(cut, complete=False))
+
+
 def test_answer_without_calls():
     s = parse(ANSWER)
     assert (s.reasoning, s.content, s.calls) == ("Hmm.", "Use `x < y` here.", [])

@@ -71,6 +71,7 @@ class Cmd4Stream:
         self.content = ""
         self.calls: list[ToolCall] = []
         self.action_problem: str | None = None  # why the raw tool-call block is malformed, if it is
+        self.complete = True  # False once `finish` was told the output was cut off
         self._raw = ""  # all text fed: melody skips malformed calls silently, so the block is checked again
         self._by_melody: dict[int, int] = {}  # melody's call index -> ours, once the name is known
         self._pending: dict[int, list[str]] = {}  # melody index -> [id, arguments so far] before the name
@@ -82,6 +83,7 @@ class Cmd4Stream:
     def finish(self, complete: bool = True) -> Delta:
         """The rest, at the end of the output; `complete=False`: cut off (max_tokens), so a call with no
         arguments yet stays without them."""
+        self.complete = complete
         delta = self._take(self._filter.flush_partials())
         # melody right-trims the answer; the text the model wrote ends as it ends (as completions do).
         kept = _trailing_whitespace(_answer_text(self._raw, self._thinking))
@@ -188,11 +190,11 @@ def _check_action(block: str) -> str | None:
     return None
 
 
-def parse(text: str, thinking: bool = True, tools: bool = True) -> Cmd4Stream:
-    """A whole generation at once (what a non-streaming response needs)."""
+def parse(text: str, thinking: bool = True, tools: bool = True, complete: bool = True) -> Cmd4Stream:
+    """A whole generation at once (what a non-streaming response needs); `complete` as `finish`'s."""
     stream = Cmd4Stream(thinking, tools)
     stream.feed(text)
-    stream.finish()
+    stream.finish(complete)
     return stream
 
 
@@ -216,8 +218,13 @@ class ToolPolicy:
             raise ToolCallError(f"the model called {name!r} but tool_choice requires {self.function!r}")
 
     def check_final(self, stream: Cmd4Stream) -> None:
-        """Raise ToolCallError for malformed calls or a tool_choice the output does not meet."""
+        """Raise ToolCallError for malformed calls or a tool_choice the output does not meet; for an
+        output cut off by max_tokens (`stream.complete` False), only for a call's name."""
         if not self.calls_allowed:
+            return
+        if not stream.complete:
+            for call in stream.calls:
+                self.check_name(call.name)
             return
         if stream.action_problem:
             raise ToolCallError(stream.action_problem)

@@ -23,7 +23,7 @@ from mk.server.logprobs import chat_logprobs
 from mk.server.params import constraint, max_new_tokens, parse_request, sampling_params
 from mk.server.schemas import ChatRequest
 from mk.server.state import ServerState
-from mk.toolcalls import MARKERS, Cmd4Stream, ContentTokens, Delta, ToolCallError
+from mk.toolcalls import MARKERS, Cmd4Stream, ContentTokens, Delta, ToolCallError, parse
 
 
 async def chat_completions(state: ServerState, obj: Any, info: dict) -> dict | AsyncIterator:
@@ -53,16 +53,10 @@ async def chat_completions(state: ServerState, obj: Any, info: dict) -> dict | A
 async def _collect(state: ServerState, req: ChatRequest, prompt: ChatPrompt, run: ChoiceRun) -> dict[str, Any]:
     got = await collect(run)
     text, tokens, reason = got.text, got.tokens, got.finish_reason
-    parsed = Cmd4Stream(prompt.thinking, prompt.policy.calls_allowed)
-    parsed.feed(text)
-    parsed.finish(complete=reason != "length")
+    parsed = parse(text, prompt.thinking, prompt.policy.calls_allowed, complete=reason != "length")
     calls = parsed.calls  # (a call cut off by max_tokens comes back as far as it got, as streamed)
     try:
-        if reason == "length":
-            for call in calls:
-                prompt.policy.check_name(call.name)
-        else:
-            prompt.policy.check_final(parsed)
+        prompt.policy.check_final(parsed)
     except ToolCallError as e:
         raise APIError(502, str(e), type="tool_call_generation_error") from None
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content or (None if calls else "")}
@@ -139,10 +133,9 @@ async def _choice_events(
         if reason == "error":
             yield error_body(f"generation failed: {piece.error}", "generation_error")
             return
-        if reason != "length":
-            try:
-                prompt.policy.check_final(parser)
-            except ToolCallError as e:
-                yield error_body(str(e), "tool_call_generation_error")
-                return
+        try:
+            prompt.policy.check_final(parser)
+        except ToolCallError as e:
+            yield error_body(str(e), "tool_call_generation_error")
+            return
         yield chunk(run.index, {}, "tool_calls" if parser.calls and reason != "length" else reason)

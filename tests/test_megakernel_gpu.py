@@ -126,6 +126,14 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -
     assert rel < tol, f"seed {SEED}: {name} relative error {rel:.3e} >= {tol}"
 
 
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor, blocks: int = 4096) -> float:
+    """max |a - b| over two KV pools, a slice of blocks at a time (a real-geometry pool in float32
+    at once would not fit beside the weights on an 80 GB card)."""
+    return max(
+        (a[i : i + blocks].float() - b[i : i + blocks].float()).abs().max().item() for i in range(0, len(a), blocks)
+    )
+
+
 def check_step(model, buf, vm, kv, kv_vm, tables, tokens, flips, kv_free, graph, positions) -> None:
     cfg = model.config
     for layer in range(cfg.num_hidden_layers):
@@ -133,7 +141,7 @@ def check_step(model, buf, vm, kv, kv_vm, tables, tokens, flips, kv_free, graph,
     for name in ("x", "h", "q", "attn_out", "y_attn", "logits"):
         assert_close(name, getattr(buf, name), getattr(vm, name), 3e-2)
     # K/V of the current token, written into the pages by the QKV tiles.
-    diff = (kv.k.float() - kv_vm.k.float()).abs().max()
+    diff = max_abs_diff(kv.k, kv_vm.k)
     assert diff < 0.1, f"seed {SEED}: K written differs by {diff:.3g}"
     # The sampled token is the argmax of the kernel's own logits (ties to the lowest id).
     assert torch.equal(buf.sampled.long(), buf.logits.argmax(-1)), f"seed {SEED}"

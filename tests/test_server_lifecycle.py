@@ -25,8 +25,9 @@ from mk.tokenizer import Tokenizer
     [
         (["--max-batch", "0"], "--max-batch"),
         (["--port", "70000"], "--port"),
-        (["--kv-fraction", "1.5"], "--kv-fraction"),
-        (["--kv-fraction", "x"], "--kv-fraction"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+        (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),
+        (["--gpu-memory-utilization", "x"], "--gpu-memory-utilization"),
         (["--max-context", "1"], "--max-context"),
         (["--prefill-chunk", "4"], "--prefill-chunk"),
         (["--log-level", "loud"], "--log-level"),
@@ -57,6 +58,7 @@ def test_server_and_engine_share_their_defaults():
     args = parse_args([])  # None: the engine chooses (by device, by backend)
     engine_defaults = inspect.signature(Engine).parameters
     assert args.prefill_chunk is engine_defaults["prefill_chunk"].default is None
+    assert args.gpu_memory_utilization == engine_defaults["gpu_memory_utilization"].default
     assert AUTO_ON_OFF[args.launch_ahead] is engine_defaults["launch_ahead"].default is None
     assert AUTO_ON_OFF[args.prefill_graphs] is engine_defaults["prefill_graphs"].default is None
     assert AUTO_ON_OFF[args.kernel_masks] is engine_defaults["kernel_masks"].default is None
@@ -76,9 +78,10 @@ def test_help_documents_every_flag():
     out = subprocess.run([sys.executable, "-m", "mk.server", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
     for flag in ("--host", "--port", "--model", "--synthetic", "--served-model-name", "--max-batch", "--max-context",
-                 "--kv-fraction", "--prefill-chunk", "--api-key", "--log-level", "--drain-timeout", "--backend",
-                 "--prefill", "--launch-ahead", "--prefill-graphs", "--prefix-graphs", "--decode-prefill-budget",
-                 "--sliced-prefill", "--whole-chunk-tokens", "--kernel-masks", "--late-masks"):  # fmt: skip
+                 "--gpu-memory-utilization", "--prefill-chunk", "--api-key", "--log-level", "--drain-timeout",
+                 "--backend", "--prefill", "--launch-ahead", "--prefill-graphs", "--prefix-graphs",
+                 "--decode-prefill-budget", "--sliced-prefill", "--whole-chunk-tokens", "--kernel-masks",
+                 "--late-masks"):  # fmt: skip
         assert flag in out.stdout
 
 

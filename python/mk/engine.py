@@ -13,15 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import threading
 import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 
-import torch
-
-from mk import _native
+from mk import _native, memory
 from mk.engine_api import (
     CPU_MAX_BATCH,
     CPU_PREFILL_CHUNK,
@@ -39,10 +38,11 @@ from mk.megakernel.support import choose_backend
 from mk.model.reference import Model
 from mk.outputs import TokenEvent
 from mk.prefill import Prefill, stack_experts
-from mk.runner import ReferenceRunner
+from mk.runner import PrefillRunner, ReferenceRunner
 from mk.sampling import ConstraintSpec, SamplingError, SamplingParams
 
 _U64 = 1 << 64
+log = logging.getLogger("mk")
 
 
 class _Stream:
@@ -159,10 +159,13 @@ class Engine:
     `progress`: the start's prefill warm-up (on a GPU: compilation and every CUDA graph's capture,
     tens of seconds) shows a progress bar where stderr is a terminal.
 
-    KV pool: `kv_blocks` blocks, else `kv_bytes`, else on a GPU `kv_fraction` of the memory free
-    after the weights, else (CPU) room for one sequence of `max_context` tokens or `max_batch` of
-    up to CPU_BATCH_CONTEXT tokens, whichever is more (a full batch of long contexts would be
-    gigabytes of zeros for a model small enough to run on the CPU).
+    KV pool: `kv_blocks` blocks, else `kv_bytes`, else on a GPU what the memory plan leaves within
+    `gpu_memory_utilization` of the card's total memory, everything included, once the warm-up's
+    peak has been measured (`mk.memory`; `self.memory_plan`), else (CPU) room for one sequence of
+    `max_context` tokens or `max_batch` of up to CPU_BATCH_CONTEXT tokens, whichever is more (a full
+    batch of long contexts would be gigabytes of zeros for a model small enough to run on the CPU).
+    A `max_context` whose sequence the pool cannot hold is a `mk.memory.MemoryPlanError` naming the
+    longest that fits; with `fit_context` the engine takes that one instead (`self.max_context`).
     """
 
     def __init__(
@@ -175,7 +178,8 @@ class Engine:
         max_waiting: int = 1024,
         kv_blocks: int | None = None,
         kv_bytes: int | None = None,
-        kv_fraction: float = 0.9,
+        gpu_memory_utilization: float = memory.GPU_MEMORY_UTILIZATION,
+        fit_context: bool = False,
         salt: bytes | None = None,
         check_invariants: bool = False,
         backend: str = "auto",
@@ -224,26 +228,42 @@ class Engine:
         self.late_masks = bool(self.kernel_masks and self.launch_ahead) if late_masks is None else late_masks
         self.config = cfg
         self.max_batch = max_batch
-        self.max_context = max_context
         sliding = [cfg.is_sliding(layer) for layer in range(cfg.num_hidden_layers)]
-        decode_need, prefill_need = _native.kv_blocks_needed(sliding, cfg.sliding_window, max_context, prefill_chunk)
-        batch_need, _ = _native.kv_blocks_needed(
-            sliding, cfg.sliding_window, min(max_context, CPU_BATCH_CONTEXT), prefill_chunk
-        )
-        cpu_blocks = max(decode_need, max_batch * batch_need, prefill_need)
-        num_blocks = _pool_blocks(model, kv_blocks, kv_bytes, kv_fraction, cpu_blocks)
-        if self.backend == "megakernel":
-            self._runner = MegakernelRunner(
-                model,
-                num_blocks,
-                max_batch,
-                max_context,
-                fast_prefill=fast,
-                kernel_masks=self.kernel_masks,
-                late_masks=self.late_masks,
+
+        def runner_over(blocks: int, context: int):
+            if self.backend == "megakernel":
+                kinds = dict(kernel_masks=self.kernel_masks, late_masks=self.late_masks)
+                return MegakernelRunner(model, blocks, max_batch, context, fast_prefill=fast, **kinds)
+            return ReferenceRunner(model, blocks, max_batch, context, fast_prefill=fast)
+
+        # The KV pool: as given, else on a GPU the memory plan's (mk.memory), else (CPU) a batch's.
+        self.memory_plan: memory.MemoryPlan | None = None
+        if kv_blocks is not None:
+            num_blocks = kv_blocks
+        elif kv_bytes is not None:
+            num_blocks = _blocks_in(model, kv_bytes)
+        elif model.device.type == "cuda":
+            plan = memory.measure(
+                model.device,
+                cfg,
+                model.dtype.itemsize,
+                gpu_memory_utilization,
+                lambda blocks: runner_over(blocks, max_context),
+                PrefillRunner.scratch_blocks(cfg, prefill_chunk, max_context),
+                progress,
             )
+            self.memory_plan, num_blocks = plan, plan.kv_blocks
         else:
-            self._runner = ReferenceRunner(model, num_blocks, max_batch, max_context, fast_prefill=fast)
+            batch_need, _ = _native.kv_blocks_needed(
+                sliding, cfg.sliding_window, min(max_context, CPU_BATCH_CONTEXT), prefill_chunk
+            )
+            num_blocks = max(memory.blocks_needed(cfg, max_context, prefill_chunk), max_batch * batch_need)
+        max_context = _fitting_context(cfg, num_blocks, prefill_chunk, max_context, fit_context, self.memory_plan)
+        self.max_context = max_context
+        if self.memory_plan is not None:
+            tokens = memory.largest_context(cfg, num_blocks, prefill_chunk, max(max_context, 1 << 24))
+            log.info("%s", self.memory_plan.describe(tokens))
+        self._runner = runner_over(num_blocks, max_context)
         try:
             self._runner.warm_up(progress)
             # After the warm-up, which captures them (a shape whose capture failed runs eagerly).
@@ -279,8 +299,10 @@ class Engine:
             # Drop the prefill's CUDA graphs now: left to the garbage collector, their memory pools
             # could be freed in the middle of another engine's graph capture, which that capture
             # does not survive (the H200 GPU tests saw captures fail after engines that failed here).
-            self._runner.release_graphs()
+            self._runner.release()
             raise
+        if self.memory_plan is not None:
+            self.memory_plan.check(model.device)
         self._streams: dict[int, _Stream] = {}
         self._ids = itertools.count(1)
         self._draining = False
@@ -421,9 +443,9 @@ class Engine:
 
 
 def _shut_down(native: _native.Engine, runner) -> None:
-    """Stop the loop, then free what the prefill's CUDA graphs hold (their memory pools)."""
+    """Stop the loop, then free the KV pool and what the prefill's CUDA graphs hold (their pools)."""
     native.close()
-    runner.release_graphs()
+    runner.release()
 
 
 def _pump(native: _native.Engine, streams: dict[int, _Stream]) -> None:
@@ -503,24 +525,29 @@ def _weights_id(model: Model) -> int:
     return model.weights["model.embed_tokens.weight"].data_ptr()
 
 
-def _pool_blocks(model: Model, blocks: int | None, nbytes: int | None, fraction: float, default: int) -> int:
-    """The KV pool's size: as given, from a byte budget, from a fraction of the GPU's free memory, or
-    (on the CPU) `default`."""
+def _blocks_in(model: Model, nbytes: int) -> int:
+    """KV blocks of `model`'s geometry that `nbytes` hold."""
     cfg = model.config
+    return _native.kv_pool_blocks(nbytes, cfg.num_key_value_heads, cfg.head_dim, model.dtype.itemsize)
 
-    def fit(budget: int) -> int:
-        return _native.kv_pool_blocks(budget, cfg.num_key_value_heads, cfg.head_dim, model.dtype.itemsize)
 
-    if blocks is not None:
-        return blocks
-    if nbytes is not None:
-        return fit(nbytes)
-    if model.device.type == "cuda":
-        if not 0 < fraction < 1:
-            raise ValueError(f"kv_fraction must be in (0, 1), got {fraction}")
-        # Blocks PyTorch caches but does not use count as free (e.g. what building the weights left):
-        # the driver's figure leaves them out, and the first graph capture hands them back anyway.
-        torch.cuda.empty_cache()
-        free, _ = torch.cuda.mem_get_info(model.device)
-        return fit(int(free * fraction))
-    return default
+def _fitting_context(cfg, blocks: int, chunk: int, context: int, fit: bool, plan: memory.MemoryPlan | None) -> int:
+    """`context`, or with `fit` the longest a pool of `blocks` holds up to it; raises
+    MemoryPlanError, naming the longest that fits, where one `context`-token sequence does not."""
+    if memory.blocks_needed(cfg, context, chunk) <= blocks:
+        return context
+    largest = memory.largest_context(cfg, blocks, chunk, context)
+    if fit and largest >= 2:
+        log.warning("the context limit is %d tokens, the longest the KV pool holds (%d asked)", largest, context)
+        return largest
+    where = f" ({plan.describe(largest)})" if plan is not None else ""
+    if largest < 2:
+        raise memory.MemoryPlanError(
+            f"no KV cache fits{where}: raise gpu_memory_utilization (--gpu-memory-utilization) or give the "
+            "prefill less memory (a smaller --prefill-chunk, --prefill-graphs off)"
+        )
+    raise memory.MemoryPlanError(
+        f"a context of {context} tokens does not fit the KV pool of {blocks} blocks{where}: the longest that "
+        f"fits is {largest} tokens (--max-context {largest}), or raise gpu_memory_utilization "
+        "(--gpu-memory-utilization)"
+    )

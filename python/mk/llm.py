@@ -93,7 +93,7 @@ class _Choice:
 class LLM:
     """A model and an engine. `model`: a checkpoint folder (config.json, safetensors,
     tokenizer.json) or None for the embedded default. Engine options (max_batch, max_context,
-    prefill_chunk, kv_blocks, kv_fraction, ...) pass through to `mk.engine.Engine`."""
+    prefill_chunk, kv_blocks, gpu_memory_utilization, ...) pass through to `mk.engine.Engine`."""
 
     def __init__(
         self,

@@ -57,10 +57,12 @@ class PrefillRunner:
         """Run the fast prefill on scratch pages before serving, so its first-call compilation (tens of
         seconds on a GPU) does not land on the first request; on a GPU also capture the CUDA graphs
         of fresh prompts and of chunks after a cached prefix (mk.prefill_graphs; the latter's long
-        prefixes read scratch pages again and again), then run one whole chunk the usual way, so
-        that neither does the allocation of a full chunk's activations (a few GB; a capture empties
-        the cache). Uses blocks from 0 on, which nothing holds yet and every later prefill
-        overwrites before reading. With `progress`, a bar counts the passes where stderr is a terminal."""
+        prefixes read scratch pages again and again), the largest of each kind first so that the
+        others reuse its memory, then run one whole chunk the usual way, so that neither does the
+        allocation of a full chunk's activations (a few GB; a capture empties the cache). Uses
+        blocks from 0 on (`scratch_blocks` of them), which nothing holds yet and every later
+        prefill overwrites before reading. With `progress`, a bar counts the passes where stderr is
+        a terminal."""
         if self.fast_prefill is None or self.kv.num_blocks < self.layers:
             return
         started = time.perf_counter()
@@ -78,6 +80,12 @@ class PrefillRunner:
             if static is not None and static.uncapturable():
                 log.warning("%d shapes of %s could not be captured and run eagerly", static.uncapturable(), what)
         log.info("prefill warm-up done in %.1f s", time.perf_counter() - started)
+
+    @staticmethod
+    def scratch_blocks(cfg, chunk: int, max_context: int) -> int:
+        """The blocks the warm-up uses (all of its passes run where the pool has as many)."""
+        pages = -(-min(chunk, -(-max_context // PAGE_SIZE) * PAGE_SIZE) // PAGE_SIZE)
+        return cfg.num_hidden_layers * max(pages, 2, 2 * FLEX_BLOCK // PAGE_SIZE + 1)
 
     def _warm_up_passes(self) -> list[tuple[str | None, Callable[[], object]]]:
         """The warm-up's prefill calls in order, each with the log line that opens its part (or None)."""
@@ -119,13 +127,13 @@ class PrefillRunner:
             prefix_table[:, :prefix_pages] = blocks.T
             passes.append((None, call([PrefillRequest([0] * 16, prefix, prefix_table)], True)))
         if whole and fresh is not None and fresh.capture:
-            # One fresh prompt per padded length a prompt of up to n tokens can take.
-            sizes = sorted({min(size, n) for size in fresh.buckets})
-            note = f"capturing the prefill's CUDA graphs for fresh prompts of up to {sizes[-1]} tokens"
+            # One fresh prompt per padded length a prompt of up to n tokens can take, the largest first.
+            sizes = sorted({min(size, n) for size in fresh.buckets}, reverse=True)
+            note = f"capturing the prefill's CUDA graphs for fresh prompts of up to {sizes[0]} tokens"
             for i, m in enumerate(sizes):
                 passes.append((None if i else note, call([PrefillRequest([0] * m, 0, chunk_table)])))
         prefixed = prefill.prefixed
-        chunks = prefixed.warm_up_chunks(self.max_pages * PAGE_SIZE) if prefixed is not None else []
+        chunks = prefixed.warm_up_chunks(self.max_pages * PAGE_SIZE)[::-1] if prefixed is not None else []
         if prefixed is not None:  # (sequences packed together: within the shapes captured here)
             prefixed.limit_packing(self.max_pages * PAGE_SIZE)
         if whole and chunks and prefixed.capture:
@@ -141,11 +149,22 @@ class PrefillRunner:
             passes.append((None, call([PrefillRequest([0] * n, 0, chunk_table)], True)))
         return passes
 
+    def release(self) -> None:
+        """Drop the KV pool and the prefill's CUDA graphs, once the GPU has finished with them (the
+        engine has stopped): their memory goes back to PyTorch's cache."""
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        self.release_graphs()
+        self.kv = None
+
     def release_graphs(self) -> None:
-        """Drop the fast prefill's CUDA graphs and their memory (the engine has stopped)."""
-        for passes in (self.fast_prefill.fresh, self.fast_prefill.prefixed) if self.fast_prefill is not None else ():
+        """Drop the fast prefill's CUDA graphs and their memory."""
+        if self.fast_prefill is None:
+            return
+        for passes in (self.fast_prefill.fresh, self.fast_prefill.prefixed):
             if passes is not None:
                 passes.release()
+        self.fast_prefill.renew_graph_pool()  # (the next captures' pool starts empty)
 
     def _sync(self, dirty: list[tuple[int, bytes]]) -> None:
         for row, data in dirty:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from mk.model import PageAllocator, PagedKV
+from mk.model.paged import pages_needed
 from mk.model.reference import Model
 
 
@@ -14,7 +15,10 @@ def random_step_inputs(
 ) -> tuple[PagedKV, list[torch.Tensor], torch.Tensor]:
     """(cache, per-row block tables [layers, max_pages], input tokens) for rows at `positions`."""
     cfg = model.config
-    alloc = PageAllocator(cfg.num_hidden_layers * max_pages * len(positions), seed=alloc_seed)
+    # Every page each row maps on the way to its position (its out-of-window ones are freed after
+    # it, for the rows after it): no more, so that a real-geometry batch fits an 80 GB card twice.
+    pages = sum(pages_needed(pos + 1) for pos in positions)
+    alloc = PageAllocator(cfg.num_hidden_layers * pages, seed=alloc_seed)
     kv = model.new_kv(alloc.num_free)
     kv.k.normal_(0, 0.5, generator=gen)
     kv.v.normal_(0, 0.5, generator=gen)

@@ -30,6 +30,7 @@ from mk.engine_api import (
     PREFILL_CHUNK,
     WHOLE_CHUNK_TOKENS,
 )
+from mk.memory import GPU_MEMORY_UTILIZATION
 from mk.prefill_graphs import NEXT_TURN_BUCKETS
 from mk.server.app import App
 from mk.server.serve import check_port, serve
@@ -69,8 +70,8 @@ def _fraction(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
     return value
 
 
@@ -202,14 +203,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--max-context",
         type=_at_least(2),
-        help="most tokens per sequence, prompt plus completion (default: the tokenizer's "
-        "model_max_length, 8192 for the built-in model)",
+        help="most tokens per sequence, prompt plus completion; on a GPU, a context whose sequence the KV cache "
+        "cannot hold is an error at start naming the longest that fits (default: the tokenizer's "
+        "model_max_length, 8192 for the built-in model, 32768 with --synthetic; on a GPU at most what the KV "
+        "cache holds)",
     )
     p.add_argument(
-        "--kv-fraction",
+        "--gpu-memory-utilization",
         type=_fraction,
-        default=0.9,
-        help="share of the GPU memory left after the weights that the KV cache takes (default: %(default)s)",
+        default=GPU_MEMORY_UTILIZATION,
+        help="share of the GPU's total memory mk may use, everything included (weights, KV cache, prefill "
+        "activations, CUDA graphs): the KV cache gets what the rest leaves, measured by a warm-up at start "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--prefill-chunk",
@@ -349,7 +354,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
         max_batch=args.max_batch,
         max_context=max_context,
         max_waiting=args.max_waiting,
-        kv_fraction=args.kv_fraction,  # on a GPU: of the memory free after the weights
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        fit_context=args.max_context is None,  # (a context asked for is an error where it cannot fit)
         prefill_chunk=args.prefill_chunk,
         backend=args.backend,
         prefill=args.prefill,
@@ -377,7 +383,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         _slices(engine),
         "on" if engine.launch_ahead else "off",
         engine.max_batch,
-        max_context,
+        engine.max_context,
     )
     return ServerState(
         engine,

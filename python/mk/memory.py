@@ -1,0 +1,150 @@
+"""The GPU memory plan, made once at the engine's start: how large the KV pool may be.
+
+mk may use `gpu_memory_utilization` of the card's total memory, everything included. What is not
+KV is measured rather than guessed: once the weights are on the card, the engine warms a runner up
+over a scratch pool just large enough for the warm-up (`PrefillRunner.warm_up`: the compilation,
+every CUDA graph's capture, one whole chunk on the usual path) and reads PyTorch's peak over it
+(activations, the graphs' pool, the decode buffers) and what the driver lost besides (kernel
+images, library workspaces). The KV pool gets the rest, less `MARGIN`; then the runner is built
+again over that pool and warmed up again, the same passes in the same order (its graphs must hold
+its addresses; the compilation is not repeated).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from mk import _native
+from mk.config import ModelConfig
+
+if TYPE_CHECKING:
+    from mk.runner import PrefillRunner
+
+log = logging.getLogger("mk")
+
+GiB = 1 << 30
+# The share of the card's memory mk may use by default (vLLM's `--gpu-memory-utilization` means
+# the same): the rest is left to the driver, other processes and the allocator's fragmentation.
+GPU_MEMORY_UTILIZATION = 0.9
+# Kept out of the KV pool beyond the measured peak: what the warm-up does not allocate (the Rust
+# engine's device buffers and the megakernel's image, a layer-sliced chunk's residual) and the
+# caching allocator's growth under other shapes.
+MARGIN = 1 * GiB
+
+
+class MemoryPlanError(ValueError):
+    """The configuration does not fit the card (the message says what would)."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What the card holds once the engine has started, in bytes (see the module doc)."""
+
+    total: int  # the card's memory
+    utilization: float  # the share of `total` mk may use
+    before: int  # in use before the plan: the weights, the CUDA context, other processes
+    peak: int  # PyTorch's peak beyond `before` over the warm-up, its scratch KV pool left out
+    graphs: int  # of which the prefill's CUDA-graph pool at the warm-up's end
+    outside_torch: int  # what the driver lost beyond PyTorch's reservations over the warm-up
+    kv_bytes: int  # the KV pool's budget
+    kv_blocks: int  # the blocks that budget holds
+
+    def describe(self, tokens: int) -> str:
+        """The start's log line; `tokens`: one sequence's tokens the pool holds."""
+        return (
+            f"GPU memory plan, {self.utilization:g} of {self.total / GiB:.1f} GiB: weights {self.before / GiB:.1f} "
+            f"GiB (and the CUDA context), prefill peak {self.peak / GiB:.2f} (CUDA graphs {self.graphs / GiB:.2f}), "
+            f"outside PyTorch {self.outside_torch / GiB:.2f}, margin {MARGIN / GiB:.2f}, KV {self.kv_bytes / GiB:.2f} "
+            f"GiB = {self.kv_blocks} blocks, {tokens} tokens of one sequence"
+        )
+
+    def check(self, device: torch.device) -> int:
+        """Logs the memory in use once the engine has started against the plan's share, with a
+        warning where it took more; returns the bytes in use."""
+        free, total = torch.cuda.mem_get_info(device)
+        share = int(total * self.utilization)
+        in_use = total - free
+        if in_use > share:
+            log.warning(
+                "%.2f GiB of the GPU in use after the start, %.2f more than --gpu-memory-utilization's share",
+                in_use / GiB,
+                (in_use - share) / GiB,
+            )
+        else:
+            log.info("%.2f GiB of the GPU in use after the start (the plan's share: %.2f)", in_use / GiB, share / GiB)
+        return in_use
+
+
+def kv_budget(total: int, utilization: float, before: int, non_kv: int, free: int) -> int:
+    """Bytes the KV pool may take: the utilization's share of the card less what is already in use,
+    what the rest needs at its peak and MARGIN, and never more than is free beside that need."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    allowed = int(total * utilization) - before - non_kv - MARGIN
+    return max(0, min(allowed, free - non_kv - MARGIN))
+
+
+def blocks_needed(cfg: ModelConfig, context: int, chunk: int) -> int:
+    """KV blocks one sequence of `context` tokens needs at its worst (prefilled in `chunk`s, or
+    decoded), as the scheduler counts them."""
+    sliding = [cfg.is_sliding(layer) for layer in range(cfg.num_hidden_layers)]
+    return max(_native.kv_blocks_needed(sliding, cfg.sliding_window, context, chunk))
+
+
+def largest_context(cfg: ModelConfig, blocks: int, chunk: int, upper: int) -> int:
+    """The longest context of at most `upper` tokens whose sequence fits `blocks`; 0 if none does."""
+    lo, hi = 0, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if blocks_needed(cfg, mid, chunk) <= blocks:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def measure(
+    device: torch.device,
+    cfg: ModelConfig,
+    elem_bytes: int,
+    utilization: float,
+    runner_over: Callable[[int], PrefillRunner],
+    scratch_blocks: int,
+    progress: bool = True,
+) -> MemoryPlan:
+    """Plans the KV pool (module doc): `runner_over(blocks)` builds a runner over a pool of that many
+    blocks; one over `scratch_blocks` is warmed up (a progress bar with `progress`), measured and
+    dropped."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    before = total - free
+    reserved = torch.cuda.memory_reserved(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    log.info("measuring the memory the prefill takes beside the KV cache (a warm-up over scratch pages)")
+    runner = runner_over(scratch_blocks)
+    try:
+        scratch = runner.kv.k.nbytes + runner.kv.v.nbytes
+        runner.warm_up(progress)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_reserved(device) - reserved - scratch
+        torch.cuda.empty_cache()
+        with_graphs = torch.cuda.memory_reserved(device)
+    finally:
+        runner.release_graphs()
+    torch.cuda.empty_cache()
+    graphs = with_graphs - torch.cuda.memory_reserved(device)
+    in_use = total - torch.cuda.mem_get_info(device)[0]
+    outside = (in_use - before) - (torch.cuda.memory_reserved(device) - reserved)
+    del runner
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    non_kv = peak + max(0, outside)
+    budget = kv_budget(total, utilization, before, non_kv, torch.cuda.mem_get_info(device)[0])
+    blocks = _native.kv_pool_blocks(budget, cfg.num_key_value_heads, cfg.head_dim, elem_bytes)
+    return MemoryPlan(total, utilization, before, peak, graphs, max(0, outside), budget, blocks)

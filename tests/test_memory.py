@@ -1,0 +1,69 @@
+"""The memory plan's arithmetic (mk.memory) and the engine's context check, on the CPU; the
+measurement itself runs on a GPU (test_memory_gpu.py)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from mk import memory
+from mk.config import ModelConfig
+from mk.engine import Engine
+from mk.model import synthetic_weights
+from mk.model.reference import Model
+
+GiB = memory.GiB
+
+
+def test_the_kv_budget_is_the_share_left_by_the_measured_rest():
+    total, before, rest = 80 * GiB, 58 * GiB, 4 * GiB
+    budget = memory.kv_budget(total, 0.9, before, rest, free=total - before)
+    assert budget == int(total * 0.9) - before - rest - memory.MARGIN
+    # Never more than is free beside the rest (another process took some).
+    assert memory.kv_budget(total, 0.9, before, rest, free=6 * GiB) == 6 * GiB - rest - memory.MARGIN
+    # Nothing left: zero, not a negative pool.
+    assert memory.kv_budget(total, 0.7, before, rest, free=total - before) == 0
+    for bad in (0, -0.1, 1.01):
+        with pytest.raises(ValueError, match="gpu_memory_utilization"):
+            memory.kv_budget(total, bad, before, rest, total)
+
+
+@pytest.mark.parametrize("chunk", [512, 8192])
+def test_the_largest_context_is_the_last_that_fits(chunk):
+    cfg = ModelConfig.real()
+    for blocks in (0, 49, 2000, 6272, 40_000, 123_457):
+        n = memory.largest_context(cfg, blocks, chunk, 1 << 20)
+        if n == 0:
+            assert memory.blocks_needed(cfg, 1, chunk) > blocks
+            continue
+        assert memory.blocks_needed(cfg, n, chunk) <= blocks < memory.blocks_needed(cfg, n + 1, chunk)
+    assert memory.largest_context(cfg, 10**9, chunk, 4096) == 4096  # capped by the bound asked
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    cfg = ModelConfig.tiny()
+    return Model(cfg, synthetic_weights(cfg, seed=0, dtype=torch.float32, std=0.1))
+
+
+def test_a_context_the_pool_cannot_hold_names_the_longest_that_fits(model):
+    blocks = 40 * model.config.num_hidden_layers
+    with pytest.raises(memory.MemoryPlanError) as e:
+        Engine(model, kv_blocks=blocks, max_context=1 << 16, prefill_chunk=64)
+    longest = int(re.search(r"the longest that fits is (\d+) tokens", str(e.value)).group(1))
+    assert f"--max-context {longest}" in str(e.value)
+    assert 64 < longest < 1 << 16
+    with Engine(model, kv_blocks=blocks, max_context=longest, prefill_chunk=64) as engine:
+        assert engine.max_context == longest
+    with pytest.raises(memory.MemoryPlanError):
+        Engine(model, kv_blocks=blocks, max_context=longest + 1, prefill_chunk=64)
+    # Asked to fit (the server without --max-context): the longest, with a warning in the log.
+    with Engine(model, kv_blocks=blocks, max_context=1 << 16, prefill_chunk=64, fit_context=True) as engine:
+        assert engine.max_context == longest
+
+
+def test_no_room_at_all_says_what_to_change(model):
+    with pytest.raises(memory.MemoryPlanError, match="--gpu-memory-utilization"):
+        Engine(model, kv_blocks=1, max_context=256, prefill_chunk=64, fit_context=True)

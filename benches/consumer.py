@@ -6,8 +6,9 @@ copied, no ring hand-off, every SM busy; each way checked against a float64 prod
 
 Batch 1 is bound by what the compute warps do per stage, not by HBM (docs/PERF.md, thirteenth
 session): this says which instruction path moves a stage fastest. "consumer TB/s" is the rate all
-SMs together would take weights at if the consumers alone set the pace; against HBM's 4.8 TB/s
-(the speed-of-light denominator) it says how much room a way leaves.
+SMs together would take weights at if the consumers alone set the pace; against the card's HBM
+bandwidth (`vs_hbm`: the speed-of-light denominator, benches/common.py) it says how much room a way
+leaves.
 
 Needs a CUDA toolkit with nvcc and the runtime library (the GPU machine's /usr/local/cuda; $NVCC
 or $CUDA_HOME pick another). Usage: python benches/consumer.py [--reps N] [--json out.json]
@@ -23,7 +24,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from common import HBM_BYTES_PER_S, print_table, write_json
+from common import card_bandwidth, card_sol, print_table, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,10 +61,10 @@ def main() -> None:
     dense = next(r["us_per_stage"] for r in rows if r["way"] == "mma_dense")
     for r in rows:
         r["consumer_tb_s"] = r["sms"] * r["stage_bytes"] / (r["us_per_stage"] * 1e-6) / 1e12
-        r["vs_hbm"] = r["consumer_tb_s"] * 1e12 / HBM_BYTES_PER_S
+        r["vs_hbm"] = r["consumer_tb_s"] * 1e12 / card_bandwidth()
         r["vs_mma_dense"] = dense / r["us_per_stage"]
     columns = ["way", "batch", "us_per_stage", "consumer_tb_s", "vs_hbm", "vs_mma_dense", "rel_err", "ok"]
-    print_table("one 24 KB weight stage x 8 or 16 rows, consumers alone (all SMs)", rows, columns)
+    print_table(f"one 24 KB weight stage x 8 or 16 rows, consumers alone (all SMs; {card_sol()})", rows, columns)
     for line in advisories:
         print("ptxas:", line)
     if not all(r["ok"] for r in rows):

@@ -2,10 +2,14 @@
 yardstick measured in the same run.
 
 Synthetic N(0, 0.01) weights and random KV (no prefill): every row writes at position ctx - 1.
-Speed of light (SOL) = bytes the step must move / 4.8 TB/s: all non-expert weights, the experts
+Speed of light (SOL) = bytes the step must move / the card's datasheet HBM bandwidth
+(benches/common.py, HBM_BYTES_PER_S; recorded in the JSON): all non-expert weights, the experts
 selected by at least one row (the kernel's routing of the last layer, times the MoE layers), the
 LM head, the KV each row reads (full layers: the whole context; sliding: the window) and the
 embedding rows. Prints a table, writes JSON (and a PNG plot when matplotlib is there).
+A point whose KV does not fit the card's free memory (checked before allocating it), or that runs out
+of memory, is a row marked `skipped` (the yardstick's column alone: `yardstick_skipped`), and the
+run goes on.
 
 Unless --plain, every point is also timed, in the same run, with the tasks dealt onto the SMs by
 the cost model instead of round-robin (rust/graph/deal.rs): `mk_balanced_ms` (its modelled step
@@ -31,11 +35,23 @@ from __future__ import annotations
 
 import argparse
 import re
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from common import HBM_BYTES_PER_S, print_table, pyplot, write_json
+from common import (
+    OUT_OF_MEMORY,
+    card_bandwidth,
+    card_sol,
+    free_bytes,
+    gib,
+    out_of_memory,
+    print_table,
+    pyplot,
+    run_point,
+    write_json,
+)
 from mk import _native
 from mk.config import PAGE_SIZE, ModelConfig
 from mk.megakernel.launch import MegakernelStep, ledger_of, trace_buffer
@@ -44,7 +60,7 @@ from mk.megakernel.trace import print_stream_profile, print_summary, stream_prof
 from mk.model.names import expected_shapes
 from mk.model.paged import PagedKV
 from mk.model.reference import Model
-from yardstick import TorchDecode
+from yardstick import TorchDecode, gathered_bytes
 
 EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
@@ -70,14 +86,26 @@ def synthetic_stacked(cfg: ModelConfig, seed: int, std: float = 0.01):
     return weights, stacked
 
 
+def first_page(cfg: ModelConfig, layer: int, ctx: int) -> int:
+    """The first page a row at `ctx` maps on `layer` (sliding layers: the window's)."""
+    window = cfg.window(layer)
+    return 0 if window is None else max(0, ctx - window) // PAGE_SIZE
+
+
+def kv_bytes(cfg: ModelConfig, batch: int, ctx: int) -> int:
+    """The bytes of kv_for's pools: K and V of every block its tables map, bf16."""
+    pages = ctx // PAGE_SIZE + 1
+    blocks = batch * sum(pages - first_page(cfg, layer, ctx) for layer in range(cfg.num_hidden_layers))
+    return 2 * blocks * PAGE_SIZE * cfg.kv_width * 2
+
+
 def kv_for(cfg: ModelConfig, batch: int, ctx: int):
     """Pools and per-layer tables mapping `ctx` tokens per row (sliding layers: the window)."""
     pages = ctx // PAGE_SIZE + 1
     tables = torch.full((cfg.num_hidden_layers, batch, pages), -1, dtype=torch.int32)
     n = 0
     for layer in range(cfg.num_hidden_layers):
-        window = cfg.window(layer)
-        first = 0 if window is None else max(0, ctx - window) // PAGE_SIZE
+        first = first_page(cfg, layer, ctx)
         for b in range(batch):
             k = pages - first
             tables[layer, b, first:] = torch.arange(n, n + k, dtype=torch.int32)
@@ -230,7 +258,7 @@ def measure(
     row["model_rr_us"], row["model_balanced_us"] = g.modelled_ns / 1e3, g_bal.modelled_ns / 1e3
     if traces:
         row["trace"] = traces
-    row["sol_ms"] = step_bytes(cfg, batch, ctx, experts) / HBM_BYTES_PER_S * 1e3
+    row["sol_ms"] = step_bytes(cfg, batch, ctx, experts) / card_bandwidth() * 1e3
     row["sol_fraction"] = row["sol_ms"] / row["mk_ms"]
     row["experts_last_layer"] = experts
     row["tasks"] = int(g.order.shape[0])
@@ -270,7 +298,7 @@ def measure_launches(cfg, model, stacked, batch: int, ctx: int, iters: int, torc
     experts = len({e for b in bufs for e in b.slot_expert[: int(b.slot_count[0])].tolist()})
     row = {"batch": batch, "ctx": ctx, "mk_ms": t_mk * 1e3, "mk_tok_s": batch / t_mk, "valid_output": ok}
     row["launches"] = len(launches)
-    row["sol_ms"] = step_bytes(cfg, batch, ctx, experts) / HBM_BYTES_PER_S * 1e3
+    row["sol_ms"] = step_bytes(cfg, batch, ctx, experts) / card_bandwidth() * 1e3
     row["sol_fraction"] = row["sol_ms"] / row["mk_ms"]
     row["experts_last_layer"] = experts
     if not torch_graph:
@@ -282,8 +310,17 @@ def measure_launches(cfg, model, stacked, batch: int, ctx: int, iters: int, torc
 
 
 def yardstick(row: dict, cfg, model, stacked, kv, tables, positions, tokens, iters: int) -> dict:
-    """benches/yardstick.py's CUDA-graph step of the same batch into `row` (torch_graph_ms)."""
+    """benches/yardstick.py's CUDA-graph step of the same batch into `row` (torch_graph_ms); where
+    it does not fit the memory mk's step left, `yardstick_skipped` says so and mk's numbers stay."""
     t_mk = row["mk_ms"] / 1e3
+    point = f"yardstick {row['batch']}x{row['ctx']}"
+    need, free = gathered_bytes(cfg, row["batch"], row["ctx"]), free_bytes()
+    if need > free:
+        row["torch_graph_ms"] = None
+        row["yardstick_skipped"] = f"{OUT_OF_MEMORY} (its gathered K and V need {gib(need)}, {gib(free)} free)"
+        print(f"skipped {point}: {row['yardstick_skipped']}", flush=True)
+        return row
+    ys = graph = None
     try:
         ys = TorchDecode(cfg, model.weights, stacked, kv.k, kv.v, tables, positions)
         tok = tokens.long()
@@ -297,10 +334,15 @@ def yardstick(row: dict, cfg, model, stacked, kv, tables, positions, tokens, ite
         t_pt = time_events(graph.replay, max(3, iters // 4))
         row["torch_graph_ms"] = t_pt * 1e3
         row["speedup_vs_torch"] = t_pt / t_mk
-        del graph
     except Exception as e:  # the yardstick is informative; its failure must not hide mk's numbers
         row["torch_graph_ms"] = None
-        row["yardstick_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        if out_of_memory(e):
+            row["yardstick_skipped"] = OUT_OF_MEMORY
+        else:
+            row["yardstick_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    del ys, graph  # (their memory, before the free figure below)
+    if "yardstick_skipped" in row:  # (past the except clause: the error's frames are gone)
+        print(f"skipped {point}: {OUT_OF_MEMORY} ({gib(free_bytes())} free)", flush=True)
     return row
 
 
@@ -308,6 +350,7 @@ def plot(rows: list[dict], path: Path) -> None:
     plt = pyplot()
     if plt is None:
         return
+    rows = [r for r in rows if "skipped" not in r]
     fig, ax = plt.subplots(figsize=(7, 4))
     for b in sorted({r["batch"] for r in rows}):
         rs = [r for r in rows if r["batch"] == b]
@@ -350,31 +393,20 @@ def main() -> None:
         grid = [(1, 8192), (8, 8192)]
     if args.points:
         grid = [tuple(int(v) for v in p.split("x")) for p in args.points.split(",")]
+    sizes = [s for s in args.sizes.split(",") if s]
     rows = []
     for b, c in grid:
-        sizes = [s for s in args.sizes.split(",") if s]
         if b > MAX_STEP_ROWS:
-            rows.append(measure_launches(cfg, model, stacked, b, c, args.iters, not args.no_torch))
-            torch.cuda.empty_cache()
-            print(rows[-1], flush=True)
-            continue
-        rows.append(
-            measure(
-                cfg,
-                model,
-                stacked,
-                b,
-                c,
-                args.iters,
-                args.trace or args.ledger,
-                args.plain,
-                sizes,
-                not args.no_torch,
-                args.ledger,
+            point = partial(measure_launches, cfg, model, stacked, b, c, args.iters, not args.no_torch)
+        else:
+            trace = args.trace or args.ledger
+            point = partial(
+                measure, cfg, model, stacked, b, c, args.iters, trace, args.plain, sizes, not args.no_torch, args.ledger
             )
-        )
+        rows.append(run_point({"batch": b, "ctx": c}, point, kv_bytes(cfg, b, c), "its KV"))
         torch.cuda.empty_cache()  # the last size's KV pools
-        print({k: v for k, v in rows[-1].items() if k != "trace"}, flush=True)
+        if "skipped" not in rows[-1]:
+            print({k: v for k, v in rows[-1].items() if k != "trace"}, flush=True)
     cols = [
         "batch",
         "ctx",
@@ -389,7 +421,9 @@ def main() -> None:
     cols += ["mk_balanced_ms", "balanced_gain", "model_rr_us", "model_balanced_us"]
     cols += [f"mk_{s}_ms" for s in args.sizes.split(",") if s]
     cols += sorted({k for r in rows for k in r if re.fullmatch(r"mk_kernel\d+_ms", k)})
-    print_table("decode step, real geometry, synthetic weights (SOL 4.8 TB/s)", rows, cols)
+    if any("yardstick_skipped" in r for r in rows):
+        cols.append("yardstick_skipped")
+    print_table(f"decode step, real geometry, synthetic weights ({card_sol()})", rows, cols)
     write_json(args.json, "decode", rows)
     plot(rows, Path(args.json).with_suffix(".png"))
 

@@ -7,7 +7,8 @@ Rows:
   greedy, `ignore_eos`, all submitted at once; once every stream has its first token, the next 64
   steps of all B together are timed (then the streams are cancelled): per-stream and aggregate
   decode tok/s, and the kernel's own step time
-  for the same batch and context (`MegakernelStep` on a scratch cache, same process):
+  for the same batch and context (`MegakernelStep` on a scratch cache, same process, timed before
+  the engine starts so that the engine sizes its KV pool without that cache beside it):
   `host_ms_per_step` is the gap between the two; where the host's time goes inside the launcher
   (µs per launch: `launch_prepare_us` task lists, page tables and checks, `launch_upload_us`,
   `launch_call_us`, `launch_wait_us` the wait for the step and its copies back, which holds the
@@ -25,9 +26,12 @@ Rows:
   between tokens while the long prompt is admitted, and the long prompt's time to first token. And
   the same while a next turn of ADMIT_NEXT_TURN new tokens after 8K cached ones arrives: one graph
   replay (`--whole-chunk-tokens 0`: slices of the eager path).
+A row that does not fit the card is marked `skipped` with the reason, and the run goes on: a decode
+row whose streams (each with DECODE_ROOM tokens past its prompt) need more blocks than the engine's KV
+pool has, or any row that runs out of GPU memory (a kernel step alone: `kernel_skipped`).
 The engine runs with the server's defaults (`python -m mk.server`: prefill chunk
-mk.engine_api.PREFILL_CHUNK, max batch mk.engine_api.MAX_BATCH, launch-ahead on) except its KV share of memory (0.5,
-leaving room for the kernel-only measurement); `--launch-ahead off` runs one step at a time,
+mk.engine_api.PREFILL_CHUNK, max batch mk.engine_api.MAX_BATCH, launch-ahead on, the Engine's share of
+the card's memory); `--launch-ahead off` runs one step at a time,
 `--prefill-chunk N` another chunk, `--prefill-graphs off` prefills fresh prompts without CUDA
 graphs, `--prefix-graphs auto|on|off` runs chunks after a cached prefix as CUDA graphs (Engine(prefix_graphs=
 ...); auto: the next turn's chunks, up to mk.prefill_graphs.NEXT_TURN_BUCKETS[-1] tokens; on: every
@@ -41,7 +45,9 @@ layers an iteration; `--whole-chunk-tokens N` slices a lone chunk only past N to
 whole_chunk_tokens=...); default mk.engine_api.WHOLE_CHUNK_TOKENS, where such a chunk replays a graph);
 `--prefill-only` runs the ttft and admit rows alone (with `--quick`: 512 and 8K prompts, and admit);
 `--prompts N,M` times prompts of those lengths in the ttft rows instead;
-`--kv-fraction F` gives the KV pool the server's share (0.9) instead of 0.5.
+`--gpu-memory-utilization U` lets mk use that share of the card's total memory instead of the Engine's
+default (Engine(gpu_memory_utilization=...): weights, KV, activations and CUDA graphs together; the
+engine sizes its KV pool from what the rest leaves).
 `--temperature T` makes the decode streams seeded draws at T, which the kernel draws itself (Gumbel
 noise in its sample tasks); with `--top-p P` below 1 as well they come back to the host sampler.
 `--grammar` puts the decode streams under a regular expression (GRAMMAR; the built-in model's
@@ -53,7 +59,7 @@ uploads the masks before each step instead).
 Usage: python benches/engine.py [--json out.json] [--quick] [--launch-ahead auto|on|off] [--prefill-chunk N]
        [--prefill-graphs auto|on|off] [--prefix-graphs auto|on|off] [--fresh-split on|off]
        [--decode-prefill-budget N] [--sliced-prefill auto|on|off] [--whole-chunk-tokens N]
-       [--prefill-only] [--kv-fraction F] [--temperature T] [--top-p P]
+       [--prefill-only] [--gpu-memory-utilization U] [--temperature T] [--top-p P]
        [--grammar [--kernel-masks auto|on|off] [--late-masks auto|on|off]]
 """
 
@@ -63,14 +69,16 @@ import argparse
 import statistics
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 import mk
-from common import print_table, write_json
-from decode import random_step, time_events
-from mk.config import ModelConfig
+from common import OUT_OF_MEMORY, gib, print_table, run_point, skipped, write_json
+from decode import kv_bytes, random_step, time_events
+from mk import _native
+from mk.config import PAGE_SIZE, ModelConfig
 from mk.engine import Engine
 from mk.engine_api import AUTO_ON_OFF, MAX_BATCH, PREFILL_CHUNK, WHOLE_CHUNK_TOKENS
 from mk.model import synthetic_weights
@@ -112,6 +120,7 @@ class Timed:
     def __init__(self) -> None:
         self.times: list[float] = []
         self.finish: str | None = None
+        self.error: str | None = None  # why it ended, where it failed
         self.done = threading.Event()
         self.stream = None  # the engine's handle (cancel)
 
@@ -120,6 +129,7 @@ class Timed:
             self.times.append(time.perf_counter())
         if event.finish_reason is not None:
             self.finish = event.finish_reason
+            self.error = event.error
             self.done.set()
 
 
@@ -147,62 +157,83 @@ def wait(streams: list[Timed], timeout: float = 600.0) -> None:
         if not s.done.wait(timeout):
             raise TimeoutError("a request did not finish")
         if s.finish != "length":
-            raise RuntimeError(f"a request ended with {s.finish!r}")
+            raise RuntimeError(f"a request ended with {s.finish!r}{failures([s])}")
+
+
+def failures(streams: list[Timed]) -> str:
+    """The errors streams ended with, for an exception's message (out of memory, say)."""
+    errors = sorted({s.error for s in streams if s.error})
+    return f" ({'; '.join(errors)})" if errors else ""
 
 
 def random_prompt(cfg: ModelConfig, n: int, gen: torch.Generator) -> list[int]:
     return torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
 
 
-def kernel_step_ms(model: Model, batch: int, ctx: int) -> float:
-    """The megakernel's own step for `batch` rows at `ctx` (random cache, as benches/decode.py)."""
+def kernel_step(model: Model, batch: int, ctx: int) -> dict:
+    """The megakernel's own step time for `batch` rows at `ctx` (random cache, as benches/decode.py)."""
     step, g, buf, tasks = random_step(model, batch, ctx)
-    return time_events(lambda: step.run(g, buf, tasks), 20) * 1e3
+    return {"kernel_ms_per_step": time_events(lambda: step.run(g, buf, tasks), 20) * 1e3}
+
+
+def kernel_steps(model: Model, points: list[tuple[int, int]]) -> dict[tuple[int, int], dict]:
+    """kernel_step at each decode point, or the point marked skipped where its scratch cache
+    does not fit; timed before the engine exists, each cache freed before the next."""
+    steps = {}
+    for b, c in points:
+        point = {"row": "kernel step", "batch": b, "ctx": c}
+        steps[b, c] = run_point(point, partial(kernel_step, model, b, c), kv_bytes(model.config, b, c), "its KV")
+        torch.cuda.empty_cache()  # its scratch cache
+    return steps
+
+
+def decode_misfit(engine: Engine, cfg: ModelConfig, batch: int, ctx: int) -> str | None:
+    """Why `batch` streams of `ctx`-token prompts, each with DECODE_ROOM tokens past it, cannot all
+    hold their KV in the engine's pool at once (the row would wait for one to end), or None."""
+    sliding = [cfg.is_sliding(layer) for layer in range(cfg.num_hidden_layers)]
+    per_stream, _ = _native.kv_blocks_needed(sliding, cfg.sliding_window, ctx + DECODE_ROOM, engine.prefill_chunk)
+    need, pool = batch * per_stream, engine.native_stats()["kv_blocks_total"]
+    if need <= pool:
+        return None
+    return f"{OUT_OF_MEMORY} (its streams need {need:,} KV blocks, the engine's pool has {pool:,})"
+
+
+def add_row(rows: list[dict], point: dict, fn, misfit: str | None = None) -> None:
+    """fn()'s row into `rows`, printed; or `point` (the keys naming the row) marked skipped, where
+    `misfit` says why it cannot fit or where it runs out of GPU memory (common.run_point)."""
+    rows.append(skipped(point, misfit) if misfit else run_point(point, fn))
+    if "skipped" not in rows[-1]:
+        print(rows[-1], flush=True)
 
 
 def decode_row(
     engine: Engine,
-    model: Model,
+    cfg: ModelConfig,
     batch: int,
     ctx: int,
     gen: torch.Generator,
+    kernel: dict,
     temperature: float = 0.0,
     top_p: float = 1.0,
     constraint: ConstraintSpec | None = None,
 ) -> dict:
-    cfg = model.config
+    """The row's streams timed over their window, beside the kernel's own step (kernel_steps' row
+    for the point: its time, or why it was skipped)."""
     budget = DECODE_ROOM - 8  # new tokens a stream may make (max_context leaves DECODE_ROOM past the prompt)
     runs = [
         submit(engine, random_prompt(cfg, ctx, gen), budget, temperature, top_p, constraint)[0] for _ in range(batch)
     ]
-    deadline = time.perf_counter() + 600
-    while not all(r.times for r in runs):  # every stream admitted and decoding
-        if time.perf_counter() > deadline or any(r.done.is_set() for r in runs):
-            raise RuntimeError("the streams did not all start decoding")
-        time.sleep(0.002)
-    # The iteration that prefilled the last prompt also ran a decode step of the others, whose
-    # tokens may not have arrived yet: two more tokens of every stream start the window after it.
-    started = [len(r.times) for r in runs]
-    while any(len(r.times) < n + 2 for r, n in zip(runs, started, strict=True)):
-        if time.perf_counter() > deadline or any(r.done.is_set() for r in runs):
-            raise RuntimeError("the streams did not all keep decoding")
-        time.sleep(0.002)
-    marks = [len(r.times) for r in runs]
-    before = engine.native_stats()  # the launcher's phases are among the Rust counters, not EngineStats
-    while min(len(r.times) - m for r, m in zip(runs, marks, strict=True)) < NEW_TOKENS:
-        if any(r.done.is_set() for r in runs):
-            raise RuntimeError("a stream ended before the timed window did")
-        time.sleep(0.002)
-    after = engine.native_stats()
-    for r in runs:
-        r.stream.cancel()
-    for r in runs:
-        r.done.wait(60)
+    try:
+        marks, before, after = decode_window(engine, runs)
+    finally:  # (a row that failed leaves no stream behind to slow the next)
+        for r in runs:
+            r.stream.cancel()
+        for r in runs:
+            r.done.wait(60)
     per_stream, aggregate = window_rates(runs, marks, NEW_TOKENS)
-    step_ms = kernel_step_ms(model, batch, ctx)
-    torch.cuda.empty_cache()  # its scratch cache
     stream_ms = 1e3 / statistics.median(per_stream)
-    return {
+    step_ms = kernel.get("kernel_ms_per_step")
+    row = {
         "row": "decode",
         "batch": batch,
         "ctx": ctx,
@@ -213,10 +244,37 @@ def decode_row(
         "aggregate_tok_s": aggregate,
         "engine_ms_per_step": stream_ms,
         "kernel_ms_per_step": step_ms,
-        "host_ms_per_step": stream_ms - step_ms,
-        "kernel_tok_s": batch / step_ms * 1e3,
+        "host_ms_per_step": None if step_ms is None else stream_ms - step_ms,
+        "kernel_tok_s": None if step_ms is None else batch / step_ms * 1e3,
         **launch_phases(before, after),
     }
+    if "skipped" in kernel:
+        row["kernel_skipped"] = kernel["skipped"]
+    return row
+
+
+def decode_window(engine: Engine, runs: list[Timed]) -> tuple[list[int], dict, dict]:
+    """Waits until every stream decodes, then for NEW_TOKENS more of each: each stream's token
+    count at the window's start, and the engine's counters at its start and end."""
+    deadline = time.perf_counter() + 600
+    while not all(r.times for r in runs):  # every stream admitted and decoding
+        if time.perf_counter() > deadline or any(r.done.is_set() for r in runs):
+            raise RuntimeError(f"the streams did not all start decoding{failures(runs)}")
+        time.sleep(0.002)
+    # The iteration that prefilled the last prompt also ran a decode step of the others, whose
+    # tokens may not have arrived yet: two more tokens of every stream start the window after it.
+    started = [len(r.times) for r in runs]
+    while any(len(r.times) < n + 2 for r, n in zip(runs, started, strict=True)):
+        if time.perf_counter() > deadline or any(r.done.is_set() for r in runs):
+            raise RuntimeError(f"the streams did not all keep decoding{failures(runs)}")
+        time.sleep(0.002)
+    marks = [len(r.times) for r in runs]
+    before = engine.native_stats()  # the launcher's phases are among the Rust counters, not EngineStats
+    while min(len(r.times) - m for r, m in zip(runs, marks, strict=True)) < NEW_TOKENS:
+        if any(r.done.is_set() for r in runs):
+            raise RuntimeError(f"a stream ended before the timed window did{failures(runs)}")
+        time.sleep(0.002)
+    return marks, before, engine.native_stats()
 
 
 def window_rates(runs: list[Timed], marks: list[int], tokens: int) -> tuple[list[float], float]:
@@ -380,7 +438,13 @@ def main() -> None:
         default=None,
         help=f"Engine(whole_chunk_tokens=...): default the engine's ({WHOLE_CHUNK_TOKENS}, with the graphs)",
     )
-    parser.add_argument("--kv-fraction", type=float, default=0.5, help="Engine(kv_fraction=...); the server's: 0.9")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="Engine(gpu_memory_utilization=...): the share of the card's total memory mk may use (default: the "
+        "Engine's)",
+    )
     parser.add_argument(
         "--decode-prefill-budget",
         type=int,
@@ -422,6 +486,10 @@ def main() -> None:
     if args.prompts:
         prompts = [int(n) for n in args.prompts.split(",")]
     reuse = [8192] if args.quick else [2048, 8192, 32768]
+    # The kernel's own steps first, each scratch cache freed before the next: the engine then sizes its
+    # KV pool from the card's memory with nothing of the bench's beside it, and needs to leave no room.
+    kernels = {} if args.prefill_only else kernel_steps(model, points)
+    memory = {} if args.gpu_memory_utilization is None else {"gpu_memory_utilization": args.gpu_memory_utilization}
     torch.cuda.empty_cache()  # building the synthetic weights peaks higher than serving: not counted
     torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()  # the engine's start: its prefill warm-up (compiles, graph captures)
@@ -431,7 +499,7 @@ def main() -> None:
         max_batch=MAX_BATCH,
         max_context=32768 + DECODE_ROOM,
         prefill_chunk=args.prefill_chunk,
-        kv_fraction=args.kv_fraction,
+        **memory,
         launch_ahead=AUTO_ON_OFF[args.launch_ahead],
         prefill_graphs=AUTO_ON_OFF[args.prefill_graphs],
         prefix_graphs=AUTO_ON_OFF[args.prefix_graphs],
@@ -445,8 +513,12 @@ def main() -> None:
     )
     start_s = time.perf_counter() - started
     free_gib = torch.cuda.mem_get_info()[0] / 2**30
+    kv_blocks = engine.native_stats()["kv_blocks_total"]
+    kv_pool = gib(2 * kv_blocks * PAGE_SIZE * cfg.kv_width * model.dtype.itemsize)
     print(
-        f"engine start (prefill warm-up included): {start_s:.1f} s, {free_gib:.1f} GiB of GPU memory left", flush=True
+        f"engine start (prefill warm-up included): {start_s:.1f} s, {free_gib:.1f} GiB of GPU memory left, "
+        f"KV pool {kv_blocks:,} blocks ({kv_pool})",
+        flush=True,
     )
     grammar = ConstraintSpec("regex", GRAMMAR) if args.grammar else None
     rows = []
@@ -454,22 +526,20 @@ def main() -> None:
         submit_warm, _ = submit(engine, random_prompt(cfg, 600, gen), 8)  # first-call costs out of the way
         wait([submit_warm])
         for n in prompts:
-            rows.append(ttft_row(engine, cfg, n, gen))
-            print(rows[-1], flush=True)
+            add_row(rows, {"row": "ttft", "prompt": n}, partial(ttft_row, engine, cfg, n, gen))
         for n in reuse:
-            rows.append(ttft_row(engine, cfg, n, gen, REUSE_NEW_TOKENS))
-            print(rows[-1], flush=True)
+            fn = partial(ttft_row, engine, cfg, n, gen, REUSE_NEW_TOKENS)
+            add_row(rows, {"row": "reuse", "prompt": n + REUSE_NEW_TOKENS}, fn)
         for k in [] if args.quick else BURST_SIZES:
-            rows.append(burst_row(engine, cfg, k, gen))
-            print(rows[-1], flush=True)
+            point = {"row": "burst", "prompt": BURST_PROMPT + REUSE_NEW_TOKENS, "sequences": k}
+            add_row(rows, point, partial(burst_row, engine, cfg, k, gen))
         for b, c in [] if args.prefill_only else points:
-            rows.append(decode_row(engine, model, b, c, gen, args.temperature, args.top_p, grammar))
-            print(rows[-1], flush=True)
+            fn = partial(decode_row, engine, cfg, b, c, gen, kernels[b, c], args.temperature, args.top_p, grammar)
+            add_row(rows, {"row": "decode", "batch": b, "ctx": c}, fn, decode_misfit(engine, cfg, b, c))
         if not args.quick or args.prefill_only:
-            rows.append(admit_row(engine, cfg, gen))
-            print(rows[-1], flush=True)
-            rows.append(admit_row(engine, cfg, gen, ADMIT_NEXT_TURN, cached=8192))
-            print(rows[-1], flush=True)
+            add_row(rows, {"row": "admit", "prompt": 32768}, partial(admit_row, engine, cfg, gen))
+            fn = partial(admit_row, engine, cfg, gen, ADMIT_NEXT_TURN, cached=8192)
+            add_row(rows, {"row": "admit", "prompt": 8192 + ADMIT_NEXT_TURN}, fn)
         peak, total = torch.cuda.max_memory_reserved() / 2**30, torch.cuda.mem_get_info()[1] / 2**30
         print(f"GPU memory reserved by torch at its peak since the engine's start: {peak:.1f} GiB of {total:.0f}")
     finally:
@@ -479,7 +549,8 @@ def main() -> None:
     cols += ["engine_ms_per_step", "kernel_ms_per_step"]
     if decode:
         title = "engine decode (megakernel backend, real geometry, synthetic weights)"
-        print_table(title, decode, cols + ["host_ms_per_step"])
+        skips = ["kernel_skipped"] if any("kernel_skipped" in r for r in decode) else []
+        print_table(title, decode, cols + ["host_ms_per_step", *skips])
         phases = ["launch_prepare_us", "launch_upload_us", "launch_call_us", "launch_wait_us", "loop_host_us"]
         print_table("host time of a decode step (µs)", decode, ["batch", "ctx", *phases])
     other = [r for r in rows if r["row"] != "decode"]
@@ -503,6 +574,7 @@ def main() -> None:
         rows,
         engine_start_s=start_s,
         free_after_start_gib=free_gib,
+        kv_pool_blocks=kv_blocks,
         torch_peak_reserved_gib=peak,
         gpu_gib=total,
         settings=vars(args),

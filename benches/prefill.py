@@ -9,7 +9,8 @@ NaN-poisoned first and every logit must come out finite.
 Achieved TFLOP/s = matrix FLOPs (`mk.prefill.prefill_flops`: the active weights per token, the
 attention over the visible keys, the LM head for each last token) / wall time of the call,
 against the ~790 TFLOP/s the H200 reaches on large bf16 matmuls. Prints a table, writes JSON (and
-a PNG when matplotlib is there).
+a PNG when matplotlib is there). A case whose KV pool does not fit the card's free memory (checked
+before allocating it), or that runs out of memory, is a row marked `skipped`, and the run goes on.
 Usage: python benches/prefill.py [--json out.json] [--quick] [--profile]
 """
 
@@ -18,11 +19,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from common import print_table, pyplot, write_json
+from common import card_name, print_table, pyplot, run_point, write_json
 from mk.config import PAGE_SIZE, ModelConfig
 from mk.model import synthetic_weights
 from mk.model.paged import PagedKV
@@ -46,6 +48,12 @@ def requests_for(cfg: ModelConfig, lengths: list[int], gen: torch.Generator):
         tokens = torch.randint(0, cfg.vocab_size, (n,), generator=gen)
         reqs.append(PrefillRequest(tokens, 0, table))
     return kv, reqs
+
+
+def pool_bytes(cfg: ModelConfig, lengths: list[int]) -> int:
+    """The bytes of requests_for's pool: K and V of every page of every layer, bf16."""
+    blocks = cfg.num_hidden_layers * sum(-(-n // PAGE_SIZE) for n in lengths)
+    return 2 * blocks * PAGE_SIZE * cfg.kv_width * 2
 
 
 def timed(fn, reps: int) -> tuple[float, object]:
@@ -85,6 +93,17 @@ def measure(prefill: Prefill, cfg, lengths: list[int], reps: int, gen, label: st
         "peak_activation_gib": peak,
         "valid_output": bool(torch.isfinite(logits).all()),
     }
+    return row
+
+
+def measure_point(prefill: Prefill, cfg, lengths: list[int], reps: int, gen, label: str, singly: bool = False) -> dict:
+    """measure()'s row, or the case marked skipped where its pool or its work does not fit the card."""
+    point = {"case": label, "tokens": sum(lengths)}
+    fn = partial(measure, prefill, cfg, lengths, reps, gen, label, singly)
+    row = run_point(point, fn, pool_bytes(cfg, lengths), "its KV pool")
+    torch.cuda.empty_cache()  # this case's pool
+    if "skipped" not in row:
+        print(row, flush=True)
     return row
 
 
@@ -128,7 +147,7 @@ def plot(rows: list[dict], path: Path) -> None:
     plt = pyplot()
     if plt is None:
         return
-    single = [r for r in rows if r["case"].startswith("prompt ")]
+    single = [r for r in rows if r["case"].startswith("prompt ") and "skipped" not in r]
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     ax[0].plot([r["tokens"] for r in single], [r["tok_s"] for r in single], marker="o")
     ax[0].axhline(25000, ls="--", c="gray", lw=0.8, label="bar at 8K: 25,000 tok/s")
@@ -140,7 +159,7 @@ def plot(rows: list[dict], path: Path) -> None:
         a.set_xscale("log", base=2)
         a.set_xlabel("prompt tokens")
         a.legend(fontsize=7)
-    fig.suptitle("mk prefill, real geometry, synthetic weights (H200)")
+    fig.suptitle(f"mk prefill, real geometry, synthetic weights ({card_name()})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -179,25 +198,24 @@ def main() -> None:
     lengths = [8192] if args.quick else [512, 2048, 8192, 32768, 131072]
     for n in lengths:
         reps = 3 if n <= 8192 else 2 if n <= 32768 else 1
-        rows.append(measure(fast, cfg, [n], reps, gen, f"prompt {n}"))
-        torch.cuda.empty_cache()  # this size's pool
-        print(rows[-1], flush=True)
+        rows.append(measure_point(fast, cfg, [n], reps, gen, f"prompt {n}"))
     if not args.quick:
         for chunk in (1024, 2048, 4096):
-            rows.append(measure(Prefill(model, chunk=chunk), cfg, [8192], 3, gen, f"prompt 8192, chunk {chunk}"))
-            print(rows[-1], flush=True)
+            case = f"prompt 8192, chunk {chunk}"
+            rows.append(measure_point(Prefill(model, chunk=chunk), cfg, [8192], 3, gen, case))
         for label, kw in (("eager elementwise", {"compile": False}), ("sdpa attention", {"attention": "sdpa"})):
-            rows.append(measure(Prefill(model, chunk=args.chunk, **kw), cfg, [8192], 2, gen, f"prompt 8192, {label}"))
-            print(rows[-1], flush=True)
-    batch = measure(fast, cfg, [1024] * 8, 3, gen, "8 x 1K, one call")
-    singles = measure(fast, cfg, [1024] * 8, 3, gen, "8 x 1K, one call each", singly=True)
-    batch["speedup_vs_singles"] = singles["ms"] / batch["ms"]
+            case = f"prompt 8192, {label}"
+            rows.append(measure_point(Prefill(model, chunk=args.chunk, **kw), cfg, [8192], 2, gen, case))
+    batch = measure_point(fast, cfg, [1024] * 8, 3, gen, "8 x 1K, one call")
+    singles = measure_point(fast, cfg, [1024] * 8, 3, gen, "8 x 1K, one call each", singly=True)
+    if "skipped" not in batch and "skipped" not in singles:
+        batch["speedup_vs_singles"] = singles["ms"] / batch["ms"]
     rows += [batch, singles]
-    print(batch, singles, sep="\n", flush=True)
 
     cols = ["case", "tokens", "chunk", "ms", "tok_s", "tflop_s", "matmul_fraction", "peak_activation_gib"]
     print_table("prefill, real geometry, synthetic weights (matmul rate 790 TFLOP/s)", rows, cols)
-    print(f"batch of eight 1K prompts: {batch['speedup_vs_singles']:.2f}x eight single prefills")
+    if "speedup_vs_singles" in batch:
+        print(f"batch of eight 1K prompts: {batch['speedup_vs_singles']:.2f}x eight single prefills")
     print(f"paths: {fast.attention} attention, {fast.moe} MoE, compiled elementwise: {fast.compiled}")
     write_json(args.json, "prefill", rows, setup_s=setup_s, compile_s=compile_s, chunk=args.chunk)
     plot(rows, Path(args.json).with_suffix(".png"))

@@ -17,6 +17,10 @@ do that too, but such rows are sampled on the host, one step at a time: not what
   python benches/serve.py --server-args=--synthetic        # a server started with these flags (with "=":
                                                            # a value starting with "--" is a flag otherwise)
   python benches/serve.py --rates 2,5,10                   # open loop: requests arriving at these rates a second
+
+A level whose requests fail because the server's GPU ran out of memory (their error, or the log of a
+server this script started, says so) is a row marked `skipped`, as is every level after the server
+it started has exited, and the run goes on; any other failure stops it.
 """
 
 from __future__ import annotations
@@ -36,7 +40,11 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_json  # noqa: E402
+from common import OUT_OF_MEMORY, print_table, says_out_of_memory, skipped, write_json  # noqa: E402
+
+
+class RequestFailed(RuntimeError):
+    """The server answered a request with an error: an error status, or an error chunk in its stream."""
 
 
 def pct(values: list[float], q: float) -> float:
@@ -51,11 +59,15 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     arrivals: list[float] = []
     tokens, most_per_chunk = 0, 0
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        r.raise_for_status()
+        if r.is_error:
+            await r.aread()
+            raise RequestFailed(f"HTTP {r.status_code}: {r.text[:500]}")
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RequestFailed(str(chunk["error"].get("message", chunk["error"])))
             done = chunk["usage"]["completion_tokens"]
             if done > tokens:
                 # a chunk's tokens arrived together: the first after the gap, the others at once
@@ -138,6 +150,23 @@ def summarise(results: list[dict], wall: float) -> dict:
     }
 
 
+def run_point(point: dict, run, server) -> dict:
+    """One level's row (`run`: its coroutine), or `point` (the level's concurrency or rate) marked
+    skipped where its requests failed because the server's GPU ran out of memory: what they were
+    answered says so or, for a server this script started, its log since the level began does."""
+    if server is not None and server.proc.poll() is not None:
+        run.close()  # (never awaited)
+        return skipped(point, f"the server exited with {server.proc.returncode}")
+    logged = len(server.output()) if server is not None else 0
+    try:
+        return asyncio.run(run)
+    except (RequestFailed, httpx.HTTPError) as e:
+        said = str(e) + (server.output()[logged:] if server is not None else "")
+        if not says_out_of_memory(said):
+            raise
+    return skipped(point, OUT_OF_MEMORY)
+
+
 def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from server_util import ServerProcess
@@ -177,10 +206,12 @@ def main() -> None:
         rows = []
         if args.rates:
             for rate in (float(x) for x in args.rates.split(",")):
-                rows.append(asyncio.run(run_rate(url, rate, args.requests or 32, prompt, args.max_tokens)))
+                run = run_rate(url, rate, args.requests or 32, prompt, args.max_tokens)
+                rows.append(run_point({"rate": rate}, run, server))
         else:
             for c in (int(x) for x in args.concurrency.split(",")):
-                rows.append(asyncio.run(run_level(url, c, args.requests or max(8, 4 * c), prompt, args.max_tokens)))
+                run = run_level(url, c, args.requests or max(8, 4 * c), prompt, args.max_tokens)
+                rows.append(run_point({"concurrency": c}, run, server))
         columns = ["rate" if args.rates else "concurrency", "requests", "req_per_s", "out_tok_per_s",
                    "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms",
                    "e2e_p50_s", "every_token_streamed"]  # fmt: skip

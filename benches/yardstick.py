@@ -19,6 +19,13 @@ def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(torch.bfloat16)
 
 
+def gathered_bytes(cfg: ModelConfig, batch: int, ctx: int) -> int:
+    """The K and V a full-attention layer of the step gathers through the block tables (bf16): the
+    least the step needs beside the cache and the weights, before SDPA's own work space. A point
+    where this is not free cannot run."""
+    return 2 * batch * ctx * cfg.kv_width * 2
+
+
 class TorchDecode:
     def __init__(self, cfg: ModelConfig, w: dict, stacked: dict, k_pool, v_pool, tables, positions) -> None:
         self.cfg, self.w, self.stacked = cfg, w, stacked
@@ -35,9 +42,12 @@ class TorchDecode:
         self.grouped = hasattr(torch, "_grouped_mm")
 
     def step_checked(self, tokens):
-        """First (eager) step: falls back to gathered experts if grouped matmuls are refused."""
+        """First (eager) step: falls back to gathered experts if grouped matmuls are refused (not
+        when the card is out of memory: the gathered experts take more)."""
         try:
             return self.step(tokens)
+        except torch.cuda.OutOfMemoryError:
+            raise
         except RuntimeError:
             self.grouped = False
             return self.step(tokens)

@@ -53,6 +53,9 @@ for k, name in enumerate(names):
     key = f"mk_kernel{k}_ms" if len(names) > 1 else "mk_ms"
     cells = []
     for r in rows:
+        if "skipped" in r:  # (a point that did not fit the card)
+            cells.append(f"{r['batch']}x{r['ctx']}: skipped")
+            continue
         extra = [f"{n[3:-3]} {v:.3f}" for n, v in r.items() if n.startswith("mk_") and n.endswith("_ms")
                  and n not in ("mk_ms", "mk_balanced_ms") and "kernel" not in n and v and k == 0]
         same = "" if k == 0 or r.get(f"kernel{k}_same_logits", True) else " (logits differ)"

@@ -30,11 +30,15 @@ grid)
 import glob, json, sys
 src, dst = sys.argv[1:]
 rows = {"decode": [], "yardstick": []}
+card = {}  # the card the decode rows ran on and the bandwidth of their speed of light
 for kind in rows:
     for f in sorted(glob.glob(f"{src}/{kind}-*.json")):
-        data = json.load(open(f))
+        data = json.load(open(f))  # a bench's record ({"rows": [...]}) or the yardstick's list of lines
+        if isinstance(data, dict):
+            card.update({k: data[k] for k in ("device", "sol_card", "sol_bytes_per_s") if k in data})
         rows[kind] += data["rows"] if isinstance(data, dict) else data
-json.dump(rows, open(dst, "w"), indent=1)
+# Points that did not fit the card stay as they are: rows with "skipped" (the reason) and no timing.
+json.dump({**card, **rows}, open(dst, "w"), indent=1)
 PY
     sanitize_steps "$final/sanitize.log" 120
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$final/sanitize.log"

@@ -37,22 +37,41 @@ python3 - "$OUT" <<'PY'
 import glob, json, sys
 out = sys.argv[1]
 runs, ys = {}, {}
+
+
+def rows_of(path):  # a bench's record ({"rows": [...]}) or the yardstick of record's list of lines
+    data = json.load(open(path))
+    return data["rows"] if isinstance(data, dict) else data
+
+
 for f in sorted(glob.glob(f"{out}/decode-*.json")):
-    for r in json.load(open(f))["rows"]:
+    for r in rows_of(f):
         runs.setdefault((r["batch"], r["ctx"]), []).append(r)
-# Each point's median process (the lower middle of an even count).
-mk = {key: sorted(rs, key=lambda r: r["mk_ms"])[(len(rs) - 1) // 2] for key, rs in runs.items()}
+# Each point's median process (the lower middle of an even count) among those that timed it; a point
+# skipped (it did not fit the card) or with no timing in every process prints as skipped.
+mk = {}
+for key, rs in runs.items():
+    timed = sorted((r for r in rs if r.get("mk_ms") is not None), key=lambda r: r["mk_ms"])
+    mk[key] = timed[(len(timed) - 1) // 2] if timed else None
 for f in sorted(glob.glob(f"{out}/yardstick-*.json")):
-    for r in json.load(open(f)):
-        if "B" in r and r.get("graph_ms"):
-            ys[(r["B"], r["ctx"])] = r["graph_ms"]
+    for r in rows_of(f):
+        b = r.get("B", r.get("batch"))
+        if b is None or "ctx" not in r:
+            continue  # the yardstick's first line: the card, torch, the copy bandwidth
+        ys[(b, r["ctx"])] = r.get("graph_ms") or "skipped"
 print(f"{'batch':>5} {'ctx':>7} {'mk_ms':>7} {'tok_s':>6} {'sol':>5} {'ys_ms':>7} {'mk/ys':>6}  sol of each run")
-for key in sorted(mk):
-    r, y = mk[key], ys.get(key)
-    ratio = f"{y / r['mk_ms']:.2f}x" if y else "-"
-    each = " ".join(f"{x['sol_fraction']:.3f}" for x in runs[key]) if len(runs[key]) > 1 else ""
-    print(f"{key[0]:>5} {key[1]:>7} {r['mk_ms']:7.2f} {r['mk_tok_s']:6.0f} {r['sol_fraction']:5.2f} "
-          f"{(f'{y:.2f}' if y else '-'):>7} {ratio:>6}  {each}")
+for key in sorted(set(mk) | set(ys)):
+    r, y = mk.get(key), ys.get(key)
+    ys_ms = "-" if y is None else y if isinstance(y, str) else f"{y:.2f}"  # (a str: "skipped")
+    if r is None:
+        mk_cells = f"{'skipped' if key in runs else '-':>7} {'-':>6} {'-':>5}"
+        ratio, each = "-", ""
+    else:
+        mk_cells = f"{r['mk_ms']:7.2f} {r['mk_tok_s']:6.0f} {r['sol_fraction']:5.2f}"
+        ratio = f"{y / r['mk_ms']:.2f}x" if isinstance(y, (int, float)) else "-"
+        each = [f"{x['sol_fraction']:.3f}" if x.get("mk_ms") is not None else "skipped" for x in runs[key]]
+        each = " ".join(each) if len(each) > 1 else ""
+    print(f"{key[0]:>5} {key[1]:>7} {mk_cells} {ys_ms:>7} {ratio:>6}  {each}")
 PY
 grep -E "failed|Error" "$OUT/grid.log" | head -n 10
 exit $status

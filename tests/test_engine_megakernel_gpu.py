@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import json
 import re
 import statistics
@@ -291,7 +292,8 @@ def test_the_server_streams_a_chat_completion_on_the_megakernel():
     # The GPU machine may lack the server's packages (carry their wheels: see the report).
     for name in ("pydantic", "granian", "cohere_melody"):
         pytest.importorskip(name)
-    torch.cuda.empty_cache()  # (the server plans its memory from what this process leaves free)
+    gc.collect()  # (the server plans its memory from what this process leaves free)
+    torch.cuda.empty_cache()
     server = ServerProcess("--synthetic", "--backend", "megakernel", "--max-context", "4096").wait_ready(timeout=600)
     try:
         body = {

@@ -12,6 +12,7 @@ its addresses; the compilation is not repeated).
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ GPU_MEMORY_UTILIZATION = 0.9
 # Kept out of the KV pool beyond the measured peak: what the warm-up does not allocate (the Rust
 # engine's device buffers and the megakernel's image, a layer-sliced chunk's residual) and the
 # caching allocator's growth under other shapes.
-MARGIN = 1 * GiB
+MARGIN = GiB // 2
 
 
 class MemoryPlanError(ValueError):
@@ -121,6 +122,7 @@ def measure(
     blocks; one over `scratch_blocks` is warmed up (a progress bar with `progress`), measured and
     dropped."""
     torch.cuda.synchronize(device)
+    gc.collect()  # (an engine dropped in a reference cycle still holds its pool until collected)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     before = total - free
@@ -130,7 +132,14 @@ def measure(
     runner = runner_over(scratch_blocks)
     try:
         scratch = runner.kv.k.nbytes + runner.kv.v.nbytes
-        runner.warm_up(progress)
+        try:
+            runner.warm_up(progress)
+        except torch.cuda.OutOfMemoryError as e:
+            what = str(e).split(".")[0]
+            raise MemoryPlanError(
+                f"the prefill's warm-up does not fit the {free / GiB:.1f} GiB the weights leave free ({what}): "
+                "lower --prefill-chunk or turn off --prefill-graphs"
+            ) from None
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_reserved(device) - reserved - scratch
         torch.cuda.empty_cache()

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import torch
 
-# Datasheet HBM bandwidth (bytes/s) of each card mk is measured on, by a word of its device name:
-# the speed-of-light denominator of every mk benchmark (H100 SXM: HBM3; H200: HBM3e).
-HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
-# The card whose figure stands for one not named above (the card mk was sized on).
+from cards import HBM_BYTES_PER_S, card_of
+
+# The card whose figure stands for one HBM_BYTES_PER_S does not name (the card mk was sized on).
 DEFAULT_CARD = "H200"
 # What a point that does not fit is recorded as (the shared yardstick of record's words).
 OUT_OF_MEMORY = "out of memory on this card"
@@ -28,8 +27,7 @@ def card_name() -> str | None:
 
 def card_kind() -> str:
     """The key of HBM_BYTES_PER_S that the device name contains, else DEFAULT_CARD."""
-    name = card_name() or ""
-    return next((kind for kind in HBM_BYTES_PER_S if kind in name), DEFAULT_CARD)
+    return card_of(card_name()) or DEFAULT_CARD
 
 
 def card_bandwidth() -> float:

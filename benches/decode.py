@@ -3,7 +3,7 @@ yardstick measured in the same run.
 
 Synthetic N(0, 0.01) weights and random KV (no prefill): every row writes at position ctx - 1.
 Speed of light (SOL) = bytes the step must move / the card's datasheet HBM bandwidth
-(benches/common.py, HBM_BYTES_PER_S; recorded in the JSON): all non-expert weights, the experts
+(benches/cards.py, HBM_BYTES_PER_S; recorded in the JSON): all non-expert weights, the experts
 selected by at least one row (the kernel's routing of the last layer, times the MoE layers), the
 LM head, the KV each row reads (full layers: the whole context; sliding: the window) and the
 embedding rows. Prints a table, writes JSON (and a PNG plot when matplotlib is there).

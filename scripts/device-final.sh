@@ -12,6 +12,9 @@
 # Writes $OUT/gpu-tests.log, or $OUT/{grid.log,grid.json,sanitize.log,engine.log,engine.json}
 # (at most 8 files come back), and prints the tests' summary, or the grid's table, the sanitizers'
 # summaries and the engine's tables.
+# After the calls, record the run here, on the files that came back (the results of record:
+# benches/results/<card>.json and README's table):
+#   python scripts/record_results.py --commit <sha of that code> --date <day> grid.json engine.json
 set -uo pipefail
 source "$(dirname "$0")/device-env.sh"
 final=$OUT

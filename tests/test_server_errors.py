@@ -1,6 +1,7 @@
 """Bad input gets its status and an OpenAI error body (never a 500), on a server with an API key and small
 limits (one sequence at a time, one waiting, 2048-token context, 1 MiB bodies)."""
 
+import json
 import threading
 import time
 
@@ -10,12 +11,37 @@ import pytest
 from server_util import ServerProcess
 
 from mk.default_model import NAME
+from mk.server.params import MAX_GRAMMAR_BYTES, MAX_GUIDED_CHOICES
+from mk.server.schemas import SEED_MAX, SEED_MIN, U32_MAX
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]
+# Options that all begin alike, so that the grammar engine follows every one of them at once.
+CHOICES = [f"c{i:05d}" for i in range(MAX_GUIDED_CHOICES)]
+TOO_MANY_CHOICES = [*CHOICES, "c99999"]
+BIG_SCHEMA = {"type": "object", "description": "x" * MAX_GRAMMAR_BYTES}
+# Client input that once got a 500 (or, streamed, a 200 and then an error event): each is a 400 naming
+# its field on both routes.
+BAD_ON_BOTH_ROUTES = [
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_json": ""}, "guided_json"),
+    ({"guided_json": "x"}, "guided_json"),
+    ({"guided_json": "\u0000"}, "guided_json"),
+    ({"guided_json": "[" * 10_000}, "guided_json"),
+    ({"top_k": U32_MAX + 1}, "top_k"),
+    ({"stop_token_ids": [U32_MAX + 1]}, "stop_token_ids"),
+    ({"stop_token_ids": [1, 2**64]}, "stop_token_ids"),
+    ({"seed": SEED_MAX + 1}, "seed"),
+    ({"seed": SEED_MIN - 1}, "seed"),
+    ({"guided_choice": TOO_MANY_CHOICES}, "guided_choice"),
+    ({"guided_choice": TOO_MANY_CHOICES, "stream": True}, "guided_choice"),
+    ({"guided_regex": "x" * (MAX_GRAMMAR_BYTES + 1)}, "guided_regex"),
+    ({"guided_grammar": 'start: "' + "x" * MAX_GRAMMAR_BYTES + '"'}, "guided_grammar"),
+    ({"guided_json": BIG_SCHEMA}, "guided_json"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +145,53 @@ def test_bad_chat_fields_name_the_field(server, body, param):
 )
 def test_bad_completion_fields_name_the_field(server, body, param):
     assert_error(post(server, COMP, body), 400, param)
+
+
+@pytest.mark.parametrize("fields,param", BAD_ON_BOTH_ROUTES)
+@pytest.mark.parametrize("path", [CHAT, COMP])
+def test_out_of_range_integers_and_bad_or_oversized_grammars_are_400s(server, path, fields, param):
+    start = {"messages": USER} if path == CHAT else {"prompt": "x"}
+    err = assert_error(post(server, path, {**start, "max_tokens": 4, **fields}), 400, param)
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "fields,param",
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": BIG_SCHEMA}}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": BIG_SCHEMA}}]}, "tools"),
+    ],
+)
+def test_oversized_chat_grammars_are_400s(server, fields, param):
+    assert_error(post(server, CHAT, {"messages": USER, **fields}), 400, param)
+
+
+def test_integers_at_the_engines_limits_and_the_most_choices_are_served(server):
+    edges = {"top_k": U32_MAX, "stop_token_ids": [U32_MAX], "max_tokens": 2}
+    for seed in (SEED_MIN, SEED_MAX):
+        for path, start in [(CHAT, {"messages": USER}), (COMP, {"prompt": "x"})]:
+            r = post(server, path, {**start, **edges, "seed": seed})
+            assert r.status_code == 200, r.text
+    # As many options as are allowed, all open together after their first character: the answer is one.
+    r = post(server, COMP, {"prompt": "x", "guided_choice": CHOICES, "max_tokens": 16, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] in CHOICES
+    body = {"messages": USER, "guided_choice": CHOICES, "max_tokens": 32, "temperature": 0}
+    r = post(server, CHAT, {**body, "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] in CHOICES
+
+
+def test_a_prompt_too_large_for_the_context_is_refused_before_it_is_tokenized(server):
+    """Its size alone (bytes / the tokenizer's longest token) proves it cannot fit: the 400 says so."""
+    text = "a " * 200_000
+    for path, body, param in [
+        (COMP, {"prompt": text}, "prompt"),
+        (CHAT, {"messages": [{"role": "user", "content": text}]}, "messages"),
+    ]:
+        err = assert_error(post(server, path, body), 400, param, contains="has at least")
+        assert err["code"] == "context_length_exceeded" and "bytes of text" in err["message"], err
+        assert "2048" in err["message"]
 
 
 TOOL = {"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}
@@ -327,7 +400,7 @@ def test_prompts_are_rendered_and_tokenized_off_the_event_loop():
     threads = []
     tokenizer = Tokenizer.builtin(512)
 
-    def encode(text, add_special_tokens=True):
+    def encode(text, add_special_tokens=True, limit=None):
         threads.append(threading.get_ident())
         raise bad_request("stop before the engine")
 
@@ -342,7 +415,7 @@ def test_prompts_are_rendered_and_tokenized_off_the_event_loop():
     async def run() -> int:
         for handler, body in [(chat_completions, {"messages": USER}), (completions, {"prompt": "x"})]:
             with pytest.raises(APIError, match="stop before the engine"):
-                await handler(state, body, {"id": "t"})
+                await handler(state, json.dumps(body).encode(), {"id": "t"})
         return threading.get_ident()
 
     loop_thread = asyncio.run(run())

@@ -6,6 +6,7 @@ settings); against a real server, fewer go all the way through HTTP, generation 
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -14,10 +15,11 @@ from hypothesis import strategies as st
 from server_util import ServerProcess
 
 from mk.default_model import NAME
-from mk.server.chat import build_prompt
+from mk.server.chat_completions import _prepare as prepare_chat
+from mk.server.completions import _prepare as prepare_completion
 from mk.server.errors import APIError
-from mk.server.params import constraint, max_new_tokens, refuse_unsupported, sampling_params
-from mk.server.schemas import ChatRequest, CompletionRequest
+from mk.server.params import MAX_GRAMMAR_BYTES, MAX_GUIDED_CHOICES, constraint, max_new_tokens, sampling_params
+from mk.server.schemas import SEED_MAX, SEED_MIN, U32_MAX, ChatRequest, CompletionRequest
 from mk.server.state import ServerState
 from mk.tokenizer import Tokenizer
 
@@ -72,13 +74,24 @@ def mostly(valid, odd=json_leaf):
     return st.one_of(valid, valid, valid, odd)
 
 
+# Integers at and past the edges of the engine's widths (u32 top_k and token ids, 64-bit seeds).
+u32_edges = st.sampled_from([U32_MAX, U32_MAX + 1, 2**64, -(2**63)])
+seed_edges = st.sampled_from([SEED_MIN, SEED_MIN - 1, SEED_MAX, SEED_MAX + 1])
+# Grammar inputs: invalid, oversized (past MAX_GUIDED_CHOICES and MAX_GRAMMAR_BYTES) and a few valid ones.
+bad_json_texts = st.sampled_from(["{not json", "", "x", "\u0000", "[" * 100_000, '{"type": "nope"}', "3"])
+guided_json = st.one_of(bad_json_texts, st.just('{"type": "string"}'), st.just({"type": "integer"}), json_any)
+many_choices = st.just([f"c{i:05d}" for i in range(MAX_GUIDED_CHOICES + 1)])
+guided_choice = st.one_of(st.lists(st.text(max_size=4), min_size=1, max_size=3), many_choices, json_leaf)
+long_regex = st.just("x" * (MAX_GRAMMAR_BYTES + 1))
+guided_regex = st.one_of(st.sampled_from(["[a-z]+", "(", "a{2,1}", "\\"]), long_regex, json_leaf)
+
 sampling = {
     "model": mostly(st.just(NAME), st.sampled_from(["other", 3])),
     "max_tokens": mostly(st.integers(1, 6), small),
     "temperature": mostly(st.floats(0, 2), st.floats(-1, 3) | json_leaf),
     "top_p": mostly(st.floats(0.01, 1), st.floats(-0.5, 1.5) | json_leaf),
-    "top_k": mostly(st.integers(-1, 50), small),
-    "seed": mostly(st.integers(-(2**70), 2**70)),
+    "top_k": mostly(st.integers(-1, 50), small | u32_edges),
+    "seed": mostly(st.integers(-(2**70), 2**70), seed_edges),
     "n": mostly(st.integers(1, 3), small),
     "stop": mostly(st.lists(st.text(min_size=1, max_size=3), max_size=3), json_any),
     "stream": mostly(st.booleans()),
@@ -86,11 +99,28 @@ sampling = {
     "presence_penalty": mostly(st.just(0), st.floats(-2, 2) | json_leaf),
     "frequency_penalty": mostly(st.just(0.0), st.floats(-2, 2) | json_leaf),
     "logit_bias": mostly(st.just({}), json_any),
-    "stop_token_ids": mostly(st.lists(st.integers(0, 600), max_size=3), st.lists(st.integers(-3, 600)) | json_leaf),
+    "stop_token_ids": mostly(
+        st.lists(st.integers(0, 600), max_size=3), st.lists(st.integers(-3, 600) | u32_edges, max_size=3) | json_leaf
+    ),
     "ignore_eos": mostly(st.booleans()),
     "unknown_field": json_any,
 }
-chat_body = st.fixed_dictionaries(
+# One grammar field in about half the bodies (more than one is a 400 of its own).
+grammar = st.one_of(
+    st.just({}),
+    st.just({}),
+    st.just({}),
+    st.fixed_dictionaries({"guided_json": guided_json}),
+    st.fixed_dictionaries({"guided_choice": guided_choice}),
+    st.fixed_dictionaries({"guided_regex": guided_regex}),
+)
+
+
+def with_grammar(body: st.SearchStrategy) -> st.SearchStrategy:
+    return st.builds(lambda fields, extra: {**fields, **extra}, body, grammar)
+
+
+chat_fields = st.fixed_dictionaries(
     {"messages": st.lists(message, max_size=4) | json_leaf},
     optional={
         **sampling,
@@ -104,14 +134,16 @@ chat_body = st.fixed_dictionaries(
         "chat_template_kwargs": st.fixed_dictionaries({}, optional={"enable_thinking": json_leaf}) | json_leaf,
     },
 )
-completion_body = st.fixed_dictionaries(
+completion_fields = st.fixed_dictionaries(
     {"prompt": st.one_of(st.text(max_size=20), st.lists(st.integers(-2, 600), max_size=5), json_any)},
     optional={**sampling, "echo": json_leaf, "suffix": json_leaf, "logprobs": small, "best_of": small},
 )
+chat_body, completion_body = with_grammar(chat_fields), with_grammar(completion_fields)
 
 
 class _FakeEngine:
     max_context = 512
+    config = SimpleNamespace(vocab_size=512)
 
 
 STATE = ServerState(_FakeEngine(), Tokenizer.builtin(512), NAME)
@@ -119,17 +151,14 @@ STATE = ServerState(_FakeEngine(), Tokenizer.builtin(512), NAME)
 
 def prepare(kind: str, body: dict) -> None:
     """Everything a route does before it submits, minus the engine."""
-    from mk.server.schemas import validate
-
-    req = validate(ChatRequest if kind == "chat" else CompletionRequest, body)
-    STATE.check_model(req.model)
-    refuse_unsupported(req)
+    raw = json.dumps(body).encode()
     if kind == "chat":
-        ids = build_prompt(req, STATE.tokenizer).token_ids
-    else:
-        ids = [1] * (len(req.prompt) if isinstance(req.prompt, list) else 4)
-    budget = max_new_tokens(req, len(ids), STATE.engine.max_context)
-    sampling_params(req, budget, 0, None)
+        chat = prepare_chat(STATE, raw)
+        sampling_params(chat.req, chat.max_tokens, 0, None, chat.grammar)
+        return
+    completion = prepare_completion(STATE, raw)
+    for budget in completion.budgets:
+        sampling_params(completion.req, budget, 0, completion.req.logprobs, completion.grammar)
 
 
 @pytest.mark.parametrize("parallel,one", [(True, False), (None, False), (False, True)])
@@ -178,15 +207,45 @@ def test_server_answers_fuzzed_bodies_without_500(server, kind, data):
     body.setdefault("max_tokens", 4)
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     r = asyncio.run(_post(server.url + path, body))
-    assert r.status_code < 500, (body, r.text)
     event(f"{kind} {r.status_code}")
+    check_answer(r, body)
+
+
+# One odd field in an otherwise valid body, so that it reaches the engine: integers past the engine's
+# widths, grammars that are invalid or too large.
+one_odd_field = st.one_of(
+    st.fixed_dictionaries({"top_k": u32_edges}),
+    st.fixed_dictionaries({"seed": seed_edges}),
+    st.fixed_dictionaries({"stop_token_ids": st.lists(u32_edges, min_size=1, max_size=2)}),
+    st.fixed_dictionaries({"guided_json": guided_json}),
+    st.fixed_dictionaries({"guided_choice": guided_choice}),
+    st.fixed_dictionaries({"guided_regex": guided_regex}),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(["chat", "completion"]), st.booleans(), one_odd_field)
+def test_server_answers_one_odd_field_with_a_400_or_a_whole_answer(server, kind, stream, field):
+    """Never a 500, and streamed never a 200 that then reports an error."""
+    start = {"messages": [{"role": "user", "content": "x"}]} if kind == "chat" else {"prompt": "x"}
+    body = {**start, "max_tokens": 8, "stream": stream, **field}
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    r = asyncio.run(_post(server.url + path, body))
+    event(f"{kind} {r.status_code} {r.json()['error']['param'] if r.status_code == 400 else ''}")
+    events = check_answer(r, body)
+    assert not any("error" in e for e in events), (body, events)
+
+
+def check_answer(r: httpx.Response, body: dict) -> list[dict]:
+    """No 5xx; an error as an OpenAI error body; a stream that ends with [DONE]. The stream's events."""
+    assert r.status_code < 500, (body, r.text)
     if r.status_code >= 400:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     elif r.headers["content-type"].startswith("text/event-stream"):
         events = [e for e in r.text.split("\n\n") if e]
         assert events[-1] == "data: [DONE]", r.text[-200:]
-        for sse in events[:-1]:
-            json.loads(sse.removeprefix("data: "))
+        return [json.loads(sse.removeprefix("data: ")) for sse in events[:-1]]
+    return []
 
 
 async def _post(url: str, body: dict) -> httpx.Response:

@@ -132,7 +132,7 @@ def test_history_ids_are_renumbered_per_turn_for_the_model():
             "tool_choice": "required",
         }
     )
-    prompt = build_prompt(req, tok)
+    prompt = build_prompt(req, tok, max_context=4096)
     text = tok.decode(prompt.token_ids)
     assert "call_abc" not in text and "call_def" not in text
     assert '"tool_call_id": "1", "results": {"0": "2"}' in text

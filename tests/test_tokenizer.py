@@ -13,7 +13,7 @@ from mk import tokenizer_files
 from mk.config import ModelConfig
 from mk.model import synthetic_weights, write_checkpoint
 from mk.textstream import Detokenizer, StopMatcher
-from mk.tokenizer import TemplateError, Tokenizer
+from mk.tokenizer import TemplateError, Tokenizer, TooManyTokens
 
 TOK = Tokenizer.builtin(512)
 CHAT = [
@@ -185,9 +185,8 @@ def test_a_next_turn_tokenizes_only_its_new_messages(monkeypatch):
     tok.encode(first, add_special_tokens=False)
     encoded: list[str] = []
     hf = tok._segments.hf
-    monkeypatch.setattr(
-        tok._segments, "hf", type("Spy", (), {"encode": lambda _, t, **kw: encoded.append(t) or hf.encode(t, **kw)})()
-    )
+    spy = {"encode_batch_fast": lambda _, texts, **kw: encoded.extend(texts) or hf.encode_batch_fast(texts, **kw)}
+    monkeypatch.setattr(tok._segments, "hf", type("Spy", (), spy)())
     new = {"role": "user", "content": "now make it faster " * 10}
     second = tok.apply_chat_template([*history, new])
     assert tok.encode(second, add_special_tokens=False) == hf.encode(second, add_special_tokens=False).ids
@@ -261,3 +260,53 @@ def test_no_segment_cache_where_tokenizers_would_not_split_alike(monkeypatch):
         text = f"message {i}: " + "lorem ipsum dolor " * 8
         assert tok.encode(text, add_special_tokens=False) == tok.hf.encode(text, add_special_tokens=False).ids
     assert 0 < tok._segments.chars <= 1000 and len(tok._segments.pieces) <= 1000 // 64
+
+
+# ---- bounds on a text's token count (a prompt refused before or while it is tokenized) ----------
+dashes = st.integers(1, 300).map(lambda n: "-" * n)  # runs of the longest tokens of the built-in model
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(long_texts, dashes, st.sampled_from(sorted(EMBEDDED._segments.added))), max_size=8))
+def test_a_texts_size_never_promises_more_tokens_than_it_has(parts):
+    text = "".join(parts)
+    for tok in (EMBEDDED, TOK):
+        for special in (True, False):
+            assert tok.fewest_tokens(text) <= len(tok.encode(text, add_special_tokens=special))
+
+
+def test_the_longest_token_bounds_only_tokenizers_it_is_sound_for():
+    longest_piece = max(len(p) for p in EMBEDDED.hf.get_vocab(with_added_tokens=False))
+    assert EMBEDDED.max_token_bytes == longest_piece  # longer than every special token
+    assert TOK.max_token_bytes == max(len(t) for t in tokenizer_files.SPECIAL_TOKENS)
+    assert PIECEWISE.max_token_bytes is None  # NFC may shrink text
+    assert PIECEWISE.fewest_tokens("x" * 10_000) == 0
+    truncating = with_steps(truncation={"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0})
+    assert truncating.max_token_bytes is None
+    spec = json.loads(TOK.hf.to_str())
+    spec["added_tokens"][-1]["lstrip"] = True  # one token for the token and every space before it
+    stripping = with_steps(added_tokens=spec["added_tokens"])
+    assert len(stripping.encode(" " * 1000 + spec["added_tokens"][-1]["content"], add_special_tokens=False)) == 1
+    assert stripping.max_token_bytes is None
+    byte_level = json.loads(TOK.hf.to_str())["pre_tokenizer"]
+    removing = {"type": "Split", "pattern": {"String": " "}, "behavior": "Removed", "invert": False}
+    for dropping in ({"type": "WhitespaceSplit"}, removing):
+        spaceless = with_steps(pre_tokenizer={"type": "Sequence", "pretokenizers": [dropping, byte_level]})
+        assert spaceless.encode(" " * 1000, add_special_tokens=False) == []
+        assert spaceless.max_token_bytes is None
+    split = {"type": "Split", "pattern": {"String": " "}, "behavior": "Isolated", "invert": False}
+    assert with_steps(pre_tokenizer={"type": "Sequence", "pretokenizers": [split, byte_level]}).max_token_bytes
+    assert EMBEDDED.fewest_tokens("é" * longest_piece) == 2  # two bytes a character
+
+
+@pytest.mark.parametrize("special", [True, False])  # False: through the segment cache
+def test_a_limit_refuses_a_text_with_too_many_tokens_and_counts_them_all(special):
+    tok = Tokenizer.builtin(512)
+    text = "<|START_RESPONSE|>".join(["print the first ten thousand primes, " * 20] * 3)
+    want = tok.hf.encode(text, add_special_tokens=special).ids
+    assert tok.encode(text, add_special_tokens=special, limit=len(want)) == want
+    for _ in range(2):  # the second time from the cache where there is one
+        with pytest.raises(TooManyTokens) as e:
+            tok.encode(text, add_special_tokens=special, limit=len(want) - 1)
+        assert (e.value.count, e.value.limit) == (len(want), len(want) - 1)
+        assert tok.encode(text, add_special_tokens=special) == want

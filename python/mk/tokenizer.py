@@ -12,16 +12,27 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Encoding, decoders, models
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders
 
 
 class TemplateError(ValueError):
     """The chat template refused the conversation (its `raise_exception`) or failed to render."""
 
 
+class TooManyTokens(ValueError):
+    """A text has more tokens than the caller's limit (`count`: how many it has)."""
+
+    def __init__(self, count: int, limit: int) -> None:
+        super().__init__(f"the text has {count} tokens, more than {limit}")
+        self.count, self.limit = count, limit
+
+
 class Tokenizer:
     """Encode, decode and render chats for one checkpoint."""
+
+    # Pre-tokenizer steps that keep every byte of the text (unless told to remove what they split on).
+    BYTE_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Digits", "Split", "Punctuation"})
 
     def __init__(self, tokenizer: HFTokenizer, config: dict[str, Any]) -> None:
         self.hf = tokenizer
@@ -56,10 +67,50 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.hf.get_vocab_size()
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
+        """The token ids of `text`; TooManyTokens where they are more than `limit`, found before a list
+        of them is made. Encodes through the batch call, which releases the GIL while it works (the
+        single-text `encode` keeps it): other threads, the server's event loop among them, run meanwhile."""
         if not add_special_tokens and self._segments is not None:
-            return self._segments.encode(text)
-        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+            return self._segments.encode(text, limit)
+        encoding = self.hf.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
+        if limit is not None and len(encoding) > limit:
+            raise TooManyTokens(len(encoding), limit)
+        return encoding.ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int | None:
+        """The most bytes of text one token can stand for, where that bounds a text's token count from
+        below (at least its UTF-8 bytes / this many): a byte-level BPE whose every token stands for as
+        many bytes of the text as it has byte symbols, and every added token for its own text. None for
+        any other tokenizer: a normalizer may shrink the text, a pre-tokenizer or truncation drop some,
+        a fused unknown token or an added token that strips the whitespace beside it stand for any run."""
+        hf, model = self.hf, self.hf.model
+        pre = json.loads(hf.pre_tokenizer.__getstate__()) if hf.pre_tokenizer else None
+        steps = _steps(pre, "pretokenizers")
+        added = hf.get_added_tokens_decoder().values()
+        sound = (
+            hf.normalizer is None
+            and hf.truncation is None
+            and isinstance(model, models.BPE)
+            and not (model.unk_token and model.fuse_unk)
+            and any(step["type"] == "ByteLevel" for step in steps)
+            and all(s["type"] in self.BYTE_KEEPING_PRE_TOKENIZERS and s.get("behavior") != "Removed" for s in steps)
+            and not any(t.lstrip or t.rstrip for t in added)
+        )
+        if not sound:
+            return None
+        pieces = (len(piece) for piece in hf.get_vocab(with_added_tokens=False))
+        return max(*pieces, *(len(t.content.encode()) for t in added), 1)
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on the number of tokens of `text` from its size alone (0 where the tokenizer
+        gives none): a prompt this bound already puts past the context is refused untokenized."""
+        longest = self.max_token_bytes
+        if longest is None:
+            return 0
+        size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+        return -(-size // longest)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -163,32 +214,44 @@ class _SegmentCache:
         cache.chars = 0
         return cache
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
+        """As Tokenizer.encode: TooManyTokens past `limit` before a list of the ids is made."""
+        split = self.split.split(text)  # the text between added tokens, and (odd places) the tokens
+        texts = split[::2]
+        with self.lock:
+            cached = {t: self.pieces[t] for t in texts if t in self.pieces}
+            for t in cached:
+                self.pieces.move_to_end(t)
+        fresh = list(dict.fromkeys(t for t in texts if t and t not in cached))
+        encodings = dict(zip(fresh, self._encode_batch(fresh), strict=True))
+        count = len(split) // 2 + sum(len(cached[t]) if t in cached else len(encodings.get(t, ())) for t in texts)
+        if limit is not None and count > limit:
+            raise TooManyTokens(count, limit)
+        fresh_ids = {t: e.ids for t, e in encodings.items()}
         ids: list[int] = []
-        for i, piece in enumerate(self.split.split(text)):
+        for i, piece in enumerate(split):
             if i % 2:
                 ids.append(self.added[piece])
             elif piece:
-                ids += self._piece(piece)
+                ids += cached[piece] if piece in cached else fresh_ids[piece]
+        self._keep(fresh_ids)
         return ids
 
-    def _piece(self, text: str) -> list[int]:
-        if len(text) < self.MIN_CHARS:
-            return self.hf.encode(text, add_special_tokens=False).ids
+    def _encode_batch(self, texts: list[str]) -> list[Encoding]:
+        # One batch call for all new pieces: it releases the GIL while it works.
+        return self.hf.encode_batch_fast(texts, add_special_tokens=False) if texts else []
+
+    def _keep(self, pieces: dict[str, list[int]]) -> None:
+        """Cache the pieces long enough to be worth it, the least recently used going first past the budget."""
         with self.lock:
-            ids = self.pieces.get(text)
-            if ids is not None:
-                self.pieces.move_to_end(text)
-                return ids
-        ids = self.hf.encode(text, add_special_tokens=False).ids
-        with self.lock:
-            if text not in self.pieces and len(text) <= self.BUDGET_CHARS:
+            for text, ids in pieces.items():
+                if len(text) < self.MIN_CHARS or len(text) > self.BUDGET_CHARS or text in self.pieces:
+                    continue
                 self.pieces[text] = ids
                 self.chars += len(text)
-                while self.chars > self.BUDGET_CHARS:
-                    old, _ = self.pieces.popitem(last=False)
-                    self.chars -= len(old)
-        return ids
+            while self.chars > self.BUDGET_CHARS:
+                old, _ = self.pieces.popitem(last=False)
+                self.chars -= len(old)
 
 
 def _steps(spec: dict | None, key: str) -> list[dict]:

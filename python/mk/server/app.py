@@ -147,11 +147,12 @@ class App:
         if self.state.draining:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
         http.require_json(scope)
-        obj = http.parse_json(await http.read_body(scope, receive, self.state.max_body_bytes))
-        await http.race_disconnect(self._respond(self._post[path], obj, send, info), receive)
+        body = await http.read_body(scope, receive, self.state.max_body_bytes)
+        await http.race_disconnect(self._respond(self._post[path], body, send, info), receive)
 
-    async def _respond(self, handler: Any, obj: Any, send: http.Send, info: dict) -> None:
-        result = await handler(self.state, obj, info)
+    async def _respond(self, handler: Any, body: bytes, send: http.Send, info: dict) -> None:
+        # The handler parses the body itself, on the threads that prepare requests (mk.server.offload).
+        result = await handler(self.state, body, info)
         if isinstance(result, dict):
             await http.send_json(send, 200, result)
             return

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mk.server.errors import bad_request
+from mk.server.params import encode_prompt
 from mk.server.schemas import ChatRequest, Message, NamedToolChoice
 from mk.tokenizer import TemplateError, Tokenizer
 from mk.toolcalls import START_THINKING, ToolPolicy
@@ -24,7 +25,9 @@ class ChatPrompt:
     policy: ToolPolicy
 
 
-def build_prompt(req: ChatRequest, tokenizer: Tokenizer) -> ChatPrompt:
+def build_prompt(req: ChatRequest, tokenizer: Tokenizer, max_context: int) -> ChatPrompt:
+    """The conversation's prompt; 400 for broken tool-call linkage, a template that refuses it, or a
+    prompt that leaves no room in `max_context` (mk.server.params.encode_prompt)."""
     names = [t.function.name for t in req.tools or []]
     if len(set(names)) != len(names):
         raise bad_request("two tools have the same name", "tools")
@@ -42,7 +45,7 @@ def build_prompt(req: ChatRequest, tokenizer: Tokenizer) -> ChatPrompt:
         text = tokenizer.apply_chat_template(messages, tools, add_generation_prompt=True, **kwargs)
     except TemplateError as e:
         raise bad_request(str(e), "messages") from None
-    ids = tokenizer.encode(text, add_special_tokens=False)  # the template wrote its own BOS
+    ids = encode_prompt(req, tokenizer, text, max_context, special=False)  # the template wrote its own BOS
     return ChatPrompt(ids, text.endswith(START_THINKING), policy)
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
+from mk.sampling import ConstraintSpec
 from mk.server.chat import ChatPrompt, build_prompt
 from mk.server.errors import APIError, bad_request, error_body
 from mk.server.generate import (
@@ -19,6 +20,7 @@ from mk.server.generate import (
     usage,
     with_usage,
 )
+from mk.server.http import parse_json
 from mk.server.logprobs import chat_logprobs
 from mk.server.params import constraint, max_new_tokens, parse_request, sampling_params
 from mk.server.schemas import ChatRequest
@@ -26,19 +28,24 @@ from mk.server.state import ServerState
 from mk.toolcalls import MARKERS, Cmd4Stream, ContentTokens, Delta, ToolCallError, parse
 
 
-async def chat_completions(state: ServerState, obj: Any, info: dict) -> dict | AsyncIterator:
+@dataclass(slots=True)
+class _Prepared:
+    req: ChatRequest
+    prompt: ChatPrompt
+    max_tokens: int
+    grammar: ConstraintSpec | None
+
+
+async def chat_completions(state: ServerState, body: bytes, info: dict) -> dict | AsyncIterator:
     arrival = time.monotonic()
-    req = parse_request(ChatRequest, obj, state)
-    if req.top_logprobs is not None and not req.logprobs:
-        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    # Rendering and tokenizing a long conversation takes seconds: off the event loop, so other
-    # streams and /health are not held up.
-    prompt = await asyncio.to_thread(build_prompt, req, state.tokenizer)
-    max_tokens = max_new_tokens(req, len(prompt.token_ids), state.engine.max_context)
+    prepared = await state.offload.run(len(body), _prepare, state, body)
+    req, prompt = prepared.req, prepared.prompt
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     rid = "chatcmpl-" + info["id"]
-    grammar = constraint(req, prompt.thinking)
-    requests = [(prompt.token_ids, sampling_params(req, max_tokens, i, logprobs, grammar)) for i in range(req.n)]
+    requests = [
+        (prompt.token_ids, sampling_params(req, prepared.max_tokens, i, logprobs, prepared.grammar))
+        for i in range(req.n)
+    ]
     runs = start_runs(state, requests, rid, req.stop, arrival, keep_special=MARKERS)
     state.metrics.count_prompt(len(prompt.token_ids) * req.n)
     info["prompt_tokens"] = len(prompt.token_ids)
@@ -48,6 +55,17 @@ async def chat_completions(state: ServerState, obj: Any, info: dict) -> dict | A
     choices = await gather_all([_collect(state, req, prompt, run) for run in runs])
     note(info, runs)
     return {**head, "choices": choices, "usage": usage(len(prompt.token_ids), runs)}
+
+
+def _prepare(state: ServerState, body: bytes) -> _Prepared:
+    """The request from its body, its conversation rendered and tokenized, its budget and grammar (on a
+    thread of mk.server.offload: for a long conversation this takes seconds)."""
+    req = parse_request(ChatRequest, parse_json(body), state)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    prompt = build_prompt(req, state.tokenizer, state.engine.max_context)
+    max_tokens = max_new_tokens(req, len(prompt.token_ids), state.engine.max_context)
+    return _Prepared(req, prompt, max_tokens, constraint(req, prompt.thinking))
 
 
 async def _collect(state: ServerState, req: ChatRequest, prompt: ChatPrompt, run: ChoiceRun) -> dict[str, Any]:

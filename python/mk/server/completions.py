@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from mk.sampling import ConstraintSpec
 from mk.server.errors import bad_request, error_body
 from mk.server.generate import ChoiceRun, collect, gather_all, note, start_runs, stream_choices, usage
+from mk.server.http import parse_json
 from mk.server.logprobs import completion_logprobs
-from mk.server.params import constraint, max_new_tokens, parse_request, sampling_params
+from mk.server.params import (
+    constraint,
+    context_exceeded,
+    encode_prompt,
+    max_new_tokens,
+    parse_request,
+    sampling_params,
+)
 from mk.server.schemas import CompletionRequest
 from mk.server.state import ServerState
 
@@ -22,20 +30,26 @@ class _Choice:
     echo: str  # prompt text to put before the completion ("" without echo)
 
 
-async def completions(state: ServerState, obj: Any, info: dict) -> dict | AsyncIterator:
+@dataclass(slots=True)
+class _Prepared:
+    req: CompletionRequest
+    prompts: list[tuple[list[int], str]]  # (token ids, text to echo) of every prompt
+    budgets: list[int]  # new tokens of each prompt's choices
+    grammar: ConstraintSpec | None
+
+
+async def completions(state: ServerState, body: bytes, info: dict) -> dict | AsyncIterator:
     arrival = time.monotonic()
-    req = parse_request(CompletionRequest, obj, state)
-    prompts = await asyncio.to_thread(_prompt_ids, req, state)  # tokenizing is slow: off the event loop
-    budgets = [max_new_tokens(req, len(ids), state.engine.max_context) for ids, _ in prompts]
+    prepared = await state.offload.run(len(body), _prepare, state, body)
+    req, prompts = prepared.req, prepared.prompts
     rid = "cmpl-" + info["id"]
-    grammar = constraint(req)
     requests = [
-        (ids, sampling_params(req, budget, i, req.logprobs, grammar))
-        for (ids, _), budget in zip(prompts, budgets, strict=True)
+        (ids, sampling_params(req, budget, i, req.logprobs, prepared.grammar))
+        for (ids, _), budget in zip(prompts, prepared.budgets, strict=True)
         for i in range(req.n)
     ]
     runs = start_runs(state, requests, rid, req.stop, arrival)
-    echoes = [text if req.echo else "" for _, text in prompts for _ in range(req.n)]
+    echoes = [text for _, text in prompts for _ in range(req.n)]
     choices = [_Choice(run, echo) for run, echo in zip(runs, echoes, strict=True)]
     prompt_tokens = sum(len(ids) for ids, _ in prompts)
     state.metrics.count_prompt(prompt_tokens * req.n)
@@ -48,8 +62,18 @@ async def completions(state: ServerState, obj: Any, info: dict) -> dict | AsyncI
     return {**head, "choices": results, "usage": usage(prompt_tokens, runs)}
 
 
+def _prepare(state: ServerState, body: bytes) -> _Prepared:
+    """The request from its body, its prompts tokenized, their budgets and its grammar (on a thread of
+    mk.server.offload: for a long prompt this takes seconds)."""
+    req = parse_request(CompletionRequest, parse_json(body), state)
+    grammar = constraint(req)
+    prompts = _prompt_ids(req, state)
+    budgets = [max_new_tokens(req, len(ids), state.engine.max_context) for ids, _ in prompts]
+    return _Prepared(req, prompts, budgets, grammar)
+
+
 def _prompt_ids(req: CompletionRequest, state: ServerState) -> list[tuple[list[int], str]]:
-    """(token ids, prompt text) of every prompt; text prompts get the tokenizer's BOS."""
+    """(token ids, text to echo) of every prompt; text prompts get the tokenizer's BOS."""
     p = req.prompt
     if isinstance(p, str):
         raw: list = [p]
@@ -58,15 +82,18 @@ def _prompt_ids(req: CompletionRequest, state: ServerState) -> list[tuple[list[i
     else:
         raw = list(p)
     out = []
-    vocab = state.engine.config.vocab_size
+    vocab, max_context = state.engine.config.vocab_size, state.engine.max_context
     for item in raw:
         if isinstance(item, str):
-            out.append((state.tokenizer.encode(item, add_special_tokens=True), item))
+            out.append((encode_prompt(req, state.tokenizer, item, max_context, special=True), item if req.echo else ""))
             continue
+        if len(item) >= max_context:
+            raise context_exceeded(req, f"{len(item)} tokens", max_context)
         bad = [t for t in item if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
-        out.append((list(item), state.tokenizer.decode(item, skip_special_tokens=True)))
+        echo = state.tokenizer.decode(item, skip_special_tokens=True) if req.echo else ""
+        out.append((list(item), echo))
     return out
 
 

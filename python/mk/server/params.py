@@ -1,4 +1,5 @@
-"""Request fields to engine SamplingParams; what mk cannot honour is refused, naming the field."""
+"""Request fields to engine SamplingParams, prompts to token ids within the context; what mk cannot
+honour is refused, naming the field."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from mk.sampling import DEFAULT_MAX_TOKENS, ConstraintSpec, SamplingError, Sampl
 from mk.server.errors import APIError, bad_request
 from mk.server.schemas import ChatRequest, CompletionRequest, NamedToolChoice, _Sampling, validate
 from mk.server.state import ServerState
+from mk.tokenizer import Tokenizer, TooManyTokens
 
 R = TypeVar("R", ChatRequest, CompletionRequest)
 
@@ -20,6 +22,14 @@ _OFF = {
     "repetition_penalty": (1, 1.0),
     "min_p": (0, 0.0),
 }
+# guided_choice's options at most. The grammar engine follows at most 2,000 alternatives at one place
+# (llguidance's ParserLimits.max_items_in_row) and options that begin alike all stay open together:
+# past that a request fails mid-generation. (OpenAI's structured outputs allow 1,000 enum values.)
+MAX_GUIDED_CHOICES = 1000
+# Bytes of one field's grammar at most (a schema as JSON, a regex, a Lark grammar, the choices; in a
+# chat, all tools' parameter schemas together): the engine compiles it as the request is submitted, in
+# time that grows faster than its size.
+MAX_GRAMMAR_BYTES = 128 * 1024
 
 
 def parse_request(cls: type[R], obj: Any, state: ServerState) -> R:
@@ -28,6 +38,7 @@ def parse_request(cls: type[R], obj: Any, state: ServerState) -> R:
     req = validate(cls, obj)
     state.check_model(req.model)
     refuse_unsupported(req)
+    check_grammars(req)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options needs stream: true", "stream_options")
     return req
@@ -59,12 +70,7 @@ def max_new_tokens(req: _Sampling, prompt_len: int, max_context: int) -> int:
         asked = req.max_completion_tokens
     room = max_context - prompt_len
     if room < 1:
-        raise APIError(
-            400,
-            f"the prompt has {prompt_len} tokens but this model's context limit is {max_context} tokens",
-            param="messages" if isinstance(req, ChatRequest) else "prompt",
-            code="context_length_exceeded",
-        )
+        raise context_exceeded(req, f"{prompt_len} tokens", max_context)
     if asked is not None and asked > room:
         raise APIError(
             400,
@@ -76,6 +82,77 @@ def max_new_tokens(req: _Sampling, prompt_len: int, max_context: int) -> int:
     if asked is None:
         return min(DEFAULT_MAX_TOKENS, room) if isinstance(req, CompletionRequest) else room
     return asked
+
+
+def context_exceeded(req: _Sampling, prompt_tokens: str, max_context: int) -> APIError:
+    """The 400 of a prompt that leaves no room in the context; `prompt_tokens` says how many tokens it
+    has ("3001 tokens", "at least 3001 tokens (why)")."""
+    return APIError(
+        400,
+        f"the prompt has {prompt_tokens} but this model's context limit is {max_context} tokens",
+        param="messages" if isinstance(req, ChatRequest) else "prompt",
+        code="context_length_exceeded",
+    )
+
+
+def encode_prompt(req: _Sampling, tokenizer: Tokenizer, text: str, max_context: int, special: bool) -> list[int]:
+    """The token ids of a prompt text (`special`: with the tokenizer's BOS), or the 400 of one that
+    leaves no room in `max_context`: refused from its size alone, untokenized, where the tokenizer
+    bounds its token count from below; else as soon as its count is known, before a list of its ids
+    is made."""
+    fewest = tokenizer.fewest_tokens(text)
+    if fewest >= max_context:
+        size = len(text.encode("utf-8", "surrogatepass"))
+        why = f"{size} bytes of text, at most {tokenizer.max_token_bytes} bytes a token"
+        raise context_exceeded(req, f"at least {fewest} tokens ({why})", max_context)
+    try:
+        return tokenizer.encode(text, add_special_tokens=special, limit=max_context - 1)
+    except TooManyTokens as e:
+        raise context_exceeded(req, f"{e.count} tokens", max_context) from None
+
+
+def check_grammars(req: _Sampling) -> None:
+    """400 for a grammar input that could not be compiled or followed, before any work on the request:
+    a guided_json that is not JSON, guided_choice options that are empty or too many, a grammar past
+    MAX_GRAMMAR_BYTES."""
+    if isinstance(req.guided_json, str):
+        try:
+            json.loads(req.guided_json)
+        except (ValueError, RecursionError) as e:
+            raise bad_request(f"guided_json is not valid JSON: {e}", "guided_json") from None
+    if req.guided_choice is not None:
+        if not all(req.guided_choice):
+            raise bad_request("guided_choice entries must be non-empty strings", "guided_choice")
+        if len(req.guided_choice) > MAX_GUIDED_CHOICES:
+            raise bad_request(
+                f"guided_choice has {len(req.guided_choice)} options; at most {MAX_GUIDED_CHOICES} are supported",
+                "guided_choice",
+            )
+    for field, text in _grammar_texts(req):
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > MAX_GRAMMAR_BYTES:
+            raise bad_request(f"{field} is {size} bytes of grammar; at most {MAX_GRAMMAR_BYTES} are supported", field)
+
+
+def _grammar_texts(req: _Sampling) -> list[tuple[str, str]]:
+    """(field, text) of every grammar input of the request."""
+    found = []
+    if req.guided_json is not None:
+        found.append(
+            ("guided_json", req.guided_json if isinstance(req.guided_json, str) else json.dumps(req.guided_json))
+        )
+    if req.guided_regex is not None:
+        found.append(("guided_regex", req.guided_regex))
+    if req.guided_grammar is not None:
+        found.append(("guided_grammar", req.guided_grammar))
+    if req.guided_choice is not None:
+        found.append(("guided_choice", _alternatives(req.guided_choice)))
+    if isinstance(req, ChatRequest):
+        if req.response_format is not None:
+            found.append(("response_format", json.dumps(req.response_format)))
+        if req.tools and req.tool_choice != "none":
+            found.append(("tools", json.dumps([t.function.parameters for t in req.tools])))
+    return found
 
 
 def constraint(req: _Sampling, thinking: bool | None = None) -> ConstraintSpec | None:
@@ -98,8 +175,6 @@ def constraint(req: _Sampling, thinking: bool | None = None) -> ConstraintSpec |
     if req.guided_regex is not None:
         found.append(("guided_regex", "regex", req.guided_regex))
     if req.guided_choice is not None:
-        if not all(req.guided_choice):
-            raise bad_request("guided_choice entries must be non-empty strings", "guided_choice")
         found.append(("guided_choice", "choice", _alternatives(req.guided_choice)))
     if req.guided_grammar is not None:
         found.append(("guided_grammar", "lark", req.guided_grammar))

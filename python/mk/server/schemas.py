@@ -12,12 +12,16 @@ import difflib
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SkipValidation, ValidationError, field_validator
 
 from mk.server.errors import bad_request
 
 MAX_N = 32
 MAX_STOPS = 16
+# The engine's integer widths (rust/python/engine.rs, `submit`): top_k and token ids are u32; a seed
+# is 64 bits, signed or not (mk.engine takes it modulo 2**64).
+U32_MAX = 2**32 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 # Top-level fields accepted and ignored: they change nothing a self-hosted engine computes.
 IGNORED_FIELDS = frozenset(
@@ -62,8 +66,8 @@ class _Sampling(_Body):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    top_k: int | None = Field(None, ge=-1)
-    seed: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=U32_MAX)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = Field(None, validate_default=True)
     stop_token_ids: list[int] | None = None
@@ -92,9 +96,18 @@ class _Sampling(_Body):
             raise ValueError("stop strings must not be empty")
         return stops
 
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        for i, t in enumerate(v or []):
+            if not 0 <= t <= U32_MAX:
+                raise ValueError(f"[{i}] = {t} is not a token id (0 to {U32_MAX})")
+        return v
+
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Checked whole by `_prompt` (pydantic would check a list of token ids again, slowly, holding the GIL).
+    prompt: SkipValidation[str | list[str] | list[int] | list[list[int]]]
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = Field(None, ge=0, le=20)

@@ -60,5 +60,6 @@ async def serve(app: App, host: str, port: int, drain_timeout: float, debug: boo
         loop.add_signal_handler(sig, on_signal, sig)
     log.info("serving %r on http://%s:%d", app.state.model_name, host, port)
     await server.serve()
+    app.state.offload.close()
     app.state.engine.close()
     log.info("stopped")

@@ -1,4 +1,5 @@
-"""What every route handler may use: the engine, the tokenizer, the model's name, limits, metrics."""
+"""What every route handler may use: the engine, the tokenizer, the model's name, limits, metrics, the
+threads that prepare requests."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 from mk.engine_api import AsyncEngine
 from mk.server.errors import APIError
 from mk.server.metrics import Metrics
+from mk.server.offload import Offload
 from mk.tokenizer import Tokenizer
 
 
@@ -23,6 +25,7 @@ class ServerState:
     max_body_bytes: int = 32 * 2**20
     stats_interval: float = 5.0
     metrics: Metrics = field(init=False)
+    offload: Offload = field(init=False, default_factory=Offload)  # parsing, templating, tokenizing
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 

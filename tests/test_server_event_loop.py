@@ -1,0 +1,115 @@
+"""A large request holds up no other: its body is parsed and its prompt tokenized off the event loop
+(mk.server.offload), so /health and a short completion answer while it is prepared."""
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from server_util import ServerProcess
+
+from mk.default_model import EMBEDDED_DIR
+from mk.server.offload import LARGE_BODY_BYTES, Offload
+from mk.tokenizer import Tokenizer
+
+CONTEXT = 131072
+# Eight tenths of the size past which a prompt's size alone refuses it at this context (megabytes):
+# this one is tokenized, seconds of work, and then refused for its millions of tokens.
+PROMPT_BYTES = CONTEXT * Tokenizer.from_dir(EMBEDDED_DIR).max_token_bytes * 8 // 10
+BIG_PROMPT = "a " * (PROMPT_BYTES // 2)
+# How much slower than when idle a request may answer while the big one is prepared: far less than
+# the seconds the big one takes, with room for a loaded CI machine.
+SLACK_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("--device", "cpu", "--max-context", str(CONTEXT)).wait_ready()
+    yield s
+    assert s.stop() == 0, s.output()
+
+
+def timed(request) -> float:
+    start = time.monotonic()
+    r = request()
+    assert r.status_code == 200, r.text
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize(
+    "path,big_body",
+    [
+        ("/v1/completions", {"prompt": BIG_PROMPT, "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": BIG_PROMPT}], "max_tokens": 2}),
+    ],
+)
+def test_health_and_a_short_completion_answer_while_a_long_prompt_is_tokenized(server, path, big_body):
+    def health():
+        return httpx.get(server.url + "/health", timeout=60)
+
+    def short():
+        body = {"prompt": "def f(", "max_tokens": 2, "temperature": 0}
+        return httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+
+    idle_health = max(timed(health) for _ in range(5))
+    idle_short = max(timed(short) for _ in range(3))
+    body = json.dumps(big_body).encode()
+    big: dict = {}
+
+    def send_big():
+        start = time.monotonic()
+        r = httpx.post(server.url + path, content=body, timeout=300)
+        big.update(response=r, elapsed=time.monotonic() - start, done=time.monotonic())
+
+    sender = threading.Thread(target=send_big)
+    sender.start()
+    time.sleep(0.5)  # the body is across (loopback) and being tokenized
+    health_during, short_during = [], []
+    while sender.is_alive():
+        health_during.append((timed(health), time.monotonic()))
+        if len(health_during) == 3:
+            short_during.append((timed(short), time.monotonic()))
+        time.sleep(0.05)
+    sender.join()
+
+    r = big["response"]
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "at least" not in message, "refused by its size: the test needs a prompt that is tokenized"
+    assert int(message.split("has ")[1].split(" tokens")[0]) > CONTEXT
+    # Long enough that a loop held by the tokenizer would have kept the probes waiting past the bound.
+    assert big["elapsed"] > idle_health + SLACK_S + 1.0, big["elapsed"]
+    in_flight = [t for t, at in health_during if at < big["done"]]
+    assert max(in_flight, default=0.0) < idle_health + SLACK_S, (idle_health, in_flight)
+    assert len(in_flight) >= 3, health_during
+    assert short_during and short_during[0][1] < big["done"], "the short completion came after the big one"
+    assert short_during[0][0] < idle_short + SLACK_S, (idle_short, short_during)
+
+
+def test_large_jobs_leave_threads_to_small_ones_and_hold_theirs_until_they_end():
+    started: list[str] = []
+    gate = threading.Event()
+
+    def job(name: str) -> str:
+        started.append(name)
+        assert gate.wait(30)
+        return name
+
+    async def run() -> None:
+        offload = Offload(threads=3, large_jobs=1)
+        first = asyncio.create_task(offload.run(LARGE_BODY_BYTES, job, "large 1"))
+        second = asyncio.create_task(offload.run(LARGE_BODY_BYTES, job, "large 2"))
+        assert await asyncio.wait_for(offload.run(LARGE_BODY_BYTES - 1, str, "small"), 10) == "small"
+        while not started:
+            await asyncio.sleep(0.01)
+        first.cancel()  # its client went away; the job runs on, and keeps its thread and permit
+        await asyncio.sleep(0.2)
+        assert started == ["large 1"]
+        gate.set()
+        assert await asyncio.wait_for(second, 10) == "large 2"
+        assert first.cancelled()
+        offload.close()
+
+    asyncio.run(run())

@@ -19,15 +19,14 @@ GiB = memory.GiB
 
 def test_the_kv_budget_is_the_share_left_by_the_measured_rest():
     total, before, rest = 80 * GiB, 58 * GiB, 4 * GiB
-    budget = memory.kv_budget(total, 0.9, before, rest, free=total - before)
+    budget = memory.kv_budget(total, 0.9, before, rest)
     assert budget == int(total * 0.9) - before - rest - memory.MARGIN
-    # Never more than is free beside the rest (another process took some).
-    assert memory.kv_budget(total, 0.9, before, rest, free=6 * GiB) == 6 * GiB - rest - memory.MARGIN
+    assert memory.kv_budget(total, 1.0, before, rest) == total - before - rest - memory.MARGIN
     # Nothing left: zero, not a negative pool.
-    assert memory.kv_budget(total, 0.7, before, rest, free=total - before) == 0
+    assert memory.kv_budget(total, 0.7, before, rest) == 0
     for bad in (0, -0.1, 1.01):
         with pytest.raises(ValueError, match="gpu_memory_utilization"):
-            memory.kv_budget(total, bad, before, rest, total)
+            memory.kv_budget(total, bad, before, rest)
 
 
 @pytest.mark.parametrize("chunk", [512, 8192])
@@ -65,5 +64,21 @@ def test_a_context_the_pool_cannot_hold_names_the_longest_that_fits(model):
 
 
 def test_no_room_at_all_says_what_to_change(model):
-    with pytest.raises(memory.MemoryPlanError, match="--gpu-memory-utilization"):
+    with pytest.raises(memory.MemoryPlanError, match="kv_blocks"):
         Engine(model, kv_blocks=1, max_context=256, prefill_chunk=64, fit_context=True)
+
+
+def test_a_utilization_out_of_range_is_refused_before_anything_runs(model):
+    for bad in (0, 1.5, -1):
+        with pytest.raises(ValueError, match="gpu_memory_utilization"):
+            Engine(model, max_context=256, prefill_chunk=64, gpu_memory_utilization=bad)
+
+
+def test_a_released_runner_holds_no_pool_and_no_sliced_prefill(model):
+    """What a closed engine's runner lets go of (a sliced prefill's state holds the pool too)."""
+    from mk.runner import ReferenceRunner
+
+    runner = ReferenceRunner(model, 64, 2, 256)
+    runner.sliced = object()  # (a layer-sliced prefill the engine stopped in the middle of)
+    runner.release()
+    assert runner.kv is None and runner.sliced is None

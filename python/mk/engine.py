@@ -206,6 +206,7 @@ class Engine:
             raise ValueError(f"whole_chunk_tokens must be >= 0 (or None), got {whole_chunk_tokens}")
         if decode_prefill_budget is not None and decode_prefill_budget < 1:
             raise ValueError(f"decode_prefill_budget must be >= 1 (or None), got {decode_prefill_budget}")
+        memory.check_utilization(gpu_memory_utilization)
         self.backend = choose_backend(model, backend)
         if kernel_masks and self.backend != "megakernel":
             raise ValueError(f"kernel_masks needs the megakernel backend; this engine decodes with {self.backend!r}")
@@ -231,10 +232,11 @@ class Engine:
         sliding = [cfg.is_sliding(layer) for layer in range(cfg.num_hidden_layers)]
 
         def runner_over(blocks: int, context: int):
+            common = dict(fast_prefill=fast, prefill_chunk=prefill_chunk)
             if self.backend == "megakernel":
                 kinds = dict(kernel_masks=self.kernel_masks, late_masks=self.late_masks)
-                return MegakernelRunner(model, blocks, max_batch, context, fast_prefill=fast, **kinds)
-            return ReferenceRunner(model, blocks, max_batch, context, fast_prefill=fast)
+                return MegakernelRunner(model, blocks, max_batch, context, **common, **kinds)
+            return ReferenceRunner(model, blocks, max_batch, context, **common)
 
         # The KV pool: as given, else on a GPU the memory plan's (mk.memory), else (CPU) a batch's.
         self.memory_plan: memory.MemoryPlan | None = None
@@ -540,14 +542,18 @@ def _fitting_context(cfg, blocks: int, chunk: int, context: int, fit: bool, plan
     if fit and largest >= 2:
         log.warning("the context limit is %d tokens, the longest the KV pool holds (%d asked)", largest, context)
         return largest
-    where = f" ({plan.describe(largest)})" if plan is not None else ""
+    if plan is None:  # (a pool of kv_blocks or kv_bytes, or the CPU's)
+        more, where = "give the KV pool more blocks (kv_blocks, kv_bytes)", ""
+    else:
+        more, where = "raise gpu_memory_utilization (--gpu-memory-utilization)", f" ({plan.describe(largest)})"
     if largest < 2:
-        raise memory.MemoryPlanError(
-            f"no KV cache fits{where}: raise gpu_memory_utilization (--gpu-memory-utilization) or give the "
-            "prefill less memory (a smaller --prefill-chunk, --prefill-graphs off)"
+        less = (
+            ""
+            if plan is None
+            else ", or give the prefill less memory (a smaller --prefill-chunk, --prefill-graphs off)"
         )
+        raise memory.MemoryPlanError(f"no KV cache fits{where}: {more}{less}")
     raise memory.MemoryPlanError(
         f"a context of {context} tokens does not fit the KV pool of {blocks} blocks{where}: the longest that "
-        f"fits is {largest} tokens (--max-context {largest}), or raise gpu_memory_utilization "
-        "(--gpu-memory-utilization)"
+        f"fits is {largest} tokens (--max-context {largest}), or {more}"
     )

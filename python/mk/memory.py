@@ -57,11 +57,12 @@ class MemoryPlan:
 
     def describe(self, tokens: int) -> str:
         """The start's log line; `tokens`: one sequence's tokens the pool holds."""
+        gib = {name: f"{getattr(self, name) / GiB:.2f}" for name in ("peak", "graphs", "outside_torch", "kv_bytes")}
         return (
             f"GPU memory plan, {self.utilization:g} of {self.total / GiB:.1f} GiB: weights {self.before / GiB:.1f} "
-            f"GiB (and the CUDA context), prefill peak {self.peak / GiB:.2f} (CUDA graphs {self.graphs / GiB:.2f}), "
-            f"outside PyTorch {self.outside_torch / GiB:.2f}, margin {MARGIN / GiB:.2f}, KV {self.kv_bytes / GiB:.2f} "
-            f"GiB = {self.kv_blocks} blocks, {tokens} tokens of one sequence"
+            f"GiB (with the CUDA context and others' memory), prefill peak {gib['peak']} (CUDA graphs "
+            f"{gib['graphs']}), outside PyTorch {gib['outside_torch']}, margin {MARGIN / GiB:.2f}, KV "
+            f"{gib['kv_bytes']} GiB = {self.kv_blocks} blocks, {tokens} tokens of one sequence"
         )
 
     def check(self, device: torch.device) -> int:
@@ -81,13 +82,16 @@ class MemoryPlan:
         return in_use
 
 
-def kv_budget(total: int, utilization: float, before: int, non_kv: int, free: int) -> int:
-    """Bytes the KV pool may take: the utilization's share of the card less what is already in use,
-    what the rest needs at its peak and MARGIN, and never more than is free beside that need."""
+def check_utilization(utilization: float) -> None:
     if not 0 < utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
-    allowed = int(total * utilization) - before - non_kv - MARGIN
-    return max(0, min(allowed, free - non_kv - MARGIN))
+
+
+def kv_budget(total: int, utilization: float, before: int, non_kv: int) -> int:
+    """Bytes the KV pool may take: the utilization's share of the card less what was in use before
+    the plan and what the rest needs at its peak, less MARGIN (never below zero)."""
+    check_utilization(utilization)
+    return max(0, int(total * utilization) - before - non_kv - MARGIN)
 
 
 def blocks_needed(cfg: ModelConfig, context: int, chunk: int) -> int:
@@ -144,8 +148,10 @@ def measure(
         peak = torch.cuda.max_memory_reserved(device) - reserved - scratch
         torch.cuda.empty_cache()
         with_graphs = torch.cuda.memory_reserved(device)
-    finally:
-        runner.release_graphs()
+    except BaseException:
+        runner.release()  # (after the device has finished with the scratch pool)
+        raise
+    runner.release_graphs()
     torch.cuda.empty_cache()
     graphs = with_graphs - torch.cuda.memory_reserved(device)
     in_use = total - torch.cuda.mem_get_info(device)[0]
@@ -154,6 +160,6 @@ def measure(
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     non_kv = peak + max(0, outside)
-    budget = kv_budget(total, utilization, before, non_kv, torch.cuda.mem_get_info(device)[0])
+    budget = kv_budget(total, utilization, before, non_kv)
     blocks = _native.kv_pool_blocks(budget, cfg.num_key_value_heads, cfg.head_dim, elem_bytes)
     return MemoryPlan(total, utilization, before, peak, graphs, max(0, outside), budget, blocks)

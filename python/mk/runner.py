@@ -42,10 +42,18 @@ class PrefillRunner:
     """The model over a paged KV pool: prefill (and its warm-up); decode is each backend's own."""
 
     def __init__(
-        self, model: Model, num_blocks: int, max_batch: int, max_context: int, fast_prefill: Prefill | None = None
+        self,
+        model: Model,
+        num_blocks: int,
+        max_batch: int,
+        max_context: int,
+        fast_prefill: Prefill | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
         self.model = model
         self.fast_prefill = fast_prefill
+        # Most tokens of one prefill call (the engine's chunk; by default the fast prefill's).
+        self.prefill_chunk = prefill_chunk or (fast_prefill.chunk if fast_prefill is not None else max_context)
         self.kv = model.new_kv(num_blocks)
         self.layers = model.config.num_hidden_layers
         self.max_pages = -(-max_context // PAGE_SIZE)
@@ -63,7 +71,10 @@ class PrefillRunner:
         blocks from 0 on (`scratch_blocks` of them), which nothing holds yet and every later
         prefill overwrites before reading. With `progress`, a bar counts the passes where stderr is
         a terminal."""
-        if self.fast_prefill is None or self.kv.num_blocks < self.layers:
+        if self.fast_prefill is None:
+            self._warm_up_reference()
+            return
+        if self.kv.num_blocks < self.layers:
             return
         started = time.perf_counter()
         fresh, prefixed = self.fast_prefill.fresh, self.fast_prefill.prefixed
@@ -92,12 +103,12 @@ class PrefillRunner:
         prefill, fresh = self.fast_prefill, self.fast_prefill.fresh
         table = torch.full((self.layers, self.max_pages), -1, dtype=torch.int32)
         table[:, 0] = torch.arange(self.layers, dtype=torch.int32)
-        n = min(prefill.chunk, self.max_pages * PAGE_SIZE)
-        pages = -(-n // PAGE_SIZE)
+        n, pages = self._whole_chunk()
         whole = self.model.device.type == "cuda" and self.kv.num_blocks >= self.layers * pages
         if whole:
             chunk_table = torch.arange(self.layers * pages, dtype=torch.int32).view(self.layers, pages)
             chunk_table = torch.nn.functional.pad(chunk_table, (0, self.max_pages - pages), value=-1)
+            aliased = self._scratch_table(pages)
 
         def call(requests: list[PrefillRequest], usual: bool = False) -> Callable[[], object]:
             def run():
@@ -137,8 +148,6 @@ class PrefillRunner:
         if prefixed is not None:  # (sequences packed together: within the shapes captured here)
             prefixed.limit_packing(self.max_pages * PAGE_SIZE)
         if whole and chunks and prefixed.capture:
-            # Every page of the context maps to one of the chunk's scratch blocks (its layer's).
-            aliased = chunk_table[:, torch.arange(self.max_pages) % pages]
             note = (
                 f"capturing the prefill's CUDA graphs for {len(chunks)} shapes of chunks after a cached prefix "
                 f"(up to {max(m for _, m in chunks)} tokens after up to {max(start for start, _ in chunks)})"
@@ -147,14 +156,40 @@ class PrefillRunner:
                 passes.append((None if i else note, call([PrefillRequest([0] * m, start, aliased)])))
         if whole:
             passes.append((None, call([PrefillRequest([0] * n, 0, chunk_table)], True)))
+            longest = self.max_pages * PAGE_SIZE - n  # (the most keys a usual-path chunk gathers)
+            if longest > 0:
+                passes.append((None, call([PrefillRequest([0] * n, longest, aliased)], True)))
         return passes
 
+    def _warm_up_reference(self) -> None:
+        """On a GPU, one whole chunk of the reference model's forward after the longest prefix the
+        context allows: its peak is what the memory plan (mk.memory) must leave room for."""
+        n, pages = self._whole_chunk()
+        if self.model.device.type != "cuda" or self.kv.num_blocks < self.layers * pages:
+            return
+        start = self.max_pages * PAGE_SIZE - n
+        tokens = torch.zeros(n, dtype=torch.long)
+        self.model.forward(tokens, start, self.kv, self._scratch_table(pages), last_only=True)
+
+    def _whole_chunk(self) -> tuple[int, int]:
+        """The tokens of one whole prefill chunk (at most the context) and their pages."""
+        n = min(self.prefill_chunk, self.max_pages * PAGE_SIZE)
+        return n, -(-n // PAGE_SIZE)
+
+    def _scratch_table(self, pages: int) -> torch.Tensor:
+        """[layers, max_pages]: every page of the context mapped to one of the first `pages` x layers
+        scratch blocks (its layer's): a chunk anywhere in the context writes and reads only those."""
+        chunk_table = torch.arange(self.layers * pages, dtype=torch.int32).view(self.layers, pages)
+        return chunk_table[:, torch.arange(self.max_pages) % pages]
+
     def release(self) -> None:
-        """Drop the KV pool and the prefill's CUDA graphs, once the GPU has finished with them (the
-        engine has stopped): their memory goes back to PyTorch's cache."""
+        """Drop the KV pool, a sliced prefill's state and the prefill's CUDA graphs, once the GPU has
+        finished with them (the engine has stopped): their memory goes back to PyTorch's cache."""
         if self.model.device.type == "cuda":
-            torch.cuda.synchronize(self.model.device)
+            with contextlib.suppress(RuntimeError):  # (a sticky CUDA error: drop them all the same)
+                torch.cuda.synchronize(self.model.device)
         self.release_graphs()
+        self.sliced = None
         self.kv = None
 
     def release_graphs(self) -> None:

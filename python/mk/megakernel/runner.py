@@ -47,13 +47,14 @@ class MegakernelRunner(PrefillRunner):
         row_groups: int = _native.ROW_GROUPS,
         sample_parts: int = _native.SAMPLE_PARTS,
         fast_prefill: Prefill | None = None,
+        prefill_chunk: int | None = None,
         kernel_masks: bool = False,
         late_masks: bool = False,
     ) -> None:
         why = megakernel_unsupported(model)
         if why is not None:
             raise MegakernelUnavailable(why)
-        super().__init__(model, num_blocks, max_batch, max_context, fast_prefill)
+        super().__init__(model, num_blocks, max_batch, max_context, fast_prefill, prefill_chunk)
         cfg, device = model.config, model.device
         self.stream = torch.cuda.Stream(device)
         # Larger batches run as several launches, each over these buffers in turn.

@@ -3,7 +3,8 @@
 With no arguments it serves the built-in model (a small coder of North Mini Code's architecture,
 trained on the Python standard library: it writes code-shaped text, not good code) on
 127.0.0.1:8000, on the GPU when there is one. Routes: /v1/chat/completions, /v1/completions,
-/v1/models[/ID], /health, /metrics (Prometheus; README "Metrics" lists them).
+/v1/models[/ID], Anthropic's /v1/messages and /v1/messages/count_tokens, vLLM's /tokenize and
+/detokenize, /health, /metrics (Prometheus; README "Metrics" lists them).
 
 With --data-parallel-size N it starts N such servers (one per GPU) behind sglang-router
 (mk/server/replicas.py).
@@ -233,7 +234,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--api-key",
         default=os.environ.get("MK_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics (default: $MK_API_KEY; none)",
+        help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every route but /health and /metrics "
+        "(default: $MK_API_KEY; none)",
     )
     p.add_argument(
         "--protect-metrics",

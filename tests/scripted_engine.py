@@ -2,7 +2,7 @@
 
 The engine decodes the prompt; if the last user turn reads `SCRIPT:<text>`, it generates the tokens of
 <text> (special tokens included) and then EOS; otherwise a short fixed answer. Run it as
-`python -m tests.scripted_engine --port N`.
+`python -m tests.scripted_engine --port N [--api-key KEY]`.
 """
 
 from __future__ import annotations
@@ -68,9 +68,10 @@ class ScriptedEngine:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--api-key")
     args = p.parse_args()
     tok = Tokenizer.builtin(ModelConfig.tiny().vocab_size)
-    state = ServerState(ScriptedEngine(tok), tok, "scripted")
+    state = ServerState(ScriptedEngine(tok), tok, "scripted", api_key=args.api_key)
     asyncio.run(serve(App(state), "127.0.0.1", args.port, drain_timeout=5))
 
 

@@ -1,5 +1,6 @@
-"""The ASGI application: routing, the API key, bounded bodies, errors as OpenAI bodies, one log line per
-request, a periodic engine-status line, and draining for shutdown."""
+"""The ASGI application: routing, the API key, bounded bodies, errors as OpenAI bodies (Anthropic's on
+the Anthropic routes), one log line per request, a periodic engine-status line, and draining for
+shutdown."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from typing import Any
 from mk.server import http
 from mk.server.chat_completions import chat_completions
 from mk.server.completions import completions
-from mk.server.errors import APIError, error_body
+from mk.server.errors import APIError, anthropic_error_body, error_body
+from mk.server.messages import count_tokens, messages
 from mk.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mk.server.state import ServerState
+from mk.server.tokenization import detokenize, tokenize
 
 __all__ = ["App", "ServerState"]
 
@@ -23,13 +26,26 @@ log = logging.getLogger("mk.server")
 
 
 MODEL_ROUTE = "/v1/models/"  # + a model id
+# The Anthropic Messages API's routes, and every path under them: their errors and events are Anthropic's.
+ANTHROPIC_ROUTE = "/v1/messages"
+
+
+def anthropic_route(path: str) -> bool:
+    return path == ANTHROPIC_ROUTE or path.startswith(ANTHROPIC_ROUTE + "/")
 
 
 class App:
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.active = 0  # HTTP requests in flight
-        self._post = {"/v1/chat/completions": chat_completions, "/v1/completions": completions}
+        self._post = {
+            "/v1/chat/completions": chat_completions,
+            "/v1/completions": completions,
+            ANTHROPIC_ROUTE: messages,
+            ANTHROPIC_ROUTE + "/count_tokens": count_tokens,
+            "/tokenize": tokenize,
+            "/detokenize": detokenize,
+        }
         self._get = {
             "/health": self._health,
             "/v1/models": self._models,
@@ -111,13 +127,16 @@ class App:
             await self._route(scope, receive, tracked_send, info)
         except APIError as e:
             if not started:
-                await http.send_json(tracked_send, e.status, e.body(), e.headers)
+                code, body = e.anthropic() if anthropic_route(scope["path"]) else (e.status, e.body())
+                await http.send_json(tracked_send, code, body, e.headers)
         except ConnectionAbortedError:
             status = 499  # nginx's "client closed request", for the log line only
         except Exception:
             log.exception("request %s failed", info["id"])
             if not started:
-                body = error_body(f"internal error (request {info['id']}; see the server log)", "server_error")
+                message = f"internal error (request {info['id']}; see the server log)"
+                anthropic = anthropic_route(scope["path"])
+                body = anthropic_error_body(message, "api_error") if anthropic else error_body(message, "server_error")
                 await http.send_json(tracked_send, 500, body)
         finally:
             self.state.metrics.response(status)
@@ -148,9 +167,12 @@ class App:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
         http.require_json(scope)
         body = await http.read_body(scope, receive, self.state.max_body_bytes)
-        await http.race_disconnect(self._respond(self._post[path], body, send, info), receive)
+        respond = self._respond(self._post[path], body, send, info, anthropic_route(path))
+        await http.race_disconnect(respond, receive)
 
-    async def _respond(self, handler: Any, body: bytes, send: http.Send, info: dict) -> None:
+    async def _respond(self, handler: Any, body: bytes, send: http.Send, info: dict, anthropic: bool) -> None:
+        """The handler's answer: a JSON body, or its events as a stream (`anthropic`: each event named by
+        its "type", as the Anthropic API names them)."""
         # The handler parses the body itself, on the threads that prepare requests (mk.server.offload).
         result = await handler(self.state, body, info)
         if isinstance(result, dict):
@@ -159,21 +181,31 @@ class App:
         await http.start_sse(send)
         try:
             async for event in result:
-                await http.send_event(send, event)
+                await http.send_event(send, event, event["type"] if anthropic else None)
         except Exception:  # headers are out: report in-band, never as a stack trace
             log.exception("stream of request %s failed", info["id"])
             message = f"internal error (request {info['id']}; see the server log)"
-            await http.send_event(send, error_body(message, "server_error"))
-            await http.send_event(send, "[DONE]")
+            if anthropic:
+                await http.send_event(send, anthropic_error_body(message, "api_error"), "error")
+            else:
+                await http.send_event(send, error_body(message, "server_error"))
+                await http.send_event(send, "[DONE]")
         finally:
             await result.aclose()  # on a disconnect this cancels the engine requests at once
         await http.end_sse(send)
 
     def _authorize(self, scope: dict[str, Any]) -> None:
-        given = http.header(scope, b"authorization") or ""
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.state.api_key.encode()):
-            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
+        """The API key as a bearer token (OpenAI's clients) or in `x-api-key` (Anthropic's), on any route."""
+        key = self.state.api_key.encode()
+        scheme, _, token = (http.header(scope, b"authorization") or "").partition(" ")
+        offered = [token.strip()] if scheme.lower() == "bearer" else []
+        offered.append(http.header(scope, b"x-api-key") or "")
+        if not any(hmac.compare_digest(k.encode(), key) for k in offered if k):
+            raise APIError(
+                401,
+                "missing or wrong API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
+                code="invalid_api_key",
+            )
 
     async def _health(self, send: http.Send) -> None:
         if self.state.draining:

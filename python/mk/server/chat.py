@@ -13,7 +13,7 @@ from typing import Any
 
 from mk.server.errors import bad_request
 from mk.server.params import encode_prompt
-from mk.server.schemas import ChatRequest, Message, NamedToolChoice
+from mk.server.schemas import ChatRequest, Message, NamedToolChoice, Tool
 from mk.tokenizer import TemplateError, Tokenizer
 from mk.toolcalls import START_THINKING, ToolPolicy
 
@@ -28,25 +28,46 @@ class ChatPrompt:
 def build_prompt(req: ChatRequest, tokenizer: Tokenizer, max_context: int) -> ChatPrompt:
     """The conversation's prompt; 400 for broken tool-call linkage, a template that refuses it, or a
     prompt that leaves no room in `max_context` (mk.server.params.encode_prompt)."""
-    names = [t.function.name for t in req.tools or []]
-    if len(set(names)) != len(names):
-        raise bad_request("two tools have the same name", "tools")
-    policy = _policy(req.tool_choice, names)
+    text, policy = render_prompt(req, tokenizer)
+    ids = encode_prompt(req, tokenizer, text, max_context, special=False)  # the template wrote its own BOS
+    return ChatPrompt(ids, text.endswith(START_THINKING), policy)
+
+
+def render_prompt(req: ChatRequest, tokenizer: Tokenizer) -> tuple[str, ToolPolicy]:
+    """The chat request's prompt text, not yet tokenized, and what its tools allow (render_chat)."""
     kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort == "none":
         kwargs.setdefault("enable_thinking", False)
-    if isinstance(req.tool_choice, NamedToolChoice):
-        kwargs["tool_choice"] = req.tool_choice.model_dump()
-    elif req.tool_choice in ("none", "required"):
-        kwargs["tool_choice"] = req.tool_choice
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    messages = _history(req.messages, set(names) if req.tools else None)
+    return render_chat(tokenizer, req.messages, req.tools, req.tool_choice, kwargs)
+
+
+def render_chat(
+    tokenizer: Tokenizer,
+    messages: list[Message],
+    tools: list[Tool] | None,
+    tool_choice: Any = None,
+    template_kwargs: dict[str, Any] | None = None,
+    add_generation_prompt: bool = True,
+) -> tuple[str, ToolPolicy]:
+    """The conversation's prompt text (it carries its template's BOS) and what its tools allow: the one
+    rendering every route shares (chat completions, messages, tokenize). 400 for two tools of one name,
+    a tool_choice the tools cannot meet, broken tool-call linkage, or a template that refuses it."""
+    names = [t.function.name for t in tools or []]
+    if len(set(names)) != len(names):
+        raise bad_request("two tools have the same name", "tools")
+    policy = _policy(tool_choice, names)
+    kwargs: dict[str, Any] = dict(template_kwargs or {})
+    if isinstance(tool_choice, NamedToolChoice):
+        kwargs["tool_choice"] = tool_choice.model_dump()
+    elif tool_choice in ("none", "required"):
+        kwargs["tool_choice"] = tool_choice
+    schemas = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+    history = _history(messages, set(names) if tools else None)
     try:
-        text = tokenizer.apply_chat_template(messages, tools, add_generation_prompt=True, **kwargs)
+        text = tokenizer.apply_chat_template(history, schemas, add_generation_prompt=add_generation_prompt, **kwargs)
     except TemplateError as e:
         raise bad_request(str(e), "messages") from None
-    ids = encode_prompt(req, tokenizer, text, max_context, special=False)  # the template wrote its own BOS
-    return ChatPrompt(ids, text.endswith(START_THINKING), policy)
+    return text, policy
 
 
 def _policy(choice: Any, names: list[str]) -> ToolPolicy:

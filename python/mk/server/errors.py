@@ -1,7 +1,9 @@
-"""Errors as OpenAI error bodies: {"error": {"message", "type", "param", "code"}}."""
+"""Errors as OpenAI error bodies, {"error": {"message", "type", "param", "code"}}, and on the Anthropic
+routes as Anthropic's, {"type": "error", "error": {"type", "message"}}."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 # The OpenAI "type" for each status mk answers with.
@@ -16,6 +18,18 @@ _TYPES = {
     502: "model_output_error",
     503: "server_overloaded",
 }
+
+# Anthropic's error type for each status mk answers with (any other 4xx is an invalid request, 5xx an
+# API error), and the status Anthropic gives an overloaded server instead of 503.
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_OVERLOADED = 529
 
 
 class APIError(Exception):
@@ -41,9 +55,23 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
+    def anthropic(self) -> tuple[int, dict[str, Any]]:
+        """The status and body of this error on an Anthropic route: the offending field leads the
+        message (Anthropic's bodies have no field of their own for it), as in "max_tokens: ..."."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+        message, field = self.message, re.split(r"[.\[]", self.param or "", maxsplit=1)[0]
+        if field and not message.startswith(field):
+            message = f"{self.param}: {message}"
+        status = ANTHROPIC_OVERLOADED if kind == "overloaded_error" else self.status
+        return status, anthropic_error_body(message, kind)
+
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:  # noqa: A002
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def anthropic_error_body(message: str, type: str) -> dict[str, Any]:  # noqa: A002
+    return {"type": "error", "error": {"type": type, "message": message}}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

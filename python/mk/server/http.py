@@ -84,9 +84,11 @@ async def start_sse(send: Send) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": headers})
 
 
-async def send_event(send: Send, data: Any) -> None:
+async def send_event(send: Send, data: Any, name: str | None = None) -> None:
+    """One server-sent event; `name` gives it an `event:` line (the Anthropic API names every event)."""
     payload = data.encode() if isinstance(data, str) else dumps(data)
-    await send({"type": "http.response.body", "body": b"data: " + payload + b"\n\n", "more_body": True})
+    head = b"event: " + name.encode() + b"\n" if name else b""
+    await send({"type": "http.response.body", "body": head + b"data: " + payload + b"\n\n", "more_body": True})
 
 
 async def end_sse(send: Send) -> None:

@@ -206,13 +206,35 @@ class ChatRequest(_Sampling):
     response_format: dict[str, Any] | None = None
 
 
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a `prompt`, or `messages` (with their `tools`) rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    # None: a prompt gets the tokenizer's BOS, messages none (their template writes its own), as in vLLM.
+    add_special_tokens: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's /detokenize: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def validate(model: type, obj: Any) -> Any:
+def validate(model: type, obj: Any, ignored: frozenset[str] = IGNORED_FIELDS) -> Any:
     """A pydantic model of the body, or 400 naming the first offending field (a string that is not valid
-    Unicode, a refused or unknown top-level field, a bad value)."""
+    Unicode, a refused or unknown top-level field, a bad value); the top-level fields in `ignored` (by
+    default the OpenAI routes') are accepted and dropped."""
     if not isinstance(obj, dict):
         raise bad_request("the request body must be a JSON object")
     where = _lone_surrogate(obj)
@@ -225,7 +247,7 @@ def validate(model: type, obj: Any) -> Any:
             raise bad_request(
                 f"{name}={json.dumps(obj[name])} is not supported (only {json.dumps(NEUTRAL_EXTENSIONS[name])})", name
             )
-    known = model.model_fields.keys() | IGNORED_FIELDS | NEUTRAL_EXTENSIONS.keys()
+    known = model.model_fields.keys() | ignored | NEUTRAL_EXTENSIONS.keys()
     unknown = [n for n in obj if n not in known]
     if unknown:
         name = unknown[0]

@@ -1,6 +1,6 @@
 """The ASGI application: routing, the API key, bounded bodies, errors as OpenAI bodies (Anthropic's on
-the Anthropic routes), one log line per request, a periodic engine-status line, and draining for
-shutdown."""
+the Anthropic routes), stream events named by their type where the API names them (Anthropic's, the
+Responses API's), one log line per request, a periodic engine-status line, and draining for shutdown."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from mk.server.completions import completions
 from mk.server.errors import APIError, anthropic_error_body, error_body
 from mk.server.messages import count_tokens, messages
 from mk.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from mk.server.responses import input_tokens, responses, stored_response
 from mk.server.state import ServerState
 from mk.server.tokenization import detokenize, tokenize
 
@@ -28,6 +29,8 @@ log = logging.getLogger("mk.server")
 MODEL_ROUTE = "/v1/models/"  # + a model id
 # The Anthropic Messages API's routes, and every path under them: their errors and events are Anthropic's.
 ANTHROPIC_ROUTE = "/v1/messages"
+# The Responses API's route; a stored response is at RESPONSES_ROUTE + "/" + its id.
+RESPONSES_ROUTE = "/v1/responses"
 
 
 def anthropic_route(path: str) -> bool:
@@ -43,6 +46,8 @@ class App:
             "/v1/completions": completions,
             ANTHROPIC_ROUTE: messages,
             ANTHROPIC_ROUTE + "/count_tokens": count_tokens,
+            RESPONSES_ROUTE: responses,
+            RESPONSES_ROUTE + "/input_tokens": input_tokens,
             "/tokenize": tokenize,
             "/detokenize": detokenize,
         }
@@ -146,7 +151,10 @@ class App:
     async def _route(self, scope: dict[str, Any], receive: http.Receive, send: http.Send, info: dict) -> None:
         path, method = scope["path"], scope["method"]
         model_id = path.removeprefix(MODEL_ROUTE) if path.startswith(MODEL_ROUTE) else None
-        known = path in self._get or path in self._post or model_id is not None
+        response_id = None  # of a stored response (the input_items, cancel and compact routes are not served)
+        if path.startswith(RESPONSES_ROUTE + "/") and path not in self._post and path.count("/") == 3:
+            response_id = path.removeprefix(RESPONSES_ROUTE + "/") or None
+        known = path in self._get or path in self._post or model_id is not None or response_id is not None
         if not known:
             raise APIError(404, f"no route {path}", code="not_found")
         open_route = path == "/health" or (path == "/metrics" and not self.state.protect_metrics)
@@ -154,6 +162,9 @@ class App:
             self._authorize(scope)
         if method == "HEAD" and path == "/health":  # load balancers' probe: the status, no body
             await http.send_bytes(send, 503 if self.state.draining else 200, b"", "application/json", None)
+            return
+        if response_id is not None:
+            await http.send_json(send, 200, stored_response(self.state, method, response_id))
             return
         if method == "GET" and model_id is not None:
             await self._model(send, model_id)
@@ -167,12 +178,15 @@ class App:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
         http.require_json(scope)
         body = await http.read_body(scope, receive, self.state.max_body_bytes)
-        respond = self._respond(self._post[path], body, send, info, anthropic_route(path))
+        respond = self._respond(self._post[path], body, send, info, anthropic_route(path), path == RESPONSES_ROUTE)
         await http.race_disconnect(respond, receive)
 
-    async def _respond(self, handler: Any, body: bytes, send: http.Send, info: dict, anthropic: bool) -> None:
-        """The handler's answer: a JSON body, or its events as a stream (`anthropic`: each event named by
-        its "type", as the Anthropic API names them)."""
+    async def _respond(
+        self, handler: Any, body: bytes, send: http.Send, info: dict, anthropic: bool, named: bool
+    ) -> None:
+        """The handler's answer: a JSON body, or its events as a stream (`anthropic` or `named`: each
+        event named by its "type", as the Anthropic and Responses APIs name them; a Responses stream
+        tells its own failures, as events of its own)."""
         # The handler parses the body itself, on the threads that prepare requests (mk.server.offload).
         result = await handler(self.state, body, info)
         if isinstance(result, dict):
@@ -181,7 +195,7 @@ class App:
         await http.start_sse(send)
         try:
             async for event in result:
-                await http.send_event(send, event, event["type"] if anthropic else None)
+                await http.send_event(send, event, event["type"] if anthropic or named else None)
         except Exception:  # headers are out: report in-band, never as a stack trace
             log.exception("stream of request %s failed", info["id"])
             message = f"internal error (request {info['id']}; see the server log)"

@@ -25,20 +25,25 @@ class ChatPrompt:
     policy: ToolPolicy
 
 
-def build_prompt(req: ChatRequest, tokenizer: Tokenizer, max_context: int) -> ChatPrompt:
+def build_prompt(
+    req: ChatRequest, tokenizer: Tokenizer, max_context: int, past_calls_need_tools: bool = True
+) -> ChatPrompt:
     """The conversation's prompt; 400 for broken tool-call linkage, a template that refuses it, or a
-    prompt that leaves no room in `max_context` (mk.server.params.encode_prompt)."""
-    text, policy = render_prompt(req, tokenizer)
+    prompt that leaves no room in `max_context` (mk.server.params.encode_prompt). `past_calls_need_tools`
+    as render_chat's."""
+    text, policy = render_prompt(req, tokenizer, past_calls_need_tools)
     ids = encode_prompt(req, tokenizer, text, max_context, special=False)  # the template wrote its own BOS
     return ChatPrompt(ids, text.endswith(START_THINKING), policy)
 
 
-def render_prompt(req: ChatRequest, tokenizer: Tokenizer) -> tuple[str, ToolPolicy]:
+def render_prompt(req: ChatRequest, tokenizer: Tokenizer, past_calls_need_tools: bool = True) -> tuple[str, ToolPolicy]:
     """The chat request's prompt text, not yet tokenized, and what its tools allow (render_chat)."""
     kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort == "none":
         kwargs.setdefault("enable_thinking", False)
-    return render_chat(tokenizer, req.messages, req.tools, req.tool_choice, kwargs)
+    return render_chat(
+        tokenizer, req.messages, req.tools, req.tool_choice, kwargs, past_calls_need_tools=past_calls_need_tools
+    )
 
 
 def render_chat(
@@ -48,10 +53,13 @@ def render_chat(
     tool_choice: Any = None,
     template_kwargs: dict[str, Any] | None = None,
     add_generation_prompt: bool = True,
+    past_calls_need_tools: bool = True,
 ) -> tuple[str, ToolPolicy]:
     """The conversation's prompt text (it carries its template's BOS) and what its tools allow: the one
-    rendering every route shares (chat completions, messages, tokenize). 400 for two tools of one name,
-    a tool_choice the tools cannot meet, broken tool-call linkage, or a template that refuses it."""
+    rendering every route shares (chat completions, messages, responses, tokenize). 400 for two tools of
+    one name, a tool_choice the tools cannot meet, broken tool-call linkage, a past tool call that names
+    none of the request's tools (unless not `past_calls_need_tools`: the Responses API lets an agent's
+    tools change from turn to turn), or a template that refuses it."""
     names = [t.function.name for t in tools or []]
     if len(set(names)) != len(names):
         raise bad_request("two tools have the same name", "tools")
@@ -62,7 +70,7 @@ def render_chat(
     elif tool_choice in ("none", "required"):
         kwargs["tool_choice"] = tool_choice
     schemas = [t.model_dump(exclude_none=True) for t in tools] if tools else None
-    history = _history(messages, set(names) if tools else None)
+    history = _history(messages, set(names) if tools and past_calls_need_tools else None)
     try:
         text = tokenizer.apply_chat_template(history, schemas, add_generation_prompt=add_generation_prompt, **kwargs)
     except TemplateError as e:

@@ -72,6 +72,7 @@ class ChoiceRun:
         self.submitted = time.monotonic()  # constructed right after the engine took the request
         self.token_ids: list[int] = []
         self.first_token_at: float | None = None
+        self.cached_tokens = 0  # prompt tokens the engine served from its prefix cache
         self.finish_reason: str | None = None
         # Yield a piece for every token, text or not (continuous usage stats).
         self.every_token = False
@@ -87,6 +88,7 @@ class ChoiceRun:
                     if self.first_token_at is None:
                         self.first_token_at = now
                         self.metrics.ttft.observe(now - self.arrival)
+                        self.cached_tokens = event.cached_tokens or 0
                         if event.queue_time is not None:  # the engine's wait, then its prefill
                             self.metrics.queue.observe(event.queue_time)
                             self.metrics.prefill.observe(max(0.0, now - self.submitted - event.queue_time))

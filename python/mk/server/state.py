@@ -1,5 +1,5 @@
 """What every route handler may use: the engine, the tokenizer, the model's name, limits, metrics, the
-threads that prepare requests."""
+threads that prepare requests, the stored responses of /v1/responses."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from mk.engine_api import AsyncEngine
 from mk.server.errors import APIError
 from mk.server.metrics import Metrics
 from mk.server.offload import Offload
+from mk.server.responses_store import ResponseStore
 from mk.tokenizer import Tokenizer
 
 
@@ -26,6 +27,7 @@ class ServerState:
     stats_interval: float = 5.0
     metrics: Metrics = field(init=False)
     offload: Offload = field(init=False, default_factory=Offload)  # parsing, templating, tokenizing
+    responses: ResponseStore = field(init=False, default_factory=ResponseStore)  # previous_response_id's
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 

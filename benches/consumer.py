@@ -4,8 +4,8 @@ mma.sync from dense rows (the default kernel), mma.sync from 128-byte-swizzled b
 dense mma.sync with two n-tiles (the wide megakernel image's) (benches/consumer.cu: nothing
 copied, no ring hand-off, every SM busy; each way checked against a float64 product first).
 
-Batch 1 is bound by what the compute warps do per stage, not by HBM (docs/PERF.md, thirteenth
-session): this says which instruction path moves a stage fastest. "consumer TB/s" is the rate all
+Batch 1 is bound by what the compute warps do per stage, not by HBM (docs/PERF.md, hardware
+ceilings): this says which instruction path moves a stage fastest. "consumer TB/s" is the rate all
 SMs together would take weights at if the consumers alone set the pace; against the card's HBM
 bandwidth (`vs_hbm`: the speed-of-light denominator, benches/common.py) it says how much room a way
 leaves.

@@ -24,7 +24,8 @@ $MK_MEGAKERNEL_CUBIN, e.g. NVCC_FLAGS=-DMK_STREAM_LEDGER=1 BENCH_ARGS=--ledger s
 also every ring stage's issue and arrival: the rate at which all blocks stream over a MoE layer.
 Where $MK_MEGAKERNEL_CUBIN lists several variants (a:b:...), each point also times every loaded
 kernel on the same buffers, in KERNEL_ROUNDS alternating rounds (between processes the step time
-varies by 1-3%, in one process far less): `mk_kernel<k>_ms` (the median), `kernel<k>_same_logits`.
+varies more than in one process: docs/PERF.md, "Noise"): `mk_kernel<k>_ms` (the median),
+`kernel<k>_same_logits`.
 A batch larger than one launch takes (MK_STEP_MAX_BATCH: 16, or 8 in the swizzled variant) runs as the
 engine runs it: consecutive launches of at most that many rows, timed together, each reading the
 weights again (`launches` in its row; the variants, traces and kernel comparisons are skipped).

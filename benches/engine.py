@@ -95,8 +95,8 @@ DECODE_ROOM = 2048
 # --grammar's rows: letters and spaces until 4,000 characters, so that the grammar never lets a
 # row end (EOS) inside the timed window, whatever the random weights prefer.
 GRAMMAR = "[a-z ]{4000}"
-# A ttft row's prompts: one prompt's time moves by several ms from run to run (a 2K prompt took
-# 50.5 and 58.5 ms in two processes, the difference outside the backend's calls).
+# A ttft row's prompts: one prompt's time moves by several ms from run to run (outside the
+# backend's calls), so a row is the median of several.
 TTFT_RUNS = 5
 # A reuse row's next turn: the new tokens after the cached prompt (a user's message and the
 # assistant's previous answer, say).

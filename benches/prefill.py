@@ -31,7 +31,7 @@ from mk.model.paged import PagedKV
 from mk.model.reference import Model
 from mk.prefill import Prefill, PrefillRequest, prefill_flops, stack_experts
 
-MATMUL_FLOPS = 790e12  # measured bf16 dense matmul rate of the H200 (docs/PERF.md)
+MATMUL_FLOPS = 790e12  # measured bf16 dense matmul rate of the H200 (docs/PERF.md, hardware ceilings)
 
 
 def requests_for(cfg: ModelConfig, lengths: list[int], gen: torch.Generator):

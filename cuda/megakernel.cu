@@ -48,7 +48,7 @@ static_assert(kStageBytes % kStageAlign == 0, "every stage must start at a multi
 
 // The attention's scratch sits past the GEMV's activation rows, so a GEMV task after a split or
 // combine (a gate/up tile after QKV's, same h) finds its activations still there instead of
-// loading them again (-1 to -2% at batch 1, docs/PERF.md); no launch's ring loses a stage to it.
+// loading them again (docs/PERF.md, tuning decisions); no launch's ring loses a stage to it.
 __host__ __device__ constexpr size_t attn_offset(int batch) { return GemvSmem::act_bytes(batch); }
 __host__ __device__ constexpr size_t union_bytes(int batch) {
     const size_t ops = sizeof(StepSmem) > GemvSmem::bytes(batch) ? sizeof(StepSmem) : GemvSmem::bytes(batch);

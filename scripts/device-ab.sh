@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs ON the GPU machine: megakernel variants compared. Between processes the step time varies
-# by 1-3%, so source variants are compiled here and loaded together into one decode.py process
+# more than the changes measured (docs/PERF.md, "Noise"), so source variants are compiled here and
+# loaded together into one decode.py process
 # ($MK_MEGAKERNEL_CUBIN=a:b:..., timed in alternation on the same buffers: mk_kernel<k>_ms),
 # which runs ROUNDS times. A variant is NAME=KIND:DIR[:FLAGS], where KIND is
 #   src   the cuda/ sources in DIR, compiled with FLAGS (comma-separated nvcc flags, e.g.

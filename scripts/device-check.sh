@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs ON the GPU machine (see shared/design/GPU.md): builds nothing. Installs the wheels carried
+# Runs ON the GPU machine: builds nothing. Installs the wheels carried
 # in .whl/, runs every GPU test and benchmark, writes logs and JSON under $OUT, prints a table last.
 #   device run:  bash scripts/device-check.sh [--quick|--tests|--sanitize|--bench]      (carry: [".whl"])
 # --quick: the megakernel tests and a two-point decode benchmark only.

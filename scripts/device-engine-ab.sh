@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs ON the GPU machine: benches/engine.py --prefill-only twice in one call (~4 min), with the
-# engine's defaults (a) and with B_ARGS (b; default: the paths before the twenty-fifth session, a
+# engine's defaults (a) and with B_ARGS (b; default: `--fresh-split off --whole-chunk-tokens 0`, a
 # fresh prompt in one bucket and every chunk past the budget sliced), on the prompts PROMPTS
 # (default: 4500,5281,6000, just past the 4K bucket). Each run also has the reuse, burst and admit
 # rows, so the two runs' admit rows compare a next turn replayed whole with the same one sliced.

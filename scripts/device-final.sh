@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# Runs ON the GPU machine: the end-of-session calls on the code that lands, in two parts that each
-# fit one 10-minute device call (timings on the H200, 2026-12-04):
-#   tests: every GPU test (~5.5 min);
-#   grid:  the decode grid of record beside the yardstick of record (~2.5 min), compute-sanitizer
-#          memcheck and racecheck on the GPU-test steps (~2 min, each within its own limit), and
-#          benches/engine.py's rows (~1.5 min; ENGINE=0 skips them).
-# Carry the wheel built from that code, .whl/yardstick.py (a copy of shared/tools/yardstick.py)
-# and, for the server's GPU test, .whl/server-py312 (scripts/server-wheels.sh).
+# Runs ON the GPU machine: a run of record on the code that lands, in two parts that each fit one
+# 10-minute device call:
+#   tests: every GPU test;
+#   grid:  the decode grid of record beside the yardstick of record, compute-sanitizer memcheck and
+#          racecheck on the GPU-test steps (each within its own limit), and benches/engine.py's rows
+#          (ENGINE=0 skips them).
+# Carry the wheel built from that code, .whl/yardstick.py (the yardstick of record; docs/PERF.md,
+# "Method") and, for the server's GPU test, .whl/server-py312 (scripts/server-wheels.sh).
 #   device run:  bash scripts/device-final.sh tests      then      bash scripts/device-final.sh grid
 #   (carry: [".whl"], timeout_s 600; send the second call at once, while the machine is warm)
 # Writes $OUT/gpu-tests.log, or $OUT/{grid.log,grid.json,sanitize.log,engine.log,engine.json}
 # (at most 8 files come back), and prints the tests' summary, or the grid's table, the sanitizers'
 # summaries and the engine's tables.
 # After the calls, record the run here, on the files that came back (the results of record:
-# benches/results/<card>.json and README's table):
+# benches/results/<card>.json and the table of README.md and docs/PERF.md):
 #   python scripts/record_results.py --commit <sha of that code> --date <day> grid.json engine.json
 set -uo pipefail
 source "$(dirname "$0")/device-env.sh"

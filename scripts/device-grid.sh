@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Runs ON the GPU machine: the decode grid of record (~2.5 min on the H200). benches/decode.py over
+# Runs ON the GPU machine: the decode grid of record (a few minutes). benches/decode.py over
 # batch {1, 2, 4, 8, 16} x context {1K, 8K, 32K, 128K} and batch 1 at 256K (batch 16 in one launch of the
 # wide image; two in the swizzled variant, as the engine runs it), and the yardstick of record
-# (.whl/yardstick.py, a copy of shared/tools/yardstick.py) at the same points in the same call,
+# (carried as .whl/yardstick.py; docs/PERF.md, "Method") at the same points in the same call,
 # in chunks with their own time limits so that one slow or failing point costs only its chunk.
 #   device run:  bash scripts/device-grid.sh      (carry: [".whl"])
-# The batch-1 chunk runs BATCH1_RUNS times (default 3), each in its own process: its step moves by
-# up to ±3% between processes, and its bar (0.60 of SOL at 8K) sits within that; the table shows
-# each point's median process.
+# The batch-1 chunk runs BATCH1_RUNS times (default 3), each in its own process: its step moves
+# between processes by about as much as its margin over its target (docs/PERF.md, "Noise"); the
+# table shows each point's median process.
 # Writes $OUT/decode-<chunk>[-<run>].json, $OUT/yardstick-<chunk>.json and prints one table: mk's
 # step time, tokens/s and SOL fraction beside the yardstick's step time and the ratio.
 set -uo pipefail

@@ -3,7 +3,7 @@
 # cuda/megakernel.cu with that machine's nvcc into the images (narrow and wide) the installed wheel
 # loads instead of its embedded ones ($MK_MEGAKERNEL_CUBIN; the wheel must come from the same cuda/abi.h), then in
 # the same call runs the megakernel's GPU tests, the decode benchmark with one trace, and the
-# yardstick of record (copied beside the wheels: cp ../shared/tools/yardstick.py .whl/).
+# yardstick of record (carried beside the wheels as .whl/yardstick.py; docs/PERF.md, "Method").
 #   device run:  bash scripts/device-kernel.sh      (carry: [".whl"])
 # Environment: TESTS (pytest files/args, default the megakernel tests; "none" skips them),
 # POINTS (decode points, default 1x8192,8x8192), TRACE=0 (no trace), YARDSTICK=0 (skip it),

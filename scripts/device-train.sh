@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs ON the GPU machine (see shared/design/GPU.md): trains the embedded model with
+# Runs ON the GPU machine: trains the embedded model with
 # scripts/train_embedded.py. The device returns at most 8 files of at most 16 MiB (64 MiB in all), so
 # the weights come back as they are (one model.safetensors, or shards of at most 15 MiB with their
 # index) and everything else in one tar:
@@ -13,12 +13,10 @@
 # The table of results is printed last.
 #   device run:  bash scripts/device-train.sh [extra train_embedded.py flags]     (carry: none needed)
 #   (CALL_S=<the call's timeout_s> when it is below 600; BUDGET must then leave the evaluations time)
-# One `run` command lasts at most 600 s. On the H200 (2026-12-01, 130 MB of site-packages) the corpus
-# took 128 s, the tokenizer and encoding 50 s, and the script's own evaluations of 100 functions with
-# 256 new tokens 46 s for completions alone, so a 6-minute budget was killed by the 560 s timeout
-# below before its report was written. Training gets 5 minutes (BUDGET) and the evaluations here are
-# the 40 functions and 96 new tokens; scripts/eval_embedded.py measures the bars afterwards
-# (on the CPU too).
+# One `run` command lasts at most 600 s, and the corpus, the tokenizer and the encoding of a
+# site-packages corpus take minutes of it before training, so training gets 5 minutes (BUDGET) and
+# the evaluations here are 40 functions with 96 new tokens, which leaves the report time to be
+# written; scripts/eval_embedded.py measures the bars afterwards (on the CPU too).
 # mk always comes from this tree's python/ (training needs no compiled code, and a carried mk wheel could
 # predate the training code); other wheels carried in .whl/ are installed to /tmp/site as in device-check.sh.
 set -uo pipefail
@@ -43,7 +41,7 @@ export PYTHONPATH=$PWD/python:/tmp/site
 } 2>&1 | tee "$OUT/train.log"
 
 # The run must end before the call does (CALL_S: the `run` call's timeout_s; a call ended by its own
-# limit returns no bundle: the eighteenth session lost its tokenizer so, 10 s late).
+# limit returns no bundle, not even the tokenizer).
 # ($SECONDS: what the set-up above took.)
 run_s=$(( ${CALL_S:-600} - SECONDS - 40 ))
 [ "$run_s" -ge 60 ] || { echo "CALL_S=${CALL_S:-600} leaves no time to train" | tee -a "$OUT/train.log"; exit 1; }

@@ -5,9 +5,9 @@
 // and arrive on "empty" afterwards (cuda/ops/step_gemv.cuh). This kernel does exactly that with
 // one producer warp and two consumer warps over a 4-slot ring, and checks every value arrived.
 // A racecheck hazard here means the tool does not model the hand-off; none means it does, and a
-// hazard in the megakernel would then be real. On the H200 (2026-12-01, docs/PERF.md) it reports
-// 241 hazards: racecheck models barriers only, so the megakernel hands such values over with
-// atomics (Ring::tag_of, st_release_cta), which it does not report.
+// hazard in the megakernel would then be real. It reports hazards: racecheck models barriers
+// only, so the megakernel hands such values over with atomics (Ring::tag_of, st_release_cta),
+// which it does not report.
 #include <cstdio>
 #include <cstdint>
 

@@ -1,6 +1,7 @@
 """Records a device run as the results of record, here, after the call: the files that came back
 replace their benchmarks' entries in benches/results/<card>.json (the card told by the device names
-the files hold), and README.md's table is generated again (scripts/results_table.py).
+the files hold), and the table of README.md and docs/PERF.md is generated again
+(scripts/results_table.py).
 
   python scripts/record_results.py --commit <full sha> [--date YYYY-MM-DD] FILE...
 
@@ -157,11 +158,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", required=True, help="the full sha of the code the run measured")
     parser.add_argument("--date", default=datetime.date.today().isoformat(), help="the run's day (default: today)")
     parser.add_argument("--results", type=Path, default=results_table.RESULTS_DIR, help="the folder of <card>.json")
-    parser.add_argument("--readme", type=Path, default=results_table.README, help="whose table is generated again")
+    parser.add_argument(
+        "--doc",
+        type=Path,
+        action="append",
+        help="a document whose table is generated again, repeatable (default: README.md and docs/PERF.md)",
+    )
     args = parser.parse_args(argv)
     try:
         record(args.files, args.commit, args.date, args.results)
-        results_table.write_readme(args.readme, args.results)
+        results_table.write_docs(args.doc or results_table.DOCS, args.results)
     except (RecordError, OSError, ValueError) as e:
         print(f"record_results: {e}", file=sys.stderr)
         return 2

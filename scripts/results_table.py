@@ -1,9 +1,9 @@
-"""README.md's table of the results of record, generated from every benches/results/<card>.json
+"""The table of the results of record, generated from every benches/results/<card>.json
 (scripts/record_results.py writes them): one column a card, one row a point of record, written
-between README's markers so that the figures a reader sees are the data's.
+between the markers of README.md and docs/PERF.md so that the figures a reader sees are the data's.
 
-  python scripts/results_table.py            write the table into README.md
-  python scripts/results_table.py --check    exit 1 where README.md's table is not what the data gives
+  python scripts/results_table.py            write the table into README.md and docs/PERF.md
+  python scripts/results_table.py --check    exit 1 where either document's table is not what the data gives
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -19,6 +20,9 @@ from cards import HBM_BYTES_PER_S  # noqa: E402
 
 RESULTS_DIR = REPO / "benches" / "results"
 README = REPO / "README.md"
+PERF = REPO / "docs" / "PERF.md"
+# The documents that carry the table, each between the markers.
+DOCS = (README, PERF)
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 NOT_MEASURED = "not measured"
 DOES_NOT_FIT = "does not fit"
@@ -148,37 +152,58 @@ def _ms(v: float) -> str:
     return f"{v:.3g} ms" if v < 100 else f"{v:.0f} ms"
 
 
-def with_table(readme: str, results: dict[str, dict]) -> str:
-    """README's text with the table between its markers generated again from `results`."""
-    start, end = readme.find(BEGIN), readme.find(END)
+def with_table(text: str, results: dict[str, dict]) -> str:
+    """A document's text with the table between its markers generated again from `results`."""
+    start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
-        raise ValueError(f"README has no `{BEGIN}` ... `{END}` markers for the results table")
-    return f"{readme[: start + len(BEGIN)]}\n{table(results)}\n{readme[end:]}"
+        raise ValueError(f"no `{BEGIN}` ... `{END}` markers for the results table")
+    return f"{text[: start + len(BEGIN)]}\n{table(results)}\n{text[end:]}"
 
 
-def write_readme(readme: Path = README, results_dir: Path = RESULTS_DIR) -> None:
-    readme.write_text(with_table(readme.read_text(), load_results(results_dir)))
+def write_docs(docs: Sequence[Path] = DOCS, results_dir: Path = RESULTS_DIR) -> None:
+    """Every document's table generated again from the results of record (none is written unless
+    every one has the markers)."""
+    texts = _with_tables(docs, load_results(results_dir))
+    for doc, (_, new) in texts.items():
+        doc.write_text(new)
 
 
-def readme_in_step(readme: Path = README, results_dir: Path = RESULTS_DIR) -> bool:
-    """Whether README's table is what the results of record give."""
-    text = readme.read_text()
-    return with_table(text, load_results(results_dir)) == text
+def docs_out_of_step(docs: Sequence[Path] = DOCS, results_dir: Path = RESULTS_DIR) -> list[Path]:
+    """The documents whose table is not what the results of record give."""
+    return [doc for doc, (old, new) in _with_tables(docs, load_results(results_dir)).items() if old != new]
+
+
+def _with_tables(docs: Sequence[Path], results: dict[str, dict]) -> dict[Path, tuple[str, str]]:
+    """Each document's text as it is and with its table generated again."""
+    texts = {}
+    for doc in docs:
+        text = doc.read_text()
+        try:
+            texts[doc] = (text, with_table(text, results))
+        except ValueError as e:
+            raise ValueError(f"{doc}: {e}") from e
+    return texts
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="exit 1 where README's table differs from the data")
-    parser.add_argument("--readme", type=Path, default=README)
+    parser.add_argument("--check", action="store_true", help="exit 1 where a document's table differs from the data")
+    parser.add_argument(
+        "--doc",
+        type=Path,
+        action="append",
+        help="a document that carries the table, repeatable (default: README.md and docs/PERF.md)",
+    )
     parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="the folder of <card>.json files")
     args = parser.parse_args(argv)
+    docs = args.doc or DOCS
     try:
         if args.check:
-            if readme_in_step(args.readme, args.results):
-                return 0
-            print(f"{args.readme}: the results table is not what {args.results} gives; run scripts/results_table.py")
-            return 1
-        write_readme(args.readme, args.results)
+            stale = docs_out_of_step(docs, args.results)
+            for doc in stale:
+                print(f"{doc}: the results table is not what {args.results} gives; run scripts/results_table.py")
+            return 1 if stale else 0
+        write_docs(docs, args.results)
     except (OSError, ValueError) as e:
         print(f"results_table: {e}", file=sys.stderr)
         return 2

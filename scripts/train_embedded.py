@@ -402,8 +402,8 @@ def import_path(path: str, site: bool) -> str:
     """A corpus path as the module's import path: a site-packages corpus files every module under its
     distribution's folder (scripts/code_corpus.py), which is no part of the name. Shown with it (a
     question about `networkx.networkx.algorithms`, a read_file of networkx/networkx/...), the repeated
-    folder made the 2026-12-03 model loop while copying the path into its answer: 19 of its 20
-    malformed tool calls."""
+    folder made a model loop while copying the path into its answer (most of its malformed tool
+    calls)."""
     return path.split("/", 1)[1] if site and "/" in path else path
 
 
@@ -776,9 +776,9 @@ LOOP_REPEATS = 3  # a non-blank line repeated more often than this in a greedy c
 UL_PROMPT_TOKENS, UL_NEW_TOKENS, UL_BATCH = 96, 48, 32
 UL_NGRAM = 4  # a token that ends a repeat of an earlier n-gram of its continuation is a candidate
 UL_REPEAT_SHARE = 0.5  # a continuation half of whose tokens are such candidates loops (within a line too)
-# The validation loss the phase may cost; past it the weights from before the phase are shipped. (The
-# first phase, 2026-12-03, with a fresh AdamW: 5 updates cost 0.18 nats, and the model it shipped put
-# its loops inside lines instead, docs/EMBEDDED.md.)
+# The validation loss the phase may cost; past it the weights from before the phase are shipped. (A
+# phase without this bound, with a fresh AdamW, cost several times as much in a few updates, and its
+# model put its loops inside lines instead: docs/EMBEDDED.md.)
 UL_MAX_VAL_COST = 0.03
 
 
@@ -1260,9 +1260,7 @@ def parse_args(argv: Sequence[str] | None):
     p.add_argument("--eval-functions", type=int, default=None, help="held-out functions generated from")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--gen-batch", type=int, default=128, help="sequences per greedy-generation batch")
-    p.add_argument(
-        "--tool-examples", type=int, default=2000, help="tool-call conversations (default 2000; 400 until 2026-12-01)"
-    )
+    p.add_argument("--tool-examples", type=int, default=2000, help="tool-call conversations (default 2000)")
     p.add_argument("--tool-repeat", type=int, default=2)
     p.add_argument("--out-dir", default=str(REPO / "python" / "mk" / "embedded"))
     p.add_argument("--docs-dir", default=str(REPO / "docs"))

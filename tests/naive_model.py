@@ -1,4 +1,4 @@
-"""A deliberately naive float64 North Mini Code, written from the spec (MODEL.md, REFERENCE §1).
+"""A deliberately naive float64 North Mini Code, written from the model's definition.
 
 It shares no code with mk.model: one contiguous sequence, dense attention with an explicit
 causal/window mask, per-token loops for routing, RoPE through complex multiplication. Slow and

@@ -390,7 +390,7 @@ def test_the_cpu_runner_runs_short_calls_on_one_thread(model, monkeypatch):
 def test_the_warm_up_runs_a_chunk_after_a_cached_prefix(model, monkeypatch):
     """The prefill's warm-up compiles every shape a server meets before its first request: fresh
     prompts (as many keys as rows), two packed ones, and a chunk after a cached prefix (more keys
-    than rows: unseen, its compilation stalled the first long prompt's admission ~8 s on the H200),
+    than rows: unseen, its compilation would stall the first long prompt's admission for seconds),
     all on scratch blocks (for the prefixed chunk, five pages a layer)."""
     import mk.runner
     from mk.prefill import Prefill

@@ -191,8 +191,8 @@ def test_launch_ahead_agrees_with_synchronous_steps(model, rows):
     launches steps one at a time until no more than one launch's rows are left, then queues. Against
     synchronous steps (whose rows ask for log-probabilities, so they are not queued) the tokens agree
     until the first near-tie, as in `compare` (the prompts are submitted together, so both engines
-    cut the same prefill chunks; before `run` did so, the H200 saw every request of the 10-row batch
-    diverge early, once at a top-2 gap of 0.58), while a token forwarded to the wrong row or position
+    cut the same prefill chunks; submitted apart, every request of the 10-row batch can diverge early,
+    at top-2 gaps past 0.5), while a token forwarded to the wrong row or position
     would diverge at once. Every row ends with exactly its max_tokens, the rows
     that end early (their last token known a step ahead) included."""
     greedy = [SamplingParams(max_tokens=30 + 5 * i, temperature=0.0, ignore_eos=True) for i in range(rows)]

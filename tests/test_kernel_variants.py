@@ -59,7 +59,7 @@ def compile_cubin(source: str, flags: list[str], tmp_path: Path) -> str:
     """ptxas's report of `source` compiled for sm_90a (the test fails if it does not compile)."""
     nvcc = find_nvcc()
     if nvcc is None:
-        pytest.skip("no nvcc (the build installs nvidia-cuda-nvcc; see GPU.md)")
+        pytest.skip("no nvcc (the build installs nvidia-cuda-nvcc from PyPI)")
     cmd = [str(nvcc), "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-Icuda"]
     cmd += ["-Xptxas=-v", *flags, "-o", str(tmp_path / "out.cubin"), source]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -77,7 +77,7 @@ def test_variant_compiles_without_spills(flags, tmp_path):
 def test_the_swizzled_variant_has_no_wide_image(tmp_path):
     nvcc = find_nvcc()
     if nvcc is None:
-        pytest.skip("no nvcc (the build installs nvidia-cuda-nvcc; see GPU.md)")
+        pytest.skip("no nvcc (the build installs nvidia-cuda-nvcc from PyPI)")
     flags = ["-DMK_WEIGHT_SWIZZLE=1", *WIDE]
     cmd = [str(nvcc), "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-Icuda", *flags]
     out = subprocess.run(

@@ -414,7 +414,7 @@ def test_a_sliced_prefill_equals_the_whole_call(weights64):
 
 def test_a_sliced_prefill_runs_without_autograd_as_the_whole_call(weights64, monkeypatch):
     """The compiled prefill functions are guarded on the grad mode, so slices run with autograd on
-    would compile every one of them again on first use (an 8 s pause on the H200): every layer and
+    would compile every one of them again on first use (a pause of seconds): every layer and
     the head run under no_grad, as in the whole call, whatever the caller's mode."""
     model = model_of(weights64, torch.float64)
     modes: list[bool] = []

@@ -1,6 +1,6 @@
-"""The results of record (benches/results/<card>.json) and README's table generated from them:
-scripts/record_results.py turns a device call's files into a card's entries, scripts/results_table.py
-the entries into the table."""
+"""The results of record (benches/results/<card>.json) and the table generated from them into
+README.md and docs/PERF.md: scripts/record_results.py turns a device call's files into a card's
+entries, scripts/results_table.py the entries into the table."""
 
 from __future__ import annotations
 
@@ -19,23 +19,57 @@ import results_table as rt  # noqa: E402
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 README = f"# mk\n\n## Results of record\n\n{rt.BEGIN}\nstale\n{rt.END}\n\n## The server\n"
+PERF = f"# mk performance\n\n## Results of record\n\nText.\n\n{rt.BEGIN}\n{rt.END}\n\n## Tuning decisions\n"
 
 
-def test_readme_table_is_what_the_results_of_record_give():
-    """README's table is regenerated from benches/results/*.json, not edited by hand
-    (`python scripts/results_table.py` writes it again)."""
-    assert rt.readme_in_step(), "run `python scripts/results_table.py` after changing benches/results/"
+def docs(tmp_path: Path) -> tuple[Path, Path]:
+    """A README and a PERF.md with stale tables, in tmp_path."""
+    readme, perf = tmp_path / "README.md", tmp_path / "PERF.md"
+    readme.write_text(README)
+    perf.write_text(PERF)
+    return readme, perf
+
+
+def doc_args(*paths: Path) -> list[str]:
+    return [arg for path in paths for arg in ("--doc", str(path))]
+
+
+def test_the_tables_are_what_the_results_of_record_give():
+    """README's and PERF.md's tables are regenerated from benches/results/*.json, not edited by hand
+    (`python scripts/results_table.py` writes them again)."""
+    assert {p.relative_to(REPO).as_posix() for p in rt.DOCS} == {"README.md", "docs/PERF.md"}
+    assert rt.docs_out_of_step() == [], "run `python scripts/results_table.py` after changing benches/results/"
     assert rt.main(["--check"]) == 0
+    tables = [rt.table(rt.load_results()) in doc.read_text() for doc in rt.DOCS]
+    assert tables == [True, True]
 
 
-def test_check_fails_where_the_table_is_not_the_datas(tmp_path):
-    readme = tmp_path / "README.md"
-    edited = rt.with_table(README, rt.load_results()).replace(rt.END, f"| edited by hand | 1 ms | 1 ms |\n{rt.END}")
-    readme.write_text(edited)
-    assert not rt.readme_in_step(readme)
-    assert rt.main(["--check", "--readme", str(readme)]) == 1
-    assert rt.main(["--readme", str(readme)]) == 0  # written again from the data
-    assert rt.main(["--check", "--readme", str(readme)]) == 0
+def test_check_fails_where_either_table_is_not_the_datas(tmp_path, capsys):
+    readme, perf = docs(tmp_path)
+    assert rt.main(["--check", *doc_args(readme, perf)]) == 1
+    assert rt.docs_out_of_step([readme, perf]) == [readme, perf]
+    assert rt.main(doc_args(readme, perf)) == 0  # written from the data
+    assert rt.main(["--check", *doc_args(readme, perf)]) == 0
+    assert rt.table(rt.load_results()) in readme.read_text() and rt.table(rt.load_results()) in perf.read_text()
+    assert perf.read_text().startswith("# mk performance\n") and perf.read_text().endswith("## Tuning decisions\n")
+
+    edited = perf.read_text().replace(rt.END, f"| edited by hand | 1 ms | 1 ms |\n{rt.END}")
+    perf.write_text(edited)
+    capsys.readouterr()
+    assert rt.docs_out_of_step([readme, perf]) == [perf]
+    assert rt.main(["--check", *doc_args(readme, perf)]) == 1
+    assert str(perf) in capsys.readouterr().out
+    assert rt.main(doc_args(readme, perf)) == 0  # written again
+    assert rt.docs_out_of_step([readme, perf]) == []
+
+
+def test_a_document_without_markers_is_an_error_and_nothing_is_written(tmp_path, capsys):
+    readme, perf = docs(tmp_path)
+    perf.write_text("# mk performance\n\nno table here\n")
+    assert rt.main(doc_args(readme, perf)) == 2
+    assert f"{perf}: no `{rt.BEGIN}`" in capsys.readouterr().err
+    assert readme.read_text() == README  # not written either
+    assert rt.main(["--check", *doc_args(readme, perf)]) == 2
 
 
 def decode_row(batch: int, ctx: int, mk_ms: float) -> dict:
@@ -82,10 +116,10 @@ def cells(text: str, card: str) -> dict[str, str]:
 
 
 def test_a_device_runs_files_become_the_cards_results_and_its_column(tmp_path):
-    results, readme = tmp_path / "results", tmp_path / "README.md"
-    readme.write_text(README)
+    results = tmp_path / "results"
+    readme, perf = docs(tmp_path)
     files = [grid_json(tmp_path / "grid.json"), engine_json(tmp_path / "engine.json")]
-    argv = ["--commit", COMMIT, "--date", "2026-12-07", "--results", str(results), "--readme", str(readme)]
+    argv = ["--commit", COMMIT, "--date", "2026-12-07", "--results", str(results), *doc_args(readme, perf)]
     assert rr.main([*argv, *map(str, files)]) == 0
 
     assert [p.name for p in results.iterdir()] == ["h100.json"]
@@ -113,7 +147,8 @@ def test_a_device_runs_files_become_the_cards_results_and_its_column(tmp_path):
     assert h100["longest pause of a stream while a 32K-token prompt is admitted"] == "41.3 ms"
     assert h100["commit (date)"] == "0123456 (2026-12-07)"
     assert set(h200.values()) == {"not measured"}
-    assert rt.readme_in_step(readme, results)
+    assert cells(perf.read_text(), "H100") == h100 and cells(perf.read_text(), "H200") == h200
+    assert rt.docs_out_of_step([readme, perf], results) == []
 
 
 def test_a_later_run_replaces_only_its_own_benchmarks(tmp_path):
@@ -154,17 +189,17 @@ def test_a_yardstick_skipped_where_mk_ran_says_so(tmp_path):
     ],
 )
 def test_a_file_that_cannot_be_recorded_is_an_error_and_nothing_is_written(tmp_path, capsys, content, error):
-    results, readme = tmp_path / "results", tmp_path / "README.md"
-    readme.write_text(README)
+    results = tmp_path / "results"
+    readme, perf = docs(tmp_path)
     good, bad = engine_json(tmp_path / "engine.json"), tmp_path / "bad.json"
     if content is not None:
         bad.write_text(content)
     with pytest.raises(rr.RecordError, match=error):
         rr.record([good, bad], COMMIT, "2026-12-07", results)
-    argv = ["--commit", COMMIT, "--results", str(results), "--readme", str(readme), str(good), str(bad)]
+    argv = ["--commit", COMMIT, "--results", str(results), *doc_args(readme, perf), str(good), str(bad)]
     assert rr.main(argv) == 2
     assert error in capsys.readouterr().err
-    assert not results.exists() and readme.read_text() == README
+    assert not results.exists() and readme.read_text() == README and perf.read_text() == PERF
 
 
 @pytest.mark.parametrize("commit, date", [("29bea27", "2026-12-07"), (COMMIT, "07/12/2026")])

@@ -98,7 +98,7 @@ struct SplitState {
 
     // Every split of a KV head reads the same q at about the same moment: one 16-byte load a
     // thread into shared memory, not each warp all of it (8x the bytes from the few L2 slices that
-    // hold it took 4.5 µs to arrive under the weight stream; docs/PERF.md).
+    // hold it arrive late under the weight stream; docs/PERF.md, tuning decisions).
     __device__ SplitState(const MkStepArgs& a, const SplitPages& sp, AttnScratch& x) {
         const int group = a.heads / a.kv_heads, g = threadIdx.x % 32 / 4, tq = threadIdx.x % 4;
         const float4* q = reinterpret_cast<const float4*>(ptr<float>(a.q) + ((size_t)sp.b * a.heads + sp.kvh * group) * kHeadDim);

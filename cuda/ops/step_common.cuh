@@ -145,7 +145,8 @@ __device__ __forceinline__ void wait_for(const MkTask& t, const uint32_t* counte
 }
 
 // A shared-memory word handed between warps of the block (release / acquire at block scope), by
-// atomics: racecheck reports plain accesses ordered by anything but a barrier (docs/PERF.md).
+// atomics: racecheck reports plain accesses ordered by anything but a barrier, and the atomics
+// cost next to nothing (docs/PERF.md, tuning decisions).
 __device__ __forceinline__ void st_release_cta(uint32_t* p, uint32_t v) {
     asm volatile("atom.release.cta.shared.exch.b32 _, [%0], %1;" ::"r"((uint32_t)__cvta_generic_to_shared(p)), "r"(v)
                  : "memory");
@@ -159,7 +160,7 @@ __device__ __forceinline__ uint32_t ld_acquire_cta(uint32_t* p) {
 // Task i of the block's list is done: after the barrier every thread's writes of the task are
 // done, and thread 0 says so to the signal warp (`done` = tasks finished), which publishes the
 // task's counter. The compute warps go on to the next task without waiting for the gpu-scope
-// release (0.5-1 µs a task, docs/PERF.md).
+// release, a part of every task's time otherwise (docs/PERF.md, tuning decisions: MK_STEP_THREADS).
 __device__ __forceinline__ void signal_done(int i, uint32_t* done) {
     compute_sync();
     if (threadIdx.x == 0) st_release_cta(done, (uint32_t)i + 1);

@@ -320,7 +320,7 @@ __device__ __forceinline__ bool consumer_marks(bool split) { return MK_TRACE_MAR
 // of a weight stage (the swizzled variant: one 3-D copy a stage), or the two of a split page's K
 // or V. (Prefetching the stages beyond the ring
 // into L2 while it waits was slower, and so was the whole warp copying a split's pages with
-// cp.async: docs/PERF.md.)
+// cp.async: docs/PERF.md, "Measured and not kept".)
 __device__ void stream_weights(const MkStepArgs& a, const MkTask* list, uint32_t* counters, const Ring& r,
                                MkTask* window, BlockRouting* routing) {
     if (threadIdx.x % 32 != 0) {  // the other lanes help lane 0 learn each MoE layer's routing
@@ -469,7 +469,7 @@ __device__ void gemv_compute(const GemvShape& p, GemvSmem& s, const Ring& r, uin
                 if (box == kBoxCols) {
                     // Full boxes (every real matrix): shifts for the chunk's box instead of
                     // divisions, and a chunk's two products into two accumulators (half the
-                    // dependent chain): -7% at batch 1 and -6% at batch 8 (docs/PERF.md).
+                    // dependent chain; docs/PERF.md, tuning decisions).
                     constexpr int kBoxChunks = kBoxCols / 32, kBoxBytes = kStageRows * kBoxCols * 2;
                     for (int ch = warp; ch < chunks; ch += kWarps) {
                         const unsigned char* w;
@@ -593,7 +593,8 @@ __device__ void gemv_compute_wide(const GemvShape& p, GemvSmem& s, const Ring& r
 // A variant to measure (-DMK_QKV_EARLY_SLOT=1, off by default): a K or V task loads each row's
 // cache row (its position, then that position's page: two dependent loads) into shared memory
 // before its stages instead of in its epilogue, one L2 round trip fewer between the task's last
-// stage and the attention splits that wait for it (docs/PERF.md, eighteenth session).
+// stage and the attention splits that wait for it. Measured no faster (docs/PERF.md, "Measured
+// and not kept"), so it stays off.
 #ifndef MK_QKV_EARLY_SLOT
 #define MK_QKV_EARLY_SLOT 0
 #endif
@@ -729,8 +730,8 @@ __device__ void run_gemv(const MkStepArgs& a, const MkTask& t, GemvSmem& s, cons
         if (m <= kTileN && fits) routed = mask;
     }
     if (MK_GEMV_MARKS) marks.mark(0);
-    // One call of gemv_compute for both cases (a second inlined copy made the 16-row kernel 9% longer;
-    // in one process neither form was slower at batch 1 than before the routed tiles: docs/PERF.md).
+    // One call of gemv_compute for both cases: a second inlined copy would lengthen the wide image's
+    // code for nothing (neither form was slower at batch 1: docs/PERF.md, tuning decisions).
     if (kWideBatch && a.batch > kTileN && !routed) gemv_compute_wide(p, s, r, n, a.batch, t.layer, act_key);
     else gemv_compute(p, s, r, n, routed ? __popc(routed) : a.batch, routed);  // their barriers publish has_row
     if (MK_GEMV_MARKS) marks.mark(1);

@@ -137,7 +137,7 @@ __device__ void run_embed(const MkStepArgs& a, const MkTask& t, float* v, float*
 // only for the O projection (wait0): what does not depend on the FFN (x + y_attn, and warp 0's
 // loads of the row's choices, which it orders by slot in registers, once the top-k has run) is
 // done before the task waits for the FFN (wait1), so that one L2 round trip, the expert outputs'
-// loads, follows the last down tile (-1% at batch 1, docs/PERF.md). Marks: the FFN's wait over;
+// loads, follows the last down tile (docs/PERF.md, tuning decisions). Marks: the FFN's wait over;
 // the FFN's outputs added.
 __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, const uint32_t* counters, float* v,
                                   float* scratch, int* slots, float* scores, PhaseMarks& marks) {
@@ -145,7 +145,7 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, const ui
     const bool moe = ptr<uint64_t>(a.layer_weights)[(size_t)layer * MK_LW_COUNT + MK_LW_ROUTER] != 0;
     // The thread's first gamma values loaded now, before any wait: store_normed needs them after
     // the FFN, and a weight nothing else reads often comes from HBM (a prefetch into L1 instead
-    // was 0.3-0.5% slower at batch 1, docs/PERF.md).
+    // was slower: docs/PERF.md, tuning decisions).
     float g_early[kVec];
     load_first_gamma(a, norm_weight(a, layer + 1), g_early);
     if (moe && threadIdx.x < 32) {
@@ -179,7 +179,7 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, const ui
             load8_f32(ptr<float>(a.ffn_out) + (size_t)b * a.hidden + i0, ffn);
         } else if (a.top_k == kMaxTopK) {
             // The model's top-k: no `break` test, so the eight parts' loads go out together (one
-            // round trip instead of eight: -1.5% at batch 1, docs/PERF.md); the sum keeps slot order.
+            // round trip instead of eight: docs/PERF.md, tuning decisions); the sum keeps slot order.
             // The parts are bf16 (16 bytes each here): half the bytes of fp32 after the FFN's wait.
             uint4 part[kMaxTopK];
 #pragma unroll
@@ -196,7 +196,7 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, const ui
             }
         } else {
             // A smaller top-k: each load waits for its `break` test (copying the parts into shared
-            // memory with cp.async was slower, docs/PERF.md).
+            // memory with cp.async was slower: docs/PERF.md, tuning decisions).
 #pragma unroll
             for (int k = 0; k < kMaxTopK; ++k) {
                 if (k >= a.top_k) break;
@@ -215,7 +215,7 @@ __device__ void run_residual_norm(const MkStepArgs& a, const MkTask& t, const ui
     if (!MK_STREAM_LEDGER && a.hidden <= kVec * kThreads) {
         // At most one vector a thread (hidden 2048; the GPU tests' 384): the sum of squares and the
         // stores start from the registers that summed the row, with no barrier and no shared-memory
-        // pass between the FFN's loads and the reduction (-0.3% at batch 1 and 8, docs/PERF.md).
+        // pass between the FFN's loads and the reduction (docs/PERF.md, tuning decisions).
         marks.mark(1);
         float sq = 0.f;
 #pragma unroll
@@ -367,7 +367,8 @@ __device__ void run_sample_part(const MkStepArgs& a, const MkTask& t, float* sv,
     const float bound = draw ? gumbel_bound() : 0.f;
     float best = -INFINITY;
     int id = hi;
-    // kSampleBatch loads in flight before the compares (one latency per batch, not per value).
+    // kSampleBatch loads in flight before the compares (one latency per batch, not per value;
+    // docs/PERF.md, tuning decisions).
     constexpr int kSampleBatch = 8;
     const float* row = ptr<float>(a.logits) + (size_t)b * a.vocab;
     for (int i0 = lo + threadIdx.x; i0 < hi && !gave_up; i0 += kSampleBatch * kThreads) {

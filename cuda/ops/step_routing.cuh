@@ -31,7 +31,7 @@ constexpr int kExpertsPerLane = MK_STEP_MAX_EXPERTS / 32;
 
 // What routing reads of the step's arguments (MkStepArgs' fields of the same names), by value: the
 // producer warp's routing is not inlined, and through a reference to the kernel's parameters it
-// would load every field again after each atomic (a 2-row layer's routing took ~25 µs so).
+// would load every field again after each atomic, which made a layer's routing many times slower.
 struct RoutingArgs {
     uint64_t router, slot_count, slot_expert, topk_slot;
     int batch, experts, top_k;

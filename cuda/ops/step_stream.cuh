@@ -16,9 +16,9 @@ namespace mk {
 constexpr int kStageRows = MK_STAGE_ROWS;
 constexpr int kBoxCols = MK_STAGE_COLS;  // weight columns per box of a stage (bf16)
 // Boxes per stage, side by side along k (cuda/abi.h: the host's tensor maps describe them): more
-// boxes make fewer, larger stages (longer runs of each weight row per stage). On the H200, 2 were
-// 9-10% faster than 1 and 3 another 5-8% faster than 2 at batch 1 and 8 (docs/PERF.md); 4 leave
-// fewer than 4 stages (the swizzled variant's 12 boxes of 64 columns make the same 24 KB stages).
+// boxes make fewer, larger stages (longer runs of each weight row per stage); 3 measured fastest
+// (docs/PERF.md, tuning decisions), and 4 leave fewer than 4 stages (the swizzled variant's 12
+// boxes of 64 columns make the same 24 KB stages).
 constexpr int kStageBoxes = MK_STAGE_BOXES;
 // A stage is kStageBoxes [kStageRows][box] tiles: dense rows, where rows g and g + 1 read at one
 // column by a quarter-warp share banks (2-way), or 128-byte rows in the 128-byte swizzle
@@ -32,11 +32,11 @@ constexpr int kStageBytes = kStageBoxes * kStageRows * kBoxCols * 2;
 __device__ __forceinline__ int box_cols(int k) { return min(k, kBoxCols); }
 
 // The boxes one copy brings of a matrix of reduction length k. The swizzled variant's stages are
-// 12 boxes of 64 columns: as 12 copies its steps were 25% slower than the default's (the copy
-// engine's cost per copy), as one copy of a 3-D box equal (docs/PERF.md). So there, where k is
-// whole boxes, the host's map is 3-D and a stage one copy of this many boxes (rust/gpu/tensor_map.rs
-// stage_depth; the last stage of a row zero-fills those past k). 0: a 2-D map, a copy per box (the
-// default's 3 copies a stage: one 3-D copy measured no faster).
+// 12 boxes of 64 columns: as 12 copies its steps were much slower than the default's (the copy
+// engine's cost per copy), as one copy of a 3-D box equal (docs/PERF.md, tuning decisions). So
+// there, where k is whole boxes, the host's map is 3-D and a stage one copy of this many boxes
+// (rust/gpu/tensor_map.rs stage_depth; the last stage of a row zero-fills those past k). 0: a 2-D
+// map, a copy per box (the default's 3 copies a stage: one 3-D copy measured no faster).
 __device__ __forceinline__ int stage_depth(int k) {
     const int box = box_cols(k);
     return MK_WEIGHT_SWIZZLE && k % box == 0 ? min(kStageBoxes, k / box) : 0;

@@ -1,6 +1,6 @@
 """Model geometry of North Mini Code and mk's smaller test geometries.
 
-`ModelConfig` holds exactly the `config.json` fields the engine reads (REFERENCE §1.1). Every
+`ModelConfig` holds exactly the `config.json` fields the engine reads. Every
 dimension the model code uses comes from here, so the same code runs the real model, the GPU test
 geometry and the tiny CPU geometry.
 """

@@ -110,9 +110,8 @@ class Engine:
     iterations, a few layers each, so that an iteration's prefill is
     at most `decode_prefill_budget` tokens through the whole model (tokens x layers), with a decode
     step between the slices: the streams' pause shrinks like the budget's, while the prompt's time
-    to first token grows only by the decode steps in between (rust/engine/core.rs; on the H200
-    with the default budget: a 27 ms longest pause while a 32K prompt was admitted, that prompt's
-    first token at 1.18x its standalone prefill, docs/PERF.md). Needs the fast prefill. None (the
+    to first token grows only by the decode steps in between (rust/engine/core.rs; the default
+    budget's measurements: docs/PERF.md, tuning decisions). Needs the fast prefill. None (the
     default): on wherever the fast prefill runs on a GPU.
     `whole_chunk_tokens`: with `sliced_prefill`, a call of one chunk of up to this many tokens is
     not sliced (0: every call beyond the budget is). None (the default): with both kinds of prefill
@@ -122,8 +121,8 @@ class Engine:
     `launch_ahead`: each decode step is launched before the previous step's tokens are handed
     over (rust/engine/core.rs); the streams are the same. The megakernel backend then queues steps
     of up to one launch's rows whose tokens the kernel draws itself (greedy, or a temperature alone)
-    on the GPU, each behind the one before (+2-3% decode tok/s at batch 1 and 8 on the H200,
-    docs/PERF.md); a step it cannot queue (rows that sample on the host: top-k/top-p, logprobs, a
+    on the GPU, each behind the one before, so that the host's work between steps overlaps the
+    GPU's; a step it cannot queue (rows that sample on the host: top-k/top-p, logprobs, a
     grammar; more rows than one launch; another backend) runs at once, as without launch-ahead.
     None (the default): on with the megakernel backend.
 
@@ -134,9 +133,9 @@ class Engine:
     `prefix_graphs`: the fast prefill also runs a chunk after a cached prefix (a conversation's next
     turn, a long prompt's later chunks) as a CUDA graph of its padded length and key count
     (`mk.prefill_graphs.PrefixedChunks`), each shape the context allows captured at start. None (the
-    default): chunks of up to `mk.prefill_graphs.NEXT_TURN_BUCKETS[-1]` tokens on a GPU (a re-sent
-    2K-32K-token prompt with 256 new tokens: 136-199 ms eager, 29-49 ms replayed on the H200,
-    docs/PERF.md); True: every chunk length, for more memory and captures; False: none.
+    default): chunks of up to `mk.prefill_graphs.NEXT_TURN_BUCKETS[-1]` tokens on a GPU, where the
+    eager path's launches are most of a next turn's time to first token (docs/PERF.md, tuning
+    decisions); True: every chunk length, for more memory and captures; False: none.
     `fresh_split` (with both kinds of graph): a fresh prompt alone just past a bucket of 4K tokens
     or more replays that bucket's graph and then a next-turn graph of the rest, instead of the next
     bucket's graph of twice the rows (`mk.prefill_graphs.fresh_split`). On by default.
@@ -144,16 +143,14 @@ class Engine:
     `kernel_masks`: with the megakernel backend, a decode row under a grammar whose token the kernel
     can draw (greedy or a temperature alone) is drawn by the kernel among its mask's tokens (the
     mask uploaded before the step) instead of on the host from its logits (rust/engine/megakernel.rs;
-    True with another backend is an error). Its tokens equal the host sampler's (H200); the launch
-    then waits for the masks the host path computes during the step, which costs less than the
-    logits copied back and the host draw it saves (batch 1 × 8K under a grammar: 261 → 337 tok/s,
-    batch 8: 558 → 694, docs/PERF.md). None (the default): on with the megakernel backend.
+    True with another backend is an error). Its tokens equal the host sampler's; the launch then
+    waits for the masks the host path computes during the step, which costs less than the logits
+    copied back and the host draw it saves. None (the default): on with the megakernel backend.
     `late_masks` (needs `kernel_masks` and launch-ahead): a step with such rows is launched ahead
     too, before their masks are known; the masks are computed once the previous step's tokens
     have landed, while the step runs, and the kernel's sample tasks wait for them
     (rust/engine/core.rs, `Backend::deliver_masks`), so that a grammar no longer adds host time
-    between steps. The tokens are the same (H200; batch 1 × 8K under a grammar 367 → 400 tok/s,
-    batch 8 793 → 852, docs/PERF.md). None (the default): on wherever `kernel_masks` and
+    between steps. The tokens are the same. None (the default): on wherever `kernel_masks` and
     launch-ahead are.
 
     `progress`: the start's prefill warm-up (on a GPU: compilation and every CUDA graph's capture,
@@ -300,7 +297,7 @@ class Engine:
         except BaseException:
             # Drop the prefill's CUDA graphs now: left to the garbage collector, their memory pools
             # could be freed in the middle of another engine's graph capture, which that capture
-            # does not survive (the H200 GPU tests saw captures fail after engines that failed here).
+            # does not survive (GPU tests saw captures fail after engines that failed here).
             self._runner.release()
             raise
         if self.memory_plan is not None:

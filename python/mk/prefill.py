@@ -1,4 +1,4 @@
-"""Fast chunked prefill of North Mini Code into the paged KV cache (REFERENCE §5 and §4.5).
+"""Fast chunked prefill of North Mini Code into the paged KV cache.
 
 `Prefill(model)(requests, kv)` runs one or several prompts at once. Each request carries the new
 tokens of one sequence, the position of its first new token (`start`: the cached prefix length)
@@ -22,10 +22,10 @@ On CUDA the elementwise steps (norm, RoPE, SwiGLU activation, combine, residual)
 `torch.compile` (dynamic shapes: one compile each per process; eager if compiling fails). A chunk
 that is one fresh prompt (no cached prefix, the common case of a short prompt) runs as a
 static-shape pass padded to a bucket and, on CUDA, as a CUDA graph replay (`mk.prefill_graphs`):
-its ~1,700 launches and ~300 compiled-region calls otherwise cost 100-200 ms of host time (one
+its ~1,700 launches and ~300 compiled-region calls are otherwise most of its time (one
 just past a bucket of 4K or more runs as that bucket and the rest after it: `fresh_split`). Such
 a pass of at least STATIC_STEPS_MIN_ROWS rows takes elementwise steps compiled for its exact
-shape, twice as fast as the dynamic ones, and so does a chunk on the usual path whose row count
+shape, faster than the dynamic ones, and so does a chunk on the usual path whose row count
 is a bucket's (a long prompt's full chunks, sliced between decode steps or not).
 
 Page contract (the caller owns every page; prefill maps, releases and frees nothing). For a chunk
@@ -78,7 +78,7 @@ from mk.prefill_graphs import (
 )
 
 # Tokens per chunk by default (the engine's prefill chunk on a GPU, which it passes here): large
-# enough that a chunk is compute bound on an H200 (each chunk re-reads all ~60 GB of expert
+# enough that a chunk is compute bound on a Hopper GPU (each chunk re-reads all ~60 GB of expert
 # weights), small enough that activations stay a few GB.
 DEFAULT_CHUNK = PREFILL_CHUNK
 
@@ -154,10 +154,9 @@ def _residual(x: torch.Tensor, attn: torch.Tensor, ffn: torch.Tensor) -> torch.T
 _COMPILED: dict = {}
 
 # A bucketed static pass of at least this many rows runs its elementwise steps compiled for its
-# exact shapes: a symbolic row count costs the kernels their vector loads, and at an 8K prompt's
-# shapes on the H200 the static kernels take half the time (SwiGLU 201 -> 99 us, the combine 264 ->
-# 128, RoPE of q 209 -> 105; docs/PERF.md, twentieth session). Each shape is one more compile at
-# warm-up, so smaller buckets, which matmuls and launches dominate, keep the dynamic ones.
+# exact shapes: a symbolic row count costs the kernels their vector loads, and at large shapes the
+# static kernels take about half the time (docs/PERF.md, tuning decisions). Each shape is one more
+# compile at warm-up, so smaller buckets, which matmuls and launches dominate, keep the dynamic ones.
 STATIC_STEPS_MIN_ROWS = 2048
 # Compiles a static step may hold: one per bucket and head count (RoPE's q and k), with room.
 STATIC_RECOMPILE_LIMIT = 32
@@ -587,8 +586,8 @@ class SlicedPrefill:
         self.done = 0  # layers run so far
 
     # Without autograd, as every Prefill call: the compiled functions are guarded on the grad mode,
-    # and the first slices run with it on compiled every one of them again (a pause of ~8 s on the
-    # H200 with every decoding stream waiting: docs/PERF.md, eighteenth session).
+    # and slices run with it on would compile every one of them again (a pause of seconds, every
+    # decoding stream waiting).
     @torch.no_grad()
     def run(self, start: int, end: int) -> None:
         """Layers [start, end): the next ones (start is the number run so far)."""

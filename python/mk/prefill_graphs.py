@@ -5,8 +5,9 @@ nothing from the KV cache, only writes to it, and attends causally over its own 
 bucket of N tokens (`BUCKETS`), such a chunk has the same shapes and the same pool addresses every
 time, so on CUDA the whole pass over every layer is captured once per bucket as a CUDA graph and
 replayed: the host then costs one replay instead of ~1,700 kernel launches and ~300 compiled-region
-calls from Python (about 100-200 ms at any length on the H200, most of a short prompt's time to
-first token). On the CPU the same pass runs eagerly, which is what the CPU tests check.
+calls from Python, a fixed host cost that is most of a short prompt's time to first token
+(docs/PERF.md, tuning decisions). On the CPU the same pass runs eagerly, which is what the CPU
+tests check.
 
 Padding: the pads are token 0 at positions n..N-1, after every real row, so no real query sees
 them (causal). Their K and V rows are replaced by the last real row's before the pool write, which
@@ -27,18 +28,16 @@ graph serves any packing of it. One graph per (N, key bucket), captured at its f
 engine's warm-up captures every shape its contexts can reach: `PrefixedChunks.warm_up_chunks`);
 pads write as the last real row, as above. By default only for chunks of up to
 `NEXT_TURN_BUCKETS[-1]` tokens, a conversation's next turn after its cached history: there the
-eager path's ~130 ms of launches was most of the time to first token (H200: a re-sent 2K-32K
-prompt with 256 new tokens, 136-199 ms eager, 29-49 ms replayed; docs/PERF.md, twenty-fourth
-session). A long prompt's later chunks (8K after a cached 8K-24K) gain
-~2% from a graph, which is not worth the captures and their memory.
+eager path's launches are most of the time to first token, while a long prompt's later chunks are
+compute bound and gain too little from a graph to be worth the captures and their memory
+(docs/PERF.md, tuning decisions).
 
 A fresh prompt just past a bucket of 4K or more (`fresh_split`: 4,097 to 6,144 tokens by default)
 is cut in two: that bucket's fresh pass, then the rest as a chunk after a cached prefix. Both
-replay graphs, and together should cost about three quarters of the next bucket's pass (predicted
-from the H200's 88 ms for 4,096 fresh tokens, 177 ms for 5,281 or 8,192, and 29-35 ms for 256
-tokens after a 2K-8K prefix; not yet measured: docs/PERF.md, twenty-fifth session). And a chunk
-of several sequences that up to `STATIC_PASSES_MAX` static passes take (`Prefill._static_groups`)
-replays them one after another instead of running one packed pass on the usual path.
+replay graphs, and together cost less than the next bucket's pass of twice the rows
+(`SPLIT_MIN_BUCKET`). And a chunk of several sequences that up to `STATIC_PASSES_MAX` static
+passes take (`Prefill._static_groups`) replays them one after another instead of running one
+packed pass on the usual path.
 """
 
 from __future__ import annotations
@@ -83,24 +82,23 @@ KEY_BUCKETS = tuple(1 << i for i in range(11, 19))  # 2K .. 256K
 NEXT_TURN_BUCKETS = tuple(b for b in BUCKETS if b <= 2048)
 # A fresh prompt just past a bucket of at least this many rows runs as that bucket's pass and, for the
 # rest (at most half the bucket), a chunk after a cached prefix (`fresh_split`). From 4K tokens a
-# fresh pass is compute bound: on the H200 a 4,096-token prompt took 88 ms and 5,281 or 8,192
-# tokens 177 ms (docs/PERF.md, twenty-third session), while a next-turn chunk of 256 rows after an
-# 8K prefix took 35 ms. Below 4K the 2K -> 4K step (52 -> 88 ms) leaves too little to win.
+# fresh pass is compute bound, so a prompt just past the bucket pays nearly twice its work for the
+# next bucket, while a short next-turn chunk after it costs a fraction of that; below 4K the step
+# between buckets is too small to win (docs/PERF.md, tuning decisions).
 SPLIT_MIN_BUCKET = 4096
 # Most sequences one pass after cached prefixes packs (next turns arriving together; a fresh prompt
 # may join them). The sliding layers' key columns are fixed per shape, a window for each of these,
-# so a lone next turn gathers that many windows' keys where it needs one (predicted: ~0.6 ms more
-# of a 29-47 ms replay on the H200).
+# so a lone next turn gathers that many windows' keys where it needs one, a small part of its
+# replay (docs/PERF.md, tuning decisions).
 PACKED_SEQUENCES = 4
 # A chunk of several sequences that static passes cover (a fresh prompt alone, or up to
 # PACKED_SEQUENCES after cached prefixes) runs as up to this many of them, one after another (CUDA:
-# one graph replay each), instead of one packed pass on the usual path, whose launches cost ~130 ms
-# at any size on the H200 (a 2K-32K prompt re-sent with 256 new tokens: 136-199 ms eager); a
-# replay took 24-52 ms (a fresh 512-2K prompt, a next turn after 2K-32K), so three replays cost
-# about what one packed call does (docs/PERF.md, twenty-fourth session).
+# one graph replay each), instead of one packed pass on the usual path, whose launches cost the
+# same at any size: up to three replays cost about what that one packed call does (docs/PERF.md,
+# tuning decisions).
 STATIC_PASSES_MAX = 3
 # A fresh prompt's full-attention layers on CUDA take one fused causal kernel (`attend_causal`)
-# instead of flex attention's block mask.
+# instead of flex attention's block mask: faster (docs/PERF.md, tuning decisions).
 FUSED_CAUSAL = True
 
 

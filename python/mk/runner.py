@@ -32,9 +32,9 @@ log = logging.getLogger("mk")
 # intra-op thread. The decode loop's thread is not the one that loaded the model, so its OpenMP
 # team of workers comes on top of the main thread's; with more workers than cores libgomp spins
 # only briefly, and each of a step's few hundred small parallel regions waits for sleeping workers
-# to wake. The built-in model on 2 cores (benches/cpu_engine.py, 256-token contexts): a batch-1 step
-# 20.8 → 7.9 ms, 8 rows 73.5 → 30.5 ms; a 512-token prompt takes about as long either way, longer
-# ones gain from the threads (docs/PERF.md, twenty-seventh session).
+# to wake. Decode steps are then several times faster on one thread; a 512-token prompt takes
+# about as long either way, longer ones gain from the threads (benches/cpu_engine.py; docs/PERF.md,
+# tuning decisions).
 SERIAL_TOKENS = 512
 
 
@@ -128,8 +128,8 @@ class PrefillRunner:
             passes.append((None, call([PrefillRequest([0] * 16, 0, table), PrefillRequest([0] * 32, 0, other)], True)))
         # And a chunk after a cached prefix whose keys pad to more flex blocks than its rows: every
         # call above has as many keys as rows, and the compiled flex attention, which sizes
-        # equal dimensions alike, likely compiled again for the first such chunk (a first-use
-        # pause of ~8 s on the H200, every decoding stream waiting: docs/PERF.md, sixteenth session).
+        # equal dimensions alike, would likely compile again for the first such chunk: a first-use
+        # pause of seconds, every decoding stream waiting.
         prefix = 2 * FLEX_BLOCK  # 16 rows pad to 2 blocks, their 16 + prefix keys to 3
         prefix_pages = prefix // PAGE_SIZE + 1
         if self.kv.num_blocks >= prefix_pages * self.layers and self.max_pages >= prefix_pages:

@@ -154,8 +154,8 @@ class _SegmentCache:
     """Encodes text (without post-processing) the way `tokenizers` does, a piece at a time: the added
     tokens it holds, and the text between them, each through a cache. A conversation's prompt is
     rendered again at every turn, and its earlier messages, separated by special tokens, come back
-    unchanged: only the new ones are tokenized (a 4,000-token prompt takes ~4 ms to encode on one
-    core, a 30,000-token history tens of ms of a next turn's time to first token).
+    unchanged: only the new ones are tokenized (encoding takes time in proportion to the text, so a
+    long history would otherwise add to every next turn's time to first token; benches/chat_tokens.py).
 
     Exact only where `tokenizers` treats every piece between added tokens alone, which
     `for_tokenizer` checks: normalizers and pre-tokenizers that act on each piece by itself (none

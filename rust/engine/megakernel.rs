@@ -122,14 +122,14 @@ pub struct MegakernelDecoder<L> {
     draws: Vec<MkRowSample>,
     /// Rows under a grammar that the kernel can draw are drawn there, among their mask's tokens
     /// (uploaded before the launch), instead of on the host from their logits. The launch then
-    /// waits for the masks, which the host path computes while the step runs: a trade to measure
-    /// (a mask costs ~35-400 µs, the host draw it saves 0.2-4 ms). Off by default until that is
-    /// measured (its tokens equal the host path's on the H200).
+    /// waits for the masks, which the host path computes while the step runs; that costs less than
+    /// the logits' copy and the host draw it saves (docs/PERF.md, tuning decisions). Its tokens
+    /// equal the host path's. Off here; `mk.engine.Engine` turns it on by default.
     pub kernel_masks: bool,
     /// With `kernel_masks`: a step with rows under a grammar is queued too, its masks delivered
     /// while it runs (`deliver_masks`; the kernel's sample tasks wait for them), so that the masks
-    /// of step n + 1 are computed while it runs instead of between the steps. Off by default
-    /// until measured on a GPU.
+    /// of step n + 1 are computed while it runs instead of between the steps. Off here;
+    /// `mk.engine.Engine` turns it on by default (docs/PERF.md, tuning decisions).
     pub late_masks: bool,
     sampled: Vec<u32>,
     logits: Vec<f32>,

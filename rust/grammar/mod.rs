@@ -226,8 +226,8 @@ pub enum MaskError {
 }
 
 /// `states[i]`'s allowed tokens into `masks[i]`, or why there are none. Several states compute at
-/// once, one thread each: a mask over the real vocabulary takes ~0.2 ms, so a batch of eight
-/// constrained rows waits for about one of them, not eight in turn (`cargo bench --bench grammar`).
+/// once, one thread each, so a batch of constrained rows waits for about its slowest mask rather
+/// than for every mask in turn (`cargo bench --bench grammar`).
 pub fn allowed_all(states: &mut [&mut Constraint], masks: &mut [TokenMask]) -> Vec<Option<MaskError>> {
     fn one(c: &mut Constraint, mask: &mut TokenMask) -> Option<MaskError> {
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.allowed(mask))) {

@@ -6,8 +6,8 @@
 //! `split_keys`), so while every (layer, row)'s split count and chunk stay the same the lists do not
 //! change at all, and the device copy is reused as it is. When only chunks change (automatic sizing
 //! grows them with the context) `GraphCache` rewrites those words in the cached array (a few
-//! thousand tasks) instead of building the whole graph again (35K tasks, 0.7 ms at batch 8 on the real
-//! model); the `Balanced` dealing weighs attention tasks by split size, so for it a changed chunk
+//! thousand tasks) instead of building the whole graph again (tens of thousands of tasks: `cargo bench
+//! --bench graph_build` times both); the `Balanced` dealing weighs attention tasks by split size, so for it a changed chunk
 //! rebuilds. The result is the same array `build_step(..).padded()` gives, which the tests check
 //! step by step.
 

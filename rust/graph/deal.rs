@@ -39,10 +39,10 @@ impl Dealing {
 
 /// Fixed cost of a task (barriers, counter handshake, first loads), ns.
 const TASK_NS: f64 = 2000.0;
-/// Bytes per ns one SM streams when all stream at once (4.3 TB/s over 132 SMs ≈ 32 B/ns; the
-/// H200 trace's GEMV tasks reach ~28).
+/// Bytes per ns one SM streams when all stream at once (the card's copy rate over its SMs, less
+/// what traced GEMV tasks lose; docs/PERF.md, tuning decisions).
 const SM_BYTES_PER_NS: f64 = 28.0;
-/// The same for attention's paged KV (~20 in the trace).
+/// The same for attention's paged KV (traced splits stream slower than GEMV tasks).
 const SM_KV_BYTES_PER_NS: f64 = 20.0;
 /// The small tasks on the critical path (norm, top-k, combine): a few dependent loads each.
 const SMALL_TASK_NS: f64 = 4500.0;

@@ -60,9 +60,10 @@ impl Geometry {
 }
 
 /// The default `BuildOptions::qkv_groups`: 48 rows, so that one layer's 5,120 QKV rows make about
-/// one task per SM.
+/// one task per SM (docs/PERF.md, tuning decisions).
 pub const QKV_GROUPS: usize = 3;
-/// The default `BuildOptions::row_groups`: 128-row expert down and LM-head tiles.
+/// The default `BuildOptions::row_groups`: 128-row expert down and LM-head tiles (docs/PERF.md,
+/// tuning decisions).
 pub const ROW_GROUPS: usize = 8;
 /// The default `BuildOptions::sample_parts`: vocabulary slices per row for greedy sampling.
 pub const SAMPLE_PARTS: usize = 16;
@@ -87,8 +88,9 @@ pub struct BuildOptions {
     /// How the global order is dealt onto the SMs.
     pub dealing: Dealing,
     /// A MoE layer's attention tasks come right after the router and top-k, before the expert
-    /// gate/up tiles (which wait on the top-k), instead of after them. On the H200 at 8K, 12%
-    /// faster at batch 1 and 3% at batch 8 (docs/PERF.md).
+    /// gate/up tiles (which wait on the top-k), instead of after them: the attention chain's inputs
+    /// are ready first, so every block starts on it instead of waiting for the routing (faster at
+    /// every batch: docs/PERF.md, tuning decisions).
     pub attention_first: bool,
     /// A MoE layer's expert tiles are claimed at run time from a queue per matrix by whichever
     /// block is free (`Op::ExpertClaim`, one task per SM and matrix), instead of dealt with the
@@ -103,16 +105,16 @@ pub struct BuildOptions {
     pub local_routing: Option<bool>,
 }
 
-/// The largest batch that routes on every block by default. On the H200 at 8K (docs/PERF.md,
-/// thirteenth session, in-process A/B) local routing was 1.5-2% faster at batch 1, 4-6% slower at
-/// batch 2 (a block's producer reaches the expert tiles only after the top-k has run there, and
-/// then waits for its own choice) and -1 to +4% at batch 8.
+/// The largest batch that routes on every block by default. Local routing starts the expert
+/// stream sooner at batch 1; from batch 2 a block's producer reaches the expert tiles only after
+/// the top-k has run there, and choosing again costs more than copying the top-k's choice
+/// (docs/PERF.md, tuning decisions).
 pub const LOCAL_ROUTING_MAX_BATCH: usize = 1;
 
-/// The smallest batch whose expert tiles are claimed from queues by default. On the H200 at 8K
-/// (docs/PERF.md) the queues were 1.5%, 5% and 6% faster at batch 2, 4 and 8 but 3-5% slower at
-/// batch 1, where the blocks that are free first take a second tile while most are still in
-/// their attention split, and the layer's last gate/up tile ends later than with one per SM.
+/// The smallest batch whose expert tiles are claimed from queues by default. The queues are
+/// faster from batch 2 on but slower at batch 1, where the blocks that are free first take a
+/// second tile while most are still in their attention split, and the layer's last gate/up tile
+/// ends later than with one per SM (docs/PERF.md, tuning decisions).
 pub const EXPERT_QUEUE_MIN_BATCH: usize = 2;
 
 impl Default for BuildOptions {

@@ -79,9 +79,9 @@ fn better(logits: &[f32], a: u32, b: u32) -> Ordering {
     key(logits[b as usize]).total_cmp(&key(logits[a as usize])).then(a.cmp(&b))
 }
 
-/// Rows at least this long are sampled on threads of their own when a call has several (a greedy
-/// pass over the real model's 262,144 logits takes ~0.2 ms, a seeded draw 1-4 ms, and a thread
-/// ~20 µs to start); shorter ones, the small models', stay on the caller's thread.
+/// Rows at least this long are sampled on threads of their own when a call has several (a pass
+/// over the real model's 262,144 logits costs far more than starting a thread; docs/PERF.md,
+/// tuning decisions); shorter ones, the small models', stay on the caller's thread.
 const PARALLEL_MIN_LOGITS: usize = 1 << 16;
 
 /// One row to sample: its logits, its spec and the tokens its grammar allows (None: any).
@@ -252,7 +252,7 @@ fn nucleus(logits: &[f32], ids: &mut Vec<u32>, t: f64, top_p: f32) {
     }
 }
 
-/// The first head of the order `nucleus` sorts.
+/// The first head of the order `nucleus` sorts (docs/PERF.md, tuning decisions).
 const NUCLEUS_HEAD: usize = 256;
 
 /// The id among `ids` with the largest `key * inv_t` plus its Gumbel noise, the lower id on ties;

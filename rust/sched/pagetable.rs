@@ -1,5 +1,5 @@
-//! The dense page table the decode step reads: `i32 [layer][batch row][page]`, −1 unmapped
-//! (REFERENCE §4.1). It mirrors the KV manager's per-sequence tables for the sequences that hold
+//! The dense page table the decode step reads: `i32 [layer][batch row][page]`, −1 unmapped.
+//! It mirrors the KV manager's per-sequence tables for the sequences that hold
 //! a batch row, and is patched incrementally: a decode step that crosses a page writes one entry
 //! per layer (plus the pages a sliding layer let go of), not whole rows.
 

@@ -288,7 +288,8 @@ def stream_profile(g: StepGraph, trace: np.ndarray, ledger: np.ndarray, bin_us: 
     full without a wait counts when they looked, later than it landed), in TB/s; and per task
     family, the share of its stages some compute warp had to wait for, the mean number of warps
     that did, and the mean time from a stage's issue to its being found full. Where the issue rate
-    falls well below HBM's (~4.4 TB/s), the stream idles; where no warp waits, the stream is ahead."""
+    falls well below the card's copy bandwidth, the stream idles; where no warp waits, the stream is
+    ahead."""
     t = task_times(g, trace)
     ops, layer_of = g.tasks[..., 0], g.tasks[..., 1]
     raw = ledger.view(np.uint64)

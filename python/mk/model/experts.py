@@ -1,4 +1,4 @@
-"""Experts stacked per layer and the grouped-matmul MoE (REFERENCE §1.6–1.7, §5).
+"""Experts stacked per layer and the grouped-matmul MoE of the fast prefill.
 
 `torch._grouped_mm` takes one weight tensor per layer: w13 [E, 2F, D] (each expert's gate rows,
 then its up rows) and w2 [E, D, F]. The model's weights are HF-named per-expert tensors; when they
@@ -88,11 +88,10 @@ def swiglu_act(gu: torch.Tensor, f: int) -> torch.Tensor:
 def combine(y: torch.Tensor, scores: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """Σ_k score_k · y_k per token: y [N·k, D] in expert order, `inverse` (long [N·k]) the row of y
     holding each (token, choice) pair in (token, choice) order, scores [N, k] (acc dtype). The
-    gather is part of the weighted sum, so a compiled combine reads y once (the unsorting
-    `index_copy_` and the sum were two passes over y, 48 ms of an 8K-token prefill on the H200).
-    The choices are added one by one (a pointwise kernel with k gathered loads per element): the
-    same sum written as a reduction over k compiled to a kernel that moved y at ~0.4 TB/s, 31 ms of
-    an 8K-token prefill on the H200 (docs/PERF.md, nineteenth session)."""
+    gather is part of the weighted sum, so a compiled combine reads y once (an unsorting
+    `index_copy_` and then the sum would be two passes over y). The choices are added one by one (a
+    pointwise kernel with k gathered loads per element): the same sum written as a reduction over k
+    compiles to a far slower kernel (docs/PERF.md, tuning decisions)."""
     n, k = scores.shape
     rows = inverse.view(n, k)
     out = y.index_select(0, rows[:, 0]).to(scores.dtype) * scores[:, :1]

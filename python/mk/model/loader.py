@@ -1,4 +1,5 @@
-"""Load an HF-layout North Mini Code checkpoint (REFERENCE §1.9) into a dict of tensors keyed by HF name.
+"""Load an HF-layout North Mini Code checkpoint (config.json, model-*.safetensors) into a dict of tensors
+keyed by HF name.
 
 The headers of all shards are checked first (names and shapes, no tensor data read), so a bad checkpoint
 fails in seconds with one error that lists every problem. Then tensors are streamed one at a time: read from

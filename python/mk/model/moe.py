@@ -1,4 +1,4 @@
-"""SwiGLU FFN and the sigmoid-routed mixture of experts, REFERENCE §1.6–1.7.
+"""SwiGLU FFN and the sigmoid-routed mixture of experts (top-k of sigmoid router scores, no shared expert).
 
 Matmuls run in the weights' dtype; activations, scores and the combine run in `acc` (fp32, or
 fp64 for a float64 model).

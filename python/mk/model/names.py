@@ -1,4 +1,4 @@
-"""The HF checkpoint tensor names of North Mini Code (REFERENCE §1.9) and their shapes.
+"""The HF checkpoint tensor names of North Mini Code and their shapes.
 
 The reference model, the loader, the synthetic-weight generator and the checkpoint writer all
 take their list of tensors from `expected_shapes`, so they cannot drift apart.

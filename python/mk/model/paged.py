@@ -1,5 +1,5 @@
-"""Paged KV cache (REFERENCE §4.1) and a small page allocator for the reference model's own generation
-loop, `python -m mk` and tests. The engine's KV accounting is the Rust control plane's (rust/kv); the
+"""Paged KV cache and a small page allocator for the reference model's own generation loop,
+`python -m mk` and tests. The engine's KV accounting is the Rust control plane's (rust/kv); the
 allocator here follows the same sliding-window release rule (`window_start_page`, which a test
 compares with the Rust one). This module imports without mk's compiled extension (the training
 script, scripts/train_embedded.py, runs where it is not built), so the rule is stated here too.

@@ -1,4 +1,4 @@
-"""The PyTorch reference model of North Mini Code: the numerics oracle of mk (REFERENCE §1).
+"""The PyTorch reference model of North Mini Code: the numerics oracle of mk.
 
 Per layer l with residual x:  h = RMSNorm(x)·w_l;  x = x + Attn_l(h) + FFN_l(h)  (parallel block).
 Then logits = (RMSNorm(x)·w_final) @ embed_tokens^T · logit_scale (tied head).

@@ -1,4 +1,4 @@
-"""GPT-J (interleaved-pair) rotary position embedding, REFERENCE §1.5.
+"""GPT-J (interleaved-pair) rotary position embedding.
 
 Dims (2i, 2i+1) rotate together by angle = position · theta^(-2i/head_dim):
     even' = x_e·cos − x_o·sin,   odd' = x_o·cos + x_e·sin.

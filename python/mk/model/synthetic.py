@@ -1,4 +1,4 @@
-"""Random weights of any geometry, generated on the target device (MODEL.md "Synthetic weights").
+"""Random weights of any geometry, generated on the target device.
 
 Matrices are N(0, std). RMSNorm gains (the 1-D tensors) are 1 + N(0, std): gains near 0 would squash every
 layer's input and make the model degenerate, while exact ones would hide a norm applied from the wrong layer.

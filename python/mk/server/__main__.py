@@ -144,16 +144,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p,
         "--prefill-graphs",
         "prefill a fresh prompt (no cached prefix) of up to one chunk as a CUDA graph replay, captured per "
-        "padded length at start: a short prompt's first token in milliseconds instead of the ~150 ms of host time "
-        "its launches take, for a few GB of GPU memory; auto = on with the fast prefill on a GPU (default: "
-        "%(default)s)",
+        "padded length at start: a short prompt's first token without the fixed host time of the eager path's "
+        "launches, for GPU memory the start's memory plan counts; auto = on with the fast prefill on a GPU "
+        "(default: %(default)s)",
     )
     _auto_on_off(
         p,
         "--prefix-graphs",
         "prefill a chunk after a cached prefix (a conversation's next turn, its history from the prefix cache) as "
-        "a CUDA graph replay too, captured per padded (tokens, keys) shape at start: a re-sent prompt with 256 new "
-        f"tokens answered in ~30-50 ms instead of ~140-200; auto = chunks of up to {NEXT_TURN_BUCKETS[-1]} tokens "
+        "a CUDA graph replay too, captured per padded (tokens, keys) shape at start, so that a next turn's first "
+        f"token comes without the eager path's launches; auto = chunks of up to {NEXT_TURN_BUCKETS[-1]} tokens "
         "with the fast prefill on a GPU, on = every chunk length (more captures and memory) (default: %(default)s)",
     )
     p.add_argument(
@@ -168,10 +168,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sliced-prefill",
         "while streams decode, run each prompt chunk over several loop iterations, a few layers each, within "
         "--decode-prefill-budget tokens through the whole model, a decode step between them: the streams pause as "
-        "little as with small chunks while the prompt keeps whole chunks (on an H200 at the default budget a "
-        "decoding stream's longest pause while a 32K prompt was admitted fell from 511 ms to 27 ms, the prompt's "
-        "first token at 1.18x its standalone prefill); auto = on wherever the fast prefill runs on a GPU; on needs "
-        "the fast prefill (default: %(default)s)",
+        "little as with small chunks while the prompt keeps whole chunks, its first token only the decode steps "
+        "in between later; auto = on wherever the fast prefill runs on a GPU; on needs the fast prefill (default: "
+        "%(default)s)",
     )
     p.add_argument(
         "--whole-chunk-tokens",

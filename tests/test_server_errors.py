@@ -83,6 +83,41 @@ def test_api_key_is_required_everywhere_but_health_and_metrics(server):
         openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
 
 
+def test_unknown_fields_inside_messages_are_refused_by_path_and_known_ones_accepted(server):
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}", "argument": "{}"}}
+    bad = [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"},
+    ]
+    err = assert_error(
+        post(server, CHAT, {"messages": [*USER, *bad]}), 400, "messages[1].tool_calls[0].function.argument"
+    )
+    assert "did you mean 'arguments'" in err["message"] and err["code"] == "unknown_field"
+    # The fields the OpenAI API (and vLLM: reasoning_content) defines inside a message are accepted.
+    known = [
+        {"role": "system", "content": "be brief", "name": "rules"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "ann"},
+        {"role": "assistant", "content": "no", "refusal": None, "reasoning_content": "thought"},
+        {"role": "user", "content": "hi"},
+    ]
+    assert post(server, CHAT, {"messages": known, "max_tokens": 1}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        (CHAT, {"messages": USER}),
+        (COMP, {"prompt": "x"}),
+        ("/v1/responses", {"input": "x"}),
+        ("/tokenize", {"prompt": "x"}),
+    ],
+)
+def test_another_model_is_a_404_model_not_found(server, path, body):
+    # As OpenAI and vLLM answer it: the client's NotFoundError, not a BadRequestError.
+    err = assert_error(post(server, path, {**body, "model": "gpt-4"}), 404, "model", "not served")
+    assert (err["type"], err["code"]) == ("invalid_request_error", "model_not_found")
+
+
 def test_invalid_json_and_non_object_bodies(server):
     assert_error(post(server, CHAT, content=b"{not json"), 400, contains="not valid JSON")
     assert_error(post(server, CHAT, content=b'{"temperature": NaN}'), 400, contains="not valid JSON")
@@ -102,7 +137,6 @@ def test_invalid_json_and_non_object_bodies(server):
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None),
-        ({"messages": USER, "model": "gpt-4"}, "model"),
         ({"messages": USER, "temperature": -1}, "temperature"),
         ({"messages": USER, "top_p": 0}, "top_p"),
         ({"messages": USER, "top_p": 1.5}, "top_p"),
@@ -121,6 +155,15 @@ def test_invalid_json_and_non_object_bodies(server):
         ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
         ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "x", "nmae": "a"}]}, "messages[0].nmae"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache": 1}]}]},
+            "messages[0].content[0].cache",
+        ),
+        (
+            {"messages": [{"role": "assistant", "content": "x", "function_call": {}}, *USER]},
+            "messages[0].function_call",
+        ),
         ({"messages": [*USER, {"role": "system", "content": None}]}, "messages[1].content"),
     ],
 )

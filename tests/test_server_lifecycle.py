@@ -39,6 +39,9 @@ from mk.tokenizer import Tokenizer
         (["--decode-prefill-budget", "0"], "--decode-prefill-budget"),
         (["--sliced-prefill", "sometimes"], "--sliced-prefill"),
         (["--sliced-prefill", "--prefill", "reference"], "--sliced-prefill"),
+        (["--allowed-origins", "example.com"], "--allowed-origins"),
+        (["--allowed-origins", "https://a.example/path"], "--allowed-origins"),
+        (["--allowed-origins", "*", "--data-parallel-size", "2"], "--allowed-origins"),
     ],
 )
 def test_bad_flags_are_refused_with_one_line(argv, flag, capsys):
@@ -81,8 +84,9 @@ def test_help_documents_every_flag():
                  "--gpu-memory-utilization", "--prefill-chunk", "--api-key", "--log-level", "--drain-timeout",
                  "--backend", "--prefill", "--launch-ahead", "--prefill-graphs", "--prefix-graphs",
                  "--decode-prefill-budget", "--sliced-prefill", "--whole-chunk-tokens", "--kernel-masks",
-                 "--late-masks"):  # fmt: skip
+                 "--late-masks", "--allowed-origins"):  # fmt: skip
         assert flag in out.stdout
+    assert "site-packages" in out.stdout and "trained on the Python standard library" not in out.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
@@ -218,7 +222,8 @@ def test_drain_timeout_cuts_long_requests_and_still_exits_0():
             server.proc.send_signal(signal.SIGTERM)
             events = [line for line in lines if line]
         assert events[-1] == "data: [DONE]"
-        assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "abort"
+        # An OpenAI value: the answer was cut short, as max_tokens cuts one (README "Serving").
+        assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
         assert server.proc.wait(30) == 0
     finally:
         server.stop()
@@ -237,6 +242,40 @@ def test_a_port_in_use_is_one_line_and_a_non_zero_exit():
     assert done.returncode != 0, out
     assert f"cannot listen on 127.0.0.1:{port}" in out and "Traceback" not in out, out
     assert "serving" not in out and "engine ready" not in out, out
+
+
+def test_allowed_origins_answer_preflights_and_mark_responses():
+    origin, other = "https://app.example.com", "https://evil.example"
+    assert parse_args(["--allowed-origins", f"{origin}/, *"]).allowed_origins == {origin, "*"}
+    s = ServerProcess("--device", "cpu", "--api-key", "k1", "--allowed-origins", origin).wait_ready()
+    try:
+        ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+        r = httpx.options(s.url + "/v1/chat/completions", headers={"Origin": origin, **ask}, timeout=5)
+        assert r.status_code == 204, r.text  # no key: browsers send none on a preflight
+        assert r.headers["access-control-allow-origin"] == origin
+        assert "POST" in r.headers["access-control-allow-methods"]
+        assert r.headers["access-control-allow-headers"] == "authorization,content-type"
+        r = httpx.get(s.url + "/v1/models", headers={"Origin": origin, "Authorization": "Bearer k1"}, timeout=5)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+        assert (
+            httpx.get(s.url + "/v1/models", headers={"Origin": origin}, timeout=5).headers[
+                "access-control-allow-origin"
+            ]
+            == origin
+        )  # the 401 too, so that the page can read why
+        # Another origin gets no CORS headers, and its preflight is refused as any OPTIONS is.
+        r = httpx.options(s.url + "/v1/chat/completions", headers={"Origin": other, **ask}, timeout=5)
+        assert r.status_code != 204 and "access-control-allow-origin" not in r.headers
+        r = httpx.get(s.url + "/health", headers={"Origin": other}, timeout=5)
+        assert "access-control-allow-origin" not in r.headers
+    finally:
+        assert s.stop() == 0, s.output()
+
+
+def test_without_allowed_origins_there_are_no_cors_headers(server):
+    ask = {"Origin": "https://app.example.com", "Access-Control-Request-Method": "POST"}
+    r = httpx.options(server.url + "/v1/chat/completions", headers=ask, timeout=5)
+    assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
 
 
 def test_protect_metrics_puts_metrics_behind_the_key():

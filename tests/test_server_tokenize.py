@@ -73,7 +73,6 @@ def test_detokenize_gives_back_the_text_of_tokenize(server):
         ("/tokenize", {"prompt": "x", "add_generation_prompt": False}, "add_generation_prompt"),
         ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
         ("/tokenize", {"prompt": "x", "promt": "y"}, "promt"),
-        ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
         ("/detokenize", {}, "tokens"),
         ("/detokenize", {"tokens": "1 2"}, "tokens"),
         ("/detokenize", {"tokens": [1, True]}, "tokens[1]"),

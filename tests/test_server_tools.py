@@ -166,6 +166,21 @@ def test_chat_logprobs_are_the_content_tokens_only(client):
     assert out.choices[0].logprobs.content == []
 
 
+def test_completion_logprobs_are_the_text_tokens_only(client):
+    """Special tokens (EOS, a marker) add no text and no logprob entry: the tokens join to the text and
+    text_offset indexes into it, streamed or not."""
+    tok = Tokenizer.builtin(ModelConfig.tiny().vocab_size)  # the scripted server's
+    prompt = tok.encode("SCRIPT:two words<|START_RESPONSE|> more", add_special_tokens=False)
+    choice = client.completions.create(model="scripted", prompt=prompt, logprobs=0).choices[0]
+    lp = choice.logprobs
+    assert choice.text == "two words more" and "".join(lp.tokens) == choice.text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    assert all(choice.text.startswith(t, at) for t, at in zip(lp.tokens, lp.text_offset, strict=True))
+    chunks = list(client.completions.create(model="scripted", prompt=prompt, logprobs=0, stream=True))
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens
+
+
 def test_a_call_cut_off_by_max_tokens_comes_back_as_far_as_it_got(client):
     """Streamed or not (as the OpenAI API does), with finish_reason "length"; nothing is dropped."""
     tok = Tokenizer.builtin(ModelConfig.tiny().vocab_size)  # the scripted server's

@@ -2,7 +2,7 @@
 
 A smoke run of the model path without the engine or the server: tokenizer, prefill, paged decode.
 Without --model it uses the built-in model (`mk.default_model`), a small coder trained on the Python
-standard library.
+sources of a site-packages corpus and the standard library (docs/EMBEDDED.md).
 """
 
 from __future__ import annotations

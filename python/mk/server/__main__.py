@@ -1,7 +1,8 @@
 """`python -m mk.server`: the OpenAI-compatible server.
 
 With no arguments it serves the built-in model (a small coder of North Mini Code's architecture,
-trained on the Python standard library: it writes code-shaped text, not good code) on
+trained on the Python sources of a site-packages corpus, 198 installed packages, and the standard
+library (docs/EMBEDDED.md): it writes code-shaped text, not good code) on
 127.0.0.1:8000, on the GPU when there is one. Routes: /v1/chat/completions, /v1/completions,
 /v1/models[/ID], Anthropic's /v1/messages and /v1/messages/count_tokens, vLLM's /tokenize and
 /detokenize, /health, /metrics (Prometheus; README "Metrics" lists them).
@@ -84,6 +85,15 @@ def _seconds(text: str) -> float:
     if not 0 <= value < 86400:
         raise argparse.ArgumentTypeError(f"must be between 0 and 86400, got {value}")
     return value
+
+
+def _origins(text: str) -> frozenset[str]:
+    """--allowed-origins: origins as browsers send them (scheme://host[:port], no path), or "*"."""
+    origins = frozenset(o.strip().rstrip("/") for o in text.split(",") if o.strip())
+    bad = [o for o in origins if o != "*" and ("://" not in o or "/" in o.split("://", 1)[1])]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad[0]!r} is not an origin (scheme://host[:port]) or '*'")
+    return origins
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -237,6 +247,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(default: $MK_API_KEY; none)",
     )
     p.add_argument(
+        "--allowed-origins",
+        type=_origins,
+        default=frozenset(),
+        help="comma-separated browser origins allowed to call the API (CORS), such as "
+        "'https://app.example.com', or '*' for any (default: none; no CORS headers)",
+    )
+    p.add_argument(
         "--protect-metrics",
         action="store_true",
         help="make /metrics require the API key too (by default it is open to scrapers, as in vLLM)",
@@ -289,6 +306,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--stats-interval must be above 0")
     if args.replica_base_port is not None and args.data_parallel_size == 1:
         p.error("--replica-base-port is for --data-parallel-size 2 or more")
+    if args.allowed_origins and args.data_parallel_size > 1:  # browsers would talk to the router, not mk
+        p.error("--allowed-origins is for one server, not --data-parallel-size 2 or more")
     if args.sliced_prefill == "on" and args.prefill == "reference":
         p.error("--sliced-prefill on needs the fast prefill (not --prefill reference)")
     return args
@@ -392,6 +411,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         name,
         api_key=args.api_key,
         protect_metrics=args.protect_metrics,
+        allowed_origins=args.allowed_origins,
         max_body_bytes=args.max_body_mb * 2**20,
         stats_interval=args.stats_interval,
     )

@@ -33,6 +33,12 @@ ANTHROPIC_ROUTE = "/v1/messages"
 RESPONSES_ROUTE = "/v1/responses"
 
 
+# A CORS preflight's answer: the methods the routes take, and how long a browser may cache it.
+CORS_METHODS = "GET, POST, HEAD, OPTIONS"
+CORS_MAX_AGE_S = 600
+ANY_ORIGIN = "*"
+
+
 def anthropic_route(path: str) -> bool:
     return path == ANTHROPIC_ROUTE or path.startswith(ANTHROPIC_ROUTE + "/")
 
@@ -121,14 +127,20 @@ class App:
         info: dict[str, Any] = {"id": uuid.uuid4().hex[:24]}
         status = 500
         started = False
+        cors = self._cors_headers(scope)
 
         async def tracked_send(message: dict[str, Any]) -> None:
             nonlocal status, started
             if message["type"] == "http.response.start":
                 status, started = message["status"], True
+                if cors:
+                    message = {**message, "headers": [*message["headers"], *cors]}
             await send(message)
 
         try:
+            if cors and scope["method"] == "OPTIONS" and http.header(scope, b"access-control-request-method"):
+                await self._preflight(scope, tracked_send)
+                return
             await self._route(scope, receive, tracked_send, info)
         except APIError as e:
             if not started:
@@ -207,6 +219,30 @@ class App:
         finally:
             await result.aclose()  # on a disconnect this cancels the engine requests at once
         await http.end_sse(send)
+
+    def _cors_headers(self, scope: dict[str, Any]) -> list[tuple[bytes, bytes]]:
+        """The CORS headers of a response to a browser whose Origin --allowed-origins lists (or any,
+        with "*"); none for another origin or without the flag, so the browser keeps the answer from
+        the page."""
+        allowed, origin = self.state.allowed_origins, http.header(scope, b"origin")
+        if origin is None or not (ANY_ORIGIN in allowed or origin in allowed):
+            return []
+        if ANY_ORIGIN in allowed:
+            return [(b"access-control-allow-origin", ANY_ORIGIN.encode())]
+        return [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
+
+    async def _preflight(self, scope: dict[str, Any], send: http.Send) -> None:
+        """A CORS preflight (OPTIONS with Access-Control-Request-Method) from an allowed origin: 204 with
+        the methods and the headers it asks for (an API key among them). Browsers send it without the
+        key, so it needs none."""
+        headers = {
+            "access-control-allow-methods": CORS_METHODS,
+            "access-control-allow-headers": http.header(scope, b"access-control-request-headers") or "",
+            "access-control-max-age": str(CORS_MAX_AGE_S),
+        }
+        raw = [(k.encode(), v.encode("latin-1")) for k, v in headers.items() if v]
+        await send({"type": "http.response.start", "status": 204, "headers": raw})
+        await send({"type": "http.response.body", "body": b""})
 
     def _authorize(self, scope: dict[str, Any]) -> None:
         """The API key as a bearer token (OpenAI's clients) or in `x-api-key` (Anthropic's), on any route."""

@@ -120,6 +120,7 @@ async def _stream(
             logprobs = None
             if req.logprobs is not None:
                 logprobs = completion_logprobs(state.tokenizer, piece.tokens, offset)
+                logprobs = logprobs if logprobs["tokens"] else None  # only special tokens: no entry to send
             offset += len(piece.text)
             if piece.text or logprobs or (c.run.every_token and piece.tokens):
                 yield chunk(c.run.index, piece.text, None, logprobs)

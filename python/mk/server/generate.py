@@ -34,6 +34,13 @@ def submit(engine: AsyncEngine, prompt: list[int], params: SamplingParams, reque
         raise bad_request(str(e), "prompt") from None
 
 
+# The finish reason a client sees for a generation the engine cancelled (one still running at the
+# drain timeout): its text is cut short as max_tokens cuts it, and "length" is the OpenAI value every
+# client treats as a truncated answer (vLLM's "abort" is none of OpenAI's; the Messages route says
+# "max_tokens", the Responses route "incomplete"). The metrics count it as ABORT.
+CUT_SHORT = "length"
+
+
 @dataclass(slots=True)
 class Piece:
     """Text a choice added, the tokens behind it (id, logprob, top alternatives), and how it ended."""
@@ -108,7 +115,10 @@ class ChoiceRun:
                     text += self.stops.push(self.detok.flush())
                     reason = "stop" if self.stops.matched is not None else event.finish_reason
                     text += self.stops.flush()
-                    yield self._end(Piece(text, pending, ABORT if reason == "cancelled" else reason, event.error))
+                    if reason == "cancelled":  # the engine cut it (a drain timeout): the client sees CUT_SHORT
+                        yield self._end(Piece(text, pending, CUT_SHORT, event.error), counted_as=ABORT)
+                    else:
+                        yield self._end(Piece(text, pending, reason, event.error))
                     return
                 # A client that asked for logprobs or continuous usage gets every token as it comes,
                 # even one whose text the detokenizer still holds (a partial character): its stream
@@ -122,9 +132,11 @@ class ChoiceRun:
                 self.finish_reason = "cancelled"
                 self.metrics.finished("cancelled")
 
-    def _end(self, piece: Piece) -> Piece:
-        self.finish_reason = piece.finish_reason
-        self.metrics.finished(piece.finish_reason or "error")
+    def _end(self, piece: Piece, counted_as: str | None = None) -> Piece:
+        """The last piece; `counted_as` is the metrics' and the log's reason where it differs from the
+        client's."""
+        self.finish_reason = counted_as or piece.finish_reason
+        self.metrics.finished(self.finish_reason or "error")
         now = time.monotonic()
         self.metrics.e2e.observe(now - self.arrival)
         if self.first_token_at is not None:

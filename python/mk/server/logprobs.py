@@ -24,9 +24,13 @@ def chat_logprobs(tokenizer: Tokenizer, tokens: list[Token]) -> dict[str, Any]:
 
 
 def completion_logprobs(tokenizer: Tokenizer, tokens: list[Token], offset: int) -> dict[str, Any]:
-    """`offset`: where the first token's text starts in the choice's text."""
+    """`offset`: where the first token's text starts in the choice's text. The entries are the tokens
+    the text is made of: a special token (EOS among them) adds no text and gets no entry, as in chat's
+    logprobs, so that the tokens join to the text and `text_offset` indexes into it."""
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token_id, logprob, top in tokens:
+        if token_id in tokenizer.special_ids:
+            continue
         text = tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
         out["tokens"].append(text)
         out["token_logprobs"].append(logprob)

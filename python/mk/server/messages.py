@@ -74,10 +74,7 @@ async def count_tokens(state: ServerState, body: bytes, info: dict) -> dict[str,
 def _parse(cls: type, state: ServerState, body: bytes) -> Any:
     """The body as `cls`; another model's name is a 404, as in Anthropic's API."""
     req = validate(cls, parse_json(body), IGNORED_FIELDS)
-    try:
-        state.check_model(req.model)
-    except APIError as e:
-        raise APIError(404, e.message, e.param) from None
+    state.check_model(req.model)
     return req
 
 

@@ -30,8 +30,9 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
-# The finish reason the server reports for a generation the engine cancelled (its "cancelled" is
-# a client that went away); with the engine's own, the values of mk_requests_total's finish_reason.
+# The finish reason the metrics count for a generation the engine cancelled (the drain timeout; clients
+# see "length", generate.CUT_SHORT; "cancelled" is a client that went away); with the engine's own, the
+# values of mk_requests_total's finish_reason.
 ABORT = "abort"
 FINISH_REASONS = (*get_args(FinishReason), ABORT)
 

@@ -12,7 +12,8 @@ import difflib
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SkipValidation, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SkipValidation, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from mk.server.errors import bad_request
 
@@ -48,8 +49,37 @@ REFUSED_FIELDS = {
 }
 
 
+# Fields the OpenAI API defines inside a chat message that mk refuses, with the reason.
+REFUSED_MESSAGE_FIELDS = {
+    "function_call": "the legacy 'function_call' is not supported; send 'tool_calls'",
+    "audio": "audio is not supported",
+}
+# The pydantic error types of a refused or unknown field inside a body (`validate` names its path).
+_REFUSED, _UNKNOWN = "refused_field", "unknown_field"
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
+
+
+class _Closed(_Body):
+    """A part of a body whose every field must be known (a chat message, its content parts and tool
+    calls): an unknown one is a 400 naming its path (`messages[0].foo`), as at the top level, so that a
+    typo inside a message is not dropped silently."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            for name in v:
+                if name in REFUSED_MESSAGE_FIELDS and name not in cls.model_fields:
+                    raise PydanticCustomError(
+                        _REFUSED, "{message}", {"message": REFUSED_MESSAGE_FIELDS[name], "field": name}
+                    )
+                if name not in cls.model_fields:
+                    message = _unknown_field(name, cls.model_fields)
+                    raise PydanticCustomError(_UNKNOWN, "{message}", {"message": message, "field": name})
+        return v
 
 
 class StreamOptions(_Body):
@@ -150,30 +180,31 @@ class NamedToolChoice(_Body):
     function: _FunctionName
 
 
-class TextPart(_Body):
+class TextPart(_Closed):
     type: Literal["text"]
     text: str
 
 
-class CallFunction(_Body):
+class CallFunction(_Closed):
     name: str = Field(min_length=1)
     arguments: str | dict[str, Any]
 
 
-class AssistantToolCall(_Body):
+class AssistantToolCall(_Closed):
     id: str = Field(min_length=1)
     type: Literal["function"] = "function"
     function: CallFunction
 
 
-class Message(_Body):
+class Message(_Closed):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None
     tool_call_id: str | None = None
-    reasoning_content: str | None = None
+    reasoning_content: str | None = None  # vLLM's name for an earlier turn's reasoning
     reasoning: str | None = None
+    refusal: str | None = None  # an earlier assistant turn's refusal: accepted, not shown to the model
 
     @field_validator("content", mode="before")
     @classmethod
@@ -250,18 +281,26 @@ def validate(model: type, obj: Any, ignored: frozenset[str] = IGNORED_FIELDS) ->
     known = model.model_fields.keys() | ignored | NEUTRAL_EXTENSIONS.keys()
     unknown = [n for n in obj if n not in known]
     if unknown:
-        name = unknown[0]
-        close = difflib.get_close_matches(name, list(model.model_fields), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise bad_request(f"unknown field {name!r}{hint}", name, "unknown_field")
+        raise bad_request(_unknown_field(unknown[0], model.model_fields), unknown[0], _UNKNOWN)
     try:
         return model.model_validate(obj)
     except ValidationError as e:
-        err = e.errors(include_url=False)[0]
-        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"] if not _union_tag(p))
+        errors = e.errors(include_url=False)
+        # A field refused inside a union member (a content part) comes first, not the other members' errors.
+        err = next((x for x in errors if x["type"] in (_REFUSED, _UNKNOWN)), errors[0])
+        path = [*err["loc"], err["ctx"]["field"]] if err["type"] in (_REFUSED, _UNKNOWN) else err["loc"]
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path if not _union_tag(p))
         loc = loc.lstrip(".")
         msg = err["msg"].removeprefix("Value error, ")
-        raise bad_request(f"{loc}: {msg}" if loc else msg, loc or None) from None
+        code = _UNKNOWN if err["type"] == _UNKNOWN else None
+        raise bad_request(f"{loc}: {msg}" if loc else msg, loc or None, code) from None
+
+
+def _unknown_field(name: str, fields: Any) -> str:
+    """ "unknown field 'x'", with the closest known field as a suggestion (a typo such as `max_token`)."""
+    close = difflib.get_close_matches(name, list(fields), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown field {name!r}{hint}"
 
 
 def _lone_surrogate(obj: Any, where: str = "") -> str | None:

@@ -24,6 +24,8 @@ class ServerState:
     api_key: str | None = None
     protect_metrics: bool = False  # /metrics needs the API key too (by default scrapers need none)
     max_body_bytes: int = 32 * 2**20
+    # Browser origins allowed to call the API (CORS; "*" allows any); empty: no CORS headers at all.
+    allowed_origins: frozenset[str] = frozenset()
     stats_interval: float = 5.0
     metrics: Metrics = field(init=False)
     offload: Offload = field(init=False, default_factory=Offload)  # parsing, templating, tokenizing
@@ -35,10 +37,13 @@ class ServerState:
         self.metrics = Metrics(self.model_name, lambda: self.engine.stats())
 
     def check_model(self, model: str | None) -> None:
+        """Another model's name is a 404 `model_not_found`, as OpenAI and vLLM answer it (the Anthropic
+        routes turn it into Anthropic's `not_found_error`)."""
         if model is not None and model != self.model_name:
             raise APIError(
-                400,
+                404,
                 f"model {model!r} is not served here; this server serves {self.model_name!r}",
                 "model",
                 "model_not_found",
+                type="invalid_request_error",
             )

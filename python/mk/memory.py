@@ -65,9 +65,9 @@ class MemoryPlan:
             f"{gib['kv_bytes']} GiB = {self.kv_blocks} blocks, {tokens} tokens of one sequence"
         )
 
-    def check(self, device: torch.device) -> int:
+    def check(self, device: torch.device) -> None:
         """Logs the memory in use once the engine has started against the plan's share, with a
-        warning where it took more; returns the bytes in use."""
+        warning where it took more."""
         free, total = torch.cuda.mem_get_info(device)
         share = int(total * self.utilization)
         in_use = total - free
@@ -79,7 +79,6 @@ class MemoryPlan:
             )
         else:
             log.info("%.2f GiB of the GPU in use after the start (the plan's share: %.2f)", in_use / GiB, share / GiB)
-        return in_use
 
 
 def check_utilization(utilization: float) -> None:

@@ -36,6 +36,10 @@ log = logging.getLogger("mk")
 # about as long either way, longer ones gain from the threads (benches/cpu_engine.py; docs/PERF.md,
 # tuning decisions).
 SERIAL_TOKENS = 512
+# The cached prefix of the warm-up's short chunk after one (16 rows pad to 2 flex blocks, their 16 +
+# prefix keys to 3), and its pages.
+WARM_PREFIX = 2 * FLEX_BLOCK
+WARM_PREFIX_PAGES = WARM_PREFIX // PAGE_SIZE + 1
 
 
 class PrefillRunner:
@@ -95,8 +99,8 @@ class PrefillRunner:
     @staticmethod
     def scratch_blocks(cfg, chunk: int, max_context: int) -> int:
         """The blocks the warm-up uses (all of its passes run where the pool has as many)."""
-        pages = -(-min(chunk, -(-max_context // PAGE_SIZE) * PAGE_SIZE) // PAGE_SIZE)
-        return cfg.num_hidden_layers * max(pages, 2, 2 * FLEX_BLOCK // PAGE_SIZE + 1)
+        _, pages = _whole_chunk(chunk, -(-max_context // PAGE_SIZE))
+        return cfg.num_hidden_layers * max(pages, 2, WARM_PREFIX_PAGES)
 
     def _warm_up_passes(self) -> list[tuple[str | None, Callable[[], object]]]:
         """The warm-up's prefill calls in order, each with the log line that opens its part (or None)."""
@@ -130,8 +134,7 @@ class PrefillRunner:
         # call above has as many keys as rows, and the compiled flex attention, which sizes
         # equal dimensions alike, would likely compile again for the first such chunk: a first-use
         # pause of seconds, every decoding stream waiting.
-        prefix = 2 * FLEX_BLOCK  # 16 rows pad to 2 blocks, their 16 + prefix keys to 3
-        prefix_pages = prefix // PAGE_SIZE + 1
+        prefix, prefix_pages = WARM_PREFIX, WARM_PREFIX_PAGES
         if self.kv.num_blocks >= prefix_pages * self.layers and self.max_pages >= prefix_pages:
             prefix_table = torch.full_like(table, -1)
             blocks = torch.arange(prefix_pages * self.layers, dtype=torch.int32).view(prefix_pages, self.layers)
@@ -172,9 +175,7 @@ class PrefillRunner:
         _peak_only(lambda: self.model.forward(tokens, start, self.kv, self._scratch_table(pages), last_only=True))()
 
     def _whole_chunk(self) -> tuple[int, int]:
-        """The tokens of one whole prefill chunk (at most the context) and their pages."""
-        n = min(self.prefill_chunk, self.max_pages * PAGE_SIZE)
-        return n, -(-n // PAGE_SIZE)
+        return _whole_chunk(self.prefill_chunk, self.max_pages)
 
     def _scratch_table(self, pages: int) -> torch.Tensor:
         """[layers, max_pages]: every page of the context mapped to one of the first `pages` x layers
@@ -283,6 +284,12 @@ def _threads_for(model: Model, tokens: int):
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def _whole_chunk(chunk: int, max_pages: int) -> tuple[int, int]:
+    """The tokens of one whole prefill chunk (at most the context's pages) and their pages."""
+    n = min(chunk, max_pages * PAGE_SIZE)
+    return n, -(-n // PAGE_SIZE)
 
 
 def _peak_only(run: Callable[[], object]) -> Callable[[], None]:

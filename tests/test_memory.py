@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from mk import memory
+from mk import _native, memory
 from mk.config import ModelConfig
 from mk.engine import Engine
 from mk.model import synthetic_weights
@@ -45,6 +45,25 @@ def test_the_largest_context_is_the_last_that_fits(chunk):
 def model() -> Model:
     cfg = ModelConfig.tiny()
     return Model(cfg, synthetic_weights(cfg, seed=0, dtype=torch.float32, std=0.1))
+
+
+def test_a_context_beyond_the_whole_share_is_refused_before_the_warm_up_or_fitted():
+    """The ceiling: all the share leaves as KV cache. A context past it is refused (naming the
+    bound, which itself fits), or with `fit` cut to that bound; one within it passes unchanged."""
+    cfg, chunk, total, in_use = ModelConfig.real(), 8192, 80 * GiB, 59 * GiB
+    blocks = _native.kv_pool_blocks(memory.kv_budget(total, 0.9, in_use, 0), cfg.num_key_value_heads, cfg.head_dim, 2)
+    bound = memory.largest_context(cfg, blocks, chunk, 1 << 24)
+    assert 0 < bound < 1 << 24
+    args = (cfg, 2, chunk)
+    assert memory.context_ceiling(*args, bound, in_use, total, 0.9, fit=False) == bound
+    assert memory.context_ceiling(*args, 1 << 24, in_use, total, 0.9, fit=True) == bound
+    with pytest.raises(memory.MemoryPlanError) as e:
+        memory.context_ceiling(*args, bound + 1, in_use, total, 0.9, fit=False)
+    assert int(re.search(r"holds at most (\d+) tokens", str(e.value)).group(1)) == bound
+    assert "--max-context" in str(e.value) and "--gpu-memory-utilization" in str(e.value)
+    # No room at all: refused even with `fit`.
+    with pytest.raises(memory.MemoryPlanError, match="at most 0 tokens"):
+        memory.context_ceiling(*args, 4096, 75 * GiB, total, 0.9, fit=True)
 
 
 def test_a_context_the_pool_cannot_hold_names_the_longest_that_fits(model):

@@ -365,6 +365,11 @@ def test_window_release_between_chunks_changes_nothing(models, prefill):
     assert torch.allclose(out.logits, kept.logits, rtol=1e-3, atol=1e-3), f"seed {SEED}"
 
 
+# Logits this close to the fp32 reference's (by cosine) are its answer: the bf16 path followed the
+# exact routing where the bf16 reference flipped a near-tie.
+FP32_AGREEMENT = 0.999
+
+
 def test_gpu_test_geometry_with_routing(prefill):
     """GPU-test geometry proper (32 experts, top-8): a 5000-token prompt and three short ones,
     K/V compared in aggregate (bf16 near-tie flips hit a few tokens, in the reference as well),
@@ -386,10 +391,13 @@ def routed_prompts(models, p: Prefill) -> None:
         # bf16 numerics flip near-tied experts, in this path and in the bf16 reference alike, and
         # with random weights one flip moves the logits far: this path flipped alone (0.9999 to fp32,
         # 0.946 to bf16), or both flipped the same way (0.771 to fp32, 1.0000 to bf16; seed
-        # 1443948167). So the bar is the bf16 reference's own distance from fp32:
-        # this path must be no further from fp32 than it (or within 0.95), and near it.
+        # 1443948167), or the bf16 reference flipped alone (this path 0.9999 to fp32, the reference
+        # 0.829; seed 1045469253). So the bar is the bf16 reference's own distance from fp32: this
+        # path must be no further from fp32 than it (or within 0.95), and near it, unless it is the
+        # fp32 oracle's own answer.
         bar = min(0.95, cosine(bf, fp) - 0.02)
-        assert torch.isfinite(got).all() and cosine(got, fp) > bar and cosine(got, bf) > 0.85, (
+        near = cosine(got, bf) > 0.85 or cosine(got, fp) > FP32_AGREEMENT
+        assert torch.isfinite(got).all() and cosine(got, fp) > bar and near, (
             f"seed {SEED}: prompt {i} logits cosine {cosine(got, fp):.4f} to fp32 (bar {bar:.4f}), "
             f"{cosine(got, bf):.4f} to bf16"
         )

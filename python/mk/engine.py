@@ -237,11 +237,17 @@ class Engine:
 
         # The KV pool: as given, else on a GPU the memory plan's (mk.memory), else (CPU) a batch's.
         self.memory_plan: memory.MemoryPlan | None = None
+        asked = max_context
         if kv_blocks is not None:
             num_blocks = kv_blocks
         elif kv_bytes is not None:
             num_blocks = _blocks_in(model, kv_bytes)
         elif model.device.type == "cuda":
+            in_use, total = memory.settled(model.device)
+            share = gpu_memory_utilization
+            max_context = memory.context_ceiling(
+                cfg, model.dtype.itemsize, prefill_chunk, max_context, in_use, total, share, fit_context
+            )
             plan = memory.measure(
                 model.device,
                 cfg,
@@ -258,6 +264,8 @@ class Engine:
             )
             num_blocks = max(memory.blocks_needed(cfg, max_context, prefill_chunk), max_batch * batch_need)
         max_context = _fitting_context(cfg, num_blocks, prefill_chunk, max_context, fit_context, self.memory_plan)
+        if max_context < asked:
+            log.warning("the context limit is %d tokens, the longest the KV pool holds (%d asked)", max_context, asked)
         self.max_context = max_context
         if self.memory_plan is not None:
             tokens = memory.largest_context(cfg, num_blocks, prefill_chunk, max(max_context, 1 << 24))
@@ -537,7 +545,6 @@ def _fitting_context(cfg, blocks: int, chunk: int, context: int, fit: bool, plan
         return context
     largest = memory.largest_context(cfg, blocks, chunk, context)
     if fit and largest >= 2:
-        log.warning("the context limit is %d tokens, the longest the KV pool holds (%d asked)", largest, context)
         return largest
     if plan is None:  # (a pool of kv_blocks or kv_bytes, or the CPU's)
         more, where = "give the KV pool more blocks (kv_blocks, kv_bytes)", ""

@@ -112,6 +112,37 @@ def largest_context(cfg: ModelConfig, blocks: int, chunk: int, upper: int) -> in
     return lo
 
 
+def settled(device: torch.device) -> tuple[int, int]:
+    """(bytes in use, the card's total) once what was freed has gone back to the driver."""
+    torch.cuda.synchronize(device)
+    gc.collect()  # (an engine dropped in a reference cycle still holds its pool until collected)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free, total
+
+
+def context_ceiling(
+    cfg: ModelConfig, elem_bytes: int, chunk: int, context: int, in_use: int, total: int, utilization: float, fit: bool
+) -> int:
+    """`context`, or with `fit` the longest one sequence could have were the KV pool given all that
+    `utilization`'s share leaves beside `in_use` (a bound: the prefill's own memory is measured
+    next). Where even that pool cannot hold `context` and not `fit`, a MemoryPlanError at once,
+    not after a warm-up whose passes after the longest prefix grow with the context."""
+    budget = kv_budget(total, utilization, in_use, 0)
+    blocks = _native.kv_pool_blocks(budget, cfg.num_key_value_heads, cfg.head_dim, elem_bytes)
+    if blocks_needed(cfg, context, chunk) <= blocks:
+        return context
+    largest = largest_context(cfg, blocks, chunk, context)
+    if fit and largest >= 2:
+        return largest
+    raise MemoryPlanError(
+        f"a context of {context} tokens cannot fit: {utilization:g} of the card's {total / GiB:.1f} GiB, with "
+        f"{in_use / GiB:.1f} GiB in use (the weights, the CUDA context and others' memory), holds at most "
+        f"{largest} tokens of one sequence even were it all KV cache: ask for less (--max-context), or raise "
+        "--gpu-memory-utilization"
+    )
+
+
 def measure(
     device: torch.device,
     cfg: ModelConfig,
@@ -124,11 +155,7 @@ def measure(
     """Plans the KV pool (module doc): `runner_over(blocks)` builds a runner over a pool of that many
     blocks; one over `scratch_blocks` is warmed up (a progress bar with `progress`), measured and
     dropped."""
-    torch.cuda.synchronize(device)
-    gc.collect()  # (an engine dropped in a reference cycle still holds its pool until collected)
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    before = total - free
+    before, total = settled(device)
     reserved = torch.cuda.memory_reserved(device)
     torch.cuda.reset_peak_memory_stats(device)
     log.info("measuring the memory the prefill takes beside the KV cache (a warm-up over scratch pages)")
@@ -138,9 +165,9 @@ def measure(
         try:
             runner.warm_up(progress)
         except torch.cuda.OutOfMemoryError as e:
-            what = str(e).split(".")[0]
+            what, free = str(e).split(".")[0], (total - before) / GiB
             raise MemoryPlanError(
-                f"the prefill's warm-up does not fit the {free / GiB:.1f} GiB the weights leave free ({what}): "
+                f"the prefill's warm-up does not fit the {free:.1f} GiB the weights leave free ({what}): "
                 "lower --prefill-chunk or turn off --prefill-graphs"
             ) from None
         torch.cuda.synchronize(device)

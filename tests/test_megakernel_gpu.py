@@ -8,6 +8,7 @@ buffer starts poisoned (NaN / -7), so anything the kernel forgets to write shows
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import random
 
@@ -68,8 +69,10 @@ def run_and_compare(
     gen = torch.Generator(device="cuda").manual_seed(SEED)
     model = Model(cfg, weights)
     kv, tables, tokens = setup_step(model, positions, max_pages, gen)
-    # A second pool of a real-geometry size after the weights: an earlier test's cached, fragmented
-    # segments must go back to the driver first (on an 80 GB card they left no room for it).
+    # A second pool of a real-geometry size after the weights: an earlier test's buffers (freed
+    # once their reference cycles are collected) and cached segments must go back to the driver
+    # first (on an 80 GB card they left no room for it).
+    gc.collect()
     torch.cuda.empty_cache()
     kv_vm = type(kv)(cfg, kv.num_blocks, kv.dtype, kv.device)
     kv_vm.k.copy_(kv.k)

@@ -368,6 +368,9 @@ def test_window_release_between_chunks_changes_nothing(models, prefill):
 # Logits this close to the fp32 reference's (by cosine) are its answer: the bf16 path followed the
 # exact routing where the bf16 reference flipped a near-tie.
 FP32_AGREEMENT = 0.999
+# The least cosine to both references of logits after one near-tie expert flip of this path alone,
+# below the two measured (0.938, 0.946: comment in routed_prompts).
+ONE_FLIP = 0.9
 
 
 def test_gpu_test_geometry_with_routing(prefill):
@@ -389,13 +392,13 @@ def routed_prompts(models, p: Prefill) -> None:
         bf, fp = pools.references(t, 0, tb)
         got = out.logits[i]
         # bf16 numerics flip near-tied experts, in this path and in the bf16 reference alike, and
-        # with random weights one flip moves the logits far: this path flipped alone (0.9999 to fp32,
-        # 0.946 to bf16), or both flipped the same way (0.771 to fp32, 1.0000 to bf16; seed
-        # 1443948167), or the bf16 reference flipped alone (this path 0.9999 to fp32, the reference
-        # 0.829; seed 1045469253). So the bar is the bf16 reference's own distance from fp32: this
-        # path must be no further from fp32 than it (or within 0.95), and near it, unless it is the
-        # fp32 oracle's own answer.
-        bar = min(0.95, cosine(bf, fp) - 0.02)
+        # with random weights one flip moves the logits far: this path flipped alone (0.946 to both,
+        # 0.938 to both; seed 1095196300), or both flipped the same way (0.771 to fp32, 1.0000 to
+        # bf16; seed 1443948167), or the bf16 reference flipped alone (this path 0.9999 to fp32, the
+        # reference 0.829; seed 1045469253). So the bar is the bf16 reference's own distance from
+        # fp32: this path must be no further from fp32 than it (or than one flip of its own), and
+        # near it, unless it is the fp32 oracle's own answer.
+        bar = min(ONE_FLIP, cosine(bf, fp) - 0.02)
         near = cosine(got, bf) > 0.85 or cosine(got, fp) > FP32_AGREEMENT
         assert torch.isfinite(got).all() and cosine(got, fp) > bar and near, (
             f"seed {SEED}: prompt {i} logits cosine {cosine(got, fp):.4f} to fp32 (bar {bar:.4f}), "

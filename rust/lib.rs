@@ -10,6 +10,7 @@ pub mod graph;
 pub mod kv;
 pub mod sampling;
 pub mod sched;
+pub mod speculative;
 
 #[cfg(feature = "python")]
 mod python;

@@ -125,6 +125,24 @@ class Model:
         ]
         return self._run(tokens, positions, seqs, kv, False, False)
 
+    @torch.no_grad()
+    def verify(self, rows: list[tuple[list[int], int, torch.Tensor]], kv: PagedKV) -> torch.Tensor:
+        """Speculative decoding's verification step: per sequence (tokens, start, block table),
+        its next token and its draft at positions start, start+1, ... (mapped beforehand); logits
+        [all rows, vocab], a sequence's row j being the logits after its token j. A row sees the
+        rows of its own sequence before it, written in this call, as steps of one token would."""
+        if len({id(t) for _, _, t in rows}) != len(rows):
+            raise ValueError("verify takes each sequence once: a block table appears twice")
+        if any(not tokens for tokens, _, _ in rows) or any(start < 0 for _, start, _ in rows):
+            raise ValueError("verify needs at least one token per sequence, at a position >= 0")
+        seqs, firsts, n = [], [], 0
+        for tokens, start, table in rows:
+            seqs.append(_Seq(slice(n, n + len(tokens)), int(start), self._check_table(table)))
+            firsts.append(torch.arange(start, start + len(tokens), dtype=torch.long))
+            n += len(tokens)
+        tokens = self._check_tokens([t for toks, _, _ in rows for t in toks])
+        return self._run(tokens, torch.cat(firsts), seqs, kv, False, False)
+
     def logits(self, token_ids: torch.Tensor | list[int]) -> torch.Tensor:
         """One-shot prefill into a private cache sized for the prompt; logits [len, vocab]."""
         tokens = self._check_tokens(token_ids)

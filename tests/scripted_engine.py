@@ -55,6 +55,9 @@ class ScriptedEngine:
         ids = self.tok.encode(script, add_special_tokens=False)
         return _Stream(ids, params, self.config.eos_token_id)
 
+    def prepare_constraint(self, spec) -> None:
+        pass
+
     def stats(self) -> EngineStats:
         return EngineStats(kv_blocks_total=1)
 

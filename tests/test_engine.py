@@ -637,3 +637,36 @@ def test_launch_ahead_streams_equal_synchronous_steps(model, engine, workload):
         ]
     assert got[len(reqs) + 1][0][-1] == stop_at and got[len(reqs) + 1][1] == "stop"
     assert ahead.stats().generated_tokens == sync.stats().generated_tokens == sum(len(r[0]) for r in got)
+
+
+def test_a_grammar_compiled_while_a_request_is_prepared_is_followed_and_a_bad_one_reported_at_submit():
+    """The server compiles a request's grammar on a preparing thread (`prepare_constraint`), off its
+    event loop; the submission then follows it, and one that does not compile is still refused at
+    submission, naming its field."""
+    import queue
+    import threading
+
+    from mk.llm import default_model
+    from mk.sampling import ConstraintSpec, SamplingError
+
+    model, tok = default_model()
+    with Engine(model, max_context=512, tokenizer_json=tok.hf.to_str()) as engine:
+        spec = ConstraintSpec("regex", "(yes|no)!", origin="guided_regex")
+        preparing = threading.Thread(target=engine.prepare_constraint, args=(spec,))
+        preparing.start()
+        preparing.join()
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        params = SamplingParams(max_tokens=8, temperature=0.0, constraint=spec)
+        engine.submit_callback(tok.encode("Answer:"), params, events.put)
+        tokens = []
+        while True:
+            event = events.get(timeout=60)
+            tokens += [] if event.token_id in (None, model.config.eos_token_id) else [event.token_id]
+            if event.finish_reason is not None:
+                break
+        assert event.finish_reason == "stop" and tok.decode(tokens) in ("yes!", "no!"), (event, tokens)
+        bad = ConstraintSpec("regex", "(", origin="guided_regex")
+        engine.prepare_constraint(bad)  # (left for the submission to report)
+        with pytest.raises(SamplingError) as refused:
+            engine.submit_callback(tok.encode("x"), SamplingParams(max_tokens=2, constraint=bad), events.put)
+        assert refused.value.field == "guided_regex"

@@ -174,6 +174,10 @@ class Engine:
     def check_constraint(self, kind: str, value: str) -> None:
         """Compiles (kind, text) as submit would; raises ConstraintError if it cannot be followed."""
 
+    def compile_constraint(self, kind: str, value: str) -> None:
+        """Compiles (kind, text) and keeps it for a submit that follows (the GIL released meanwhile);
+        raises ConstraintError if it cannot be followed."""
+
     def hold(self) -> None:
         """Keeps later submissions from the scheduler until `release` (holds nest)."""
 

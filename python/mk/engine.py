@@ -374,6 +374,12 @@ class Engine:
             raise
         return stream
 
+    def prepare_constraint(self, spec: ConstraintSpec | None) -> None:
+        """Compiles `spec` ahead of the `submit` that uses it (engine_api.AsyncEngine)."""
+        if spec is not None:
+            with contextlib.suppress(_native.ConstraintError):
+                self._native.compile_constraint(spec.kind, spec.value)
+
     def _constraint_fault(self, spec: ConstraintSpec, error: str) -> tuple[str, str]:
         """(field, message) of a constraint that does not compile: the first of its parts that
         does not compile alone, else the whole grammar's origin."""

@@ -14,7 +14,7 @@ from typing import Protocol
 from mk import _native
 from mk.config import ModelConfig
 from mk.outputs import TokenEvent
-from mk.sampling import SamplingParams
+from mk.sampling import ConstraintSpec, SamplingParams
 
 # Prompt tokens one loop iteration prefills on a GPU, unless told otherwise (the engine's and the
 # server's default). A prefill call that does not replay a CUDA graph pays a fixed host cost of
@@ -113,6 +113,12 @@ class AsyncEngine(Protocol):
     ) -> RequestStream:
         """Queue a request. Raises PromptTooLong, EngineFull, EngineClosed or SamplingError;
         never blocks on the decode loop."""
+        ...
+
+    def prepare_constraint(self, spec: ConstraintSpec | None) -> None:
+        """Compiles a request's grammar ahead of its `submit`, which then finds it compiled; from any
+        thread (the server calls it while it prepares the request, off its event loop). One that
+        does not compile is left for `submit` to report."""
         ...
 
     def stats(self) -> EngineStats: ...

@@ -8,14 +8,15 @@
 //! tokens) that sampling applies; the sampled token then goes to `commit`. A grammar that has
 //! ended allows only EOS, so the request stops there.
 
-use std::sync::{Arc, OnceLock};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
 use llguidance::{Matcher, ParserFactory};
 
 /// What a request's output must match.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum ConstraintSpec {
     /// Any JSON object (OpenAI `response_format` `json_object`).
     JsonObject,
@@ -177,6 +178,56 @@ impl Grammars {
     }
 }
 
+/// The constraints compiled lately, by spec, so that a request's grammar compiled while it is
+/// prepared (off the server's event loop) is not compiled again when it is submitted, and an
+/// agent's tools, the same every turn, compile once. A hit is a copy of the parser at its start.
+#[derive(Default)]
+pub struct CompiledConstraints {
+    entries: Mutex<(Kept, u64)>,
+}
+
+/// Each spec's parser and when it was last used (the count of uses so far, then).
+type Kept = HashMap<ConstraintSpec, (Constraint, u64)>;
+
+/// Constraints `CompiledConstraints` keeps (the least recently used goes first).
+pub const COMPILED_CONSTRAINTS: usize = 64;
+
+impl CompiledConstraints {
+    /// `spec`'s parser at its start: a copy of the one kept, else compiled (outside the lock) and kept.
+    pub fn get(&self, grammars: &Grammars, spec: &ConstraintSpec) -> Result<Constraint, GrammarError> {
+        if let Some(hit) = self.touch(spec) {
+            return Ok(hit);
+        }
+        let compiled = grammars.compile(spec)?;
+        let mut guard = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let (entries, clock) = &mut *guard;
+        *clock += 1;
+        if entries.len() >= COMPILED_CONSTRAINTS && !entries.contains_key(spec) {
+            let oldest = entries.iter().min_by_key(|(_, (_, used))| *used).map(|(k, _)| k.clone());
+            entries.remove(&oldest.expect("the cache is not empty"));
+        }
+        entries.insert(spec.clone(), (compiled.clone(), *clock));
+        Ok(compiled)
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner()).0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn touch(&self, spec: &ConstraintSpec) -> Option<Constraint> {
+        let mut guard = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let (entries, clock) = &mut *guard;
+        *clock += 1;
+        let (constraint, used) = entries.get_mut(spec)?;
+        *used = *clock;
+        Some(constraint.clone())
+    }
+}
+
 /// One request's position in its grammar.
 pub struct Constraint {
     matcher: Matcher,
@@ -246,6 +297,31 @@ pub fn allowed_all(states: &mut [&mut Constraint], masks: &mut [TokenMask]) -> V
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn compiled_constraints_are_kept_as_parsers_at_their_start_least_recently_used_dropped() {
+        let (grammars, eos) = bytes_vocab();
+        let cache = CompiledConstraints::default();
+        let ab = ConstraintSpec::Regex("ab|ba".into());
+        let mut first = cache.get(&grammars, &ab).unwrap();
+        // A copy advanced by one request leaves the kept parser at its start.
+        first.commit(u32::from(b'a')).unwrap();
+        assert_eq!(follow(&mut first, |t| -(t as i64), eos, 8), b"b");
+        let mut again = cache.get(&grammars, &ab).unwrap();
+        assert_eq!(follow(&mut again, |t| -(t as i64), eos, 8), b"ab");
+        assert_eq!(cache.len(), 1);
+        // A spec that does not compile is an error, and is not kept.
+        assert!(cache.get(&grammars, &ConstraintSpec::Regex("(".into())).is_err());
+        assert_eq!(cache.len(), 1);
+        // Past the bound the least recently used goes: `ab`, used again just now, stays.
+        for i in 0..COMPILED_CONSTRAINTS {
+            cache.get(&grammars, &ConstraintSpec::Regex(format!("x{{{i}}}"))).unwrap();
+            cache.get(&grammars, &ab).unwrap();
+        }
+        assert_eq!(cache.len(), COMPILED_CONSTRAINTS);
+        assert!(cache.touch(&ab).is_some());
+        assert!(cache.touch(&ConstraintSpec::Regex("x{0}".into())).is_none());
+    }
 
     /// One token per byte (ids 0..=255), a few multi-byte ones, then EOS.
     fn bytes_vocab() -> (Grammars, u32) {

@@ -11,7 +11,7 @@ use super::errors;
 use super::megakernel_backend::MegakernelBackend;
 use super::reference_backend::reference_backend;
 use crate::engine::{Engine, EngineConfig, NoopBackend};
-use crate::grammar::{Constraint, ConstraintSpec, Grammars};
+use crate::grammar::{CompiledConstraints, Constraint, ConstraintSpec, Grammars};
 use crate::kv::KvConfig;
 use crate::sched::{Event, Request, SamplingParams, SchedConfig};
 
@@ -39,6 +39,7 @@ pub struct PyEngine {
     num_blocks: usize,
     /// The vocabulary constraints compile against (from `tokenizer_json`), if given.
     grammars: Option<Grammars>,
+    compiled: CompiledConstraints,
 }
 
 /// A constraint from its kind ("json_object", "json_schema", "regex", "lark") and text.
@@ -54,6 +55,10 @@ fn constraint_spec(kind: &str, value: String) -> PyResult<ConstraintSpec> {
             )))
         }
     })
+}
+
+fn constraint_error(kind: &str, e: crate::grammar::GrammarError) -> PyErr {
+    errors::ConstraintError::new_err(format!("invalid {kind}: {e}"))
 }
 
 #[pymethods]
@@ -134,7 +139,13 @@ impl PyEngine {
             }
         }
         .map_err(errors::engine_to_py)?;
-        Ok(Self { engine, page_size: crate::kv::PAGE_SIZE, num_blocks, grammars })
+        Ok(Self {
+            engine,
+            page_size: crate::kv::PAGE_SIZE,
+            num_blocks,
+            grammars,
+            compiled: CompiledConstraints::default(),
+        })
     }
 
     /// Queues request `id` (unique among live requests). Never waits for the loop. `constraint`:
@@ -172,6 +183,14 @@ impl PyEngine {
     /// ConstraintError says why it cannot be followed (the server checks the parts of a combined
     /// grammar this way, to name the field at fault).
     fn check_constraint(&self, py: Python<'_>, kind: String, value: String) -> PyResult<()> {
+        let grammars = self.grammars()?;
+        let spec = constraint_spec(&kind, value)?;
+        py.detach(|| grammars.compile(&spec)).map(|_| ()).map_err(|e| constraint_error(&kind, e))
+    }
+
+    /// Compiles a constraint (kind, text) and keeps it for a `submit` that follows (the GIL
+    /// released meanwhile: the server calls this while it prepares a request, off its event loop).
+    fn compile_constraint(&self, py: Python<'_>, kind: String, value: String) -> PyResult<()> {
         self.compile(py, &kind, value).map(|_| ())
     }
 
@@ -285,15 +304,17 @@ impl PyEngine {
 impl PyEngine {
     /// A request's constraint compiled against the engine's vocabulary, or the ConstraintError
     /// that says why it cannot be (compiling releases the GIL: a large schema takes a while).
+    /// The constraint's parser at its start, compiled or kept (`CompiledConstraints`).
     fn compile(&self, py: Python<'_>, kind: &str, value: String) -> PyResult<Constraint> {
+        let grammars = self.grammars()?;
         let spec = constraint_spec(kind, value)?;
-        let Some(grammars) = &self.grammars else {
-            return Err(errors::ConstraintError::new_err(
-                "this engine has no tokenizer to compile constraints against",
-            ));
-        };
-        py.detach(|| grammars.compile(&spec))
-            .map_err(|e| errors::ConstraintError::new_err(format!("invalid {kind}: {e}")))
+        py.detach(|| self.compiled.get(grammars, &spec)).map_err(|e| constraint_error(kind, e))
+    }
+
+    fn grammars(&self) -> PyResult<&Grammars> {
+        self.grammars.as_ref().ok_or_else(|| {
+            errors::ConstraintError::new_err("this engine has no tokenizer to compile constraints against")
+        })
     }
 }
 

@@ -65,7 +65,9 @@ def _prepare(state: ServerState, body: bytes) -> _Prepared:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     prompt = build_prompt(req, state.tokenizer, state.engine.max_context)
     max_tokens = max_new_tokens(req, len(prompt.token_ids), state.engine.max_context)
-    return _Prepared(req, prompt, max_tokens, constraint(req, prompt.thinking))
+    grammar = constraint(req, prompt.thinking)
+    state.engine.prepare_constraint(grammar)
+    return _Prepared(req, prompt, max_tokens, grammar)
 
 
 async def _collect(state: ServerState, req: ChatRequest, prompt: ChatPrompt, run: ChoiceRun) -> dict[str, Any]:

@@ -67,6 +67,7 @@ def _prepare(state: ServerState, body: bytes) -> _Prepared:
     mk.server.offload: for a long prompt this takes seconds)."""
     req = parse_request(CompletionRequest, parse_json(body), state)
     grammar = constraint(req)
+    state.engine.prepare_constraint(grammar)
     prompts = _prompt_ids(req, state)
     budgets = [max_new_tokens(req, len(ids), state.engine.max_context) for ids, _ in prompts]
     return _Prepared(req, prompts, budgets, grammar)

@@ -128,3 +128,18 @@ def test_greedy_speculation_yields_the_plain_tokens(right):
         steps += 1
     assert out[:n] == want, f"seed {SEED}"
     assert steps == -(-n // (right + 1))
+
+
+def test_the_drafter_copies_from_the_text_and_follows_what_was_accepted():
+    """mk._native.Speculator: a draft is what followed the latest earlier occurrence of the text's
+    longest recurring suffix; after a step it drafts from the text with the gained tokens."""
+    from mk import _native
+
+    speculator = _native.Speculator([5, 6, 7, 8, 9, 5, 6, 7])
+    assert speculator.draft(_native.MAX_DRAFT)[:2] == [8, 9]
+    assert speculator.draft(1) == [8]
+    speculator.advance(2, [8, 9, 5])
+    assert speculator.draft(2) == [6, 7]
+    with pytest.raises(ValueError, match="gains 1 to drafted"):
+        speculator.advance(1, [1, 2, 3])
+    assert _native.Speculator([1, 2, 3]).draft(4) == []

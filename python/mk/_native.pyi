@@ -16,6 +16,7 @@ ROW_GROUPS: int  # the task builder's default row groups of expert down and LM-h
 SAMPLE_PARTS: int  # the task builder's default vocabulary slices per row for sampling
 JSON_LAYOUT: str  # llguidance's x-guidance options constrained JSON gets unless its schema has its own
 STEP_MAX_BATCH: int  # MK_STEP_MAX_BATCH: rows per megakernel launch
+MAX_DRAFT: int  # the most draft tokens one sequence verifies in a step
 TENSOR_MAP_BYTES: int  # MK_TENSOR_MAP_BYTES: one encoded weight map
 TRACE_ENTRY_BYTES: int  # sizeof(MkTraceEntry): one traced task
 TRACE_MARKED: int  # MK_TRACE_MARKED: an entry's second producer word flags its marks
@@ -203,3 +204,14 @@ class Engine:
     def page_size(self) -> int: ...
     @property
     def num_blocks(self) -> int: ...
+
+class Speculator:
+    """One sequence's drafting for speculative decoding: drafts copied from its own text, their
+    length adapted to how many were accepted."""
+
+    def __init__(self, prompt: list[int]) -> None: ...
+    def draft(self, most: int) -> list[int]:
+        """The next step's draft, at most `most` tokens."""
+
+    def advance(self, drafted: int, gained: list[int]) -> None:
+        """After a step that verified `drafted` draft tokens and gained `gained` (1 to drafted + 1)."""

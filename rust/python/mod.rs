@@ -6,6 +6,7 @@ mod errors;
 mod graph;
 mod megakernel_backend;
 mod reference_backend;
+mod speculative;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -80,6 +81,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SAMPLE_PARTS", crate::graph::SAMPLE_PARTS)?;
     m.add("JSON_LAYOUT", crate::grammar::JSON_LAYOUT)?;
     m.add("STEP_MAX_BATCH", gpu::abi::STEP_MAX_BATCH)?;
+    m.add("MAX_DRAFT", crate::speculative::length::MAX_DRAFT)?;
     m.add_function(wrap_pyfunction!(gpu_available, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(weight_maps, m)?)?;
@@ -115,6 +117,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(graph::step_args_layout, m)?)?;
     m.add_function(wrap_pyfunction!(graph::decode_step, m)?)?;
     m.add_function(wrap_pyfunction!(graph::megakernel_count, m)?)?;
+    m.add_class::<speculative::PySpeculator>()?;
     engine::register(m)?;
     Ok(())
 }

@@ -27,3 +27,31 @@ pub mod verify;
 pub use draft::NgramIndex;
 pub use length::{share_rows, DraftLength};
 pub use verify::accepted;
+
+/// One sequence's drafting: its text's index and its draft length, told each step's outcome.
+#[derive(Debug, Clone, Default)]
+pub struct Speculator {
+    index: NgramIndex,
+    length: DraftLength,
+}
+
+impl Speculator {
+    /// Over a prompt (the text drafts are copied from, until the output adds to it).
+    pub fn new(prompt: &[u32]) -> Self {
+        Self { index: NgramIndex::with_tokens(prompt), length: DraftLength::default() }
+    }
+
+    /// The draft for the next step: at most `most` tokens (the rows the launch leaves this
+    /// sequence), fewer where its length or its text says so, none while it is paused.
+    pub fn draft(&self, most: usize) -> &[u32] {
+        self.index.draft(self.length.get().min(most)).1
+    }
+
+    /// After a step that verified `drafted` draft tokens: `gained` is what the sequence gained
+    /// (the accepted draft and the row's own token past it).
+    pub fn advance(&mut self, drafted: usize, gained: &[u32]) {
+        assert!(!gained.is_empty() && gained.len() <= drafted + 1, "a step gains 1 to drafted + 1 tokens");
+        self.length.observe(drafted, gained.len() - 1);
+        self.index.extend(gained);
+    }
+}

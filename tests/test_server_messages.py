@@ -1,5 +1,5 @@
-"""The Anthropic Messages API (/v1/messages, /v1/messages/count_tokens) over HTTP, its events read as an
-Anthropic client reads them (the `anthropic` package is not installed here): against a server whose
+"""The Anthropic Messages API (/v1/messages, /v1/messages/count_tokens) over raw HTTP, its events read as an
+Anthropic client reads them (the `anthropic` SDK itself drives it in test_server_sdks.py): against a server whose
 scripted "model" writes what a test asks for (exact blocks, stop reasons, errors, an API key sent as
 `x-api-key`), and against `python -m mk.server` on the built-in model (a tool call forced by the
 grammar, its result sent back, stop sequences, token counts)."""

@@ -10,6 +10,7 @@ import json
 import re
 import time
 from types import SimpleNamespace
+from typing import Literal
 
 import httpx
 import jsonschema
@@ -17,6 +18,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel
 from server_util import ServerProcess
 
 from mk.config import ModelConfig
@@ -749,6 +751,27 @@ def test_json_schema_output_on_the_model(client):
     assert out.text.format.name == "person"
     out = client.responses.create(**GREEDY, input="Give a person.", text={"format": {"type": "json_object"}})
     assert isinstance(json.loads(out.output_text), dict)
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+    language: Literal["python", "rust"]
+
+
+def test_the_clients_parse_and_stream_helpers_on_the_model(client):
+    """The client's typed structured output: responses.parse and responses.stream with a pydantic
+    text_format (a strict json_schema the grammar holds the answer to) parse the same object, and the
+    stream helper's text deltas add up to its final response's text."""
+    body = {**GREEDY, "max_output_tokens": 200, "input": "Give a person.", "reasoning": {"effort": "none"}}
+    parsed = client.responses.parse(**body, text_format=Person)
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, Person)
+    assert parsed.output_parsed == Person.model_validate_json(parsed.output_text)
+    assert (parsed.text.format.type, parsed.text.format.strict) == ("json_schema", True)
+    with client.responses.stream(**body, text_format=Person) as stream:
+        deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert final.output_parsed == parsed.output_parsed and deltas == final.output_text == parsed.output_text
 
 
 def test_max_output_tokens_on_the_model(client):

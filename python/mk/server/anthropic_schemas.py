@@ -15,8 +15,9 @@ from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from mk.server.schemas import MAX_STOPS, U32_MAX, _Body
 
-# Top-level fields accepted and ignored: they change nothing a self-hosted engine computes.
-IGNORED_FIELDS = frozenset({"metadata", "service_tier"})
+# Top-level fields accepted and ignored: they change nothing a self-hosted engine computes. A top-level
+# `cache_control` (the SDK's automatic prompt caching) asks for what the prefix cache does unasked.
+IGNORED_FIELDS = frozenset({"metadata", "service_tier", "cache_control"})
 # The content blocks mk reads, each by its pydantic model's name (capitalized, so that an error's
 # location names the block by its index alone: mk.server.schemas.validate).
 _BLOCK_MODELS = {

@@ -22,7 +22,7 @@ from mk.server.generate import (
 )
 from mk.server.http import parse_json
 from mk.server.logprobs import chat_logprobs
-from mk.server.params import constraint, max_new_tokens, parse_request, sampling_params
+from mk.server.params import max_new_tokens, parse_request, prepared_constraint, sampling_params
 from mk.server.schemas import ChatRequest
 from mk.server.state import ServerState
 from mk.toolcalls import MARKERS, Cmd4Stream, ContentTokens, Delta, ToolCallError, parse
@@ -65,9 +65,7 @@ def _prepare(state: ServerState, body: bytes) -> _Prepared:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     prompt = build_prompt(req, state.tokenizer, state.engine.max_context)
     max_tokens = max_new_tokens(req, len(prompt.token_ids), state.engine.max_context)
-    grammar = constraint(req, prompt.thinking)
-    state.engine.prepare_constraint(grammar)
-    return _Prepared(req, prompt, max_tokens, grammar)
+    return _Prepared(req, prompt, max_tokens, prepared_constraint(state, req, prompt.thinking))
 
 
 async def _collect(state: ServerState, req: ChatRequest, prompt: ChatPrompt, run: ChoiceRun) -> dict[str, Any]:

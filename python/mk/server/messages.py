@@ -20,7 +20,7 @@ from mk.server.chat import ChatPrompt, build_prompt, render_prompt
 from mk.server.errors import APIError, anthropic_error_body
 from mk.server.generate import ChoiceRun, collect, note, start_runs
 from mk.server.http import parse_json
-from mk.server.params import check_grammars, constraint, max_new_tokens, sampling_params
+from mk.server.params import check_grammars, max_new_tokens, prepared_constraint, sampling_params
 from mk.server.schemas import ChatRequest, validate
 from mk.server.state import ServerState
 from mk.toolcalls import MARKERS, Cmd4Stream, Delta, ToolCallError, parse
@@ -86,7 +86,7 @@ def _prepare(state: ServerState, body: bytes) -> _Prepared:
     check_grammars(chat)
     prompt = build_prompt(chat, state.tokenizer, state.engine.max_context)
     max_tokens = max_new_tokens(chat, len(prompt.token_ids), state.engine.max_context)
-    return _Prepared(req, chat, prompt, max_tokens, constraint(chat, prompt.thinking))
+    return _Prepared(req, chat, prompt, max_tokens, prepared_constraint(state, chat, prompt.thinking))
 
 
 def _count_tokens(state: ServerState, body: bytes) -> dict[str, int]:

@@ -155,6 +155,14 @@ def _grammar_texts(req: _Sampling) -> list[tuple[str, str]]:
     return found
 
 
+def prepared_constraint(state: ServerState, req: _Sampling, thinking: bool | None = None) -> ConstraintSpec | None:
+    """`constraint(req, thinking)`, compiled ahead of the request's submission: every route calls this
+    while it prepares a request, on a thread of mk.server.offload, so grammars compile off the loop."""
+    grammar = constraint(req, thinking)
+    state.engine.prepare_constraint(grammar)
+    return grammar
+
+
 def constraint(req: _Sampling, thinking: bool | None = None) -> ConstraintSpec | None:
     """The grammar the output must follow: chat's `response_format` (`json_object`, `json_schema`) or
     one of vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, and in a chat

@@ -25,7 +25,7 @@ from mk.server.chat import ChatPrompt, build_prompt, render_prompt
 from mk.server.errors import APIError, bad_request
 from mk.server.generate import ChoiceRun, collect, note, start_runs
 from mk.server.http import dumps, parse_json
-from mk.server.params import check_grammars, constraint, max_new_tokens, sampling_params
+from mk.server.params import check_grammars, max_new_tokens, prepared_constraint, sampling_params
 from mk.server.responses_chat import carried_output, chat_request, in_responses_terms
 from mk.server.responses_schemas import (
     IGNORED_FIELDS,
@@ -112,7 +112,7 @@ def _prepare(state: ServerState, body: bytes) -> _Prepared:
         check_grammars(chat)
         prompt = build_prompt(chat, state.tokenizer, state.engine.max_context, past_calls_need_tools=False)
         max_tokens = max_new_tokens(chat, len(prompt.token_ids), state.engine.max_context)
-        grammar = constraint(chat, prompt.thinking)
+        grammar = prepared_constraint(state, chat, prompt.thinking)
     except APIError as e:
         raise in_responses_terms(e) from None
     return _Prepared(req, chat, prompt, max_tokens, grammar, (*earlier, *req.input))

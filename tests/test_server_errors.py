@@ -430,7 +430,7 @@ def test_models_retrieve_and_head_health(server):
     assert r.status_code == 200 and r.content == b""
 
 
-def test_prompts_are_rendered_and_tokenized_off_the_event_loop():
+def test_prompts_are_rendered_and_tokenized_and_grammars_compiled_off_the_event_loop():
     import asyncio
     from types import SimpleNamespace
 
@@ -449,17 +449,24 @@ def test_prompts_are_rendered_and_tokenized_off_the_event_loop():
 
     tokenizer.encode = encode
 
+    compiled = []
+
     class NoEngine:
         max_context = 512
         config = SimpleNamespace(vocab_size=512)
 
+        def prepare_constraint(self, spec):
+            compiled.append((spec.kind, threading.get_ident()))
+
     state = ServerState(NoEngine(), tokenizer, NAME)
+    regex = {"guided_regex": "[a-z]+"}
 
     async def run() -> int:
-        for handler, body in [(chat_completions, {"messages": USER}), (completions, {"prompt": "x"})]:
+        for handler, body in [(chat_completions, {"messages": USER}), (completions, {"prompt": "x", **regex})]:
             with pytest.raises(APIError, match="stop before the engine"):
                 await handler(state, json.dumps(body).encode(), {"id": "t"})
         return threading.get_ident()
 
     loop_thread = asyncio.run(run())
     assert len(threads) == 2 and loop_thread not in threads
+    assert [kind for kind, _ in compiled] == ["regex"] and compiled[0][1] != loop_thread

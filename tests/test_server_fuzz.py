@@ -136,7 +136,14 @@ chat_fields = st.fixed_dictionaries(
 )
 completion_fields = st.fixed_dictionaries(
     {"prompt": st.one_of(st.text(max_size=20), st.lists(st.integers(-2, 600), max_size=5), json_any)},
-    optional={**sampling, "echo": json_leaf, "suffix": json_leaf, "logprobs": small, "best_of": small},
+    optional={
+        **sampling,
+        "echo": json_leaf,
+        "suffix": json_leaf,
+        "logprobs": small,
+        "best_of": small,
+        "token_healing": mostly(st.booleans()),
+    },
 )
 chat_body, completion_body = with_grammar(chat_fields), with_grammar(completion_fields)
 
@@ -144,6 +151,9 @@ chat_body, completion_body = with_grammar(chat_fields), with_grammar(completion_
 class _FakeEngine:
     max_context = 512
     config = SimpleNamespace(vocab_size=512)
+
+    def prepare_constraint(self, spec) -> None:
+        pass
 
 
 STATE = ServerState(_FakeEngine(), Tokenizer.builtin(512), NAME)

@@ -584,6 +584,9 @@ class _FakeEngine:
     max_context = 512
     config = SimpleNamespace(vocab_size=512)
 
+    def prepare_constraint(self, spec) -> None:
+        pass
+
 
 STATE = ServerState(_FakeEngine(), Tokenizer.builtin(512), NAME)
 STATE.responses.put(  # "resp_x": a user's message and the answer, for bodies that follow it

@@ -7,8 +7,8 @@ library (docs/EMBEDDED.md): it writes code-shaped text, not good code) on
 /v1/models[/ID], Anthropic's /v1/messages and /v1/messages/count_tokens, vLLM's /tokenize and
 /detokenize, /health, /metrics (Prometheus; README "Metrics" lists them).
 
-With --data-parallel-size N it starts N such servers (one per GPU) behind sglang-router
-(mk/server/replicas.py).
+With --data-parallel-size N it starts N such servers (one per GPU) behind one public port that answers
+as one server does (mk/server/replicas.py).
 """
 
 from __future__ import annotations
@@ -280,14 +280,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--data-parallel-size",
         type=_at_least(1),
         default=1,
-        help="engine replicas, one per GPU (or CPU replicas with --device cpu), behind sglang-router on --host/"
+        help="engine replicas, one per GPU (or CPU replicas with --device cpu), behind one server on --host/"
         "--port with cache-aware routing; 1 = this one process (default: %(default)s)",
     )
     p.add_argument(
         "--replica-base-port",
         type=_at_least(1),
-        help="with --data-parallel-size N: replica i listens on 127.0.0.1:BASE+i and the router's Prometheus "
-        "metrics on 127.0.0.1:BASE+N (default: --port + 1)",
+        help="with --data-parallel-size N: replica i listens on 127.0.0.1:BASE+i (default: --port + 1)",
     )
     p.add_argument(
         "--log-level",
@@ -306,8 +305,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--stats-interval must be above 0")
     if args.replica_base_port is not None and args.data_parallel_size == 1:
         p.error("--replica-base-port is for --data-parallel-size 2 or more")
-    if args.allowed_origins and args.data_parallel_size > 1:  # browsers would talk to the router, not mk
-        p.error("--allowed-origins is for one server, not --data-parallel-size 2 or more")
     if args.sliced_prefill == "on" and args.prefill == "reference":
         p.error("--sliced-prefill on needs the fast prefill (not --prefill reference)")
     return args

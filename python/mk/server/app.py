@@ -61,7 +61,6 @@ class App:
             "/health": self._health,
             "/v1/models": self._models,
             "/metrics": self._metrics,
-            "/server_info": self._server_info,
         }
         self._stats_task: asyncio.Task | None = None
 
@@ -280,17 +279,6 @@ class App:
         if model_id != self.state.model_name:
             raise APIError(404, f"model {model_id!r} is not served here", "model", "model_not_found")
         await http.send_json(send, 200, self._model_card())
-
-    async def _server_info(self, send: http.Send) -> None:
-        """SGLang's /server_info, the fields sglang-router reads when a replica registers
-        (--data-parallel-size): the model's id, context and batch."""
-        engine = self.state.engine
-        info = {
-            "served_model_name": self.state.model_name,
-            "context_length": engine.max_context,
-            "max_running_requests": engine.max_batch,
-        }
-        await http.send_json(send, 200, info)
 
     async def _metrics(self, send: http.Send) -> None:
         await http.send_bytes(send, 200, self.state.metrics.render(), METRICS_CONTENT_TYPE, None)

@@ -67,7 +67,7 @@ class Metrics:
         )
         self._http = Counter("mk_http_responses", "HTTP responses by status.", [*MODEL, "status"], registry=r)
         # Every labelled family shows a sample from the start: a family with none breaks readers
-        # that merge several servers' pages (sglang-router's /engine_metrics refuses the merge).
+        # that merge several servers' pages.
         for reason in FINISH_REASONS:
             self._requests.labels(m, reason)
         self._http.labels(m, "200")

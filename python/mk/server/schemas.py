@@ -28,8 +28,8 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 IGNORED_FIELDS = frozenset(
     {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "parallel_tool_calls"}
 )  # (parallel_tool_calls: a chat's own field; accepted and ignored on completions)
-# SGLang's extensions, which sglang-router adds to every request it forwards (--data-parallel-size):
-# accepted at the value that means what mk does anyway, refused at any other.
+# SGLang's extensions, which its routers add to every request they forward (one may stand in front of
+# mk): accepted at the value that means what mk does anyway, refused at any other.
 NEUTRAL_EXTENSIONS = {
     "no_stop_trim": False,
     "continue_final_message": False,

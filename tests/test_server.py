@@ -23,22 +23,53 @@ def greedy_reference(prompt_ids: list[int], n: int) -> list[int]:
     return ids[len(prompt_ids) :]
 
 
+def healed_greedy_reference(prompt_ids: list[int], n: int) -> tuple[list[int], str]:
+    """Greedy tokens of a text prompt's ids under token healing, outside the server: the prompt less
+    its healed tail (mk.healing.back_up), each first token the most likely of the text tokens consistent
+    with what is left of the tail (it starts with it, or is a start of it), then plain greedy; and the
+    removed text."""
+    from mk.healing import back_up
+
+    model, _ = load_default()
+    ids, removed = back_up(TOK, prompt_ids)
+    left, out = removed.encode(), []
+    while len(out) < n:
+        logits = model.logits(ids + out)[-1]
+        if left:
+            for t in range(logits.shape[0]):
+                piece = TOK.token_bytes(t) if t < TOK.vocab_size and t not in TOK.special_ids else b""
+                if not piece or not (piece.startswith(left) or left.startswith(piece)):
+                    logits[t] = float("-inf")
+        out.append(int(logits.argmax()))
+        left = left[len(TOK.token_bytes(out[-1])) :] if left else left
+    return out, removed
+
+
 def test_models(client):
     models = client.models.list().data
     assert [m.id for m in models] == [NAME]
 
 
 def test_greedy_completion_matches_the_reference_model(client):
+    """Healing off, the prompt's own greedy continuation; on (the default), the healed one, whose text
+    leaves out the healed tail ("):", which tokens such as "):\n" extend), counted as prompt."""
     prompt = "def fibonacci(n):"
-    out = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0)
-    expected = greedy_reference(TOK.encode(prompt), 12)
-    choice = out.choices[0]
-    if TOK.eos_token_id in expected:  # the engine stops there
-        expected = expected[: expected.index(TOK.eos_token_id) + 1]
-    assert choice.text == TOK.decode(expected, skip_special_tokens=True)
-    assert out.usage.prompt_tokens == len(TOK.encode(prompt))
-    assert out.usage.completion_tokens == len(expected)
-    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    for healing in (False, True):
+        out = client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=12, temperature=0, extra_body={"token_healing": healing}
+        )
+        if healing:
+            expected, removed = healed_greedy_reference(TOK.encode(prompt), 12)
+        else:
+            expected, removed = greedy_reference(TOK.encode(prompt), 12), ""
+        choice = out.choices[0]
+        if TOK.eos_token_id in expected:  # the engine stops there
+            expected = expected[: expected.index(TOK.eos_token_id) + 1]
+        full = TOK.decode(expected, skip_special_tokens=True)
+        assert full.startswith(removed) and choice.text == full[len(removed) :]
+        assert out.usage.prompt_tokens == len(TOK.encode(prompt))
+        assert out.usage.completion_tokens == len(expected)
+        assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
 
 
 def test_streamed_completion_equals_the_unstreamed_one(client):
@@ -91,7 +122,10 @@ def test_several_prompts_token_ids_echo_and_n(client):
     assert len({c.text for c in out.choices}) == 1  # greedy: all four the same
     assert out.usage.prompt_tokens == 2 * len(ids)
     assert out.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in out.choices)
-    echoed = client.completions.create(model=NAME, prompt="x = 1", max_tokens=4, temperature=0, echo=True)
+    # Token ids are taken as given; the same prompt as text is healed (" 1" backed up), unless told not to.
+    echoed = client.completions.create(
+        model=NAME, prompt="x = 1", max_tokens=4, temperature=0, echo=True, extra_body={"token_healing": False}
+    )
     assert echoed.choices[0].text == "x = 1" + out.choices[0].text
     texts = client.completions.create(model=NAME, prompt=["a", "bb"], max_tokens=3, temperature=0)
     assert [c.index for c in texts.choices] == [0, 1]

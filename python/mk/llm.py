@@ -6,6 +6,12 @@
 
 Stop strings are handled here (they need text): the request is cancelled at the first match and
 its text cut before the stop string, with finish reason "stop".
+
+Text prompts are healed (mk.healing; `token_healing=False` turns it off): one that ends where a longer
+token could start is submitted without its last token(s), and the completion is held to begin with
+their text, which is then left out of `text` (the prompt has it). `prompt_token_ids` are the prompt's
+own; `token_ids` and `logprobs` are every generated token's, the first one's text partly the prompt's,
+and max_tokens counts them all.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from pathlib import Path
 import torch
 
 from mk.engine import Engine
+from mk.healing import HealedText, Healing, heal, strip_healed
 from mk.outputs import CompletionOutput, RequestOutput, TokenEvent
 from mk.sampling import SamplingParams
 from mk.textstream import Detokenizer, StopMatcher
@@ -37,8 +44,9 @@ class _Choice:
     """One completion being collected: tokens, logprobs, and stop strings matched on the text as it
     grows (the server's Detokenizer and StopMatcher: each token is decoded once)."""
 
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, index: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, index: int, healed: str = "") -> None:
         self.tokenizer, self.params, self.index = tokenizer, params, index
+        self.healed = healed  # text the completion begins with that the prompt already holds (healing)
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top: list[tuple[tuple[int, float], ...]] = []
@@ -48,6 +56,7 @@ class _Choice:
         self.stream = None
         self._detok = Detokenizer(tokenizer, keep_special=()) if params.stop else None
         self._stops = StopMatcher(list(params.stop)) if params.stop else None
+        self._unhealed = HealedText(healed)  # (before the stop strings: none may match the prompt's text)
         self._so_far = ""
 
     def add(self, event: TokenEvent) -> bool:
@@ -63,9 +72,9 @@ class _Choice:
                 self.top.append(event.top_logprobs or ())
         if self._stops is not None:
             if event.token_id is not None:
-                self._so_far += self._stops.push(self._detok.push(event.token_id))
+                self._so_far += self._stops.push(self._unhealed.push(self._detok.push(event.token_id)))
             if event.finish_reason is not None:  # after a match both give ""
-                self._so_far += self._stops.push(self._detok.flush())
+                self._so_far += self._stops.push(self._unhealed.push(self._detok.flush()))
                 self._so_far += self._stops.flush()
             if self._stops.matched is not None:
                 self.text, self.finish = self._so_far, "stop"
@@ -78,7 +87,10 @@ class _Choice:
         return False
 
     def output(self) -> CompletionOutput:
-        text = self.text if self.text is not None else self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        if self.text is not None:
+            text = self.text
+        else:
+            text = strip_healed(self.tokenizer.decode(self.token_ids, skip_special_tokens=True), self.healed)
         want = self.params.logprobs is not None
         return CompletionOutput(
             index=self.index,
@@ -93,7 +105,9 @@ class _Choice:
 class LLM:
     """A model and an engine. `model`: a checkpoint folder (config.json, safetensors,
     tokenizer.json) or None for the embedded default. Engine options (max_batch, max_context,
-    prefill_chunk, kv_blocks, gpu_memory_utilization, ...) pass through to `mk.engine.Engine`."""
+    prefill_chunk, kv_blocks, gpu_memory_utilization, ...) pass through to `mk.engine.Engine`.
+    `token_healing`: heal text prompts (the module's docstring, mk.healing); it needs the engine's
+    `tokenizer_json` (given by default), without which it is off."""
 
     def __init__(
         self,
@@ -102,6 +116,7 @@ class LLM:
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         max_waiting: int = 1 << 20,
+        token_healing: bool = True,
         **engine_options,
     ) -> None:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -115,10 +130,18 @@ class LLM:
             self._text = Tokenizer.from_dir(model)
         self.tokenizer = self._text.hf  # the HF `tokenizers.Tokenizer`, as before
         engine_options.setdefault("tokenizer_json", self._text.hf.to_str())  # for constrained requests
+        # (healing is a grammar: the engine compiles it against the tokenizer's vocabulary)
+        self.token_healing = token_healing and engine_options["tokenizer_json"] is not None
         self.engine = Engine(self.model, max_waiting=max_waiting, **engine_options)
 
     def encode(self, prompt: Prompt) -> list[int]:
         return list(prompt) if not isinstance(prompt, str) else self._text.encode(prompt)
+
+    def _heal(self, prompt: Prompt, ids: list[int], params: SamplingParams) -> Healing | None:
+        """The healing of a text prompt where it applies (mk.healing.heal); token ids are taken as given."""
+        if not self.token_healing or not isinstance(prompt, str):
+            return None
+        return heal(self._text, ids, params)
 
     def generate(
         self,
@@ -140,18 +163,22 @@ class LLM:
         done: queue.SimpleQueue[int] = queue.SimpleQueue()
         results, pending = [], 0
         for prompt, p in zip(prompts, params, strict=True):
-            choices = [_Choice(self._text, _choice_params(p, j), j) for j in range(p.n)]
-            results.append((prompt, self.encode(prompt), choices))
+            ids = self.encode(prompt)
+            healing = self._heal(prompt, ids, p)
+            healed = healing.removed if healing else ""
+            choices = [_Choice(self._text, _choice_params(p, j), j, healed) for j in range(p.n)]
+            results.append((prompt, ids, choices, healing))
         # Submitted together, the batch runs the same way every time (Engine.together).
         with self.engine.together():
             try:
-                for i, (_, ids, choices) in enumerate(results):
+                for i, (_, ids, choices, healing) in enumerate(results):
                     for c in choices:
-                        c.stream = self.engine.submit_callback(ids, c.params, _collector(c, done, i))
+                        sent, sent_params = _submitted(ids, c.params, healing)
+                        c.stream = self.engine.submit_callback(sent, sent_params, _collector(c, done, i))
                         pending += 1
             except BaseException:
                 # A prompt that cannot be submitted ends the call: the ones before it never start.
-                for _, _, choices in results:
+                for _, _, choices, _ in results:
                     for c in choices:
                         if c.stream is not None:
                             c.stream.cancel()
@@ -166,15 +193,16 @@ class LLM:
                 bar.update(1)
         if bar is not None:
             bar.close()
-        return [_request_output(str(n), prompt, ids, choices) for n, (prompt, ids, choices) in enumerate(results)]
+        return [_request_output(str(n), prompt, ids, choices) for n, (prompt, ids, choices, _) in enumerate(results)]
 
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
         """Yields the request's output so far after every token (text and ids cumulative); the
         last one carries the finish reason. Leaving the loop early cancels the request."""
         params = params or SamplingParams()
         ids = self.encode(prompt)
-        choice = _Choice(self._text, _choice_params(params, 0), 0)
-        choice.stream = stream = self.engine.submit(ids, choice.params)
+        healing = self._heal(prompt, ids, params)
+        choice = _Choice(self._text, _choice_params(params, 0), 0, healing.removed if healing else "")
+        choice.stream = stream = self.engine.submit(*_submitted(ids, choice.params, healing))
         async for event in stream:
             over = choice.add(event)
             yield _request_output(stream.request_id, prompt, ids, [choice])
@@ -199,6 +227,11 @@ def _choice_params(p: SamplingParams, j: int) -> SamplingParams:
     from dataclasses import replace
 
     return replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+
+
+def _submitted(ids: list[int], params: SamplingParams, healing: Healing | None) -> tuple[list[int], SamplingParams]:
+    """What the engine gets for a prompt: the healed prompt under its grammar, or the prompt as it is."""
+    return (ids, params) if healing is None else (healing.prompt, healing.params(params))
 
 
 def _collector(choice: _Choice, done: queue.SimpleQueue, i: int):

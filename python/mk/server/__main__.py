@@ -235,6 +235,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"GPU, {CPU_PREFILL_CHUNK} on the CPU)",
     )
     p.add_argument(
+        "--token-healing",
+        choices=["on", "off"],
+        default="on",
+        help="on /v1/completions, back a text prompt that ends where a longer token could start (a bare newline, "
+        "say) up by its last token or two and hold the completion to begin with their text, which the returned "
+        "text leaves out; not for requests with a grammar or ignore_eos, nor token-id prompts; a request's "
+        "token_healing field overrides it (default: %(default)s)",
+    )
+    p.add_argument(
         "--max-waiting",
         type=_at_least(1),
         default=256,
@@ -387,6 +396,10 @@ def build_state(args: argparse.Namespace) -> ServerState:
         late_masks=AUTO_ON_OFF[args.late_masks],
         progress=progress,
     )
+    if args.token_healing == "on":
+        from mk.healing import warm_up
+
+        warm_up(tokenizer)
     graphs = (("of fresh prompts", engine.prefill_graphs), ("after a cached prefix", engine.prefix_graphs))
     log.info(
         "engine ready: %s, %s decode, %s prefill (chunks of %d tokens, CUDA graphs %s, %d tokens an iteration "
@@ -411,6 +424,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         allowed_origins=args.allowed_origins,
         max_body_bytes=args.max_body_mb * 2**20,
         stats_interval=args.stats_interval,
+        token_healing=args.token_healing == "on",
     )
 
 

@@ -1,4 +1,12 @@
-"""POST /v1/completions: prompts as text or token ids, several prompts, n choices each, streamed or not."""
+"""POST /v1/completions: prompts as text or token ids, several prompts, n choices each, streamed or not.
+
+Text prompts are healed (mk.healing) unless the request's `token_healing` or the server's
+`--token-healing off` says not to: a prompt ending where a longer token could start goes to the engine
+without its last token(s), under a grammar that makes the completion begin with their text, which the
+choice's text then leaves out. The usage counts the prompt's own tokens as `prompt_tokens` (the healed
+tail among them) and every generated token as `completion_tokens` (the one that covers the healed tail
+among them, as max_tokens counts it); `echo` gives the prompt as sent; logprobs keep every generated
+token, the first one's text cut to what the choice's text holds."""
 
 from __future__ import annotations
 
@@ -7,17 +15,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from mk.healing import Healing, heal, prompt_bytes_left
 from mk.sampling import ConstraintSpec
 from mk.server.errors import bad_request, error_body
 from mk.server.generate import ChoiceRun, collect, gather_all, note, start_runs, stream_choices, usage
 from mk.server.http import parse_json
 from mk.server.logprobs import completion_logprobs
 from mk.server.params import (
-    constraint,
     context_exceeded,
     encode_prompt,
     max_new_tokens,
     parse_request,
+    prepared_constraint,
     sampling_params,
 )
 from mk.server.schemas import CompletionRequest
@@ -28,6 +37,7 @@ from mk.server.state import ServerState
 class _Choice:
     run: ChoiceRun
     echo: str  # prompt text to put before the completion ("" without echo)
+    healed_bytes: int  # bytes of the generated text's start that token healing took from the prompt
 
 
 @dataclass(slots=True)
@@ -36,6 +46,7 @@ class _Prepared:
     prompts: list[tuple[list[int], str]]  # (token ids, text to echo) of every prompt
     budgets: list[int]  # new tokens of each prompt's choices
     grammar: ConstraintSpec | None
+    healings: list[Healing | None]  # each prompt's token healing, where it has one
 
 
 async def completions(state: ServerState, body: bytes, info: dict) -> dict | AsyncIterator:
@@ -43,14 +54,17 @@ async def completions(state: ServerState, body: bytes, info: dict) -> dict | Asy
     prepared = await state.offload.run(len(body), _prepare, state, body)
     req, prompts = prepared.req, prepared.prompts
     rid = "cmpl-" + info["id"]
-    requests = [
-        (ids, sampling_params(req, budget, i, req.logprobs, prepared.grammar))
-        for (ids, _), budget in zip(prompts, prepared.budgets, strict=True)
-        for i in range(req.n)
-    ]
-    runs = start_runs(state, requests, rid, req.stop, arrival)
+    requests, healed = [], []
+    for (ids, _), budget, healing in zip(prompts, prepared.budgets, prepared.healings, strict=True):
+        for i in range(req.n):
+            params = sampling_params(req, budget, i, req.logprobs, prepared.grammar)
+            requests.append((ids, params) if healing is None else (healing.prompt, healing.params(params)))
+            healed.append(healing.removed if healing else "")
+    runs = start_runs(state, requests, rid, req.stop, arrival, healed=healed)
     echoes = [text for _, text in prompts for _ in range(req.n)]
-    choices = [_Choice(run, echo) for run, echo in zip(runs, echoes, strict=True)]
+    choices = [
+        _Choice(run, echo, len(removed.encode())) for run, echo, removed in zip(runs, echoes, healed, strict=True)
+    ]
     prompt_tokens = sum(len(ids) for ids, _ in prompts)
     state.metrics.count_prompt(prompt_tokens * req.n)
     info["prompt_tokens"] = prompt_tokens
@@ -63,14 +77,32 @@ async def completions(state: ServerState, body: bytes, info: dict) -> dict | Asy
 
 
 def _prepare(state: ServerState, body: bytes) -> _Prepared:
-    """The request from its body, its prompts tokenized, their budgets and its grammar (on a thread of
-    mk.server.offload: for a long prompt this takes seconds)."""
+    """The request from its body, its prompts tokenized, their budgets, its grammar and their token
+    healing (on a thread of mk.server.offload: for a long prompt this takes seconds; the grammars,
+    the healing ones too, are compiled here rather than on the event loop)."""
     req = parse_request(CompletionRequest, parse_json(body), state)
-    grammar = constraint(req)
-    state.engine.prepare_constraint(grammar)
+    grammar = prepared_constraint(state, req)
     prompts = _prompt_ids(req, state)
     budgets = [max_new_tokens(req, len(ids), state.engine.max_context) for ids, _ in prompts]
-    return _Prepared(req, prompts, budgets, grammar)
+    healing = state.token_healing if req.token_healing is None else req.token_healing
+    healings: list[Healing | None] = []
+    for (ids, _), budget, text in zip(prompts, budgets, _texts(req.prompt), strict=True):
+        healed = None
+        if healing and text:
+            healed = heal(state.tokenizer, ids, sampling_params(req, budget, 0, req.logprobs, grammar))
+        if healed is not None:
+            state.engine.prepare_constraint(healed.constraint)
+        healings.append(healed)
+    return _Prepared(req, prompts, budgets, grammar, healings)
+
+
+def _texts(prompt: str | list) -> list[bool]:
+    """Which of the request's prompts are text (token ids are taken as given)."""
+    if isinstance(prompt, str):
+        return [True]
+    if isinstance(prompt[0], int):
+        return [False]
+    return [isinstance(p, str) for p in prompt]
 
 
 def _prompt_ids(req: CompletionRequest, state: ServerState) -> list[tuple[list[int], str]]:
@@ -100,7 +132,9 @@ def _prompt_ids(req: CompletionRequest, state: ServerState) -> list[tuple[list[i
 
 async def _collect(state: ServerState, req: CompletionRequest, c: _Choice) -> dict[str, Any]:
     got = await collect(c.run)
-    logprobs = completion_logprobs(state.tokenizer, got.tokens, len(c.echo)) if req.logprobs is not None else None
+    logprobs = None
+    if req.logprobs is not None:
+        logprobs = completion_logprobs(state.tokenizer, got.tokens, len(c.echo), c.healed_bytes)
     return {"index": c.run.index, "text": c.echo + got.text, "logprobs": logprobs, "finish_reason": got.finish_reason}
 
 
@@ -113,15 +147,16 @@ async def _stream(
     async def events(c: _Choice) -> AsyncIterator:
         if c.echo:
             yield chunk(c.run.index, c.echo)
-        offset = len(c.echo)
+        offset, healed_bytes = len(c.echo), c.healed_bytes
         async for piece in c.run.pieces():
             if piece.finish_reason == "error":
                 yield error_body(f"generation failed: {piece.error}", "generation_error")
                 return
             logprobs = None
             if req.logprobs is not None:
-                logprobs = completion_logprobs(state.tokenizer, piece.tokens, offset)
+                logprobs = completion_logprobs(state.tokenizer, piece.tokens, offset, healed_bytes)
                 logprobs = logprobs if logprobs["tokens"] else None  # only special tokens: no entry to send
+                healed_bytes = prompt_bytes_left(state.tokenizer, [t for t, _, _ in piece.tokens], healed_bytes)
             offset += len(piece.text)
             if piece.text or logprobs or (c.run.every_token and piece.tokens):
                 yield chunk(c.run.index, piece.text, None, logprobs)

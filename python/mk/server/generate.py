@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mk.engine_api import AsyncEngine, EngineClosed, EngineFull, PromptTooLong, RequestStream
+from mk.healing import HealedText
 from mk.sampling import SamplingError, SamplingParams
 from mk.server.errors import APIError, bad_request
 from mk.server.metrics import ABORT, Metrics
@@ -64,6 +65,7 @@ class ChoiceRun:
         arrival: float,
         keep_special: Collection[str] = (),
         stop_token_ids: frozenset[int] = frozenset(),
+        healed: str = "",
     ) -> None:
         self.index = index
         self.stream = stream
@@ -73,6 +75,9 @@ class ChoiceRun:
         # Special tokens add no text, but for the markers `keep_special` names (a chat answer's
         # sections, which mk.toolcalls parses).
         self.detok = Detokenizer(tokenizer, keep_special)
+        # Token healing's removed text (mk.healing), which the generated text begins with and the prompt
+        # holds: left out before the stop strings are matched, so none matches the prompt's own text.
+        self.unhealed = HealedText(healed)
         self.stops = StopMatcher(stops)
         self.metrics = metrics
         self.arrival = arrival
@@ -106,13 +111,13 @@ class ChoiceRun:
                     self.token_ids.append(event.token_id)
                     pending.append((event.token_id, event.logprob, event.top_logprobs))
                     if event.finish_reason != "stop" or event.token_id not in self.silent_stops:
-                        text = self.stops.push(self.detok.push(event.token_id))
+                        text = self.stops.push(self.unhealed.push(self.detok.push(event.token_id)))
                     if self.stops.matched is not None:
                         self.stream.cancel()
                         yield self._end(Piece(text, pending, "stop"))
                         return
                 if event.finish_reason is not None:
-                    text += self.stops.push(self.detok.flush())
+                    text += self.stops.push(self.unhealed.push(self.detok.flush()))
                     reason = "stop" if self.stops.matched is not None else event.finish_reason
                     text += self.stops.flush()
                     if reason == "cancelled":  # the engine cut it (a drain timeout): the client sees CUT_SHORT
@@ -197,15 +202,19 @@ def start_runs(
     stops: list[str],
     arrival: float,
     keep_special: Collection[str] = (),
+    healed: list[str] | None = None,
 ) -> list[ChoiceRun]:
     """One engine request and ChoiceRun per (prompt ids, params), choice i as `{rid}-{i}`; if one is
-    refused, those already submitted are cancelled."""
+    refused, those already submitted are cancelled. `healed`: per request, the text token healing
+    removed from its prompt (mk.healing; "" where none)."""
     runs: list[ChoiceRun] = []
     try:
         for i, (ids, params) in enumerate(requests):
             stream = submit(state.engine, ids, params, f"{rid}-{i}")
             stop_ids = frozenset(params.stop_token_ids)
-            runs.append(ChoiceRun(i, stream, state.tokenizer, stops, state.metrics, arrival, keep_special, stop_ids))
+            removed = healed[i] if healed else ""
+            run = ChoiceRun(i, stream, state.tokenizer, stops, state.metrics, arrival, keep_special, stop_ids, removed)
+            runs.append(run)
     except BaseException:
         for run in runs:
             run.stream.cancel()

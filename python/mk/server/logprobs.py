@@ -23,15 +23,23 @@ def chat_logprobs(tokenizer: Tokenizer, tokens: list[Token]) -> dict[str, Any]:
     return {"content": content}
 
 
-def completion_logprobs(tokenizer: Tokenizer, tokens: list[Token], offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    tokenizer: Tokenizer, tokens: list[Token], offset: int, prompt_bytes: int = 0
+) -> dict[str, Any]:
     """`offset`: where the first token's text starts in the choice's text. The entries are the tokens
     the text is made of: a special token (EOS among them) adds no text and gets no entry, as in chat's
-    logprobs, so that the tokens join to the text and `text_offset` indexes into it."""
+    logprobs, so that the tokens join to the text and `text_offset` indexes into it. `prompt_bytes`:
+    how much of these tokens' text, from their start, is token healing's removed text (mk.healing),
+    which the prompt holds and the choice's text leaves out: those tokens keep their entries with that
+    text cut off their `tokens` (possibly to ""); their `top_logprobs` name the model's alternatives by
+    their whole text, and the sampled token (also) by its cut text, as `tokens` does."""
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token_id, logprob, top in tokens:
         if token_id in tokenizer.special_ids:
             continue
-        text = tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+        raw = tokenizer.token_bytes(token_id)
+        text = raw[prompt_bytes:].decode("utf-8", errors="replace")
+        prompt_bytes = max(0, prompt_bytes - len(raw))
         out["tokens"].append(text)
         out["token_logprobs"].append(logprob)
         alternatives = {tokenizer.token_bytes(t).decode("utf-8", errors="replace"): lp for t, lp in top or ()}

@@ -27,6 +27,8 @@ class ServerState:
     # Browser origins allowed to call the API (CORS; "*" allows any); empty: no CORS headers at all.
     allowed_origins: frozenset[str] = frozenset()
     stats_interval: float = 5.0
+    # Heal text prompts of /v1/completions (mk.healing) unless a request's `token_healing` says otherwise.
+    token_healing: bool = True
     metrics: Metrics = field(init=False)
     offload: Offload = field(init=False, default_factory=Offload)  # parsing, templating, tokenizing
     responses: ResponseStore = field(init=False, default_factory=ResponseStore)  # previous_response_id's

@@ -44,11 +44,15 @@ BAD_ON_BOTH_ROUTES = [
 ]
 
 
+# The module's server answers a body that stalls this long with a 408.
+BODY_TIMEOUT_S = 2
+
+
 @pytest.fixture(scope="module")
 def server():
     s = ServerProcess(
         "--device", "cpu", "--api-key", KEY, "--max-batch", "1", "--max-waiting", "1",
-        "--max-context", "2048", "--max-body-mb", "1",
+        "--max-context", "2048", "--max-body-mb", "1", "--body-timeout", str(BODY_TIMEOUT_S),
     ).wait_ready()  # fmt: skip
     yield s
     assert s.stop() == 0, s.output()
@@ -463,3 +467,37 @@ def test_prompts_are_rendered_and_tokenized_and_grammars_compiled_off_the_event_
     loop_thread = asyncio.run(run())
     assert len(threads) == 2 and loop_thread not in threads
     assert [kind for kind, _ in compiled] == ["regex"] and compiled[0][1] != loop_thread
+
+
+def test_a_body_that_stalls_is_a_408_and_its_connection_freed(server):
+    """A client that sends part of its body and then nothing is answered 408 once --body-timeout has
+    passed with nothing arriving, and the connection is closed; a whole body sent slowly in pieces,
+    each well within that time, is served."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(server.url)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {url.hostname}\r\nAuthorization: Bearer {KEY}\r\n"
+        "Content-Type: application/json\r\nContent-Length: {n}\r\nConnection: close\r\n\r\n"
+    )
+    body = json.dumps({"prompt": "def f(", "max_tokens": 1}).encode()
+    with socket.create_connection((url.hostname, url.port), timeout=BODY_TIMEOUT_S * 10) as stalled:
+        stalled.sendall(head.format(n=len(body)).encode() + body[:5])
+        started = time.monotonic()
+        answer = b""
+        while chunk := stalled.recv(65536):  # (until the server closes the connection)
+            answer += chunk
+        waited = time.monotonic() - started
+    status, _, rest = answer.partition(b"\r\n")
+    assert status.split()[1] == b"408", answer
+    assert b"stalled" in rest and waited >= BODY_TIMEOUT_S * 0.9, (answer, waited)
+    with socket.create_connection((url.hostname, url.port), timeout=BODY_TIMEOUT_S * 10) as slow:
+        slow.sendall(head.format(n=len(body)).encode())
+        for i in range(0, len(body), 8):
+            time.sleep(BODY_TIMEOUT_S / 8)
+            slow.sendall(body[i : i + 8])
+        answer = b""
+        while chunk := slow.recv(65536):
+            answer += chunk
+    assert answer.split()[1] == b"200", answer

@@ -274,6 +274,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="largest request body accepted, in MiB; larger gets 413 (default: %(default)s)",
     )
     p.add_argument(
+        "--body-timeout",
+        type=_seconds,
+        default=60.0,
+        help="seconds a request's body may stall, nothing of it arriving, before the request is answered "
+        "408 and its connection freed (default: %(default)s)",
+    )
+    p.add_argument(
         "--drain-timeout",
         type=_seconds,
         default=DRAIN_TIMEOUT_S,
@@ -312,6 +319,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--model {args.model}: no such folder")
     if args.stats_interval == 0:
         p.error("--stats-interval must be above 0")
+    if args.body_timeout == 0:
+        p.error("--body-timeout must be above 0")
     if args.replica_base_port is not None and args.data_parallel_size == 1:
         p.error("--replica-base-port is for --data-parallel-size 2 or more")
     if args.sliced_prefill == "on" and args.prefill == "reference":
@@ -423,6 +432,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         protect_metrics=args.protect_metrics,
         allowed_origins=args.allowed_origins,
         max_body_bytes=args.max_body_mb * 2**20,
+        body_timeout=args.body_timeout,
         stats_interval=args.stats_interval,
         token_healing=args.token_healing == "on",
     )

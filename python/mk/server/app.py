@@ -188,7 +188,7 @@ class App:
         if self.state.draining:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
         http.require_json(scope)
-        body = await http.read_body(scope, receive, self.state.max_body_bytes)
+        body = await http.read_body(scope, receive, self.state.max_body_bytes, self.state.body_timeout)
         respond = self._respond(self._post[path], body, send, info, anthropic_route(path), path == RESPONSES_ROUTE)
         await http.race_disconnect(respond, receive)
 

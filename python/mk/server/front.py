@@ -74,10 +74,11 @@ class Front:
         balancer: Balancer,
         client: httpx.AsyncClient,
         max_body_bytes: int,
+        body_timeout: float,
         allowed_origins: frozenset[str] = frozenset(),
     ) -> None:
         self.urls, self.balancer, self.client = urls, balancer, client
-        self.max_body_bytes = max_body_bytes
+        self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
         self.allowed_origins = allowed_origins
         self.stopping = False  # the replicas are draining: a request none can take is refused as by one
 
@@ -230,7 +231,7 @@ class Front:
             return None
         chunks, size, more = [], 0, True
         while more:
-            message = await receive()
+            message = await http.receive_within(receive, self.body_timeout)
             if message["type"] == "http.disconnect":
                 raise ConnectionAbortedError
             chunks.append(message.get("body", b""))

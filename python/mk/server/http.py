@@ -24,14 +24,15 @@ def header(scope: dict[str, Any], name: bytes) -> str | None:
     return None
 
 
-async def read_body(scope: dict[str, Any], receive: Receive, limit: int) -> bytes:
-    """The whole request body; 413 as soon as it is known to exceed `limit` bytes."""
+async def read_body(scope: dict[str, Any], receive: Receive, limit: int, idle_timeout: float) -> bytes:
+    """The whole request body; 413 as soon as it is known to exceed `limit` bytes, 408 where the client
+    sends nothing of it for `idle_timeout` seconds."""
     declared = header(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"the request body has {declared} bytes; the limit is {limit}")
     chunks, size = [], 0
     while True:
-        message = await receive()
+        message = await receive_within(receive, idle_timeout)
         if message["type"] == "http.disconnect":
             raise ConnectionAbortedError
         chunk = message.get("body", b"")
@@ -41,6 +42,17 @@ async def read_body(scope: dict[str, Any], receive: Receive, limit: int) -> byte
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+async def receive_within(receive: Receive, idle_timeout: float) -> dict[str, Any]:
+    """The next ASGI message of a request's body, or a 408 where none comes within `idle_timeout`
+    seconds: a client that stalls mid-body would otherwise hold its connection for good."""
+    try:
+        return await asyncio.wait_for(receive(), idle_timeout)
+    except TimeoutError:
+        raise APIError(
+            408, f"the request body stalled: nothing of it came for {idle_timeout:g} s", code="request_timeout"
+        ) from None
 
 
 def require_json(scope: dict[str, Any]) -> None:

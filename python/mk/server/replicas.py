@@ -133,6 +133,7 @@ class Replicas:
     host: str
     port: int
     max_body_bytes: int
+    body_timeout: float
     allowed_origins: frozenset[str]
     drain_timeout: float
     stopping: bool = False  # set by SIGTERM / SIGINT
@@ -158,7 +159,12 @@ class Replicas:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as self.client:
             self.front = Front(
-                [r.url for r in self.replicas], self.balancer, self.client, self.max_body_bytes, self.allowed_origins
+                [r.url for r in self.replicas],
+                self.balancer,
+                self.client,
+                self.max_body_bytes,
+                self.body_timeout,
+                self.allowed_origins,
             )
             try:
                 try:
@@ -382,5 +388,11 @@ def serve_replicas(args, argv: list[str]) -> int:
     ]
     log.info("data parallel: %d replicas on 127.0.0.1:%d-%d", n, ports[0], ports[-1])
     return Replicas(
-        replicas, args.host, args.port, args.max_body_mb * 2**20, args.allowed_origins, args.drain_timeout
+        replicas,
+        args.host,
+        args.port,
+        args.max_body_mb * 2**20,
+        args.body_timeout,
+        args.allowed_origins,
+        args.drain_timeout,
     ).run()

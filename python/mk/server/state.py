@@ -24,6 +24,8 @@ class ServerState:
     api_key: str | None = None
     protect_metrics: bool = False  # /metrics needs the API key too (by default scrapers need none)
     max_body_bytes: int = 32 * 2**20
+    # Seconds a request's body may stall (nothing of it arriving) before the request is a 408.
+    body_timeout: float = 60.0
     # Browser origins allowed to call the API (CORS; "*" allows any); empty: no CORS headers at all.
     allowed_origins: frozenset[str] = frozenset()
     stats_interval: float = 5.0

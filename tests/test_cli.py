@@ -3,11 +3,14 @@
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from mk.config import ModelConfig
 from mk.model import synthetic_weights, write_checkpoint
 from mk.model.reference import Model
+
+pytestmark = pytest.mark.slow  # (runs python -m mk.server and the package's commands as processes)
 
 
 def run_mk(*args: str) -> subprocess.CompletedProcess:

@@ -6,11 +6,15 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 sys.path.insert(0, str(REPO / "scripts"))  # the scripts import each other by name
 import eval_embedded as ev  # noqa: E402
+
+pytestmark = pytest.mark.slow  # (evaluates the built-in model over held-out packages)
 
 
 def test_a_line_repeated_more_than_three_times_is_a_loop():

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # (compiles the kernel's variants with nvcc)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 WIDE = ["-DMK_IMAGE_ROWS=MK_WIDE_ROWS"]

@@ -30,6 +30,8 @@ from mk.server.balancer import BALANCE_ABS, BLOCK_CHARS, Balancer, prefix_blocks
 from mk.server.front import prompt_of
 from mk.server.merged_metrics import merge_pages
 
+pytestmark = pytest.mark.slow  # (starts data-parallel servers and single servers)
+
 KEY = "replica-test-key"
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -10,6 +10,8 @@ import pytest
 
 from mk.default_model import NAME, load_default
 
+pytestmark = pytest.mark.slow  # (starts python -m mk.server)
+
 TOK = load_default()[1]  # the embedded model's tokenizer, or the built-in one of the fallback
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 

@@ -14,6 +14,8 @@ from mk.default_model import NAME
 from mk.server.params import MAX_GRAMMAR_BYTES, MAX_GUIDED_CHOICES
 from mk.server.schemas import SEED_MAX, SEED_MIN, U32_MAX
 
+pytestmark = pytest.mark.slow  # (starts python -m mk.server)
+
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT = "/v1/chat/completions"

@@ -14,6 +14,8 @@ from mk.default_model import EMBEDDED_DIR
 from mk.server.offload import LARGE_BODY_BYTES, Offload
 from mk.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # (starts python -m mk.server)
+
 CONTEXT = 131072
 # Eight tenths of the size past which a prompt's size alone refuses it at this context (megabytes):
 # this one is tokenized, seconds of work, and then refused for its millions of tokens.

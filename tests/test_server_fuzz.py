@@ -23,6 +23,8 @@ from mk.server.schemas import SEED_MAX, SEED_MIN, U32_MAX, ChatRequest, Completi
 from mk.server.state import ServerState
 from mk.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # (starts python -m mk.server)
+
 json_leaf = st.one_of(
     st.none(),
     st.booleans(),

@@ -14,6 +14,8 @@ from server_util import ServerProcess
 
 from mk.default_model import NAME
 
+pytestmark = pytest.mark.slow  # (starts python -m mk.server)
+
 json_leaf = st.one_of(
     st.none(),
     st.booleans(),

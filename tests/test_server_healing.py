@@ -12,6 +12,8 @@ from test_server import TOK, greedy_reference, healed_greedy_reference
 
 from mk.default_model import NAME
 
+pytestmark = pytest.mark.slow  # (starts python -m mk.server)
+
 PROMPT = 'def add(a, b):\n    """Add two numbers."""\n'  # ends in a bare newline: healed
 
 

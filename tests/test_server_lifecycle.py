@@ -19,6 +19,8 @@ from mk.model.reference import Model
 from mk.server.__main__ import parse_args
 from mk.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # (starts and signals python -m mk.server)
+
 
 @pytest.mark.parametrize(
     "argv,flag",

@@ -20,6 +20,8 @@ from mk.server.anthropic_schemas import MessagesRequest
 from mk.server.errors import APIError
 from mk.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # (starts python -m mk.server)
+
 KEY = "test-key"
 HEADERS = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
 SCRIPTED_TOK = Tokenizer.builtin(ModelConfig.tiny().vocab_size)  # the scripted server's

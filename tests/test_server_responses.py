@@ -32,6 +32,8 @@ from mk.server.responses_store import ResponseStore, StoredResponse
 from mk.server.state import ServerState
 from mk.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # (starts python -m mk.server)
+
 SCRIPTED_TOK = Tokenizer.builtin(ModelConfig.tiny().vocab_size)  # the scripted server's
 WEATHER_SCHEMA = {
     "type": "object",

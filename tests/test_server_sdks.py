@@ -31,6 +31,8 @@ from server_util import ServerProcess
 
 from mk.default_model import NAME
 
+pytestmark = pytest.mark.slow  # (starts python -m mk.server)
+
 KEY = "sdk-test-key"
 # The anthropic SDK (2.x) has no temperature parameter: greedy decoding goes in the body.
 GREEDY = {"model": NAME, "extra_body": {"temperature": 0}}

@@ -12,6 +12,8 @@ from mk.server.chat import build_prompt
 from mk.server.schemas import ChatRequest
 from mk.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # (starts python -m mk.server)
+
 TOOLS = [
     {
         "type": "function",

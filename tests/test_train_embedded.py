@@ -36,6 +36,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))  # the scripts import each other by name
 import train_embedded as te  # noqa: E402
 
+pytestmark = pytest.mark.slow  # (trains small models)
+
 # ---- a small fake standard library --------------------------------------------------------------
 
 

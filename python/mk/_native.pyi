@@ -205,11 +205,12 @@ class Engine:
     @property
     def num_blocks(self) -> int: ...
 
+@final
 class Speculator:
     """One sequence's drafting for speculative decoding: drafts copied from its own text, their
     length adapted to how many were accepted."""
 
-    def __init__(self, prompt: list[int]) -> None: ...
+    def __new__(cls, prompt: list[int]) -> Speculator: ...
     def draft(self, most: int) -> list[int]:
         """The next step's draft, at most `most` tokens."""
 

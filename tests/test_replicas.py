@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,7 @@ from pathlib import Path
 import httpx
 import jsonschema
 import pytest
-from server_util import ServerProcess
+from server_util import ServerProcess, free_ports
 
 from mk.server import replicas
 from mk.server.__main__ import parse_args
@@ -204,27 +203,6 @@ ORIGIN = "https://app.example"
 # Both servers' options: a small body limit, so that a body over it is cheap to send.
 COMMON = ["--device", "cpu", "--api-key", KEY, "--allowed-origins", ORIGIN, "--max-body-mb", "1"]
 COMMON += ["--max-batch", "8", "--max-context", "2048", "--drain-timeout", "10", "--stats-interval", "60"]
-
-
-def free_ports(n: int) -> int:
-    """The first of `n` consecutive free loopback ports."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no run of free ports")
 
 
 class Parent:

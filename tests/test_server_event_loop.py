@@ -1,5 +1,6 @@
 """A large request holds up no other: its body is parsed and its prompt tokenized off the event loop
-(mk.server.offload), so /health and a short completion answer while it is prepared."""
+(mk.server.offload), so /health and a short completion answer while it is prepared, on one server and
+through the data-parallel front."""
 
 import asyncio
 import json
@@ -8,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from server_util import ServerProcess
+from server_util import ServerProcess, free_ports
 
 from mk.default_model import EMBEDDED_DIR
 from mk.server.offload import LARGE_BODY_BYTES, Offload
@@ -26,9 +27,12 @@ BIG_PROMPT = "a " * (PROMPT_BYTES // 2)
 SLACK_S = 0.5
 
 
-@pytest.fixture(scope="module")
-def server():
-    s = ServerProcess("--device", "cpu", "--max-context", str(CONTEXT)).wait_ready()
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-server", "two-replicas"])
+def server(request):
+    """One server, and two replicas behind the data-parallel front (which must not freeze either)."""
+    n = request.param
+    replicas = ["--data-parallel-size", str(n), "--replica-base-port", str(free_ports(n))] if n > 1 else []
+    s = ServerProcess("--device", "cpu", "--max-context", str(CONTEXT), *replicas).wait_ready()
     yield s
     assert s.stop() == 0, s.output()
 

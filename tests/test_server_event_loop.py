@@ -119,3 +119,32 @@ def test_large_jobs_leave_threads_to_small_ones_and_hold_theirs_until_they_end()
         offload.close()
 
     asyncio.run(run())
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """Resident memory of a process and its descendants (Linux /proc)."""
+    total = 0
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) * 1024
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except (FileNotFoundError, ProcessLookupError, StopIteration):
+        return total
+    return total + sum(tree_rss_bytes(c) for c in children)
+
+
+def test_memory_goes_back_after_a_long_prompt(server):
+    """The memory a long prompt's tokenization took is returned once it is refused: resident memory
+    within a fifth of its size before, after two of them (a retained encoding or a C heap kept by the
+    preparing thread would hold hundreds of megabytes each)."""
+    short = {"prompt": "def f(", "max_tokens": 2, "temperature": 0}
+    for _ in range(3):
+        assert httpx.post(server.url + "/v1/completions", json=short, timeout=60).status_code == 200
+    before = tree_rss_bytes(server.proc.pid)
+    body = json.dumps({"prompt": BIG_PROMPT, "max_tokens": 2}).encode()
+    for _ in range(2):
+        r = httpx.post(server.url + "/v1/completions", content=body, timeout=300)
+        assert r.status_code == 400 and "at least" not in r.text, r.text  # (tokenized, not refused by size)
+    after = tree_rss_bytes(server.proc.pid)
+    assert after < 1.2 * before, (before / 2**20, after / 2**20)

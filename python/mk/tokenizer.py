@@ -74,8 +74,11 @@ class Tokenizer:
         if not add_special_tokens and self._segments is not None:
             return self._segments.encode(text, limit)
         encoding = self.hf.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
-        if limit is not None and len(encoding) > limit:
-            raise TooManyTokens(len(encoding), limit)
+        if limit is not None and (count := len(encoding)) > limit:
+            # (dropped before raising: the traceback keeps this frame, and with it a huge prompt's
+            # encoding, for as long as anything holds the error)
+            del encoding
+            raise TooManyTokens(count, limit)
         return encoding.ids
 
     @functools.cached_property
@@ -226,6 +229,7 @@ class _SegmentCache:
         encodings = dict(zip(fresh, self._encode_batch(fresh), strict=True))
         count = len(split) // 2 + sum(len(cached[t]) if t in cached else len(encodings.get(t, ())) for t in texts)
         if limit is not None and count > limit:
+            del encodings, cached  # (as in Tokenizer.encode)
             raise TooManyTokens(count, limit)
         fresh_ids = {t: e.ids for t, e in encodings.items()}
         ids: list[int] = []

@@ -8,6 +8,10 @@ at most 4 per file, picked by hash). Greedy throughout.
   prompt + continuation, cut where the function ends, parses as one function with a body;
 - first token after a docstring: the same prompts ending with the docstring's newline; the share whose
   first token is EOS (the bar: none);
+- prompt forms: the completion again from the prompts users type (`prompt_forms`: ending at the closing
+  quotes, after the docstring's newline, after the next line's indentation), each counted as the
+  completion is, and an answer that starts with a code fence or has an empty body as a failure (token
+  healing, mk.LLM's default, is what makes the last two work: mk/healing.py);
 - loops: of the completions, the share in which no non-blank line repeats more than 3 times;
 - chat: 20 "Write a Python function that ..." requests through the chat template; counts when the answer
   (its first ```python block if it has one) parses and defines a function;
@@ -69,6 +73,19 @@ def held_out_functions(held: list[str], count: int) -> list:
     return te.pick_test_functions(files, count)  # the functions training held out, if it held these out
 
 
+def prompt_forms(fn) -> dict[str, str]:
+    """The completion prompt of `fn` as users type it: ending at the docstring's closing quotes, after
+    its newline, and after the next line's indentation (the body's first line's)."""
+    indent = re.match(r"[ \t]*", fn.body).group(0)
+    return {"quotes": fn.prompt.removesuffix("\n"), "newline": fn.prompt, "indent": fn.prompt + indent}
+
+
+def form_ok(head: str, text: str, stopped: bool) -> bool:
+    """A completion of `head` that parses as a function with a body, neither a code fence nor empty."""
+    body = te.cut_completion(text, stopped)
+    return not text.lstrip().startswith("```") and bool(body.strip()) and te.parses_with_body(head + body)
+
+
 def chat_code(answer: str) -> bool:
     """The answer (its first fenced block, if any) parses and defines a function."""
     m = re.search(r"```(?:python)?\n(.*?)```", answer, re.DOTALL)
@@ -89,7 +106,7 @@ def evaluate(llm, fns: list) -> dict:
     def raw(out) -> str:  # the chat and tool answers' structure is in their special tokens
         return tok.decode(out.outputs[0].token_ids, skip_special_tokens=False)
 
-    heads = [f.prompt.removesuffix("\n") for f in fns]
+    heads = [prompt_forms(f)["quotes"] for f in fns]
     completions = llm.generate(heads, greedy, use_tqdm=False)
     rows = []
     for f, head, out in zip(fns, heads, completions, strict=True):
@@ -103,6 +120,14 @@ def evaluate(llm, fns: list) -> dict:
                 "text": o.text,
             }
         )
+    forms = {}
+    for form in ("newline", "indent"):
+        form_heads = [prompt_forms(f)[form] for f in fns]
+        outs = llm.generate(form_heads, greedy, use_tqdm=False)
+        stopped = [o.outputs[0].finish_reason == "stop" for o in outs]
+        texts = [o.outputs[0].text for o in outs]
+        oks = [form_ok(h, t, s) for h, t, s in zip(form_heads, texts, stopped, strict=True)]
+        forms[form] = sum(oks) / max(1, len(oks))
     first = llm.generate([f.prompt for f in fns], mk.SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     eos_first = [bool(o.outputs[0].token_ids) and o.outputs[0].token_ids[0] == eos for o in first]
 
@@ -130,6 +155,8 @@ def evaluate(llm, fns: list) -> dict:
     return {
         "functions": len(fns),
         "completion_parses": share(r["ok"] for r in rows),
+        "completion_parses_after_newline": forms["newline"],
+        "completion_parses_after_indent": forms["indent"],
         "first_token_eos": share(eos_first),
         "loop_free": share(r["loop_free"] for r in rows),
         "chat_parses": share(r["ok"] for r in chat_rows),
@@ -141,6 +168,8 @@ def evaluate(llm, fns: list) -> dict:
 
 BARS = (
     ("completion_parses", ">= 0.40"),
+    ("completion_parses_after_newline", ">= quotes"),
+    ("completion_parses_after_indent", ">= quotes"),
     ("first_token_eos", "== 0"),
     ("loop_free", ">= 0.90"),
     ("chat_parses", ">= 0.30"),
@@ -163,9 +192,9 @@ def main(argv: list[str] | None = None) -> None:
     with mk.LLM(args.model, device=args.device) as llm:
         result = evaluate(llm, fns)
     result["held_out"] = held
-    print(f"{'bar':>24} {'value':>7} {'target':>8}")
+    print(f"{'bar':>32} {'value':>7} {'target':>8}")
     for name, target in BARS:
-        print(f"{name:>24} {result[name]:>7.2f} {target:>8}")
+        print(f"{name:>32} {result[name]:>7.2f} {target:>8}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 

@@ -40,3 +40,18 @@ def test_held_out_prompts_are_functions_of_the_named_package():
         assert ast.get_docstring(fn) is not None and f.source == f.prompt + f.body and f.body.strip()
     assert [f.name for f in ev.held_out_functions(["jinja2"], 6)] == [f.name for f in fns]  # deterministic
     assert len(ev.CHAT_TASKS) == 20
+
+
+def test_the_prompt_forms_users_type_and_what_counts_as_a_completion_of_them():
+    fn = ev.te.Function("m.py", "add", 1, 'def add(a, b):\n    """Add."""\n', "    return a + b\n")
+    forms = ev.prompt_forms(fn)
+    assert forms == {
+        "quotes": 'def add(a, b):\n    """Add."""',
+        "newline": 'def add(a, b):\n    """Add."""\n',
+        "indent": 'def add(a, b):\n    """Add."""\n    ',
+    }
+    assert ev.form_ok(forms["newline"], "    return a + b\n", True)
+    assert ev.form_ok(forms["indent"], "return a + b\n\nx = 1\n", False)
+    assert not ev.form_ok(forms["newline"], "```\n", True), "a code fence is a failure"
+    assert not ev.form_ok(forms["newline"], "\n\n", True), "an empty body is a failure"
+    assert not ev.form_ok(forms["indent"], "return (a +\n", True)

@@ -119,10 +119,9 @@ def test_the_healed_text_is_left_out_of_the_stream():
     assert strip_healed("```", "\n") == "```"  # not under the healing grammar: left whole
 
 
-def test_the_grammar_starts_with_the_removed_text_and_lets_special_tokens_through(llm):
-    spec = healing_constraint(TOK, '\n "\\é')
-    assert spec.kind == "lark" and spec.origin == healing.ORIGIN
-    assert "<[" in spec.value and str(TOK.eos_token_id) not in spec.value.split("<[")[1].split("]>")[0].split(",")
+def test_the_constraint_is_the_removed_text_as_a_prefix(llm):
+    spec = healing_constraint('\n "\\é')
+    assert (spec.kind, spec.value, spec.origin) == ("prefix", '\n "\\é', healing.ORIGIN)
     llm.engine._native.check_constraint(spec.kind, spec.value)  # compiles against the vocabulary
 
 
@@ -153,17 +152,20 @@ def test_sampled_first_tokens_begin_with_the_removed_text(llm):
             assert c.text == raw[len(removed) :]
 
 
-def test_after_the_removed_text_the_grammar_allows_what_no_grammar_would(llm):
-    """The healing grammar with nothing removed gives the unconstrained tokens, special ones included
-    (this prompt's greedy continuation has one before EOS), greedy and sampled."""
-    ids = TOK.encode("import os\nimport sys\n\ndef main")
-    grammar = healing_constraint(TOK, "")
-    for params in (SamplingParams(max_tokens=80, temperature=0), SamplingParams(max_tokens=80, seed=3)):
-        free = llm.generate(ids, params, use_tqdm=False)[0].outputs[0]
-        held = SamplingParams(**{**_fields(params), "constraint": grammar})
-        assert llm.generate(ids, held, use_tqdm=False)[0].outputs[0].token_ids == free.token_ids
-    free = llm.generate(ids, SamplingParams(max_tokens=80, temperature=0), use_tqdm=False)[0].outputs[0]
-    assert set(free.token_ids[:-1]) & (TOK.special_ids - {TOK.eos_token_id})
+def test_after_the_removed_text_the_request_decodes_as_one_without_a_grammar(llm):
+    """Once its first token covers the removed text the engine drops the constraint: the rest is what
+    the backed-up prompt and that token continue to without any grammar (greedy)."""
+    prompt = "import os\nimport sys\n\ndef main():\n"
+    healing_of = heal(TOK, TOK.encode(prompt), SamplingParams())
+    assert healing_of is not None and healing_of.removed == "\n"
+    healed = llm.generate(prompt, GREEDY_80, use_tqdm=False)[0].outputs[0].token_ids
+    first, rest = healed[0], healed[1:]
+    assert TOK.decode([first]).startswith("\n") and len(rest) > 10
+    free = llm.generate([*healing_of.prompt, first], GREEDY_79, use_tqdm=False)[0].outputs[0].token_ids
+    assert rest == free
+
+
+GREEDY_80, GREEDY_79 = SamplingParams(max_tokens=80, temperature=0), SamplingParams(max_tokens=79, temperature=0)
 
 
 def _fields(p: SamplingParams) -> dict:

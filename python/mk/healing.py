@@ -4,26 +4,23 @@ token(s), and the first generated tokens are held to text that begins with what 
 A byte-level BPE merges text greedily, so a prompt ending in a bare token (a newline, whose usual token
 carries the next line's indentation with it) puts the model at a boundary it rarely saw in training;
 the built-in model answers such a prompt with a code fence and EOS. Healing gives the model the
-prompt without that tail and lets it choose the token that covers it: the removed text becomes the
-start of a grammar the engine enforces token by token (the request's `ConstraintSpec`, llguidance's
-masks, drawn on the GPU by the megakernel or on the host), so at each step only tokens whose text
-is consistent with what is left of the removed text (the token starts with it, or it starts with the
-token) may be drawn; once it is covered, the grammar allows any text, special tokens and EOS, as if
-there were none (but for tokens that would make malformed UTF-8). The engine keeps a request's grammar
-to its end, so a healed request's rows stay constrained rows (a mask a step) after that. The removed
-text belongs to the prompt: callers strip it from the generated text (`HealedText`) before stop
-strings see it.
+prompt without that tail and lets it choose the token that covers it: the removed text becomes a
+`prefix` constraint the engine enforces token by token (llguidance's masks, drawn on the GPU by the
+megakernel or on the host), so at each step only tokens whose text is consistent with what is left of
+the removed text (the token starts with it, or it starts with the token) may be drawn; once it is
+covered, the engine drops the constraint (rust/grammar `Constraint::released`), and the request
+decodes as one without a grammar. The removed text belongs to the prompt: callers strip it from the
+generated text (`HealedText`) before stop strings see it.
 
-Healing applies to a request without a grammar of its own and without `ignore_eos` (a grammar would
-have to be joined to the healing one, and under any grammar the engine ends a request at EOS), whose
-stop token ids cannot stop it inside the removed text, on a byte-level tokenizer (whose token texts
+Healing applies to a request without a grammar of its own (it would have to be joined to the prefix)
+and without `ignore_eos` (what benchmarks send, to time outputs of a fixed length: taken as given),
+whose stop token ids cannot stop it inside the removed text, on a byte-level tokenizer (whose token texts
 join byte for byte to the decoded text). Token-id prompts are taken as given: callers heal text only.
 """
 
 from __future__ import annotations
 
 import bisect
-import json
 import threading
 import weakref
 from dataclasses import dataclass, replace
@@ -99,19 +96,12 @@ def heal(tokenizer: Tokenizer, ids: list[int], params: SamplingParams) -> Healin
     for t in params.stop_token_ids:
         if t not in tokenizer.special_ids and (piece := tokenizer.token_bytes(t)) and piece in raw:
             return None
-    return Healing(prompt, removed, healing_constraint(tokenizer, removed))
+    return Healing(prompt, removed, healing_constraint(removed))
 
 
-def healing_constraint(tokenizer: Tokenizer, removed: str) -> ConstraintSpec:
-    """A Lark grammar whose output starts with `removed` and then is anything: any text, and the
-    special tokens between texts (EOS ends it wherever the text may end, which is anywhere after
-    `removed`). llguidance allows a token where its bytes fit the grammar, so the first tokens are
-    those consistent with what is left of `removed`, and a token may run past it."""
-    specials = sorted(tokenizer.special_ids - {tokenizer.eos_token_id})
-    rules = ["start: HEALED" + (" tail*" if specials else ""), f"HEALED: {json.dumps(removed)} /(?s:.*)/"]
-    if specials:
-        rules += [f"tail: <[{_ranges(specials)}]> TEXT?", "TEXT: /(?s:.+)/"]
-    return ConstraintSpec("lark", "\n".join(rules), origin=ORIGIN)
+def healing_constraint(removed: str) -> ConstraintSpec:
+    """The constraint of a healed request: output that begins with `removed`, free after it."""
+    return ConstraintSpec("prefix", removed, origin=ORIGIN)
 
 
 class HealedText:
@@ -145,17 +135,6 @@ def prompt_bytes_left(tokenizer: Tokenizer, token_ids: list[int], prompt_bytes: 
         if t not in tokenizer.special_ids:
             prompt_bytes -= len(tokenizer.token_bytes(t))
     return max(0, prompt_bytes)
-
-
-def _ranges(ids: list[int]) -> str:
-    """Sorted ids as llguidance's token ranges: "0-1,3-17"."""
-    runs: list[list[int]] = []
-    for i in ids:
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 class _TokenIndex:

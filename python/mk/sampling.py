@@ -14,7 +14,7 @@ class SamplingError(ValueError):
         self.field = field
 
 
-CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "lark")
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "lark", "prefix")
 # New tokens when a request names no limit (vLLM's SamplingParams and the OpenAI completions API).
 DEFAULT_MAX_TOKENS = 16
 
@@ -23,8 +23,9 @@ DEFAULT_MAX_TOKENS = 16
 class ConstraintSpec:
     """A grammar the output must follow, enforced token by token (llguidance in the engine,
     rust/grammar): `json_object` (any JSON object), `json_schema` (`value`: the schema as JSON
-    text), `regex` (`value`: a regular expression the whole output matches) or `lark` (`value`: a
-    grammar in llguidance's Lark dialect). `origin` names the request field it came from, for
+    text), `regex` (`value`: a regular expression the whole output matches), `lark` (`value`: a
+    grammar in llguidance's Lark dialect) or `prefix` (`value`: text the output begins with, free
+    after it: token healing's). `origin` names the request field it came from, for
     error messages; a grammar combined from several fields lists them in `parts` as (field, kind,
     value) constraints of their own, so that a failure is laid at the right one."""
 

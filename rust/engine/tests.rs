@@ -671,6 +671,41 @@ fn constrained_requests_follow_their_grammar_beside_free_ones() {
 }
 
 #[test]
+fn a_prefix_constraint_holds_only_the_first_tokens_and_is_dropped_once_covered() {
+    // Token healing's grammar: the output must begin with "ab"; after that the request samples as
+    // one without a grammar (the mock's own tokens), in every launch mode, and no more masks are made.
+    let model = MockModel::small();
+    let grammars = mock_grammars(&model);
+    let prefixed = |id: u64, text: &str, params: SamplingParams| {
+        let spec = crate::grammar::ConstraintSpec::Prefix(text.into());
+        Request { constraint: Some(grammars.compile(&spec).unwrap()), ..req(id, 5 + id as usize, params) }
+    };
+    let seeded = SamplingParams { seed: Some(9), temperature: 0.9, ..SamplingParams::greedy(16) };
+    let arrivals = vec![
+        (0, prefixed(1, "ab", SamplingParams::greedy(16))),
+        (0, req(2, 9, SamplingParams::greedy(12))),
+        (1, prefixed(3, "q7", seeded)),
+    ];
+    for (max_batch, ahead, late) in [(1, false, false), (4, false, false), (4, true, false), (4, true, true)] {
+        let mut c = core(&model, 64, max_batch, 4, 64);
+        c.launch_ahead = ahead;
+        c.backend.queueing = late;
+        c.backend.late_masks = late;
+        let out = run(&mut c, &arrivals, &[]);
+        for (_, r) in &arrivals {
+            let (want, finish) = model.solo_request(r.clone(), 1234, 64);
+            assert_eq!(out.tokens[&r.id], want, "request {} at batch {max_batch}", r.id);
+            assert_eq!(out.finish[&r.id], finish, "request {}", r.id);
+        }
+        assert!(text(&out.tokens[&1]).starts_with("ab") && text(&out.tokens[&3]).starts_with("q7"));
+        assert!(out.tokens[&1].len() > 2, "the request went on past its prefix");
+        // One mask a prefix token at most (the first comes with the prefill, the second may have
+        // been planned before the first landed).
+        assert!(c.backend.masks_delivered <= 4, "{} masks delivered", c.backend.masks_delivered);
+    }
+}
+
+#[test]
 fn launch_ahead_changes_no_stream_finish_or_count() {
     let model = MockModel::small();
     let arrivals = mixed_workload(12);

@@ -27,6 +27,10 @@ pub enum ConstraintSpec {
     /// A grammar in llguidance's Lark dialect, or (text starting with `{`) a JSON list of named
     /// grammars, llguidance's `TopLevelGrammar`, whose first may refer to the others as `@name`.
     Lark(String),
+    /// Output that begins with this text and is free once it has (token healing: the text a
+    /// prompt was backed up by). The request drops its grammar there (`Constraint::released`), so
+    /// its later steps are those of a request without one.
+    Prefix(String),
 }
 
 /// A constraint that cannot be compiled or followed; the message names the problem.
@@ -168,13 +172,22 @@ impl Grammars {
             ConstraintSpec::JsonSchema(s) => TopLevelGrammar::from_json_schema(with_layout(s)?),
             ConstraintSpec::Regex(s) => TopLevelGrammar::from_regex(s),
             ConstraintSpec::Lark(s) => TopLevelGrammar::from_lark_or_grammar_list(s).map_err(err)?,
+            // (a JSON string is a Lark string literal: the text, escaped)
+            ConstraintSpec::Prefix(s) => TopLevelGrammar::from_lark(format!(
+                "start: PREFIX\nPREFIX: {} /(?s:.*)/",
+                serde_json::Value::from(&**s)
+            )),
         };
         let parser = self.factory.create_parser(grammar).map_err(err)?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
             return Err(GrammarError(e));
         }
-        Ok(Constraint { matcher, words: TokenMask::words_for(self.vocab_size) })
+        let prefix_left = match spec {
+            ConstraintSpec::Prefix(s) => Some(s.len()),
+            _ => None,
+        };
+        Ok(Constraint { matcher, words: TokenMask::words_for(self.vocab_size), prefix_left })
     }
 }
 
@@ -232,6 +245,8 @@ impl CompiledConstraints {
 pub struct Constraint {
     matcher: Matcher,
     words: usize,
+    /// A `Prefix` constraint's bytes still to be produced.
+    prefix_left: Option<usize>,
 }
 
 impl std::fmt::Debug for Constraint {
@@ -242,7 +257,7 @@ impl std::fmt::Debug for Constraint {
 
 impl Clone for Constraint {
     fn clone(&self) -> Self {
-        Self { matcher: self.matcher.deep_clone(), words: self.words }
+        Self { matcher: self.matcher.deep_clone(), words: self.words, prefix_left: self.prefix_left }
     }
 }
 
@@ -259,7 +274,18 @@ impl Constraint {
 
     /// Advances past the sampled `token` (which `allowed` allowed).
     pub fn commit(&mut self, token: u32) -> Result<(), GrammarError> {
-        self.matcher.consume_token(token).map_err(err)
+        self.matcher.consume_token(token).map_err(err)?;
+        if let Some(left) = self.prefix_left {
+            let bytes = self.matcher.tok_env().map_err(err)?.tok_trie().token_len(token);
+            self.prefix_left = Some(left.saturating_sub(bytes));
+        }
+        Ok(())
+    }
+
+    /// A `Prefix` constraint whose text has been produced: it allows anything from here on, and
+    /// the request drops it.
+    pub fn released(&self) -> bool {
+        self.prefix_left == Some(0)
     }
 
     /// The grammar has ended: nothing but EOS may follow.
@@ -297,6 +323,37 @@ pub fn allowed_all(states: &mut [&mut Constraint], masks: &mut [TokenMask]) -> V
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_prefix_holds_the_output_to_its_text_then_is_released() {
+        let (grammars, eos) = bytes_vocab();
+        let ab = |c: &mut Constraint| {
+            let mut mask = TokenMask::default();
+            c.allowed(&mut mask).unwrap();
+            (0..300u32).filter(|&t| mask.allows(t)).collect::<Vec<_>>()
+        };
+        let mut c = grammars.compile(&ConstraintSpec::Prefix("ab".into())).unwrap();
+        let ab_token = 256 + 4; // "ab", after "{\"", "\":", "true", "false"
+        assert_eq!(ab(&mut c), [u32::from(b'a'), ab_token], "only what starts the text, no EOS");
+        c.commit(u32::from(b'a')).unwrap();
+        assert!(!c.released());
+        assert_eq!(ab(&mut c), [u32::from(b'b')]);
+        c.commit(u32::from(b'b')).unwrap();
+        assert!(c.released());
+        // One token covering the whole text releases it at once; the text is escaped, not read as
+        // a grammar (quotes, a backslash, a newline).
+        let mut c = grammars.compile(&ConstraintSpec::Prefix("ab".into())).unwrap();
+        c.commit(ab_token).unwrap();
+        assert!(c.released());
+        let odd = "\n\"\\/*";
+        let mut c = grammars.compile(&ConstraintSpec::Prefix(odd.into())).unwrap();
+        for b in odd.bytes() {
+            assert_eq!(ab(&mut c), [u32::from(b)]);
+            assert!(!c.released());
+            c.commit(u32::from(b)).unwrap();
+        }
+        assert!(c.released() && ab(&mut c).contains(&eos));
+    }
 
     #[test]
     fn compiled_constraints_are_kept_as_parsers_at_their_start_least_recently_used_dropped() {

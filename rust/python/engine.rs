@@ -49,9 +49,10 @@ fn constraint_spec(kind: &str, value: String) -> PyResult<ConstraintSpec> {
         "json_schema" => ConstraintSpec::JsonSchema(value),
         "regex" => ConstraintSpec::Regex(value),
         "lark" => ConstraintSpec::Lark(value),
+        "prefix" => ConstraintSpec::Prefix(value),
         other => {
             return Err(errors::ConstraintError::new_err(format!(
-                "constraint kind must be json_object, json_schema, regex or lark, got {other:?}"
+                "constraint kind must be json_object, json_schema, regex, lark or prefix, got {other:?}"
             )))
         }
     })

@@ -229,16 +229,19 @@ impl Seq {
     pub fn accept(&mut self, s: &Sampled, eos: Option<u32>, max_context: usize) -> Event {
         self.tokens.push(s.token);
         let mut error = self.constraint_error.take();
-        let mut grammar_done = false;
+        let (mut grammar_done, mut released) = (false, false);
         if let (Some(c), None) = (self.constraint.as_mut(), &error) {
             if eos == Some(s.token) {
                 grammar_done = true;
             } else {
                 match c.commit(s.token) {
-                    Ok(()) => grammar_done = c.is_stopped(),
+                    Ok(()) => (grammar_done, released) = (c.is_stopped(), c.released()),
                     Err(e) => error = Some(format!("the output left its grammar: {e}")),
                 }
             }
+        }
+        if released {
+            self.constraint = None; // (a step already planned under it gets every token allowed)
         }
         let p = &self.params;
         let finish = if error.is_some() {

@@ -240,8 +240,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="on",
         help="on /v1/completions, back a text prompt that ends where a longer token could start (a bare newline, "
         "say) up by its last token or two and hold the completion to begin with their text, which the returned "
-        "text leaves out; not for requests with a grammar or ignore_eos, nor token-id prompts; a request's "
-        "token_healing field overrides it (default: %(default)s)",
+        "text leaves out; not for requests with a grammar of their own or ignore_eos, nor token-id prompts; "
+        "a request's token_healing field overrides it (default: %(default)s)",
     )
     p.add_argument(
         "--max-waiting",

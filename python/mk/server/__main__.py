@@ -35,6 +35,7 @@ from mk.engine_api import (
 from mk.memory import GPU_MEMORY_UTILIZATION
 from mk.prefill_graphs import NEXT_TURN_BUCKETS
 from mk.server.app import App
+from mk.server.http import BODY_TIMEOUT_S
 from mk.server.serve import check_port, serve
 from mk.server.state import ServerState
 
@@ -276,7 +277,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--body-timeout",
         type=_seconds,
-        default=60.0,
+        default=BODY_TIMEOUT_S,
         help="seconds a request's body may stall, nothing of it arriving, before the request is answered "
         "408 and its connection freed (default: %(default)s)",
     )

@@ -9,6 +9,10 @@ from typing import Any
 
 from mk.server.errors import APIError
 
+# Seconds a request's body may stall, nothing of it arriving, before the request is a 408 (the default
+# of --body-timeout).
+BODY_TIMEOUT_S = 60.0
+
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from mk.engine_api import AsyncEngine
 from mk.server.errors import APIError
+from mk.server.http import BODY_TIMEOUT_S
 from mk.server.metrics import Metrics
 from mk.server.offload import Offload
 from mk.server.responses_store import ResponseStore
@@ -24,8 +25,7 @@ class ServerState:
     api_key: str | None = None
     protect_metrics: bool = False  # /metrics needs the API key too (by default scrapers need none)
     max_body_bytes: int = 32 * 2**20
-    # Seconds a request's body may stall (nothing of it arriving) before the request is a 408.
-    body_timeout: float = 60.0
+    body_timeout: float = BODY_TIMEOUT_S
     # Browser origins allowed to call the API (CORS; "*" allows any); empty: no CORS headers at all.
     allowed_origins: frozenset[str] = frozenset()
     stats_interval: float = 5.0

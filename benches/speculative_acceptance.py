@@ -8,11 +8,13 @@ signature and docstring, in three forms:
 - rename: the same function under a new name;
 - parameter: the same with one more keyword parameter (functions whose signature is on one line);
 - diff: a unified diff that changes one body line, then the function after it.
-The model continues greedily (up to MAX_NEW tokens). The drafter is then replayed over that
-output: each step it proposes up to MAX_DRAFT tokens from the prompt and the output so far, the
-step accepts the longest prefix that matches the output and gains one token more. For greedy
-decoding that is exactly what verification rows give (tests/test_speculative.py), so no
-verification runs here.
+The drafter is replayed over two outputs of each prompt (`source`): the model's own greedy
+continuation (up to MAX_NEW tokens), and the edit itself (the function's body, edited as asked: what
+a model that makes the edit writes; the built-in model, 16.6M parameters, mostly writes another
+body). Each step it proposes up to MAX_DRAFT tokens from the prompt and the output so far, the step
+accepts the longest prefix that matches the output and gains one token more. For greedy decoding
+that is exactly what verification rows give (tests/test_speculative.py), so no verification runs
+here.
 
 Rows, per form and in all: prompts, generated tokens, steps, tokens gained per step, draft tokens
 accepted per step, draft rows per step (the rows a launch would carry beside each sequence's own),
@@ -39,27 +41,25 @@ MAX_NEW = 128
 NEW_NAME = "{}_edited"
 
 
-def edits(fn) -> dict[str, str]:
-    """The prompt of each edit form that applies to `fn` (a scripts/train_embedded.py Function),
-    ending at the edited docstring's closing quotes (where the completion test ends its prompts)."""
-    out = {form: text.removesuffix("\n") for form, text in _edits(fn).items()}
-    return out
-
-
-def _edits(fn) -> dict[str, str]:
+def edits(fn) -> dict[str, tuple[str, str]]:
+    """Each edit form that applies to `fn` (a scripts/train_embedded.py Function): its prompt, ending at
+    the edited docstring's closing quotes (where the completion test ends its prompts), and the edit's
+    own continuation (the body, edited as asked)."""
     renamed = fn.prompt.replace(f"def {fn.name}(", f"def {NEW_NAME.format(fn.name)}(", 1)
-    out = {"rename": f"{fn.source}\n\n# {fn.name} again, renamed to {NEW_NAME.format(fn.name)}:\n{renamed}"}
+    body = "\n" + fn.body
+    out = {"rename": (f"{fn.source}\n\n# {fn.name} again, renamed to {NEW_NAME.format(fn.name)}:\n{renamed}", body)}
     one_line = re.search(rf"^(\s*(?:async )?def {re.escape(fn.name)}\((.+)\))(\s*(->.*)?:)$", fn.prompt, re.M)
     if one_line and "*" not in one_line.group(2):
         head = one_line.group(1)
         wider = fn.prompt.replace(head, f"{head[:-1]}, verbose=False)", 1)
-        out["parameter"] = f"{fn.source}\n\n# {fn.name} again, with a keyword parameter verbose=False:\n{wider}"
+        out["parameter"] = (f"{fn.source}\n\n# {fn.name} again, with a keyword parameter verbose=False:\n{wider}", body)
     lines = [line for line in fn.body.splitlines() if line.strip() and not line.strip().startswith("#")]
     if lines:
         changed = lines[0]
         diff = f"--- a.py\n+++ b.py\n@@\n-{changed}\n+{changed}  # checked\n"
-        out["diff"] = f"{fn.source}\n\n# This diff applied to {fn.name}:\n{diff}\n# {fn.name} after it:\n{fn.prompt}"
-    return out
+        prompt = f"{fn.source}\n\n# This diff applied to {fn.name}:\n{diff}\n# {fn.name} after it:\n{fn.prompt}"
+        out["diff"] = (prompt, body.replace(changed, f"{changed}  # checked", 1))
+    return {form: (prompt.removesuffix("\n"), edit) for form, (prompt, edit) in out.items()}
 
 
 def replay(prompt: list[int], output: list[int]) -> dict[str, int]:
@@ -98,16 +98,22 @@ def main() -> None:
     args = p.parse_args()
     fns = eval_embedded.held_out_functions(args.held_out.split(","), args.count)
     llm = mk.LLM()
-    prompts = [(form, llm.encode(text)) for fn in fns for form, text in edits(fn).items()]
+    cases = [(form, llm.encode(prompt), edit) for fn in fns for form, (prompt, edit) in edits(fn).items()]
     params = mk.SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
-    outputs = llm.generate([ids for _, ids in prompts], params)
-    runs: dict[str, list[dict[str, int]]] = {}
-    for (form, ids), out in zip(prompts, outputs, strict=True):
-        runs.setdefault(form, []).append(replay(ids, list(out.outputs[0].token_ids)))
-    rows = [row(form, r) for form, r in runs.items()] + [row("all", [x for r in runs.values() for x in r])]
-    columns = ["form", "prompts", "tokens", "steps", "tokens_per_step", "accepted_per_step",
+    generated = llm.generate([ids for _, ids, _ in cases], params)
+    rows = []
+    for source in ("model", "edit"):
+        runs: dict[str, list[dict[str, int]]] = {}
+        for (form, ids, edit), out in zip(cases, generated, strict=True):
+            edited = llm.tokenizer.encode(edit, add_special_tokens=False).ids[:MAX_NEW]
+            output = list(out.outputs[0].token_ids) if source == "model" else edited
+            runs.setdefault(form, []).append(replay(ids, output))
+        rows += [{"source": source, **row(form, r)} for form, r in runs.items()]
+        rows.append({"source": source, **row("all", [x for r in runs.values() for x in r])})
+    columns = ["source", "form", "prompts", "tokens", "steps", "tokens_per_step", "accepted_per_step",
                "draft_rows_per_step", "accepted_share"]  # fmt: skip
-    print_table(f"speculative acceptance: the built-in model, greedy, up to {MAX_NEW} tokens", rows, columns)
+    title = f"speculative acceptance: the built-in model's greedy output, and the edit itself, up to {MAX_NEW} tokens"
+    print_table(title, rows, columns)
     if args.json:
         write_json(args.json, "speculative_acceptance", rows, held_out=args.held_out, max_new=MAX_NEW)
 

@@ -195,7 +195,11 @@ class Replicas:
                     r.proc.send_signal(sig)
             return
         log.info("%s: draining the replicas (up to %.0f s), then stopping", sig.name, self.drain_timeout)
-        self.stopping = True  # the supervision ends, and _stop_replicas tells them
+        self.stopping = True  # the supervision ends, and _stop_replicas waits for them
+        front = getattr(self, "front", None)
+        if front is not None:
+            front.stopping = True
+        self._tell()  # at once, as one server drains at once: not at the supervision's next tick
 
     async def _serve(self) -> int:
         """The front on the public port, the replicas supervised, until a signal; the exit status."""
@@ -303,16 +307,22 @@ class Replicas:
         r.ready = True
         log.info("replica %d ready", r.index)
 
+    def _tell(self) -> None:
+        """Every running replica is told to drain (SIGTERM), once."""
+        if not self.told:
+            self.told = True
+            for r in self.replicas:
+                if r.running():
+                    r.proc.send_signal(signal.SIGTERM)
+
     async def _stop_replicas(self) -> None:
-        """Every replica drains (SIGTERM, once); whatever still runs after the drain timeout is killed."""
+        """Every replica drains (told once); whatever still runs after the drain timeout is killed."""
         self.stopping = self.front.stopping = True
         running = [r.proc for r in self.replicas if r.running()]
-        if self.told or not running:
+        if not running:
             return
-        self.told = True
         log.info("waiting for %d replicas to drain and stop", len(running))
-        for p in running:
-            p.send_signal(signal.SIGTERM)
+        self._tell()
         grace = self.drain_timeout + 10.0
         deadline = time.monotonic() + grace
         while any(p.poll() is None for p in running) and time.monotonic() < deadline:

@@ -6,12 +6,12 @@ settings); against a real server, fewer go all the way through HTTP, generation 
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from preparing import json_any, json_leaf, mostly, preparing_state
 from server_util import ServerProcess
 
 from mk.default_model import NAME
@@ -20,23 +20,9 @@ from mk.server.completions import _prepare as prepare_completion
 from mk.server.errors import APIError
 from mk.server.params import MAX_GRAMMAR_BYTES, MAX_GUIDED_CHOICES, constraint, max_new_tokens, sampling_params
 from mk.server.schemas import SEED_MAX, SEED_MIN, U32_MAX, ChatRequest, CompletionRequest
-from mk.server.state import ServerState
-from mk.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow  # (starts python -m mk.server)
 
-json_leaf = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(-(2**70), 2**70),
-    st.floats(allow_nan=False, allow_infinity=False),
-    st.text(max_size=12),
-)
-json_any = st.recursive(
-    json_leaf,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-    max_leaves=6,
-)
 small = st.one_of(st.integers(-2, 6), json_any)
 role = st.sampled_from(["system", "developer", "user", "assistant", "tool", "robot"])
 part = st.one_of(st.text(max_size=8), st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]),
@@ -69,11 +55,6 @@ tool = st.fixed_dictionaries(
         ),
     }
 )
-
-
-def mostly(valid, odd=json_leaf):
-    """Valid values three times in four, so many bodies get past validation into generation."""
-    return st.one_of(valid, valid, valid, odd)
 
 
 # Integers at and past the edges of the engine's widths (u32 top_k and token ids, 64-bit seeds).
@@ -150,15 +131,7 @@ completion_fields = st.fixed_dictionaries(
 chat_body, completion_body = with_grammar(chat_fields), with_grammar(completion_fields)
 
 
-class _FakeEngine:
-    max_context = 512
-    config = SimpleNamespace(vocab_size=512)
-
-    def prepare_constraint(self, spec) -> None:
-        pass
-
-
-STATE = ServerState(_FakeEngine(), Tokenizer.builtin(512), NAME)
+STATE = preparing_state()
 
 
 def prepare(kind: str, body: dict) -> None:

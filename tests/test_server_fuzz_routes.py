@@ -10,30 +10,12 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from preparing import json_any, json_leaf, mostly
 from server_util import ServerProcess
 
 from mk.default_model import NAME
 
 pytestmark = pytest.mark.slow  # (starts python -m mk.server)
-
-json_leaf = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(-(2**70), 2**70),
-    st.floats(allow_nan=False, allow_infinity=False),
-    st.text(max_size=12),
-)
-json_any = st.recursive(
-    json_leaf,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-    max_leaves=6,
-)
-
-
-def mostly(valid, odd=json_leaf):
-    """Valid values three times in four, so many bodies get past validation into generation."""
-    return st.one_of(valid, valid, valid, odd)
-
 
 schema = st.sampled_from([{"type": "object", "properties": {"x": {"type": "integer"}}}, {"type": "object"}])
 schema = schema | json_any

@@ -9,7 +9,6 @@ import copy
 import json
 import re
 import time
-from types import SimpleNamespace
 from typing import Literal
 
 import httpx
@@ -18,6 +17,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from preparing import preparing_state
 from pydantic import BaseModel
 from server_util import ServerProcess
 
@@ -29,7 +29,6 @@ from mk.server.responses import _Answer, _prepare
 from mk.server.responses_chat import carried_output, chat_request, in_responses_terms
 from mk.server.responses_schemas import ResponsesRequest
 from mk.server.responses_store import ResponseStore, StoredResponse
-from mk.server.state import ServerState
 from mk.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow  # (starts python -m mk.server)
@@ -582,15 +581,7 @@ def test_the_store_forgets_the_least_recently_used_first():
     assert store.delete("g") and not store.delete("g") and store.get("g") is None
 
 
-class _FakeEngine:
-    max_context = 512
-    config = SimpleNamespace(vocab_size=512)
-
-    def prepare_constraint(self, spec) -> None:
-        pass
-
-
-STATE = ServerState(_FakeEngine(), Tokenizer.builtin(512), NAME)
+STATE = preparing_state()
 STATE.responses.put(  # "resp_x": a user's message and the answer, for bodies that follow it
     StoredResponse(
         {"id": "resp_x"}, carried_output([{"role": "user", "content": "hi"}]), carried_output([message("Hello.")]), 1

@@ -29,6 +29,7 @@ fn config(max_batch: usize, num_blocks: usize) -> (SchedConfig, KvConfig) {
         max_context: CONTEXT,
         vocab_size: 262_144,
         eos_token_id: Some(255_001),
+        ..SchedConfig::new(max_batch, CONTEXT, 262_144)
     };
     (sched, KvConfig::periodic(49, 4, 4096, num_blocks, b"bench"))
 }

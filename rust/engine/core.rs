@@ -402,7 +402,8 @@ impl<B: Backend> Core<B> {
             // under a grammar go with it where the backend takes their masks late.
             let masks = self.pending_masks(&batch);
             let input = DecodeInput { masks: &masks, ..unmasked_input(&self.sched, &batch) };
-            let queueable = (!constrained || self.backend.late_masks()) && self.backend.can_queue(&input);
+            let queueable =
+                batch.drafts == 0 && (!constrained || self.backend.late_masks()) && self.backend.can_queue(&input);
             if self.launch_ahead && queueable {
                 backend_ns += self.launch(batch, &[], true);
                 backend_ns += self.land_if_ran(out); // the queue refused it: its rows fail now

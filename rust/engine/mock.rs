@@ -17,6 +17,9 @@ pub struct MockModel {
     pub sliding: Vec<bool>,
     pub vocab: u32,
     pub eos: Option<u32>,
+    /// Logits from the last this-many tokens of the first layer only (None: every visible
+    /// position of every layer): a text that soon repeats itself, so that drafts are accepted.
+    pub markov: Option<usize>,
 }
 
 fn mix(h: u64, x: u64) -> u64 {
@@ -29,7 +32,12 @@ fn mix(h: u64, x: u64) -> u64 {
 impl MockModel {
     /// 3 layers (full, sliding, sliding), pages of 4 tokens, a window of 10, 32 tokens, EOS 0.
     pub fn small() -> Self {
-        Self { page: 4, window: 10, sliding: vec![false, true, true], vocab: 32, eos: Some(0) }
+        Self { page: 4, window: 10, sliding: vec![false, true, true], vocab: 32, eos: Some(0), markov: None }
+    }
+
+    /// `small` whose next token depends on the last two only.
+    pub fn repetitive() -> Self {
+        Self { markov: Some(2), ..Self::small() }
     }
 
     pub fn kv_config(&self, num_blocks: usize) -> KvConfig {
@@ -48,6 +56,16 @@ impl MockModel {
         lo..=p
     }
 
+    /// Positions the logits after a query at `p` depend on, on `layer`.
+    fn read_for_logits(&self, layer: usize, p: usize) -> std::ops::Range<usize> {
+        let all = self.visible(layer, p);
+        match self.markov {
+            None => *all.start()..p + 1,
+            Some(n) if layer == 0 => (p + 1).saturating_sub(n)..p + 1,
+            Some(_) => p..p,
+        }
+    }
+
     /// Logits of the next token after a query at `p`, reading tokens through `read`.
     fn logits_with(
         &self,
@@ -56,8 +74,10 @@ impl MockModel {
     ) -> Result<Vec<f32>, String> {
         let mut h = 0u64;
         for layer in 0..self.sliding.len() {
-            for pos in self.visible(layer, p) {
-                h = mix(h, u64::from(read(layer, pos)?) | (pos as u64) << 32 | (layer as u64) << 56);
+            for pos in self.read_for_logits(layer, p) {
+                // (a Markov model sees how far back a token is, not where)
+                let at = if self.markov.is_some() { p - pos } else { pos };
+                h = mix(h, u64::from(read(layer, pos)?) | (at as u64) << 32 | (layer as u64) << 56);
             }
         }
         Ok((0..self.vocab).map(|v| (mix(h, u64::from(v)) >> 40) as f32 / (1u64 << 24) as f32 * 6.0).collect())

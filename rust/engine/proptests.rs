@@ -1,6 +1,7 @@
 //! Property test of the whole loop: random arrivals, prompt families sharing prefixes (so the
 //! prefix cache attaches), greedy and seeded requests, some under a grammar, cancellations, batch sizes and arenas
-//! from the smallest that can serve the context upwards (so preemption happens). Every step is
+//! from the smallest that can serve the context upwards (so preemption happens), speculative
+//! decoding on and off. Every step is
 //! checked against the scheduler's invariants; at the end every block is free, every request
 //! ended exactly once, and every uncancelled stream equals the request's solo run.
 
@@ -83,14 +84,21 @@ proptest! {
         whole_chunk in 0usize..16,
         // With queueing: rows under a grammar are queued too, their masks delivered late.
         late_masks in any::<bool>(),
+        // Speculative decoding's most draft tokens (0: off) and the rows a step may take, over a
+        // model whose text repeats itself (drafts accepted) or not (drafts mostly rejected).
+        max_draft in prop::sample::select(vec![0usize, 0, 1, 3, 8]),
+        step_rows in 1usize..20,
+        repetitive in any::<bool>(),
     ) {
-        let model = MockModel::small();
+        let model = if repetitive { MockModel::repetitive() } else { MockModel::small() };
         let grammars = mock_grammars(&model);
         let probe = KvManager::new(model.kv_config(1)).unwrap();
         let blocks = probe.prefill_blocks_needed(MAX_CONTEXT, chunk) + spare;
         let mut c = budgeted_core(&model, blocks, max_batch, chunk, sliced_budget, MAX_CONTEXT);
         c.layer_slices = sliced_budget.map(|_| model.sliding.len());
         c.whole_chunk_tokens = whole_chunk;
+        c.sched.config_mut().max_draft = max_draft;
+        c.sched.config_mut().step_rows = step_rows;
         c.launch_ahead = launch_ahead > 0;
         c.backend.queueing = launch_ahead == 2;
         c.backend.queue_limit = queue_limit;

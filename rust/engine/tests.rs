@@ -34,6 +34,7 @@ pub(crate) fn budgeted_core(
         max_context,
         vocab_size: model.vocab as usize,
         eos_token_id: model.eos,
+        ..SchedConfig::new(max_batch, max_context, 0)
     };
     let sched = Scheduler::new(cfg, model.kv_config(blocks)).unwrap();
     let mut core = Core::new(sched, MockBackend::new(model.clone(), blocks));
@@ -1055,4 +1056,62 @@ fn a_failed_mask_delivery_fails_its_step_and_nothing_after() {
     let out = run(&mut c, &arrivals, &[]);
     assert_eq!((out.finish[&1], out.finish[&2]), (FinishReason::Error, FinishReason::Error));
     assert_solo(&model, &[later], &out, 64);
+}
+
+#[test]
+fn speculative_decoding_gives_the_solo_streams_in_fewer_steps() {
+    let model = MockModel::repetitive();
+    let arrivals: Vec<_> = (0..10u64)
+        .map(|i| {
+            let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(100 + i as usize * 7) };
+            let params = match i % 4 {
+                0 => SamplingParams { temperature: 0.7, seed: Some(i), ..params },
+                _ => params,
+            };
+            (i as usize % 5, req(i, 2 + i as usize * 3, params))
+        })
+        .collect();
+    for (max_batch, launch_ahead, queueing) in [(1, false, false), (4, false, false), (4, true, true), (8, true, false)]
+    {
+        let mut plain = core(&model, 2000, max_batch, 16, 200);
+        plain.launch_ahead = launch_ahead;
+        plain.backend.queueing = queueing;
+        let want = run(&mut plain, &arrivals, &[]);
+        let mut spec = core(&model, 2000, max_batch, 16, 200);
+        spec.sched.config_mut().max_draft = crate::speculative::length::MAX_DRAFT;
+        spec.launch_ahead = launch_ahead;
+        spec.backend.queueing = queueing;
+        let got = run(&mut spec, &arrivals, &[]);
+        assert_solo(&model, &arrivals, &got, 200);
+        assert_eq!(got.tokens, want.tokens);
+        let s = spec.sched.stats();
+        assert!(s.draft_tokens > 0 && s.accepted_tokens > 0, "{s:?}");
+        let emitted: usize = got.tokens.values().map(Vec::len).sum();
+        assert_eq!(s.generated_tokens as usize, emitted);
+        assert!(
+            spec.metrics.decode_steps * 3 < plain.metrics.decode_steps * 2,
+            "{} steps with drafts, {} without (batch {max_batch})",
+            spec.metrics.decode_steps,
+            plain.metrics.decode_steps
+        );
+        assert!(spec.backend.max_rows <= crate::gpu::step::MAX_STEP_ROWS);
+    }
+}
+
+#[test]
+fn drafts_stop_at_a_stop_token_and_fill_only_the_rows_the_batch_leaves() {
+    let model = MockModel::repetitive();
+    let greedy = SamplingParams::greedy(40).with_ignore_eos();
+    let (stopping, k) = stopping_early(&model, req(1, 12, greedy.clone()));
+    for step_rows in [1, 2, 5] {
+        let mut c = core(&model, 200, 4, 64, 64);
+        c.sched.config_mut().max_draft = 8;
+        c.sched.config_mut().step_rows = step_rows;
+        let arrivals = [(0, stopping.clone()), (0, req(2, 9, greedy.clone())), (1, req(3, 7, greedy.clone()))];
+        let out = run(&mut c, &arrivals, &[]);
+        assert_solo(&model, &arrivals, &out, 64);
+        assert_eq!(out.tokens[&1].len(), k + 1, "the stream ends at its stop token");
+        assert!(c.backend.max_rows <= step_rows.max(3), "{} rows with {step_rows} allowed", c.backend.max_rows);
+        assert_eq!(c.sched.stats().draft_tokens > 0, step_rows > 3);
+    }
 }

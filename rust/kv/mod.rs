@@ -182,6 +182,18 @@ impl KvManager {
         Ok(changed)
     }
 
+    /// Takes `seq` back to `new_len` tokens after a call mapped more than it kept (a
+    /// verification step's rejected draft): pages past the new length go back to the pool.
+    /// `new_len` must not be below the first position that call wrote. Returns whether the table's
+    /// mapping changed.
+    pub fn rewind(&mut self, seq: SeqId, new_len: usize) -> Result<bool, KvError> {
+        let Self { geom, pool, seqs, .. } = self;
+        let table = seqs.get_mut(&seq).ok_or(KvError::UnknownSequence(seq))?;
+        let mapped = geom.pages_for(table.len());
+        table.truncate(geom, new_len, |b| pool.release(b).map(drop))?;
+        Ok(geom.pages_for(new_len) < mapped)
+    }
+
     /// Frees every block of `seq`, last page first so its prefix pages stay cached longest.
     pub fn release(&mut self, seq: SeqId) -> Result<(), KvError> {
         let table = self.seqs.remove(&seq).ok_or(KvError::UnknownSequence(seq))?;

@@ -178,6 +178,30 @@ impl BlockTable {
         Ok(())
     }
 
+    /// Shortens the table to `new_len` tokens (at least the first query of the call that grew it:
+    /// speculative decoding keeps only what a step accepted), handing the blocks of pages past
+    /// the new length to `release`. Sliding-layer watermarks stay: they were set for a query no
+    /// later than `new_len`.
+    pub fn truncate(
+        &mut self,
+        geom: &Geometry,
+        new_len: usize,
+        mut release: impl FnMut(BlockId) -> Result<(), KvError>,
+    ) -> Result<(), KvError> {
+        let pages = geom.pages_for(new_len);
+        for row in &mut self.rows {
+            while row.len() > pages {
+                let b = row.pop().expect("a page past the new length");
+                if b != UNMAPPED {
+                    release(b as BlockId)?;
+                }
+            }
+        }
+        self.len = self.len.min(new_len);
+        self.refresh(geom);
+        Ok(())
+    }
+
     /// Every mapped block in the order a finished sequence should give them back: last page
     /// first (the free list reuses early releases first, so prefix pages survive longest) and,
     /// within a page, sliding layers before full ones (a lost full-layer page breaks every longer

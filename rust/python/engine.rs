@@ -74,13 +74,14 @@ impl PyEngine {
     /// (None: `prefill_chunk`). `layer_sliced_prefill`: while some sequence decodes, prefill whole
     /// chunks over several iterations, a few layers each, within that budget (the runner's
     /// `prefill` takes layer slices; rust/engine/core.rs), except a call of one chunk of at most
-    /// `whole_chunk_tokens` tokens (0: none), which runs whole.
+    /// `whole_chunk_tokens` tokens (0: none), which runs whole. `max_draft`: speculative decoding's
+    /// most draft tokens per sequence and step (0: off; crate::speculative).
     #[new]
     #[pyo3(signature = (
         runner, *, sliding, window, num_blocks, vocab_size, eos_token_id=None, max_batch=8,
         max_context=4096, prefill_chunk=512, max_waiting=1024, salt=Vec::new(), check_invariants=false,
         noop_token=1, backend="reference", tokenizer_json=None, launch_ahead=false, decode_prefill_budget=None,
-        layer_sliced_prefill=false, whole_chunk_tokens=0
+        layer_sliced_prefill=false, whole_chunk_tokens=0, max_draft=0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -104,6 +105,7 @@ impl PyEngine {
         decode_prefill_budget: Option<usize>,
         layer_sliced_prefill: bool,
         whole_chunk_tokens: usize,
+        max_draft: usize,
     ) -> PyResult<Self> {
         let grammars = match (&tokenizer_json, eos_token_id) {
             (None, _) => None,
@@ -121,6 +123,8 @@ impl PyEngine {
                 max_context,
                 vocab_size,
                 eos_token_id,
+                max_draft,
+                step_rows: crate::gpu::step::MAX_STEP_ROWS,
             },
             kv: KvConfig { sliding, window, page_size: crate::kv::PAGE_SIZE, num_blocks, salt },
             max_waiting,
@@ -237,6 +241,8 @@ impl PyEngine {
             ("generated_tokens", q.generated_tokens),
             ("preemptions", q.preemptions),
             ("finished", q.finished),
+            ("draft_tokens", q.draft_tokens),
+            ("accepted_tokens", q.accepted_tokens),
             ("kv_blocks_total", kv.total_blocks as u64),
             ("kv_blocks_free", kv.free_blocks as u64),
             ("kv_cached_blocks", kv.cached_blocks as u64),

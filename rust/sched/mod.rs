@@ -48,11 +48,26 @@ pub struct SchedConfig {
     pub max_context: usize,
     pub vocab_size: usize,
     pub eos_token_id: Option<u32>,
+    /// Speculative decoding: the most draft tokens a sequence verifies in a step (0: none;
+    /// `crate::speculative`). Drafting sequences' steps run synchronously.
+    pub max_draft: usize,
+    /// Rows a decode step may take in all, its sequences' own rows and their drafts' (a launch's
+    /// rows on the megakernel): drafts only fill what the batch leaves.
+    pub step_rows: usize,
 }
 
 impl SchedConfig {
     pub fn new(max_batch: usize, max_context: usize, vocab_size: usize) -> Self {
-        Self { max_batch, prefill_chunk: 512, decode_prefill_budget: None, max_context, vocab_size, eos_token_id: None }
+        Self {
+            max_batch,
+            prefill_chunk: 512,
+            decode_prefill_budget: None,
+            max_context,
+            vocab_size,
+            eos_token_id: None,
+            max_draft: 0,
+            step_rows: crate::gpu::step::MAX_STEP_ROWS,
+        }
     }
 }
 
@@ -93,6 +108,9 @@ pub struct SchedStats {
     pub generated_tokens: u64,
     pub preemptions: u64,
     pub finished: u64,
+    /// Draft tokens verified, and those of them accepted (speculative decoding).
+    pub draft_tokens: u64,
+    pub accepted_tokens: u64,
 }
 
 pub struct Scheduler {
@@ -155,6 +173,12 @@ impl Scheduler {
 
     pub fn config(&self) -> &SchedConfig {
         &self.cfg
+    }
+
+    /// Tests change a setting that needs no other state to follow it (`max_draft`, `step_rows`).
+    #[cfg(test)]
+    pub(crate) fn config_mut(&mut self) -> &mut SchedConfig {
+        &mut self.cfg
     }
 
     pub fn kv(&self) -> &KvManager {
@@ -363,6 +387,16 @@ impl Scheduler {
         self.left += 1;
         self.stats.finished += 1;
         out.push(Event::ended(seq.id, reason, error));
+    }
+
+    /// Takes row `row` back to `new_len` positions (`KvManager::rewind`), patching its page-table
+    /// row if blocks went back.
+    fn rewind(&mut self, row: usize, new_len: usize) {
+        let id = self.rows[row].as_ref().expect("rewind of an empty row").id;
+        if self.kv.rewind(id, new_len).expect("a live sequence is admitted") {
+            self.table.sync(row, self.kv.block_table(id).expect("admitted")).expect("a table that fitted still fits");
+            self.mark_dirty(row);
+        }
     }
 
     /// Grows row `row` to `new_len` positions and patches its page-table row if blocks moved.

@@ -2,9 +2,10 @@
 //! decoding sequence. Blocks are mapped (`grow`) before the backend writes K/V; a grow the free
 //! list cannot cover preempts (see `preempt.rs`).
 
-use super::{Event, Phase, RequestId, Scheduler};
+use super::{Event, Phase, RequestId, Scheduler, Seq};
 use crate::kv::KvError;
 use crate::sampling::{SampleSpec, Sampled};
+use crate::speculative::{self, share_rows, Speculator};
 
 /// Positions [start, end) of the sequence in `row` to prefill now.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -18,7 +19,9 @@ pub struct PrefillChunk {
     pub spec: SampleSpec,
 }
 
-/// The rows of one decode step, ascending, with each row's request, input token and position.
+/// The rows of one decode step, ascending, with each row's request, input token and position. A
+/// sequence verifying a draft (speculative decoding) has one entry per draft token after its own,
+/// in the same row at the next positions, fed the draft and sampling the generation steps after.
 #[derive(Debug, Clone, Default)]
 pub struct DecodeBatch {
     pub rows: Vec<usize>,
@@ -26,6 +29,8 @@ pub struct DecodeBatch {
     pub tokens: Vec<u32>,
     pub positions: Vec<u32>,
     pub specs: Vec<SampleSpec>,
+    /// Draft entries in all (such a step runs synchronously: what it gains is known when it lands).
+    pub drafts: usize,
 }
 
 impl DecodeBatch {
@@ -43,6 +48,15 @@ impl DecodeBatch {
         self.tokens.clear();
         self.positions.clear();
         self.specs.clear();
+        self.drafts = 0;
+    }
+
+    fn push(&mut self, row: usize, id: RequestId, token: u32, position: usize, spec: SampleSpec) {
+        self.rows.push(row);
+        self.ids.push(id);
+        self.tokens.push(token);
+        self.positions.push(position as u32);
+        self.specs.push(spec);
     }
 }
 
@@ -101,14 +115,18 @@ impl Scheduler {
         };
         let _ = self.kv.publish(seq.id, &seq.tokens[..seq.computed]);
         seq.phase = Phase::Decode;
+        seq.speculator = None; // (after a preemption: rebuilt over every token when it drafts)
         let event = seq.accept(sampled, eos, max_context);
         self.emit(chunk.row, event, out);
     }
 
     /// Maps the next position of every decoding sequence (oldest first, preempting the youngest
-    /// when blocks run out) and fills `batch` with the rows that made it.
+    /// when blocks run out) and fills `batch` with the rows that made it. With speculative
+    /// decoding, a sequence's draft is mapped too where the free blocks allow it without
+    /// preempting anyone (else it decodes without one).
     pub fn plan_decode(&mut self, batch: &mut DecodeBatch, out: &mut Vec<Event>) {
         batch.clear();
+        self.draft_all();
         let mut i = 0;
         while i < self.order.len() {
             let row = self.order[i];
@@ -117,7 +135,13 @@ impl Scheduler {
             if seq.phase != Phase::Decode {
                 continue;
             }
-            let len = seq.tokens.len();
+            let (len, k) = (seq.tokens.len(), seq.draft.len());
+            if k > 0 && self.grow(row, len + k).is_err() {
+                self.rows[row].as_mut().expect("live row").draft.clear();
+            } else if k > 0 {
+                self.rows[row].as_mut().expect("live row").planned = true;
+                continue;
+            }
             if self.grow_or_preempt(row, len, out) {
                 self.rows[row].as_mut().expect("still live").planned = true;
             }
@@ -126,12 +150,50 @@ impl Scheduler {
             let Some(seq) = slot.as_mut().filter(|s| s.planned) else { continue };
             seq.planned = false;
             seq.in_flight += 1;
-            batch.rows.push(row);
-            batch.ids.push(seq.id);
-            batch.tokens.push(*seq.tokens.last().expect("a decoding sequence has tokens"));
-            batch.positions.push((seq.tokens.len() - 1) as u32);
-            batch.specs.push(seq.spec());
+            let (len, spec) = (seq.tokens.len(), seq.spec());
+            batch.push(row, seq.id, *seq.tokens.last().expect("a decoding sequence has tokens"), len - 1, spec);
+            for (i, &token) in seq.draft.iter().enumerate() {
+                batch.push(row, seq.id, token, len + i, SampleSpec { index: spec.index + 1 + i as u32, ..spec });
+            }
+            batch.drafts += seq.draft.len();
         }
+    }
+
+    /// Each decoding sequence's draft for the next step (`Seq::draft`; empty without speculative
+    /// decoding, under a grammar, or where the text offers none): at most `max_draft` tokens, no
+    /// more than its `max_tokens` and the context leave, within the rows the batch's own leave.
+    fn draft_all(&mut self) {
+        let (max_draft, max_context) = (self.cfg.max_draft, self.cfg.max_context);
+        let decoding = |s: &&mut Seq| s.phase == Phase::Decode;
+        let mut wants = Vec::new();
+        for seq in self.rows.iter_mut().flatten().filter(decoding) {
+            seq.draft.clear();
+            if max_draft == 0 || seq.constrained() {
+                wants.push(0);
+                continue;
+            }
+            let room = seq.params.max_tokens.saturating_sub(seq.generated()).min(max_context - seq.tokens.len());
+            let speculator = seq.speculator.get_or_insert_with(|| Speculator::new(&seq.tokens));
+            wants.push(speculator.draft(max_draft.min(room.saturating_sub(1))).len());
+        }
+        if wants.iter().all(|&w| w == 0) {
+            return;
+        }
+        let got = share_rows(&wants, self.cfg.step_rows.saturating_sub(wants.len()));
+        for (seq, k) in self.rows.iter_mut().flatten().filter(decoding).zip(got) {
+            if let Some(speculator) = seq.speculator.as_ref().filter(|_| k > 0) {
+                seq.draft.extend_from_slice(speculator.draft(k));
+            }
+        }
+    }
+
+    /// Whether the next step would verify a draft for some decoding sequence (launch-ahead then
+    /// waits: what a verification step gains is known only when it lands).
+    pub fn would_draft(&self) -> bool {
+        let mut decoding = self.rows.iter().flatten().filter(|s| s.phase == Phase::Decode);
+        self.cfg.max_draft > 0
+            && decoding.clone().count() < self.cfg.step_rows
+            && decoding.any(|s| !s.constrained() && s.speculator.as_ref().is_none_or(Speculator::would_draft))
     }
 
     /// Launch-ahead: the step after `flight` (launched, not yet `decoded`), planned before its
@@ -142,7 +204,8 @@ impl Scheduler {
     /// Maps every position without preempting; false when the blocks are not there, or a row
     /// samples under a grammar (whose mask needs the pending token) unless `late_masks` (the
     /// backend takes the masks after the step is queued, once the pending tokens have landed):
-    /// the caller then lands `flight` and plans with `plan_decode`. Rows that finish with the
+    /// the caller then lands `flight` and plans with `plan_decode` (as it does where a sequence would
+    /// verify a draft). Rows that finish with the
     /// pending token (EOS, a stop id) are in the step too; `decoded` drops their tokens.
     pub fn plan_ahead(
         &mut self,
@@ -153,6 +216,9 @@ impl Scheduler {
     ) -> bool {
         batch.clear();
         previous.clear();
+        if self.would_draft() {
+            return false;
+        }
         let max_context = self.cfg.max_context;
         for row in 0..self.rows.len() {
             let Some(seq) = self.rows[row].as_ref().filter(|s| s.phase == Phase::Decode) else { continue };
@@ -191,14 +257,43 @@ impl Scheduler {
     /// request has left its row since the step was planned (it finished one step earlier, or was
     /// cancelled; a request resubmitted under its id is not that request) is dropped: never
     /// emitted, never counted.
+    /// A sequence's entries (its own and its draft's, consecutive) land together: it gains the
+    /// tokens of the accepted draft and the first drawn past it (`crate::speculative`), one event
+    /// each, until one ends it; what the rejected entries mapped is given back.
     pub fn decoded(&mut self, batch: &DecodeBatch, sampled: &[Sampled], out: &mut Vec<Event>) {
         let (eos, max_context) = (self.cfg.eos_token_id, self.cfg.max_context);
-        for ((&row, &id), s) in batch.rows.iter().zip(&batch.ids).zip(sampled) {
+        let mut end = 0;
+        while end < batch.len().min(sampled.len()) {
+            let (start, row, id) = (end, batch.rows[end], batch.ids[end]);
+            while end < batch.len() && batch.rows[end] == row && batch.ids[end] == id {
+                end += 1;
+            }
             let Some(seq) = self.rows[row].as_mut().filter(|s| s.landing(true, id)) else { continue };
             seq.in_flight -= 1;
-            seq.computed = seq.tokens.len();
-            let event = seq.accept(s, eos, max_context);
-            self.emit(row, event, out);
+            let draft = std::mem::take(&mut seq.draft);
+            let drawn: Vec<u32> = sampled[start..end].iter().map(|s| s.token).collect();
+            let accepted = if drawn.len() == draft.len() + 1 { speculative::accepted(&draft, &drawn) } else { 0 };
+            self.stats.draft_tokens += draft.len() as u64;
+            self.stats.accepted_tokens += accepted as u64;
+            let before = seq.tokens.len();
+            for s in &sampled[start..=start + accepted] {
+                let seq = self.rows[row].as_mut().expect("live until an event ends it");
+                seq.computed = seq.tokens.len();
+                let event = seq.accept(s, eos, max_context);
+                let finished = event.finish.is_some();
+                self.emit(row, event, out);
+                if finished {
+                    break;
+                }
+            }
+            let Some(seq) = self.rows[row].as_mut().filter(|s| s.id == id) else { continue };
+            if let Some(speculator) = seq.speculator.as_mut() {
+                speculator.advance(draft.len(), &seq.tokens[before..]);
+            }
+            if !draft.is_empty() {
+                let len = seq.tokens.len() - 1;
+                self.rewind(row, len);
+            }
         }
     }
 

@@ -3,6 +3,7 @@
 
 use crate::grammar::Constraint;
 use crate::sampling::{SampleSpec, Sampled};
+use crate::speculative::Speculator;
 
 /// The client's name for a request (the Python face hands out unique ones).
 pub type RequestId = u64;
@@ -167,6 +168,10 @@ pub struct Seq {
     /// Where the output is in its grammar; `constraint_error` ends the request at its next token.
     pub constraint: Option<Constraint>,
     pub constraint_error: Option<String>,
+    /// Speculative decoding's drafting over its tokens (built when it first decodes with drafts
+    /// on), and the draft of the step in flight (verified by that step's rows after its own).
+    pub speculator: Option<Speculator>,
+    pub draft: Vec<u32>,
 }
 
 impl Seq {
@@ -189,6 +194,8 @@ impl Seq {
             in_flight: 0,
             constraint: req.constraint,
             constraint_error: None,
+            speculator: None,
+            draft: Vec::new(),
         }
     }
 

@@ -14,6 +14,7 @@ fn sched(max_batch: usize, chunk: usize, max_context: usize, blocks: usize) -> S
         max_context,
         vocab_size: 50,
         eos_token_id: Some(0),
+        ..SchedConfig::new(max_batch, max_context, 50)
     };
     let kv = KvConfig { sliding: vec![false, true], window: 8, page_size: 4, num_blocks: blocks, salt: vec![] };
     Scheduler::new(cfg, kv).unwrap()

@@ -47,6 +47,11 @@ impl Speculator {
         self.index.draft(self.length.get().min(most)).1
     }
 
+    /// Whether the next step would verify a draft: not paused, and the text offers one.
+    pub fn would_draft(&self) -> bool {
+        !self.draft(1).is_empty()
+    }
+
     /// After a step that verified `drafted` draft tokens: `gained` is what the sequence gained
     /// (the accepted draft and the row's own token past it).
     pub fn advance(&mut self, drafted: usize, gained: &[u32]) {

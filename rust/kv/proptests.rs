@@ -31,6 +31,12 @@ enum Op {
     Publish {
         slot: usize,
     },
+    /// A verification step of speculative decoding: grow by `by`, then keep `keep` <= `by`.
+    Verify {
+        slot: usize,
+        by: usize,
+        keep: usize,
+    },
     Release {
         slot: usize,
     },
@@ -44,6 +50,7 @@ fn op() -> impl Strategy<Value = Op> {
         5 => slot.clone().prop_map(|slot| Op::Grow { slot, by: 1 }),
         2 => (slot.clone(), 1..24usize).prop_map(|(slot, by)| Op::Grow { slot, by }),
         2 => slot.clone().prop_map(|slot| Op::Publish { slot }),
+        2 => (slot.clone(), 1..12usize, 0..12usize).prop_map(|(slot, by, keep)| Op::Verify { slot, by, keep: keep.min(by) }),
         2 => slot.prop_map(|slot| Op::Release { slot }),
     ]
 }
@@ -119,6 +126,7 @@ impl Sim {
                 }
             }
             Op::Publish { slot } => self.publish(slot)?,
+            Op::Verify { slot, by, keep } => self.verify(slot, by, keep)?,
             Op::Release { slot } => match self.slots[slot].take() {
                 Some(live) => self.kv.release(live.id).map_err(|e| TestCaseError::fail(e.to_string()))?,
                 None => prop_assert_eq!(self.kv.release(999), Err(KvError::UnknownSequence(999))),
@@ -165,6 +173,31 @@ impl Sim {
         if len > attached {
             self.grow(slot, len)?;
         }
+        Ok(())
+    }
+
+    fn verify(&mut self, slot: usize, by: usize, keep: usize) -> Result<(), TestCaseError> {
+        let Some(live) = self.slots[slot].clone() else {
+            prop_assert_eq!(self.kv.rewind(999, 0), Err(KvError::UnknownSequence(999)));
+            return Ok(());
+        };
+        let len = self.kv.len(live.id).unwrap();
+        self.grow(slot, len + by)?;
+        if self.kv.len(live.id).unwrap() != len + by {
+            return Ok(()); // out of blocks: nothing was mapped
+        }
+        let (before, free) = (self.kv.block_table(live.id).unwrap().clone(), self.kv.free_blocks());
+        let changed = self.kv.rewind(live.id, len + keep).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let geom = self.kv.geometry().clone();
+        let table = self.kv.block_table(live.id).unwrap();
+        prop_assert_eq!(table.len(), len + keep);
+        let (kept, dropped) = (geom.pages_for(len + keep), geom.pages_for(len + by) - geom.pages_for(len + keep));
+        prop_assert_eq!(changed, dropped > 0);
+        for l in 0..geom.num_layers() {
+            prop_assert_eq!(table.row(l).unwrap(), &before.row(l).unwrap()[..kept], "layer {}", l);
+        }
+        let released = dropped * geom.num_layers();
+        prop_assert_eq!(self.kv.free_blocks(), free + released);
         Ok(())
     }
 

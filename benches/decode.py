@@ -29,7 +29,14 @@ varies more than in one process: docs/PERF.md, "Noise"): `mk_kernel<k>_ms` (the 
 A batch larger than one launch takes (MK_STEP_MAX_BATCH: 16, or 8 in the swizzled variant) runs as the
 engine runs it: consecutive launches of at most that many rows, timed together, each reading the
 weights again (`launches` in its row; the variants, traces and kernel comparisons are skipped).
+`distinct_experts`: the experts the batch's rows select in a MoE layer, the mean over the MoE layers.
+Synthetic routing is near-uniform, so a batch touches more experts than a real checkpoint's would;
+`--routing zipf:S` scales each MoE layer's router rows (seeded, the popular experts differ per
+layer) so that how often a token selects each expert follows a Zipf law of exponent S, capped at
+ZIPF_CAP (a linear router over activations that are as often negative as positive selects an
+expert for at most about half the tokens); such a record is named `decode_zipf`, not `decode`.
 Usage: python benches/decode.py [--json out.json] [--quick | --points 1x8192,8x8192] [--trace] [--ledger] [--plain]
+       [--routing uniform|zipf:S]
 """
 
 from __future__ import annotations
@@ -85,6 +92,78 @@ def synthetic_stacked(cfg: ModelConfig, seed: int, std: float = 0.01):
         t = torch.empty(shape, **bf).normal_(0, std, generator=gen)
         weights[name] = t + 1 if name.endswith("norm.weight") else t
     return weights, stacked
+
+
+# --routing zipf:S: the most a token selects one expert (its share of tokens), and the Monte Carlo
+# fit of the router scales that give the law (fixed samples of independent Gaussian logits).
+ZIPF_CAP = 0.35
+ROUTING_SEED = 0
+ZIPF_SAMPLES = 1 << 14
+ZIPF_ITERS = 150
+ZIPF_STEP = 0.2
+
+
+def parse_routing(value: str) -> float | None:
+    """--routing: None for uniform, else the Zipf exponent S of `zipf:S` (S >= 0)."""
+    if value == "uniform":
+        return None
+    m = re.fullmatch(r"zipf:(\d+(?:\.\d*)?|\.\d+)", value)
+    if not m:
+        raise argparse.ArgumentTypeError(f"routing must be uniform or zipf:S (S >= 0), not {value!r}")
+    return float(m[1])
+
+
+def zipf_popularity(experts: int, top_k: int, s: float, cap: float) -> torch.Tensor:
+    """How often a token selects the expert of each popularity rank (they sum to top_k): a Zipf law
+    of exponent s, ranks above `cap` held at it and their excess spread over the rest by the law."""
+    law = torch.arange(1, experts + 1, dtype=torch.float64) ** -s
+    capped = torch.zeros(experts, dtype=torch.bool)
+    while True:
+        rest = top_k - cap * int(capped.sum())
+        p = torch.where(capped, torch.full_like(law, cap), law * rest / law[~capped].sum())
+        over = (p > cap) & ~capped
+        if not over.any():
+            return p
+        capped |= over
+
+
+def zipf_scales(cfg: ModelConfig, s: float, device) -> torch.Tensor:
+    """A scale per popularity rank for the router's rows: with logits independent Gaussians of those
+    scales (random router rows over isotropic activations), the top-k selects each rank as often as
+    zipf_popularity says. Fitted by a damped multiplicative update on fixed samples."""
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    gen = torch.Generator(device=device).manual_seed(ROUTING_SEED)
+    z = torch.randn(ZIPF_SAMPLES, E, generator=gen, device=device)
+    target = zipf_popularity(E, k, s, max(ZIPF_CAP, k / E)).to(device=device, dtype=torch.float32)
+    log_scale = torch.zeros(E, device=device)
+    for _ in range(ZIPF_ITERS):
+        chosen = (z * log_scale.exp()).topk(k, dim=1).indices.flatten()
+        p = torch.bincount(chosen, minlength=E).float() / ZIPF_SAMPLES
+        log_scale += ZIPF_STEP * (target.log() - p.clamp_min(0.5 / ZIPF_SAMPLES).log())
+        log_scale -= log_scale.mean()
+    return log_scale.exp()
+
+
+def skew_routing(cfg: ModelConfig, weights: dict, s: float) -> None:
+    """Scales every MoE layer's router rows in place (zipf_scales), the ranks dealt to the experts
+    by a permutation seeded per layer."""
+    scales = zipf_scales(cfg, s, weights["model.embed_tokens.weight"].device)
+    for layer in range(cfg.num_hidden_layers):
+        if not cfg.is_moe(layer):
+            continue
+        order = torch.randperm(cfg.num_experts, generator=torch.Generator().manual_seed(ROUTING_SEED + layer))
+        per_expert = torch.empty_like(scales)
+        per_expert[order.to(scales.device)] = scales
+        w = weights[f"model.layers.{layer}.mlp.gate.weight"]
+        w.copy_((w.float() * per_expert[:, None]).to(w.dtype))
+
+
+def distinct_experts(cfg: ModelConfig, routing_logs: list[torch.Tensor]) -> float:
+    """The experts the rows of `routing_logs` (StepBuffers.routing_log of one step's launches)
+    select in a MoE layer, the mean over the MoE layers."""
+    layers = [layer for layer in range(cfg.num_hidden_layers) if cfg.is_moe(layer)]
+    counts = [torch.cat([log[layer].flatten() for log in routing_logs]).unique().numel() for layer in layers]
+    return sum(counts) / len(counts)
 
 
 def first_page(cfg: ModelConfig, layer: int, ctx: int) -> int:
@@ -262,6 +341,7 @@ def measure(
     row["sol_ms"] = step_bytes(cfg, batch, ctx, experts) / card_bandwidth() * 1e3
     row["sol_fraction"] = row["sol_ms"] / row["mk_ms"]
     row["experts_last_layer"] = experts
+    row["distinct_experts"] = distinct_experts(cfg, [buf.routing_log])
     row["tasks"] = int(g.order.shape[0])
     if not torch_graph:
         row["torch_graph_ms"] = None
@@ -302,6 +382,7 @@ def measure_launches(cfg, model, stacked, batch: int, ctx: int, iters: int, torc
     row["sol_ms"] = step_bytes(cfg, batch, ctx, experts) / card_bandwidth() * 1e3
     row["sol_fraction"] = row["sol_ms"] / row["mk_ms"]
     row["experts_last_layer"] = experts
+    row["distinct_experts"] = distinct_experts(cfg, [b.routing_log for b in bufs])
     if not torch_graph:
         row["torch_graph_ms"] = None
         return row
@@ -385,9 +466,14 @@ def main() -> None:
         help="BuildOptions variants timed beside the default, e.g. gate_up_groups=3,expert_queue=1+attn_chunk=512",
     )
     parser.add_argument("--no-torch", action="store_true", help="skip benches/yardstick.py's CUDA-graph column")
+    parser.add_argument(
+        "--routing", default="uniform", type=parse_routing, help="uniform, or zipf:S (skewed expert popularity)"
+    )
     args = parser.parse_args()
     cfg = ModelConfig.real()
     weights, stacked = synthetic_stacked(cfg, seed=0)
+    if args.routing is not None:
+        skew_routing(cfg, weights, args.routing)
     model = Model(cfg, weights)
     grid = [(b, c) for b in (1, 2, 4, 8) for c in (1024, 8192, 32768, 131072)] + [(1, 262144)]
     if args.quick:
@@ -418,14 +504,20 @@ def main() -> None:
         "sol_fraction",
         "torch_graph_ms",
         "speedup_vs_torch",
+        "distinct_experts",
     ]
     cols += ["mk_balanced_ms", "balanced_gain", "model_rr_us", "model_balanced_us"]
     cols += [f"mk_{s}_ms" for s in args.sizes.split(",") if s]
     cols += sorted({k for r in rows for k in r if re.fullmatch(r"mk_kernel\d+_ms", k)})
     if any("yardstick_skipped" in r for r in rows):
         cols.append("yardstick_skipped")
-    print_table(f"decode step, real geometry, synthetic weights ({card_sol()})", rows, cols)
-    write_json(args.json, "decode", rows)
+    if args.routing is None:
+        print_table(f"decode step, real geometry, synthetic weights ({card_sol()})", rows, cols)
+        write_json(args.json, "decode", rows)
+    else:
+        routing = f"zipf:{args.routing:g}"
+        print_table(f"decode step, real geometry, synthetic weights, {routing} routing ({card_sol()})", rows, cols)
+        write_json(args.json, "decode_zipf", rows, routing=routing)
     plot(rows, Path(args.json).with_suffix(".png"))
 
 

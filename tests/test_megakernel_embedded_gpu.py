@@ -63,3 +63,26 @@ def test_512_greedy_tokens_follow_the_reference_where_it_is_not_tied():
         checked += NEW_TOKENS
         disagreements += len(differ)
     assert disagreements <= 0.02 * checked, f"{disagreements} of {checked} tokens were near-tie flips"
+
+
+def test_drafts_change_no_greedy_token_and_are_accepted():
+    """Speculative decoding on the megakernel: the same greedy tokens with drafts as without, for
+    prompts whose continuation copies their own text (a function rewritten under a new name), and
+    the drafts are accepted often enough to save steps."""
+    gpu_model, tok = load_default(device="cuda", dtype=torch.bfloat16)
+    source = PROMPTS[2] + "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n"
+    prompts = [PROMPTS[0], source + "\n\n# The same class, named Pile:\nclass Pile:\n"]
+    requests = [(0.0, tok.encode(p), SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)) for p in prompts]
+    runs = {}
+    for speculative in ("off", "on"):
+        with Engine(
+            gpu_model, backend="megakernel", max_batch=2, max_context=2048, kv_blocks=256, speculative=speculative
+        ) as e:
+            runs[speculative] = ([tokens for tokens, _, _ in run(e, requests)], e.stats(), e.native_stats())
+    (plain, _, plain_native), (drafted, stats, native) = runs["off"], runs["on"]
+    print(
+        f"drafted {stats.draft_tokens}, accepted {stats.accepted_tokens}, steps {native['decode_steps']} "
+        f"against {plain_native['decode_steps']}"
+    )
+    assert drafted == plain
+    assert stats.accepted_tokens > 0 and native["decode_steps"] < plain_native["decode_steps"]

@@ -38,6 +38,7 @@ pytestmark = pytest.mark.slow  # (starts and signals python -m mk.server)
         (["--model", ".", "--synthetic"], "--synthetic"),
         (["--prefill", "flash"], "--prefill"),
         (["--launch-ahead", "maybe"], "--launch-ahead"),
+        (["--speculative", "sometimes"], "--speculative"),
         (["--decode-prefill-budget", "0"], "--decode-prefill-budget"),
         (["--sliced-prefill", "sometimes"], "--sliced-prefill"),
         (["--sliced-prefill", "--prefill", "reference"], "--sliced-prefill"),
@@ -66,7 +67,15 @@ def test_server_and_engine_share_their_defaults():
     assert AUTO_ON_OFF[args.launch_ahead] is engine_defaults["launch_ahead"].default is None
     assert AUTO_ON_OFF[args.prefill_graphs] is engine_defaults["prefill_graphs"].default is None
     assert AUTO_ON_OFF[args.kernel_masks] is engine_defaults["kernel_masks"].default is None
-    switches = ("launch_ahead", "prefill_graphs", "prefix_graphs", "kernel_masks", "late_masks", "sliced_prefill")
+    switches = (
+        "launch_ahead",
+        "prefill_graphs",
+        "prefix_graphs",
+        "kernel_masks",
+        "late_masks",
+        "sliced_prefill",
+        "speculative",
+    )
     for flag in switches:  # alone: on
         option = "--" + flag.replace("_", "-")
         assert getattr(parse_args([option]), flag) == "on" and getattr(parse_args([option, "off"]), flag) == "off"
@@ -76,6 +85,7 @@ def test_server_and_engine_share_their_defaults():
     assert AUTO_ON_OFF[args.late_masks] is engine_defaults["late_masks"].default is None
     assert args.whole_chunk_tokens is engine_defaults["whole_chunk_tokens"].default is None
     assert parse_args(["--whole-chunk-tokens", "0"]).whole_chunk_tokens == 0
+    assert args.speculative == engine_defaults["speculative"].default == "auto"  # (the Engine takes the word)
 
 
 def test_help_documents_every_flag():
@@ -85,7 +95,7 @@ def test_help_documents_every_flag():
                  "--gpu-memory-utilization", "--prefill-chunk", "--api-key", "--log-level", "--drain-timeout",
                  "--backend", "--prefill", "--launch-ahead", "--prefill-graphs", "--prefix-graphs",
                  "--decode-prefill-budget", "--sliced-prefill", "--whole-chunk-tokens", "--kernel-masks",
-                 "--late-masks", "--allowed-origins"):  # fmt: skip
+                 "--late-masks", "--speculative", "--allowed-origins"):  # fmt: skip
         assert flag in out.stdout
     assert "site-packages" in out.stdout and "trained on the Python standard library" not in out.stdout
 
@@ -130,6 +140,23 @@ def test_replicas_draw_no_progress_bars(monkeypatch, replica):
     with pytest.raises(_Stop):
         build_state(parse_args(["--device", "cpu"]))
     assert seen["progress"] is (replica is None)
+
+
+@pytest.mark.parametrize("flag", [[], ["--speculative", "off"], ["--speculative"]])
+def test_the_speculative_flag_reaches_the_engine(monkeypatch, flag):
+    import mk.engine
+    from mk.server.__main__ import build_state
+
+    seen = {}
+
+    def engine(model, **kwargs):
+        seen.update(kwargs)
+        raise _Stop
+
+    monkeypatch.setattr(mk.engine, "Engine", engine)
+    with pytest.raises(_Stop):
+        build_state(parse_args(["--device", "cpu", *flag]))
+    assert seen["speculative"] == (flag[1] if len(flag) == 2 else "on" if flag else "auto")
 
 
 @pytest.fixture(scope="module")

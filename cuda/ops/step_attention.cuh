@@ -72,14 +72,34 @@ __device__ __forceinline__ int2 split_keys(int split, int window, int chunk, int
 // first_page.
 struct SplitPages {
     int b, kvh, pos, lo, hi, first_page, pages;
+    int before;  // the position of the launch's row before this one (-2: none)
     const int32_t* table;  // the row's block table for the task's layer
 
     SplitPages() = default;
     __device__ SplitPages(const MkStepArgs& a, const MkTask& t)
         : b(t.arg[0]), kvh(t.arg[1]), pos(ld_i32(ptr<int32_t>(a.positions) + t.arg[0])),
+          before(t.arg[0] > 0 ? ld_i32(ptr<int32_t>(a.positions) + t.arg[0] - 1) : -2),
           table(ptr<int32_t>(a.block_tables) + ((size_t)t.layer * a.batch + b) * a.max_pages) {
         const int2 keys = split_keys(t.arg[2], t.arg[3], t.arg[5], pos);
         lo = keys.x, hi = keys.y, first_page = lo - lo % kPage, pages = (hi - first_page + kPage - 1) / kPage;
+    }
+
+    // The keys before the row's own that this step writes too: those of the rows just before it
+    // in the launch at the positions just before, mapped to the same block (a draft's
+    // verification rows, sharing their sequence's table). Only for a split that can hold them.
+    // (`before` settles it for a row of a plain step, with no load of its own.)
+    __device__ int fresh_keys(const MkStepArgs& a, int layer) const {
+        int j = 0;
+        if (before != pos - 1 || hi + b <= pos) return 0;  // (at most b rows come before this one)
+        const int32_t* positions = ptr<int32_t>(a.positions);
+        for (int r = b - 1; r >= 0; --r) {
+            const int q = pos - (b - r);
+            if (q < 0 || ld_i32(positions + r) != q) break;
+            const int32_t* other = ptr<int32_t>(a.block_tables) + ((size_t)layer * a.batch + r) * a.max_pages;
+            if (ld_i32(other + q / kPage) != ld_i32(table + q / kPage)) break;
+            ++j;
+        }
+        return j;
     }
 
     // Row `row` of page i for the split's KV head in the K (which 0) or V pool.
@@ -187,9 +207,9 @@ struct SplitState {
 // the split (often during earlier tasks): stage n + 2i holds page i's K, n + 2i + 1 its V, whole
 // pages of the pool. Once both are full, the rows the split must not see from the
 // pool are fixed: V's rows outside [lo, hi) are zeroed (they may hold anything, and 0 * NaN would
-// poison P V; K's are masked out of S), and on the page holding the row's position, the new key
-// and value (written by this step's QKV, which the task waited for) are copied in. Such writes
-// are fenced against the copy engine's next writes into the stage.
+// poison P V; K's are masked out of S), and the keys and values this step wrote (the row's own,
+// and a draft's earlier rows': written by this step's QKV, which the task waited for) are copied
+// in from the pool. Such writes are fenced against the copy engine's next writes into the stage.
 // Marks: the first page done (q loaded, the pages' fixes, one page's softmax); every page done.
 // With -DMK_SPLIT_MARKS=1 instead: q loaded; the first page's K and V full.
 __device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, const SplitPages& sp, AttnScratch& x,
@@ -203,6 +223,7 @@ __device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, const Split
     marks.mark(0);
 #endif
     constexpr int kRowPieces = kHeadDim / 8;  // 16-byte pieces of a row
+    const int fresh_lo = sp.pos - sp.fresh_keys(a, t.layer);  // the first key this step wrote
     for (int i = 0; i < sp.pages; ++i, n += 2) {
         const int start = sp.first_page + i * kPage;
         r.wait_full(n);
@@ -210,13 +231,13 @@ __device__ void run_attn_split(const MkStepArgs& a, const MkTask& t, const Split
         if (MK_SPLIT_MARKS && i == 0) marks.mark(1);
         const SwizzledKv ks{r.stage(n)}, vs{r.stage(n + 1)};
         const int first = max(sp.lo - start, 0), end = min(sp.hi - start, kPage);
-        const int own = sp.hi == sp.pos + 1 ? sp.pos - start : -1;  // the new token's row, if in this page
-        if (first > 0 || end < kPage || (own >= 0 && own < kPage)) {
+        const int own_lo = fresh_lo - start, own_hi = sp.pos - start;  // this step's keys' rows (may lie outside)
+        if (first > 0 || end < kPage || (own_hi >= first && own_lo < end)) {
             for (int c = threadIdx.x; c < kPage * kRowPieces; c += kThreads) {
                 const int row = c / kRowPieces, d = 8 * (c % kRowPieces);
                 if (row < first || row >= end) {
                     *reinterpret_cast<uint4*>(vs.at(row, d)) = make_uint4(0, 0, 0, 0);
-                } else if (row == own) {
+                } else if (row >= own_lo && row <= own_hi) {
                     *reinterpret_cast<uint4*>(ks.at(row, d)) =
                         ld_activations(sp.row_at(a, 0, i, row) + d);
                     *reinterpret_cast<uint4*>(vs.at(row, d)) =

@@ -153,6 +153,8 @@ class Engine:
         decode_prefill_budget: int | None = None,
         layer_sliced_prefill: bool = False,
         whole_chunk_tokens: int = 0,
+        max_draft: int = 0,
+        step_rows: int = 16,
     ) -> Engine: ...
     def submit(
         self,

@@ -34,7 +34,7 @@ from mk.engine_api import (
     PromptTooLong,
 )
 from mk.megakernel.runner import MegakernelRunner
-from mk.megakernel.support import choose_backend
+from mk.megakernel.support import MAX_STEP_ROWS, choose_backend
 from mk.model.reference import Model
 from mk.outputs import TokenEvent
 from mk.prefill import Prefill, stack_experts
@@ -123,7 +123,8 @@ class Engine:
     of up to one launch's rows whose tokens the kernel draws itself (greedy, or a temperature alone)
     on the GPU, each behind the one before, so that the host's work between steps overlaps the
     GPU's; a step it cannot queue (rows that sample on the host: top-k/top-p, logprobs, a
-    grammar; more rows than one launch; another backend) runs at once, as without launch-ahead.
+    grammar; more rows than one launch; drafts to verify; another backend) runs at once, as without
+    launch-ahead.
     None (the default): on with the megakernel backend.
 
     `prefill_graphs`: the fast prefill runs a chunk that is a fresh prompt alone as a CUDA graph of
@@ -152,6 +153,15 @@ class Engine:
     (rust/engine/core.rs, `Backend::deliver_masks`), so that a grammar no longer adds host time
     between steps. The tokens are the same. None (the default): on wherever `kernel_masks` and
     launch-ahead are.
+
+    `speculative`: "on" verifies drafts copied from each sequence's own text (its prompt and output so
+    far, rust/speculative) as verification rows beside its next token in the same decode step, at
+    most `self.max_draft` (mk._native.MAX_DRAFT) a sequence, fewer where its recent drafts failed or
+    the launch has few spare rows; a step may then give a sequence several tokens. The tokens are
+    those without drafts, greedy or sampled (each row draws with its generation index's noise), as
+    far as a row's logits do not depend on the rows beside it. Rows under a grammar do not draft.
+    "off": none (`self.max_draft` 0). "auto" (the default): `draft_limit` decides by backend.
+    `stats()` counts the draft tokens verified and accepted.
 
     `progress`: the start's prefill warm-up (on a GPU: compilation and every CUDA graph's capture,
     tens of seconds) shows a progress bar where stderr is a terminal.
@@ -191,6 +201,7 @@ class Engine:
         prefix_graphs: bool | None = None,
         fresh_split: bool = True,
         whole_chunk_tokens: int | None = None,
+        speculative: str = "auto",
         progress: bool = True,
     ) -> None:
         cfg = model.config
@@ -205,6 +216,7 @@ class Engine:
             raise ValueError(f"decode_prefill_budget must be >= 1 (or None), got {decode_prefill_budget}")
         memory.check_utilization(gpu_memory_utilization)
         self.backend = choose_backend(model, backend)
+        self.max_draft = draft_limit(speculative, self.backend)
         if kernel_masks and self.backend != "megakernel":
             raise ValueError(f"kernel_masks needs the megakernel backend; this engine decodes with {self.backend!r}")
         self.kernel_masks = self.backend == "megakernel" if kernel_masks is None else kernel_masks
@@ -232,6 +244,8 @@ class Engine:
             common = dict(fast_prefill=fast, prefill_chunk=prefill_chunk)
             if self.backend == "megakernel":
                 kinds = dict(kernel_masks=self.kernel_masks, late_masks=self.late_masks)
+                # Drafts fill a launch's rows beyond the batch's own: its buffers take a whole launch.
+                kinds["rows"] = MAX_STEP_ROWS if self.max_draft else min(max_batch, MAX_STEP_ROWS)
                 return MegakernelRunner(model, blocks, max_batch, context, **common, **kinds)
             return ReferenceRunner(model, blocks, max_batch, context, **common)
 
@@ -301,6 +315,8 @@ class Engine:
                 decode_prefill_budget=decode_prefill_budget,
                 layer_sliced_prefill=sliced_prefill,
                 whole_chunk_tokens=self.whole_chunk_tokens,
+                max_draft=self.max_draft,
+                step_rows=self._runner.rows if self.backend == "megakernel" else MAX_STEP_ROWS,
             )
         except BaseException:
             # Drop the prefill's CUDA graphs now: left to the garbage collector, their memory pools
@@ -420,6 +436,8 @@ class Engine:
             generated_tokens=s["generated_tokens"],
             preemptions=s["preemptions"],
             prefill_tokens=s["prefill_tokens"],
+            draft_tokens=s["draft_tokens"],
+            accepted_tokens=s["accepted_tokens"],
         )
 
     def native_stats(self) -> dict[str, int]:
@@ -505,6 +523,23 @@ def _deliver(stream: _Stream, event: TokenEvent, by_loop: dict) -> None:
 def _put_all(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
     for queue, event in items:
         queue.put_nowait(event)
+
+
+SPECULATIVE = ("auto", "on", "off")
+
+
+def draft_limit(speculative: str, backend: str) -> int:
+    """The most draft tokens a sequence verifies in a step (`Engine(speculative=...)`; 0: none) on
+    `backend` ("megakernel" or "reference")."""
+    if speculative not in SPECULATIVE:
+        raise ValueError(f"speculative must be 'auto', 'on' or 'off', not {speculative!r}")
+    if speculative == "off":
+        return 0
+    # auto: off until the engine's speculative steps have passed the GPU tests and its benchmark
+    # (on the CPU reference, where every row costs its own compute, it stays off).
+    if speculative == "on":
+        return _native.MAX_DRAFT
+    return 0
 
 
 def _fast_prefill(

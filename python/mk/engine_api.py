@@ -85,6 +85,10 @@ class EngineStats:
     preemptions: int = 0
     # Prompt tokens actually computed (cache hits excluded, recomputation after preemption included).
     prefill_tokens: int = 0
+    # Speculative decoding: draft tokens verified, and those of them accepted (each accepted one is
+    # a token gained without a step of its own).
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:

@@ -105,7 +105,8 @@ class _Choice:
 class LLM:
     """A model and an engine. `model`: a checkpoint folder (config.json, safetensors,
     tokenizer.json) or None for the embedded default. Engine options (max_batch, max_context,
-    prefill_chunk, kv_blocks, gpu_memory_utilization, ...) pass through to `mk.engine.Engine`.
+    prefill_chunk, kv_blocks, gpu_memory_utilization, speculative, ...) pass through to
+    `mk.engine.Engine`.
     `token_healing`: heal text prompts (the module's docstring, mk.healing); it needs the engine's
     `tokenizer_json` (given by default), without which it is off."""
 

@@ -264,10 +264,37 @@ class ReferenceRunner(PrefillRunner):
     """Decodes with the PyTorch reference model too."""
 
     def decode(self, rows: list[int], tokens: list[int], positions: list[int], dirty: list[tuple[int, bytes]]):
+        """Logits [len(rows), vocab] of one decode step. A row may repeat: a sequence's verification
+        rows (speculative decoding), consecutive entries at consecutive positions."""
         self._sync(dirty)
-        tables = [self.tables[r] for r in rows]
         with _threads_for(self.model, len(rows)):
-            return _host(self.model.decode(torch.tensor(tokens), torch.tensor(positions), self.kv, tables))
+            if len(set(rows)) == len(rows):
+                tables = [self.tables[r] for r in rows]
+                logits = self.model.decode(torch.tensor(tokens), torch.tensor(positions), self.kv, tables)
+            else:
+                logits = self.model.verify(self._verification(rows, tokens, positions), self.kv)
+        return _host(logits)
+
+    def _verification(
+        self, rows: list[int], tokens: list[int], positions: list[int]
+    ) -> list[tuple[list[int], int, torch.Tensor]]:
+        """`Model.verify`'s sequences: runs of equal rows, each at consecutive positions from its first."""
+        if not len(rows) == len(tokens) == len(positions):
+            raise ValueError(f"decode got {len(rows)} rows, {len(tokens)} tokens and {len(positions)} positions")
+        groups: list[tuple[list[int], int, torch.Tensor]] = []
+        seen: set[int] = set()
+        for i, (row, token, position) in enumerate(zip(rows, tokens, positions, strict=True)):
+            if i and row == rows[i - 1]:
+                group_tokens, first, _ = groups[-1]
+                if position != first + len(group_tokens):
+                    raise ValueError(f"row {row}'s verification rows are not at consecutive positions")
+                group_tokens.append(token)
+                continue
+            if row in seen:
+                raise ValueError(f"row {row} appears apart from its other rows in one decode step")
+            seen.add(row)
+            groups.append(([token], position, self.tables[row]))
+        return groups
 
 
 @contextlib.contextmanager

@@ -75,13 +75,15 @@ impl PyEngine {
     /// chunks over several iterations, a few layers each, within that budget (the runner's
     /// `prefill` takes layer slices; rust/engine/core.rs), except a call of one chunk of at most
     /// `whole_chunk_tokens` tokens (0: none), which runs whole. `max_draft`: speculative decoding's
-    /// most draft tokens per sequence and step (0: off; crate::speculative).
+    /// most draft tokens per sequence and step (0: off; crate::speculative), within `step_rows`
+    /// rows a step (the megakernel's: its launch's).
     #[new]
     #[pyo3(signature = (
         runner, *, sliding, window, num_blocks, vocab_size, eos_token_id=None, max_batch=8,
         max_context=4096, prefill_chunk=512, max_waiting=1024, salt=Vec::new(), check_invariants=false,
         noop_token=1, backend="reference", tokenizer_json=None, launch_ahead=false, decode_prefill_budget=None,
-        layer_sliced_prefill=false, whole_chunk_tokens=0, max_draft=0
+        layer_sliced_prefill=false, whole_chunk_tokens=0, max_draft=0,
+        step_rows=crate::gpu::step::MAX_STEP_ROWS
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -106,6 +108,7 @@ impl PyEngine {
         layer_sliced_prefill: bool,
         whole_chunk_tokens: usize,
         max_draft: usize,
+        step_rows: usize,
     ) -> PyResult<Self> {
         let grammars = match (&tokenizer_json, eos_token_id) {
             (None, _) => None,
@@ -124,7 +127,7 @@ impl PyEngine {
                 vocab_size,
                 eos_token_id,
                 max_draft,
-                step_rows: crate::gpu::step::MAX_STEP_ROWS,
+                step_rows,
             },
             kv: KvConfig { sliding, window, page_size: crate::kv::PAGE_SIZE, num_blocks, salt },
             max_waiting,

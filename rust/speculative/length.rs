@@ -8,8 +8,11 @@ pub const MAX_DRAFT: usize = 8;
 pub const FIRST_DRAFT: usize = 4;
 /// Steps in a row whose draft had nothing accepted after which a sequence stops drafting.
 pub const MISSES_TO_PAUSE: u32 = 3;
-/// Steps a paused sequence decodes without a draft before it tries one token again.
+/// Steps a paused sequence decodes without a draft before it tries one token again; doubled for
+/// every pause in a row (up to `PAUSE_STEPS << MAX_BACKOFF`) until a draft token is accepted, so
+/// that text with nothing to copy costs ever fewer verification rows.
 pub const PAUSE_STEPS: u32 = 16;
+pub const MAX_BACKOFF: u32 = 4;
 
 /// One sequence's draft length, told every step's outcome.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -17,11 +20,13 @@ pub struct DraftLength {
     next: usize,
     misses: u32,
     paused: u32,
+    /// Pauses since a draft token was last accepted.
+    pauses: u32,
 }
 
 impl Default for DraftLength {
     fn default() -> Self {
-        Self { next: FIRST_DRAFT, misses: 0, paused: 0 }
+        Self { next: FIRST_DRAFT, misses: 0, paused: 0, pauses: 0 }
     }
 }
 
@@ -44,11 +49,16 @@ impl DraftLength {
             // (a draft shorter than asked, the text having no more to copy, leaves the length as it was)
             self.next = self.next.max(drafted + 1).min(MAX_DRAFT);
             self.misses = 0;
+            self.pauses = 0;
         } else {
             self.next = accepted + 1;
             self.misses = if accepted == 0 { self.misses + 1 } else { 0 };
+            if accepted > 0 {
+                self.pauses = 0;
+            }
             if self.misses >= MISSES_TO_PAUSE {
-                *self = Self { next: 1, misses: 0, paused: PAUSE_STEPS };
+                let paused = PAUSE_STEPS << self.pauses.min(MAX_BACKOFF);
+                *self = Self { next: 1, misses: 0, paused, pauses: self.pauses + 1 };
             }
         }
     }
@@ -97,7 +107,7 @@ mod tests {
         // Every draft rejected: after MISSES_TO_PAUSE misses, PAUSE_STEPS steps without a draft,
         // then one token tried, and so on.
         let mut length = DraftLength::default();
-        let steps = 1000;
+        let steps = 5000;
         let mut rows = 0;
         let mut trace = Vec::new();
         for _ in 0..steps {
@@ -108,8 +118,13 @@ mod tests {
         }
         assert_eq!(trace[..MISSES_TO_PAUSE as usize], [FIRST_DRAFT, 1, 1]);
         assert!(trace[3..3 + PAUSE_STEPS as usize].iter().all(|&k| k == 0));
-        let per_cycle = MISSES_TO_PAUSE as usize + PAUSE_STEPS as usize;
-        assert!(rows <= FIRST_DRAFT + (steps / per_cycle + 1) * MISSES_TO_PAUSE as usize, "{rows} draft rows");
+        // The pauses double: 16, 32, 64, 128, 256, 256, ... steps between cycles of three misses.
+        let at = 3 + PAUSE_STEPS as usize;
+        assert_eq!(trace[at..at + 3], [1, 1, 1]);
+        assert!(trace[at + 3..at + 3 + 2 * PAUSE_STEPS as usize].iter().all(|&k| k == 0));
+        let cycles = MAX_BACKOFF as usize + 2 + steps / ((PAUSE_STEPS as usize) << MAX_BACKOFF);
+        assert!(rows <= FIRST_DRAFT + cycles * MISSES_TO_PAUSE as usize, "{rows} draft rows");
+        assert!(rows * 50 < steps, "{rows} draft rows over {steps} steps");
         // One accepted token ends the run of misses.
         let mut length = DraftLength::default();
         length.observe(4, 0);

@@ -50,6 +50,7 @@ class MegakernelRunner(PrefillRunner):
         prefill_chunk: int | None = None,
         kernel_masks: bool = False,
         late_masks: bool = False,
+        rows: int | None = None,
     ) -> None:
         why = megakernel_unsupported(model)
         if why is not None:
@@ -57,8 +58,11 @@ class MegakernelRunner(PrefillRunner):
         super().__init__(model, num_blocks, max_batch, max_context, fast_prefill, prefill_chunk)
         cfg, device = model.config, model.device
         self.stream = torch.cuda.Stream(device)
-        # Larger batches run as several launches, each over these buffers in turn.
-        self.rows = min(max_batch, MAX_STEP_ROWS)
+        # Rows of one launch (None: the batch's, up to MAX_STEP_ROWS); larger steps run as several
+        # launches, each over these buffers in turn.
+        self.rows = min(max_batch, MAX_STEP_ROWS) if rows is None else rows
+        if not 1 <= self.rows <= MAX_STEP_ROWS:
+            raise ValueError(f"a launch takes 1 to {MAX_STEP_ROWS} rows, not {self.rows}")
         self.slots = min(cfg.num_experts, self.rows * cfg.num_experts_per_tok)
         # Automatic attention splits never exceed one per SM (graph::Builder::attention).
         self.max_splits = torch.cuda.get_device_properties(device).multi_processor_count

@@ -204,6 +204,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the kernel waiting for them only where it samples; auto = on wherever --kernel-masks and --launch-ahead "
         "are; on needs both (default: %(default)s)",
     )
+    _auto_on_off(
+        p,
+        "--speculative",
+        "speculative decoding: verify tokens copied from a request's own text (its prompt and output so far: code "
+        "it repeats or edits) in the same decode step as its next token, so that a step may give it several "
+        "tokens; the output is token for token what decoding without drafts gives (a sampled request's seed for "
+        "seed); a request decodes without drafts while under a grammar; /metrics counts the draft tokens and "
+        "those accepted; auto = off for now (default: %(default)s)",
+    )
     p.add_argument(
         "--max-batch",
         type=_at_least(1),
@@ -404,6 +413,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         whole_chunk_tokens=args.whole_chunk_tokens,
         kernel_masks=AUTO_ON_OFF[args.kernel_masks],
         late_masks=AUTO_ON_OFF[args.late_masks],
+        speculative=args.speculative,
         progress=progress,
     )
     if args.token_healing == "on":
@@ -413,7 +423,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
     graphs = (("of fresh prompts", engine.prefill_graphs), ("after a cached prefix", engine.prefix_graphs))
     log.info(
         "engine ready: %s, %s decode, %s prefill (chunks of %d tokens, CUDA graphs %s, %d tokens an iteration "
-        "while streams decode%s), launch-ahead %s, max batch %d, context %d tokens",
+        "while streams decode%s), launch-ahead %s, max batch %d, context %d tokens, speculative decoding %s",
         name,
         engine.backend,
         engine.prefill,
@@ -424,6 +434,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         "on" if engine.launch_ahead else "off",
         engine.max_batch,
         engine.max_context,
+        f"up to {engine.max_draft} draft tokens a step" if engine.max_draft else "off",
     )
     return ServerState(
         engine,

@@ -121,6 +121,8 @@ class _EngineCollector:
                 s.prefill_tokens,
             ),
             ("mk_preemptions", "Sequences preempted.", s.preemptions),
+            ("mk_spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding).", s.draft_tokens),
+            ("mk_spec_decode_num_accepted_tokens", "Draft tokens accepted (speculative decoding).", s.accepted_tokens),
         ]
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc, labels=MODEL)

@@ -32,7 +32,7 @@ import results_table  # noqa: E402
 from cards import HBM_BYTES_PER_S, card_of  # noqa: E402
 
 # The benchmarks whose latest run is of record, by the name their records give.
-BENCHMARKS = ("decode", "yardstick", "engine", "prefill", "serve")
+BENCHMARKS = ("decode", "yardstick", "engine", "prefill", "serve", "speculative")
 # A benchmark record's keys that its entry holds otherwise (its name, the card, the rows) or not at
 # all (the machine's host name).
 RECORD_KEYS_NOT_KEPT = ("benchmark", "device", "host", "rows")

@@ -33,6 +33,9 @@ ENGINE_DECODE_BATCHES = (1, 8)
 ENGINE_DECODE_CTX = 8192
 TTFT_PROMPTS = (512, 2048, 8192)
 ADMIT_PROMPT = 32768
+# Speculative decoding's verification steps of record: (batch, draft tokens a sequence) at 8K.
+SPECULATIVE_POINTS = ((1, 4), (1, 8), (4, 3))
+SPECULATIVE_CTX = 8192
 
 
 def results_path(card: str, results_dir: Path = RESULTS_DIR) -> Path:
@@ -72,6 +75,9 @@ def _rows():
         yield f"time to first token, {_k(prompt)}-token prompt", lambda r, n=prompt: _ttft_cell(r, n)
     label = f"longest pause of a stream while a {_k(ADMIT_PROMPT)}-token prompt is admitted"
     yield label, _admit_cell
+    for batch, drafts in SPECULATIVE_POINTS:
+        label = f"verification step, batch {batch} × {_k(SPECULATIVE_CTX)}, {drafts} draft tokens a sequence"
+        yield label, lambda r, b=batch, k=drafts: _speculative_cell(r, b, k)
     yield "commit (date)", _runs_cell
 
 
@@ -116,6 +122,16 @@ def _admit_cell(results: dict) -> str:
     if isinstance(row, str):
         return row
     return NOT_MEASURED if row.get("longest_gap_ms") is None else _ms(row["longest_gap_ms"])
+
+
+def _speculative_cell(results: dict, batch: int, drafts: int) -> str:
+    """Tokens per second against the plain step's of the same run, every draft accepted and none."""
+    rows = _points(results, "speculative", batch, SPECULATIVE_CTX)
+    row = next((r for r in rows if r.get("K") == drafts and r.get("step_ms") is not None), None)
+    if row is None:
+        return DOES_NOT_FIT if any("skipped" in r for r in rows) else NOT_MEASURED
+    all_, none = row["speedup_all"], row["speedup_none"]
+    return f"{_ms(row['step_ms'])}: {all_:.2f}× the plain step all accepted, {none:.2f}× none"
 
 
 def _runs_cell(results: dict) -> str:

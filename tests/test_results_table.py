@@ -206,3 +206,21 @@ def test_a_file_that_cannot_be_recorded_is_an_error_and_nothing_is_written(tmp_p
 def test_the_commit_is_a_full_sha_and_the_date_a_day(tmp_path, commit, date):
     with pytest.raises(rr.RecordError, match="--commit|--date"):
         rr.record([engine_json(tmp_path / "engine.json")], commit, date, tmp_path / "results")
+
+
+def test_a_speculative_run_gives_its_verification_rows(tmp_path):
+    rows = [
+        {"batch": 1, "ctx": 8192, "K": 0, "step_ms": 3.0, "speedup_all": 1.0, "speedup_none": 1.0},
+        {"batch": 1, "ctx": 8192, "K": 4, "step_ms": 7.5, "speedup_all": 2.0, "speedup_none": 0.4},
+        {"batch": 4, "ctx": 8192, "K": 3, "skipped": "out of memory on this card"},
+    ]
+    path = tmp_path / "speculative.json"
+    path.write_text(json.dumps({"benchmark": "speculative", "device": "NVIDIA H100 80GB HBM3", "rows": rows}))
+    results = tmp_path / "results"
+    rr.record([path], COMMIT, "2026-12-07", results)
+    h100 = cells(rt.table(rt.load_results(results)), "H100")
+    assert h100["verification step, batch 1 × 8K, 4 draft tokens a sequence"] == (
+        "7.5 ms: 2.00× the plain step all accepted, 0.40× none"
+    )
+    assert h100["verification step, batch 1 × 8K, 8 draft tokens a sequence"] == "not measured"
+    assert h100["verification step, batch 4 × 8K, 3 draft tokens a sequence"] == "does not fit"

@@ -165,3 +165,93 @@ def test_the_healing_grammar_is_compiled_off_the_event_loop_and_sent_with_the_sh
     ((spec, thread),) = prepared
     assert spec.origin == "token healing" and thread != loop_thread
     assert submitted == [(TOK.encode(PROMPT)[:-1], spec)]
+
+
+# A prefilled answer (chat's continue_final_message, a Messages request's last assistant message):
+# the answer continues its text, healed where the text ends where a longer token could start.
+PREFILL = "Here is the function:\n"  # ends in a bare newline: healed
+ASK = [{"role": "user", "content": "Write add(a, b) in Python."}]
+
+
+# What the built-in template writes between the generation prompt (thinking closed) and an answer's text.
+START_RESPONSE = "<|START_RESPONSE|>"
+
+
+def continued_prompt_ids() -> list[int]:
+    """The prompt of ASK answered from PREFILL: the conversation's generation prompt (thinking
+    closed, as both routes below send it), the response's start and the prefill's text."""
+    from mk.server.chat import render_prompt
+    from mk.server.schemas import ChatRequest
+
+    plain = ChatRequest(messages=ASK, chat_template_kwargs={"enable_thinking": False})
+    text, _ = render_prompt(plain, TOK)
+    return TOK.encode(text + START_RESPONSE + PREFILL, add_special_tokens=False)
+
+
+def test_a_continued_message_renders_as_the_generation_prompt_and_its_text():
+    from mk.server.chat import render_prompt
+    from mk.server.errors import APIError
+    from mk.server.schemas import ChatRequest
+
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}, "continue_final_message": True}
+    for prefill in (PREFILL, "N", "<|END_OF_TURN"):  # (text the template writes around it too)
+        req = ChatRequest(messages=[*ASK, {"role": "assistant", "content": prefill}], **kwargs)
+        plain = ChatRequest(messages=ASK, chat_template_kwargs={"enable_thinking": False})
+        assert render_prompt(req, TOK)[0] == render_prompt(plain, TOK)[0] + START_RESPONSE + prefill
+    for messages, says in [
+        (ASK, "to be the assistant's"),
+        ([*ASK, {"role": "assistant", "content": ""}], "to have text"),
+        (
+            [*ASK, {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]}],
+            "calls tools",
+        ),
+    ]:
+        with pytest.raises(APIError, match=says):
+            render_prompt(ChatRequest(messages=messages, **kwargs), TOK)
+
+
+def test_a_prefilled_answer_continues_its_text_healed_on_both_routes(server, client):
+    import httpx
+
+    expected, removed = healed_greedy_reference(continued_prompt_ids(), 12)
+    assert removed == "\n"
+    want = TOK.decode(upto_eos(expected), skip_special_tokens=True)[len(removed) :]
+    body = {
+        "model": NAME,
+        "max_tokens": 12,
+        "temperature": 0,
+        "messages": [*ASK, {"role": "assistant", "content": PREFILL}],
+    }
+    r = httpx.post(server.url + "/v1/messages", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert "".join(b["text"] for b in out["content"] if b["type"] == "text") == want
+    assert out["usage"]["input_tokens"] == len(continued_prompt_ids())
+    chat = client.chat.completions.create(
+        model=NAME,
+        messages=[*ASK, {"role": "assistant", "content": PREFILL}],
+        max_tokens=12,
+        temperature=0,
+        extra_body={"continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert chat.choices[0].message.content == want
+    # An empty last assistant message asks for an answer as if it were not there.
+    empty = {**body, "messages": [*ASK, {"role": "assistant", "content": ""}]}
+    r = httpx.post(server.url + "/v1/messages", json=empty, timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["input_tokens"] < len(continued_prompt_ids())
+
+
+def test_a_prefilled_answer_is_not_healed_where_the_server_does_not_heal(off_server):
+    import httpx
+
+    ids = continued_prompt_ids()
+    want = TOK.decode(upto_eos(greedy_reference(ids, 12)), skip_special_tokens=True)
+    body = {
+        "model": NAME,
+        "max_tokens": 12,
+        "temperature": 0,
+        "messages": [*ASK, {"role": "assistant", "content": PREFILL}],
+    }
+    r = httpx.post(off_server.url + "/v1/messages", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert "".join(b["text"] for b in r.json()["content"] if b["type"] == "text") == want

@@ -329,7 +329,11 @@ ASKED = [*USER, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1
             },
             "t9",
         ),
-        ({"max_tokens": 8, "messages": [*USER, {"role": "assistant", "content": "Sure"}]}, "prefilled"),
+        ({"max_tokens": 8, "messages": ASKED, "tools": TOOLS}, "prefilled answer"),
+        (
+            {"max_tokens": 8, "messages": [*USER, {"role": "assistant", "content": "Sure"}], "thinking": THINKING_ON},
+            "prefilled answer",
+        ),
         ({"max_tokens": 8, "messages": [*ASKED, *USER], "tools": TOOLS[:1]}, "'now' names no tool"),
         ({"max_tokens": 8, "messages": USER, "tool_choice": {"type": "any"}}, "no tools"),
         ({"max_tokens": 8, "messages": USER, "tools": TOOLS, "tool_choice": {"type": "tool"}}, "tool_choice.name"),

@@ -250,8 +250,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="on",
         help="on /v1/completions, back a text prompt that ends where a longer token could start (a bare newline, "
         "say) up by its last token or two and hold the completion to begin with their text, which the returned "
-        "text leaves out; not for requests with a grammar of their own or ignore_eos, nor token-id prompts; "
-        "a request's token_healing field overrides it (default: %(default)s)",
+        "text leaves out; the same for a prefilled chat answer (a Messages request's last assistant message, "
+        "chat's continue_final_message); not for requests with a grammar of their own or ignore_eos, nor "
+        "token-id prompts; a completion request's token_healing field overrides it (default: %(default)s)",
     )
     p.add_argument(
         "--max-waiting",

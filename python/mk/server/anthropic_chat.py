@@ -11,8 +11,10 @@ tool_choice auto, any, tool and none are "auto", "required", the named function 
 on, as in Anthropic's API: off, the template's generation prompt closes the thinking block.
 
 The tool_use/tool_result linkage is checked here, in Anthropic's terms (every tool_use answered by a
-tool_result in the very next message); a last message from the assistant (a prefilled answer for the
-model to continue) is refused.
+tool_result in the very next message). A last message from the assistant is a prefilled answer: the
+model continues its text (the chat request's `continue_final_message`), and the answer leaves it out,
+as in Anthropic's API; one that is empty asks for an answer as if it were not there, and one with a
+tool_use block, or beside thinking, is refused.
 """
 
 from __future__ import annotations
@@ -37,10 +39,14 @@ def chat_request(req: CountTokensRequest) -> ChatRequest:
     messages = [{"role": "system", "content": _text(req.system)}] if req.system else []
     messages += _conversation(req.messages, tool_names if req.tools else None)
     thinking = req.thinking is not None and req.thinking.type != "disabled"
+    prefilled = messages[-1]["role"] == "assistant"
+    if prefilled and thinking:
+        raise bad_request("a prefilled answer (a last message from the assistant) cannot go with thinking", "thinking")
     chat: dict[str, Any] = {
         "messages": messages,
         "include_reasoning": thinking,
         "chat_template_kwargs": {} if thinking else {"enable_thinking": False},
+        "continue_final_message": prefilled,
     }
     if req.tools:
         chat["tools"] = [
@@ -84,21 +90,22 @@ def _text(blocks: list[TextBlock]) -> str:
 
 
 def _conversation(messages: list[AnthropicMessage], tool_names: set[str] | None) -> list[dict[str, Any]]:
-    """Chat messages of the Anthropic ones; 400 for a block in the wrong role, a tool_use of no offered
-    tool, a tool_use left unanswered by the next message, a tool_result that answers none of the
-    previous message's, or a final assistant message."""
+    """Chat messages of the Anthropic ones (an empty final assistant message left out); 400 for a
+    block in the wrong role, a tool_use of no offered tool, a tool_use left unanswered by the next
+    message, a tool_result that answers none of the previous message's, or a final assistant message
+    that is not text alone."""
     out: list[dict[str, Any]] = []
     unanswered: list[str] = []  # tool_use ids of the previous assistant message not yet answered
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if m.role == "assistant":
+            message = _assistant(m, where, tool_names)
             if i == len(messages) - 1:
-                raise bad_request(
-                    f"{where}: the last message must be the user's (continuing a prefilled assistant "
-                    "message is not supported)",
-                    "messages",
-                )
-            out.append(_assistant(m, where, tool_names))
+                if set(message) != {"role", "content"}:
+                    raise bad_request(f"{where}: a prefilled answer (the last message) holds text blocks only", where)
+                if not message["content"]:
+                    continue
+            out.append(message)
             unanswered = [c["id"] for c in out[-1].get("tool_calls", [])]
             continue
         texts = []

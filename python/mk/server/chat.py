@@ -37,13 +37,49 @@ def build_prompt(
 
 
 def render_prompt(req: ChatRequest, tokenizer: Tokenizer, past_calls_need_tools: bool = True) -> tuple[str, ToolPolicy]:
-    """The chat request's prompt text, not yet tokenized, and what its tools allow (render_chat)."""
+    """The chat request's prompt text, not yet tokenized, and what its tools allow (render_chat). With
+    `continue_final_message`, the text ends with the last (assistant) message's text: the answer
+    continues it."""
     kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort == "none":
         kwargs.setdefault("enable_thinking", False)
-    return render_chat(
-        tokenizer, req.messages, req.tools, req.tool_choice, kwargs, past_calls_need_tools=past_calls_need_tools
+    if not req.continue_final_message:
+        return render_chat(
+            tokenizer, req.messages, req.tools, req.tool_choice, kwargs, past_calls_need_tools=past_calls_need_tools
+        )
+    prefill = continued_text(req.messages)
+    text, policy = render_chat(
+        tokenizer, req.messages, req.tools, req.tool_choice, kwargs, False, past_calls_need_tools
     )
+    # Where the template writes the message's text: rendered once more with a marker for it (the
+    # text itself may also occur in what the template writes around it).
+    marked = [*req.messages[:-1], req.messages[-1].model_copy(update={"content": _CONTINUE_HERE})]
+    at = render_chat(tokenizer, marked, req.tools, req.tool_choice, kwargs, False, past_calls_need_tools)[0].rfind(
+        _CONTINUE_HERE
+    )
+    if at < 0 or text[at : at + len(prefill)] != prefill:
+        raise bad_request("the chat template does not write the final message's text as it is", "messages")
+    return text[: at + len(prefill)], policy
+
+
+_CONTINUE_HERE = "\x00mk: the continued message's text\x00"
+
+
+def continued_text(messages: list[Message]) -> str:
+    """The text of the assistant message a continued answer starts from (`continue_final_message`);
+    400 where the last message is not one the answer can continue."""
+    last = messages[-1]
+    where = f"messages[{len(messages) - 1}]"
+    if last.role != "assistant":
+        raise bad_request(
+            f"continue_final_message needs the last message to be the assistant's, not {last.role!r}", where
+        )
+    if last.tool_calls:
+        raise bad_request(f"{where}: an answer cannot continue an assistant message that calls tools", where)
+    prefill = _text(last.content)
+    if not prefill:
+        raise bad_request(f"{where}: continue_final_message needs the assistant message to have text", where)
+    return prefill
 
 
 def render_chat(

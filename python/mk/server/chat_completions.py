@@ -13,6 +13,7 @@ from mk.server.errors import APIError, bad_request, error_body
 from mk.server.generate import (
     ChoiceRun,
     collect,
+    continued,
     gather_all,
     note,
     start_runs,
@@ -42,11 +43,13 @@ async def chat_completions(state: ServerState, body: bytes, info: dict) -> dict 
     req, prompt = prepared.req, prepared.prompt
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     rid = "chatcmpl-" + info["id"]
-    requests = [
-        (prompt.token_ids, sampling_params(req, prepared.max_tokens, i, logprobs, prepared.grammar))
-        for i in range(req.n)
-    ]
-    runs = start_runs(state, requests, rid, req.stop, arrival, keep_special=MARKERS)
+    requests, healed = [], []
+    for i in range(req.n):
+        params = sampling_params(req, prepared.max_tokens, i, logprobs, prepared.grammar)
+        ids, params, removed = continued(state, prompt.token_ids, params, req.continue_final_message)
+        requests.append((ids, params))
+        healed.append(removed)
+    runs = start_runs(state, requests, rid, req.stop, arrival, keep_special=MARKERS, healed=healed)
     state.metrics.count_prompt(len(prompt.token_ids) * req.n)
     info["prompt_tokens"] = len(prompt.token_ids)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name}

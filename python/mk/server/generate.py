@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mk.engine_api import AsyncEngine, EngineClosed, EngineFull, PromptTooLong, RequestStream
-from mk.healing import HealedText
+from mk.healing import HealedText, heal
 from mk.sampling import SamplingError, SamplingParams
 from mk.server.errors import APIError, bad_request
 from mk.server.metrics import ABORT, Metrics
@@ -193,6 +193,19 @@ async def gather_all(coros: list) -> list:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def continued(
+    state: ServerState, ids: list[int], params: SamplingParams, prefilled: bool
+) -> tuple[list[int], SamplingParams, str]:
+    """A chat prompt's ids and params as the engine gets them, and the text healing removed from it:
+    a prefilled answer (`continue_final_message`) is a text prompt that may end inside a token, healed
+    as completions' prompts are (mk.healing) where the server heals; any other as it is."""
+    if prefilled and state.token_healing:
+        healing = heal(state.tokenizer, ids, params)
+        if healing is not None:
+            return healing.prompt, healing.params(params), healing.removed
+    return ids, params, ""
 
 
 def start_runs(

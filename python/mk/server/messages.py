@@ -18,7 +18,7 @@ from mk.server.anthropic_chat import chat_request
 from mk.server.anthropic_schemas import IGNORED_FIELDS, CountTokensRequest, MessagesRequest
 from mk.server.chat import ChatPrompt, build_prompt, render_prompt
 from mk.server.errors import APIError, anthropic_error_body
-from mk.server.generate import ChoiceRun, collect, note, start_runs
+from mk.server.generate import ChoiceRun, collect, continued, note, start_runs
 from mk.server.http import parse_json
 from mk.server.params import check_grammars, max_new_tokens, prepared_constraint, sampling_params
 from mk.server.schemas import ChatRequest, validate
@@ -44,7 +44,8 @@ async def messages(state: ServerState, body: bytes, info: dict) -> dict | AsyncI
     chat, prompt = prepared.chat, prepared.prompt
     rid = MESSAGE_ID_PREFIX + info["id"]
     params = sampling_params(chat, prepared.max_tokens, 0, None, prepared.grammar)
-    (run,) = start_runs(state, [(prompt.token_ids, params)], rid, chat.stop, arrival, keep_special=MARKERS)
+    ids, params, removed = continued(state, prompt.token_ids, params, chat.continue_final_message)
+    (run,) = start_runs(state, [(ids, params)], rid, chat.stop, arrival, keep_special=MARKERS, healed=[removed])
     state.metrics.count_prompt(len(prompt.token_ids))
     info["prompt_tokens"] = len(prompt.token_ids)
     head = {"id": rid, "type": "message", "role": "assistant", "model": state.model_name}

@@ -32,7 +32,7 @@ IGNORED_FIELDS = frozenset(
 # mk): accepted at the value that means what mk does anyway, refused at any other.
 NEUTRAL_EXTENSIONS = {
     "no_stop_trim": False,
-    "continue_final_message": False,
+    "continue_final_message": False,  # (a chat request's own field: ChatRequest)
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "separate_reasoning": True,
@@ -237,6 +237,9 @@ class ChatRequest(_Sampling):
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's: the last message is the assistant's and the answer continues it (a prefilled answer)
+    # instead of starting a new one; the answer's text leaves the prefill out.
+    continue_final_message: bool = False
 
 
 class TokenizeRequest(_Body):
@@ -276,7 +279,7 @@ def validate(model: type, obj: Any, ignored: frozenset[str] = IGNORED_FIELDS) ->
     for name in obj:
         if name in REFUSED_FIELDS:
             raise bad_request(REFUSED_FIELDS[name], name)
-        if name in NEUTRAL_EXTENSIONS and obj[name] is not NEUTRAL_EXTENSIONS[name]:
+        if name in NEUTRAL_EXTENSIONS and name not in model.model_fields and obj[name] is not NEUTRAL_EXTENSIONS[name]:
             raise bad_request(
                 f"{name}={json.dumps(obj[name])} is not supported (only {json.dumps(NEUTRAL_EXTENSIONS[name])})", name
             )

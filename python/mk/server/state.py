@@ -29,7 +29,8 @@ class ServerState:
     # Browser origins allowed to call the API (CORS; "*" allows any); empty: no CORS headers at all.
     allowed_origins: frozenset[str] = frozenset()
     stats_interval: float = 5.0
-    # Heal text prompts of /v1/completions (mk.healing) unless a request's `token_healing` says otherwise.
+    # Heal text prompts of /v1/completions (mk.healing) unless a request's `token_healing` says otherwise,
+    # and prefilled chat answers (`continue_final_message`, a Messages request's last assistant message).
     token_healing: bool = True
     metrics: Metrics = field(init=False)
     offload: Offload = field(init=False, default_factory=Offload)  # parsing, templating, tokenizing

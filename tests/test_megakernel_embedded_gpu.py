@@ -35,14 +35,19 @@ PROMPTS = [
 ]
 
 
-def test_512_greedy_tokens_follow_the_reference_where_it_is_not_tied():
+def follow_the_reference(prompts: list[str], max_batch: int, **engine_options) -> None:
+    """NEW_TOKENS greedy tokens of each prompt on the megakernel, submitted 20 ms apart, checked
+    teacher-forced against the reference (the module's docstring)."""
     gpu_model, tok = load_default(device="cuda", dtype=torch.bfloat16)
     cpu_model, _ = load_default(device="cpu", dtype=torch.float32)
     requests = [
         (0.02 * i, tok.encode(p), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
-        for i, p in enumerate(PROMPTS)
+        for i, p in enumerate(prompts)
     ]
-    with Engine(gpu_model, backend="megakernel", max_batch=4, max_context=2048, kv_blocks=512) as e:
+    blocks = 128 * len(prompts)
+    with Engine(
+        gpu_model, backend="megakernel", max_batch=max_batch, max_context=2048, kv_blocks=blocks, **engine_options
+    ) as e:
         assert e.backend == "megakernel"
         results = run(e, requests)
     checked = disagreements = 0
@@ -63,6 +68,25 @@ def test_512_greedy_tokens_follow_the_reference_where_it_is_not_tied():
         checked += NEW_TOKENS
         disagreements += len(differ)
     assert disagreements <= 0.02 * checked, f"{disagreements} of {checked} tokens were near-tie flips"
+
+
+def test_512_greedy_tokens_follow_the_reference_where_it_is_not_tied():
+    follow_the_reference(PROMPTS, max_batch=4)
+
+
+def test_a_batch_of_one_whole_launch_follows_the_reference():
+    """16 rows: the wide megakernel image (two n-tiles of 8 rows) on this model's geometry, which a
+    batch of 4 never reaches (verification rows of drafts do)."""
+    variants = [p.replace("def ", "def my_") for p in PROMPTS] + [p + "\n" for p in PROMPTS]
+    follow_the_reference(PROMPTS + variants + PROMPTS[:4], max_batch=16)
+
+
+@pytest.mark.parametrize("step_rows", [8, 16])
+def test_greedy_tokens_with_drafts_follow_the_reference(monkeypatch, step_rows):
+    """Speculative decoding at batch 4, its verification rows within one narrow launch (8 rows) or
+    one wide one (16)."""
+    monkeypatch.setattr("mk.engine.MAX_STEP_ROWS", step_rows)
+    follow_the_reference(PROMPTS, max_batch=4, speculative="on")
 
 
 def test_drafts_change_no_greedy_token_and_are_accepted():

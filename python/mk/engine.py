@@ -580,25 +580,24 @@ def _blocks_in(model: Model, nbytes: int) -> int:
 
 
 def _fitting_context(cfg, blocks: int, chunk: int, context: int, fit: bool, plan: memory.MemoryPlan | None) -> int:
-    """`context`, or with `fit` the longest a pool of `blocks` holds up to it; raises
-    MemoryPlanError, naming the longest that fits, where one `context`-token sequence does not."""
-    if memory.blocks_needed(cfg, context, chunk) <= blocks:
-        return context
-    largest = memory.largest_context(cfg, blocks, chunk, context)
-    if fit and largest >= 2:
-        return largest
-    if plan is None:  # (a pool of kv_blocks or kv_bytes, or the CPU's)
-        more, where = "give the KV pool more blocks (kv_blocks, kv_bytes)", ""
-    else:
-        more, where = "raise gpu_memory_utilization (--gpu-memory-utilization)", f" ({plan.describe(largest)})"
-    if largest < 2:
-        less = (
-            ""
-            if plan is None
-            else ", or give the prefill less memory (a smaller --prefill-chunk, --prefill-graphs off)"
+    """`context`, or with `fit` the longest a pool of `blocks` holds up to it (memory.fitting_context);
+    the error names the longest that fits and what would make room."""
+
+    def explain(largest: int) -> str:
+        if plan is None:  # (a pool of kv_blocks or kv_bytes, or the CPU's)
+            more, where = "give the KV pool more blocks (kv_blocks, kv_bytes)", ""
+        else:
+            more, where = "raise gpu_memory_utilization (--gpu-memory-utilization)", f" ({plan.describe(largest)})"
+        if largest < 2:
+            less = (
+                ""
+                if plan is None
+                else ", or give the prefill less memory (a smaller --prefill-chunk, --prefill-graphs off)"
+            )
+            return f"no KV cache fits{where}: {more}{less}"
+        return (
+            f"a context of {context} tokens does not fit the KV pool of {blocks} blocks{where}: the longest that "
+            f"fits is {largest} tokens (--max-context {largest}), or {more}"
         )
-        raise memory.MemoryPlanError(f"no KV cache fits{where}: {more}{less}")
-    raise memory.MemoryPlanError(
-        f"a context of {context} tokens does not fit the KV pool of {blocks} blocks{where}: the longest that "
-        f"fits is {largest} tokens (--max-context {largest}), or {more}"
-    )
+
+    return memory.fitting_context(cfg, blocks, chunk, context, fit, explain)

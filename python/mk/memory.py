@@ -130,17 +130,30 @@ def context_ceiling(
     not after a warm-up whose passes after the longest prefix grow with the context."""
     budget = kv_budget(total, utilization, in_use, 0)
     blocks = _native.kv_pool_blocks(budget, cfg.num_key_value_heads, cfg.head_dim, elem_bytes)
+
+    def explain(largest: int) -> str:
+        return (
+            f"a context of {context} tokens cannot fit: {utilization:g} of the card's {total / GiB:.1f} GiB, with "
+            f"{in_use / GiB:.1f} GiB in use (the weights, the CUDA context and others' memory), holds at most "
+            f"{largest} tokens of one sequence even were it all KV cache: ask for less (--max-context), or raise "
+            "--gpu-memory-utilization"
+        )
+
+    return fitting_context(cfg, blocks, chunk, context, fit, explain)
+
+
+def fitting_context(
+    cfg: ModelConfig, blocks: int, chunk: int, context: int, fit: bool, explain: Callable[[int], str]
+) -> int:
+    """`context` where one sequence of it fits `blocks` (prefilled in chunks of `chunk`), else with
+    `fit` the longest that does (at least 2 tokens); else a MemoryPlanError saying `explain(the
+    longest that fits)`."""
     if blocks_needed(cfg, context, chunk) <= blocks:
         return context
     largest = largest_context(cfg, blocks, chunk, context)
     if fit and largest >= 2:
         return largest
-    raise MemoryPlanError(
-        f"a context of {context} tokens cannot fit: {utilization:g} of the card's {total / GiB:.1f} GiB, with "
-        f"{in_use / GiB:.1f} GiB in use (the weights, the CUDA context and others' memory), holds at most "
-        f"{largest} tokens of one sequence even were it all KV cache: ask for less (--max-context), or raise "
-        "--gpu-memory-utilization"
-    )
+    raise MemoryPlanError(explain(largest))
 
 
 def measure(

@@ -11,9 +11,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from mk.sampling import ConstraintSpec
 from mk.server.errors import bad_request
-from mk.server.params import encode_prompt
+from mk.server.params import encode_prompt, max_new_tokens, prepared_constraint
 from mk.server.schemas import ChatRequest, Message, NamedToolChoice, Tool
+from mk.server.state import ServerState
 from mk.tokenizer import TemplateError, Tokenizer
 from mk.toolcalls import START_THINKING, ToolPolicy
 
@@ -23,6 +25,26 @@ class ChatPrompt:
     token_ids: list[int]
     thinking: bool  # the prompt opened a thinking block: the model starts by reasoning
     policy: ToolPolicy
+
+
+@dataclass(slots=True)
+class PreparedChat:
+    """A chat request ready for the engine (the chat, Messages and Responses routes each make one of
+    theirs): its prompt, its token budget and its grammar (tool calls, structured output)."""
+
+    req: ChatRequest
+    prompt: ChatPrompt
+    max_tokens: int
+    grammar: ConstraintSpec | None
+
+
+def prepare_chat(state: ServerState, req: ChatRequest, past_calls_need_tools: bool = True) -> PreparedChat:
+    """`req` (whose grammar inputs were checked: params.check_grammars) rendered and tokenized, its
+    budget and grammar; 400 for what cannot be (on a thread of mk.server.offload: for a long
+    conversation this takes seconds). `past_calls_need_tools` as render_chat's."""
+    prompt = build_prompt(req, state.tokenizer, state.engine.max_context, past_calls_need_tools)
+    max_tokens = max_new_tokens(req, len(prompt.token_ids), state.engine.max_context)
+    return PreparedChat(req, prompt, max_tokens, prepared_constraint(state, req, prompt.thinking))
 
 
 def build_prompt(

@@ -4,37 +4,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
-from mk.sampling import ConstraintSpec
-from mk.server.chat import ChatPrompt, build_prompt
+from mk.server.chat import ChatPrompt, PreparedChat, prepare_chat
 from mk.server.errors import APIError, bad_request, error_body
 from mk.server.generate import (
     ChoiceRun,
     collect,
-    continued,
     gather_all,
     note,
-    start_runs,
+    start_chat,
     stream_choices,
     usage,
     with_usage,
 )
 from mk.server.http import parse_json
 from mk.server.logprobs import chat_logprobs
-from mk.server.params import max_new_tokens, parse_request, prepared_constraint, sampling_params
+from mk.server.params import parse_request
 from mk.server.schemas import ChatRequest
 from mk.server.state import ServerState
-from mk.toolcalls import MARKERS, Cmd4Stream, ContentTokens, Delta, ToolCallError, parse
-
-
-@dataclass(slots=True)
-class _Prepared:
-    req: ChatRequest
-    prompt: ChatPrompt
-    max_tokens: int
-    grammar: ConstraintSpec | None
+from mk.toolcalls import Cmd4Stream, ContentTokens, Delta, ToolCallError, parse
 
 
 async def chat_completions(state: ServerState, body: bytes, info: dict) -> dict | AsyncIterator:
@@ -43,15 +32,7 @@ async def chat_completions(state: ServerState, body: bytes, info: dict) -> dict 
     req, prompt = prepared.req, prepared.prompt
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     rid = "chatcmpl-" + info["id"]
-    requests, healed = [], []
-    for i in range(req.n):
-        params = sampling_params(req, prepared.max_tokens, i, logprobs, prepared.grammar)
-        ids, params, removed = continued(state, prompt.token_ids, params, req.continue_final_message)
-        requests.append((ids, params))
-        healed.append(removed)
-    runs = start_runs(state, requests, rid, req.stop, arrival, keep_special=MARKERS, healed=healed)
-    state.metrics.count_prompt(len(prompt.token_ids) * req.n)
-    info["prompt_tokens"] = len(prompt.token_ids)
+    runs = start_chat(state, prepared, rid, arrival, info, logprobs)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name}
     if req.stream:
         return _stream(state, req, prompt, runs, head, info)
@@ -60,15 +41,12 @@ async def chat_completions(state: ServerState, body: bytes, info: dict) -> dict 
     return {**head, "choices": choices, "usage": usage(len(prompt.token_ids), runs)}
 
 
-def _prepare(state: ServerState, body: bytes) -> _Prepared:
-    """The request from its body, its conversation rendered and tokenized, its budget and grammar (on a
-    thread of mk.server.offload: for a long conversation this takes seconds)."""
+def _prepare(state: ServerState, body: bytes) -> PreparedChat:
+    """The request from its body, prepared (chat.prepare_chat; on a thread of mk.server.offload)."""
     req = parse_request(ChatRequest, parse_json(body), state)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    prompt = build_prompt(req, state.tokenizer, state.engine.max_context)
-    max_tokens = max_new_tokens(req, len(prompt.token_ids), state.engine.max_context)
-    return _Prepared(req, prompt, max_tokens, prepared_constraint(state, req, prompt.thinking))
+    return prepare_chat(state, req)
 
 
 async def _collect(state: ServerState, req: ChatRequest, prompt: ChatPrompt, run: ChoiceRun) -> dict[str, Any]:

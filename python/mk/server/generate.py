@@ -8,16 +8,21 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mk.engine_api import AsyncEngine, EngineClosed, EngineFull, PromptTooLong, RequestStream
 from mk.healing import HealedText, heal
 from mk.sampling import SamplingError, SamplingParams
 from mk.server.errors import APIError, bad_request
 from mk.server.metrics import ABORT, Metrics
+from mk.server.params import sampling_params
 from mk.server.state import ServerState
 from mk.textstream import Detokenizer, StopMatcher
 from mk.tokenizer import Tokenizer
+from mk.toolcalls import MARKERS
+
+if TYPE_CHECKING:
+    from mk.server.chat import PreparedChat
 
 
 def submit(engine: AsyncEngine, prompt: list[int], params: SamplingParams, request_id: str) -> RequestStream:
@@ -206,6 +211,24 @@ def continued(
         if healing is not None:
             return healing.prompt, healing.params(params), healing.removed
     return ids, params, ""
+
+
+def start_chat(
+    state: ServerState, chat: PreparedChat, rid: str, arrival: float, info: dict, logprobs: int | None = None
+) -> list[ChoiceRun]:
+    """A prepared chat's runs, one per choice (`n`), its prompt counted (`info["prompt_tokens"]`, the
+    metrics'); a prefilled answer healed (`continued`)."""
+    req, ids = chat.req, chat.prompt.token_ids
+    requests, healed = [], []
+    for i in range(req.n):
+        params = sampling_params(req, chat.max_tokens, i, logprobs, chat.grammar)
+        prompt, params, removed = continued(state, ids, params, req.continue_final_message)
+        requests.append((prompt, params))
+        healed.append(removed)
+    runs = start_runs(state, requests, rid, req.stop, arrival, keep_special=MARKERS, healed=healed)
+    state.metrics.count_prompt(len(ids) * req.n)
+    info["prompt_tokens"] = len(ids)
+    return runs
 
 
 def start_runs(

@@ -10,46 +10,31 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
-from mk.sampling import ConstraintSpec
 from mk.server.anthropic_chat import chat_request
 from mk.server.anthropic_schemas import IGNORED_FIELDS, CountTokensRequest, MessagesRequest
-from mk.server.chat import ChatPrompt, build_prompt, render_prompt
+from mk.server.chat import ChatPrompt, PreparedChat, prepare_chat, render_prompt
 from mk.server.errors import APIError, anthropic_error_body
-from mk.server.generate import ChoiceRun, collect, continued, note, start_runs
+from mk.server.generate import ChoiceRun, collect, note, start_chat
 from mk.server.http import parse_json
-from mk.server.params import check_grammars, max_new_tokens, prepared_constraint, sampling_params
-from mk.server.schemas import ChatRequest, validate
+from mk.server.params import check_grammars
+from mk.server.schemas import validate
 from mk.server.state import ServerState
-from mk.toolcalls import MARKERS, Cmd4Stream, Delta, ToolCallError, parse
+from mk.toolcalls import Cmd4Stream, Delta, ToolCallError, parse
 
 MESSAGE_ID_PREFIX = "msg_"
 TOOL_USE_ID_PREFIX = "toolu_"  # in place of the chat route's "call_"
 
 
-@dataclass(slots=True)
-class _Prepared:
-    req: MessagesRequest
-    chat: ChatRequest
-    prompt: ChatPrompt
-    max_tokens: int
-    grammar: ConstraintSpec | None
-
-
 async def messages(state: ServerState, body: bytes, info: dict) -> dict | AsyncIterator:
     arrival = time.monotonic()
-    prepared = await state.offload.run(len(body), _prepare, state, body)
-    chat, prompt = prepared.chat, prepared.prompt
+    req, prepared = await state.offload.run(len(body), _prepare, state, body)
+    chat, prompt = prepared.req, prepared.prompt
     rid = MESSAGE_ID_PREFIX + info["id"]
-    params = sampling_params(chat, prepared.max_tokens, 0, None, prepared.grammar)
-    ids, params, removed = continued(state, prompt.token_ids, params, chat.continue_final_message)
-    (run,) = start_runs(state, [(ids, params)], rid, chat.stop, arrival, keep_special=MARKERS, healed=[removed])
-    state.metrics.count_prompt(len(prompt.token_ids))
-    info["prompt_tokens"] = len(prompt.token_ids)
+    (run,) = start_chat(state, prepared, rid, arrival, info)
     head = {"id": rid, "type": "message", "role": "assistant", "model": state.model_name}
-    if prepared.req.stream:
+    if req.stream:
         return _stream(prompt, chat.include_reasoning, run, head, info)
     got = await collect(run)
     note(info, [run])
@@ -79,15 +64,13 @@ def _parse(cls: type, state: ServerState, body: bytes) -> Any:
     return req
 
 
-def _prepare(state: ServerState, body: bytes) -> _Prepared:
-    """The request, its chat request rendered and tokenized, its budget and grammar (on a thread of
-    mk.server.offload, as the chat route's)."""
+def _prepare(state: ServerState, body: bytes) -> tuple[MessagesRequest, PreparedChat]:
+    """The request and its chat request prepared (chat.prepare_chat; on a thread of mk.server.offload,
+    as the chat route's)."""
     req = _parse(MessagesRequest, state, body)
     chat = chat_request(req)
     check_grammars(chat)
-    prompt = build_prompt(chat, state.tokenizer, state.engine.max_context)
-    max_tokens = max_new_tokens(chat, len(prompt.token_ids), state.engine.max_context)
-    return _Prepared(req, chat, prompt, max_tokens, prepared_constraint(state, chat, prompt.thinking))
+    return req, prepare_chat(state, chat)
 
 
 def _count_tokens(state: ServerState, body: bytes) -> dict[str, int]:

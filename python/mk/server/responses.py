@@ -20,12 +20,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from mk.sampling import ConstraintSpec
-from mk.server.chat import ChatPrompt, build_prompt, render_prompt
+from mk.server.chat import PreparedChat, prepare_chat, render_prompt
 from mk.server.errors import APIError, bad_request
-from mk.server.generate import ChoiceRun, collect, note, start_runs
+from mk.server.generate import ChoiceRun, collect, note, start_chat
 from mk.server.http import dumps, parse_json
-from mk.server.params import check_grammars, max_new_tokens, prepared_constraint, sampling_params
+from mk.server.params import check_grammars
 from mk.server.responses_chat import carried_output, chat_request, in_responses_terms
 from mk.server.responses_schemas import (
     IGNORED_FIELDS,
@@ -35,9 +34,9 @@ from mk.server.responses_schemas import (
     ResponsesRequest,
 )
 from mk.server.responses_store import MAX_RESPONSES, StoredResponse
-from mk.server.schemas import ChatRequest, validate
+from mk.server.schemas import validate
 from mk.server.state import ServerState
-from mk.toolcalls import END_THINKING, MARKERS, Cmd4Stream, Delta, ToolCallError
+from mk.toolcalls import END_THINKING, Cmd4Stream, Delta, ToolCallError
 
 log = logging.getLogger("mk.server")
 R = TypeVar("R", bound=InputTokensRequest)
@@ -52,25 +51,18 @@ DEFAULT_TEMPERATURE = DEFAULT_TOP_P = 1.0
 @dataclass(slots=True)
 class _Prepared:
     req: ResponsesRequest
-    chat: ChatRequest
-    prompt: ChatPrompt
-    max_tokens: int
-    grammar: ConstraintSpec | None
+    chat: PreparedChat
     conversation: tuple  # the input items of the whole conversation, the earlier turns' included
 
 
 async def responses(state: ServerState, body: bytes, info: dict) -> dict | AsyncIterator:
     arrival = time.monotonic()
     prepared = await state.offload.run(len(body), _prepare, state, body)
-    chat, prompt = prepared.chat, prepared.prompt
     rid = RESPONSE_ID_PREFIX + info["id"]
-    params = sampling_params(chat, prepared.max_tokens, 0, None, prepared.grammar)
     try:
-        (run,) = start_runs(state, [(prompt.token_ids, params)], rid, chat.stop, arrival, keep_special=MARKERS)
+        (run,) = start_chat(state, prepared.chat, rid, arrival, info)
     except APIError as e:
         raise in_responses_terms(e) from None
-    state.metrics.count_prompt(len(prompt.token_ids))
-    info["prompt_tokens"] = len(prompt.token_ids)
     answer = _Answer(state, prepared, rid, run, len(body))
     if prepared.req.stream:
         return answer.events(info)
@@ -110,12 +102,10 @@ def _prepare(state: ServerState, body: bytes) -> _Prepared:
     try:
         chat = chat_request(req, earlier)
         check_grammars(chat)
-        prompt = build_prompt(chat, state.tokenizer, state.engine.max_context, past_calls_need_tools=False)
-        max_tokens = max_new_tokens(chat, len(prompt.token_ids), state.engine.max_context)
-        grammar = prepared_constraint(state, chat, prompt.thinking)
+        prepared = prepare_chat(state, chat, past_calls_need_tools=False)
     except APIError as e:
         raise in_responses_terms(e) from None
-    return _Prepared(req, chat, prompt, max_tokens, grammar, (*earlier, *req.input))
+    return _Prepared(req, prepared, (*earlier, *req.input))
 
 
 def _count_input_tokens(state: ServerState, body: bytes) -> dict[str, Any]:
@@ -160,7 +150,7 @@ class _Answer:
         self.run = run
         self.body_bytes = body_bytes
         self.created_at = int(time.time())
-        self.parser = Cmd4Stream(prepared.prompt.thinking, prepared.prompt.policy.calls_allowed)
+        self.parser = Cmd4Stream(prepared.chat.prompt.thinking, prepared.chat.prompt.policy.calls_allowed)
         self.output = _Output()
 
     async def whole(self, info: dict) -> dict[str, Any]:
@@ -170,7 +160,7 @@ class _Answer:
         complete = got.finish_reason != "length"
         delta = _joined(self.parser.feed(got.text), self.parser.finish(complete))
         try:
-            self.prepared.prompt.policy.check_final(self.parser)
+            self.prepared.chat.prompt.policy.check_final(self.parser)
         except ToolCallError as e:
             raise APIError(502, str(e), type="tool_call_generation_error") from None
         self.output.feed(delta)
@@ -186,7 +176,7 @@ class _Answer:
         def numbered(event: dict[str, Any]) -> dict[str, Any]:
             return {**event, "sequence_number": next(numbers)}
 
-        policy = self.prepared.prompt.policy
+        policy = self.prepared.chat.prompt.policy
         started = self._response("in_progress", None)
         yield numbered({"type": "response.created", "response": started})
         yield numbered({"type": "response.in_progress", "response": started})
@@ -245,7 +235,7 @@ class _Answer:
         return [{"type": "error", **error, "param": None}, {"type": "response.failed", "response": response}]
 
     def _usage(self) -> dict[str, Any]:
-        prompt_tokens, output_tokens = len(self.prepared.prompt.token_ids), len(self.run.token_ids)
+        prompt_tokens, output_tokens = len(self.prepared.chat.prompt.token_ids), len(self.run.token_ids)
         return {
             "input_tokens": prompt_tokens,
             "input_tokens_details": {"cached_tokens": self.run.cached_tokens},
@@ -256,7 +246,7 @@ class _Answer:
 
     def _reasoning_tokens(self) -> int:
         """Tokens the model wrote inside the thinking block the prompt opened (its end marker included)."""
-        if not self.prepared.prompt.thinking:
+        if not self.prepared.chat.prompt.thinking:
             return 0
         end = self.state.tokenizer.hf.token_to_id(END_THINKING)
         ids = self.run.token_ids

@@ -56,12 +56,14 @@ tokenizer is the grammar's vocabulary, so ids past its 16,384 are never allowed)
 drawn by the kernel among the mask's tokens (the mask uploaded before each step), or with
 `--kernel-masks off` copied back and drawn on the host with the mask; their steps are launched ahead
 too, the masks computed while each step runs (Engine(late_masks=...), on by default; `--late-masks off`
-uploads the masks before each step instead).
+uploads the masks before each step instead). `--speculative on` verifies drafts from each stream's
+own text (Engine(speculative=...)); the decode rows then count the draft tokens verified in their
+window and those accepted (random prompts repeat little: what drafts cost where they fail).
 Usage: python benches/engine.py [--json out.json] [--quick] [--launch-ahead auto|on|off] [--prefill-chunk N]
        [--prefill-graphs auto|on|off] [--prefix-graphs auto|on|off] [--fresh-split on|off]
        [--decode-prefill-budget N] [--sliced-prefill auto|on|off] [--whole-chunk-tokens N]
        [--prefill-only] [--gpu-memory-utilization U] [--temperature T] [--top-p P]
-       [--grammar [--kernel-masks auto|on|off] [--late-masks auto|on|off]]
+       [--grammar [--kernel-masks auto|on|off] [--late-masks auto|on|off]] [--speculative auto|on|off]
 """
 
 from __future__ import annotations
@@ -247,6 +249,9 @@ def decode_row(
         "kernel_ms_per_step": step_ms,
         "host_ms_per_step": None if step_ms is None else stream_ms - step_ms,
         "kernel_tok_s": None if step_ms is None else batch / step_ms * 1e3,
+        # Speculative decoding (--speculative): draft tokens verified in the window, and accepted.
+        "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
+        "accepted_tokens": after["accepted_tokens"] - before["accepted_tokens"],
         **launch_phases(before, after),
     }
     if "skipped" in kernel:
@@ -471,6 +476,13 @@ def main() -> None:
         "--kernel-masks", choices=list(AUTO_ON_OFF), default="auto", help="Engine(kernel_masks=...), auto: on"
     )
     parser.add_argument(
+        "--speculative",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="Engine(speculative=...): drafts from each stream's own text (random prompts: few are accepted, "
+        "so the decode rows show what failing drafts cost)",
+    )
+    parser.add_argument(
         "--late-masks",
         choices=list(AUTO_ON_OFF),
         default="auto",
@@ -510,6 +522,7 @@ def main() -> None:
         sliced_prefill=AUTO_ON_OFF[args.sliced_prefill],
         kernel_masks=AUTO_ON_OFF[args.kernel_masks],
         late_masks=AUTO_ON_OFF[args.late_masks],
+        speculative=args.speculative,
         tokenizer_json=Tokenizer.from_dir(Path(mk.__file__).parent / "embedded").hf.to_str() if args.grammar else None,
     )
     start_s = time.perf_counter() - started
@@ -548,6 +561,8 @@ def main() -> None:
     decode = [r for r in rows if r["row"] == "decode"]
     cols = ["batch", "ctx", "temperature", "top_p", "grammar", "stream_tok_s", "aggregate_tok_s"]
     cols += ["engine_ms_per_step", "kernel_ms_per_step"]
+    if any(r.get("draft_tokens") for r in decode):
+        cols += ["draft_tokens", "accepted_tokens"]
     if decode:
         title = "engine decode (megakernel backend, real geometry, synthetic weights)"
         skips = ["kernel_skipped"] if any("kernel_skipped" in r for r in decode) else []

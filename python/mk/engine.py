@@ -159,7 +159,8 @@ class Engine:
     most `self.max_draft` (mk._native.MAX_DRAFT) a sequence, fewer where its recent drafts failed or
     the launch has few spare rows; a step may then give a sequence several tokens. The tokens are
     those without drafts, greedy or sampled (each row draws with its generation index's noise), as
-    far as a row's logits do not depend on the rows beside it. Rows under a grammar do not draft.
+    far as a row's logits do not depend on the rows beside it. Under a grammar a sequence drafts only
+    tokens the grammar takes.
     "off": none (`self.max_draft` 0). "auto" (the default): `draft_limit` decides by backend.
     `stats()` counts the draft tokens verified and accepted.
 

@@ -545,7 +545,7 @@ impl<B: Backend> Core<B> {
     /// their grammar states to a helper thread that computes their masks while the backend runs
     /// the step; the backend waits for them only where it samples those rows.
     fn decode_now(&mut self, batch: DecodeBatch, out: &mut Vec<Event>) -> u64 {
-        let (mut lent, masks) = Lent::take(&mut self.sched, batch.rows.iter().map(|&r| Some(r))).unzip();
+        let (mut lent, masks) = Lent::take_step(&mut self.sched, &batch).unzip();
         let mut sampled = std::mem::take(&mut self.sampled);
         sampled.clear();
         let t = Instant::now();
@@ -625,6 +625,8 @@ fn unmasked_input<'a>(sched: &'a Scheduler, batch: &'a DecodeBatch) -> DecodeInp
 struct Lent {
     /// (entry of the call, its batch row, the state)
     states: Vec<(usize, usize, Constraint)>,
+    /// Per state: whether it is its sequence's own (given back), not a verification row's copy.
+    own: Vec<bool>,
     /// Per state: why its grammar failed (it then allows only EOS and the request ends).
     errors: Vec<Option<String>>,
     eos_only: TokenMask,
@@ -640,12 +642,53 @@ impl Lent {
             constrained.push(c.is_some());
             states.extend(c.map(|(r, c)| (i, r, c)));
         }
+        let own = vec![true; states.len()];
+        Lent::of(sched, states, own, constrained)
+    }
+
+    /// The states of a decode step's entries: a sequence's own state for its first entry and, for
+    /// each verification row after it, a copy advanced by the draft tokens the rows before it feed.
+    fn take_step(sched: &mut Scheduler, batch: &DecodeBatch) -> Option<(Lent, MaskSet)> {
+        let (mut states, mut own, mut constrained) = (Vec::new(), Vec::new(), Vec::new());
+        let mut group: Option<(usize, usize)> = None; // (the group's first entry, its state's index)
+        for i in 0..batch.len() {
+            let row = batch.rows[i];
+            let same = i > 0 && batch.rows[i - 1] == row && batch.ids[i - 1] == batch.ids[i];
+            if !same {
+                group = sched.take_constraint(row).map(|c| {
+                    states.push((i, row, c));
+                    own.push(true);
+                    (i, states.len() - 1)
+                });
+                constrained.push(group.is_some());
+                continue;
+            }
+            let Some((first, at)) = group else {
+                constrained.push(false);
+                continue;
+            };
+            let mut copy = states[at].2.clone();
+            // (the scheduler drafted only tokens the grammar takes: a failure leaves an EOS-only mask)
+            let _ = batch.tokens[first + 1..=i].iter().try_for_each(|&t| copy.commit(t));
+            states.push((i, row, copy));
+            own.push(false);
+            constrained.push(true);
+        }
+        Lent::of(sched, states, own, constrained)
+    }
+
+    fn of(
+        sched: &Scheduler,
+        states: Vec<(usize, usize, Constraint)>,
+        own: Vec<bool>,
+        constrained: Vec<bool>,
+    ) -> Option<(Lent, MaskSet)> {
         if states.is_empty() {
             return None;
         }
         let mut eos_only = TokenMask::default();
         sched.eos_only(&mut eos_only);
-        Some((Lent { states, errors: Vec::new(), eos_only }, MaskSet::pending(constrained)))
+        Some((Lent { states, own, errors: Vec::new(), eos_only }, MaskSet::pending(constrained)))
     }
 
     /// Fills `masks` from the states (`allowed_all`: several at once); a grammar that fails or
@@ -670,8 +713,10 @@ impl Lent {
     }
 
     fn give_back(self, sched: &mut Scheduler) {
-        for ((_, row, c), error) in self.states.into_iter().zip(self.errors) {
-            sched.return_constraint(row, c, error);
+        for (((_, row, c), error), own) in self.states.into_iter().zip(self.errors).zip(self.own) {
+            if own {
+                sched.return_constraint(row, c, error);
+            }
         }
     }
 }

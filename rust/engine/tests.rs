@@ -1115,3 +1115,45 @@ fn drafts_stop_at_a_stop_token_and_fill_only_the_rows_the_batch_leaves() {
         assert_eq!(c.sched.stats().draft_tokens > 0, step_rows > 3);
     }
 }
+
+#[test]
+fn drafts_under_a_grammar_keep_to_it_and_give_the_solo_streams() {
+    // A repetitive text under a grammar that lets most of it through: drafts are taken, cut where
+    // the grammar would refuse a token, and each verification row samples under the mask of the
+    // grammar advanced by the draft before it.
+    let model = MockModel::repetitive();
+    let grammars = mock_grammars(&model);
+    let long = |n: usize| SamplingParams { ignore_eos: true, ..SamplingParams::greedy(n) };
+    let arrivals = vec![
+        (0, constrained_req(&grammars, 1, "[a-u]*", long(90))),
+        (0, constrained_req(&grammars, 2, "[0-9a-m]*", long(70))),
+        (1, req(3, 9, long(80))),
+        (2, constrained_req(&grammars, 4, "([a-f][0-9])*", long(60))),
+    ];
+    for (ahead, late) in [(false, false), (true, true)] {
+        let mut c = core(&model, 400, 4, 4, 200);
+        c.sched.config_mut().max_draft = crate::speculative::length::MAX_DRAFT;
+        c.launch_ahead = ahead;
+        c.backend.queueing = late;
+        c.backend.late_masks = late;
+        let out = run(&mut c, &arrivals, &[]);
+        for (_, r) in &arrivals {
+            let (want, finish) = model.solo_request(r.clone(), 1234, 200);
+            assert_eq!(out.tokens[&r.id], want, "request {}", r.id);
+            assert_eq!(out.finish[&r.id], finish, "request {}", r.id);
+        }
+        assert!(text(&out.tokens[&1]).chars().all(|c| c.is_ascii_lowercase()));
+        let s = c.sched.stats();
+        assert!(s.accepted_tokens > 20, "{s:?}");
+    }
+    // Under a grammar alone (no free request beside them), drafts are verified and accepted too.
+    let mut c = core(&model, 400, 4, 4, 200);
+    c.sched.config_mut().max_draft = crate::speculative::length::MAX_DRAFT;
+    let constrained: Vec<_> = arrivals.iter().filter(|(_, r)| r.constraint.is_some()).cloned().collect();
+    let out = run(&mut c, &constrained, &[]);
+    for (_, r) in &constrained {
+        assert_eq!(out.tokens[&r.id], model.solo_request(r.clone(), 1234, 200).0, "request {}", r.id);
+    }
+    let s = c.sched.stats();
+    assert!(s.accepted_tokens > 20, "{s:?}");
+}

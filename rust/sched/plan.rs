@@ -160,15 +160,16 @@ impl Scheduler {
     }
 
     /// Each decoding sequence's draft for the next step (`Seq::draft`; empty without speculative
-    /// decoding, under a grammar, or where the text offers none): at most `max_draft` tokens, no
-    /// more than its `max_tokens` and the context leave, within the rows the batch's own leave.
+    /// decoding or where the text offers none): at most `max_draft` tokens, no more than its
+    /// `max_tokens` and the context leave, within the rows the batch's own leave; under a grammar,
+    /// only the tokens the grammar takes in turn (a row never draws one it refuses).
     fn draft_all(&mut self) {
         let (max_draft, max_context) = (self.cfg.max_draft, self.cfg.max_context);
         let decoding = |s: &&mut Seq| s.phase == Phase::Decode;
         let mut wants = Vec::new();
         for seq in self.rows.iter_mut().flatten().filter(decoding) {
             seq.draft.clear();
-            if max_draft == 0 || seq.constrained() {
+            if max_draft == 0 {
                 wants.push(0);
                 continue;
             }
@@ -184,6 +185,11 @@ impl Scheduler {
             if let Some(speculator) = seq.speculator.as_ref().filter(|_| k > 0) {
                 seq.draft.extend_from_slice(speculator.draft(k));
             }
+            if let Some(c) = seq.constraint.as_ref().filter(|_| !seq.draft.is_empty()) {
+                let mut state = c.clone();
+                let taken = seq.draft.iter().take_while(|&&t| !state.is_stopped() && state.commit(t).is_ok()).count();
+                seq.draft.truncate(taken);
+            }
         }
     }
 
@@ -193,7 +199,7 @@ impl Scheduler {
         let mut decoding = self.rows.iter().flatten().filter(|s| s.phase == Phase::Decode);
         self.cfg.max_draft > 0
             && decoding.clone().count() < self.cfg.step_rows
-            && decoding.any(|s| !s.constrained() && s.speculator.as_ref().is_none_or(Speculator::would_draft))
+            && decoding.any(|s| s.speculator.as_ref().is_none_or(Speculator::would_draft))
     }
 
     /// Launch-ahead: the step after `flight` (launched, not yet `decoded`), planned before its

@@ -210,7 +210,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "speculative decoding: verify tokens copied from a request's own text (its prompt and output so far: code "
         "it repeats or edits) in the same decode step as its next token, so that a step may give it several "
         "tokens; the output is token for token what decoding without drafts gives (a sampled request's seed for "
-        "seed); a request decodes without drafts while under a grammar; /metrics counts the draft tokens and "
+        "seed); under a grammar only tokens it takes are drafted; /metrics counts the draft tokens and "
         "those accepted; auto = off for now (default: %(default)s)",
     )
     p.add_argument(

@@ -66,17 +66,23 @@ def run_and_compare(
     attn_chunk=0,
     **options,
 ):
+    """One step of the kernel and of the interpreter on the same inputs: (model, the kernel's buffers,
+    the interpreter's, the K/V the kernel wrote, the interpreter's, tables, tokens, the near-tied
+    choices followed, a copy of the cache before the step (free-running only), the graph). Without
+    `free_running` the interpreter runs in place on the kernel's cache, with no second pool (a
+    real-geometry one did not always fit an 80 GB card beside the weights): it reads the cache as
+    the step found it everywhere but at the step's own positions, which it writes before it reads
+    them; the two K/V are then those positions' only (`written_slots`)."""
     gen = torch.Generator(device="cuda").manual_seed(SEED)
     model = Model(cfg, weights)
     kv, tables, tokens = setup_step(model, positions, max_pages, gen)
-    # A second pool of a real-geometry size after the weights: an earlier test's buffers (freed
-    # once their reference cycles are collected) and cached segments must go back to the driver
-    # first (on an 80 GB card they left no room for it).
     gc.collect()
     torch.cuda.empty_cache()
-    kv_vm = type(kv)(cfg, kv.num_blocks, kv.dtype, kv.device)
-    kv_vm.k.copy_(kv.k)
-    kv_vm.v.copy_(kv.v)
+    kv_vm = None
+    if free_running:
+        kv_vm = type(kv)(cfg, kv.num_blocks, kv.dtype, kv.device)
+        kv_vm.k.copy_(kv.k)
+        kv_vm.v.copy_(kv.v)
 
     step = MegakernelStep(model, kv, max_pages, attn_chunk=attn_chunk, **options)
     g = step.graph(positions, check=check_graph)
@@ -97,11 +103,26 @@ def run_and_compare(
         kv_free = type(kv)(cfg, kv.num_blocks, kv.dtype, kv.device)
         kv_free.k.copy_(kv_vm.k)
         kv_free.v.copy_(kv_vm.v)
+    else:
+        slots = written_slots(tables, positions, kv.k.device)
+        kernel_written = dataclasses.make_dataclass("Written", ["k", "v"])(kv.k[slots].clone(), kv.v[slots].clone())
+        kv_vm = kv
     # Each layer from the kernel's input to it (teacher forcing): per-layer errors stay per layer.
     flips = run_step(
         model, kv_vm, g, vm, forced_routing=buf.routing_log, tie_tol=TIE_TOL, teacher_residuals=buf.residual_log
     )
+    if not free_running:
+        kv_vm = type(kernel_written)(kv.k[slots].clone(), kv.v[slots].clone())
+        kv = kernel_written
     return model, buf, vm, kv, kv_vm, tables, tokens, flips, kv_free, g
+
+
+def written_slots(tables: list[torch.Tensor], positions: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each row of a step writes its K/V, as an index of a pool: (blocks [layers, rows], offsets
+    [rows])."""
+    blocks = torch.stack([t[:, p // PAGE_SIZE] for t, p in zip(tables, positions, strict=True)], dim=1)
+    offsets = torch.tensor([p % PAGE_SIZE for p in positions])
+    return blocks.long().to(device), offsets.to(device)
 
 
 def decode_with_routing(model: Model, tokens, positions, kv, tables):
@@ -146,9 +167,11 @@ def check_step(model, buf, vm, kv, kv_vm, tables, tokens, flips, kv_free, graph,
         assert_close(f"residual after layer {layer}", buf.residual_log[layer], vm.residual_log[layer], 2e-2)
     for name in ("x", "h", "q", "attn_out", "y_attn", "logits"):
         assert_close(name, getattr(buf, name), getattr(vm, name), 3e-2)
-    # K/V of the current token, written into the pages by the QKV tiles.
-    diff = max_abs_diff(kv.k, kv_vm.k)
-    assert diff < 0.1, f"seed {SEED}: K written differs by {diff:.3g}"
+    # K/V of the current token, written into the pages by the QKV tiles (whole pools, or the step's
+    # positions only: run_and_compare).
+    for name in ("k", "v"):
+        diff = max_abs_diff(getattr(kv, name), getattr(kv_vm, name))
+        assert diff < 0.1, f"seed {SEED}: {name.upper()} written differs by {diff:.3g}"
     # The sampled token is the argmax of the kernel's own logits (ties to the lowest id).
     assert torch.equal(buf.sampled.long(), buf.logits.argmax(-1)), f"seed {SEED}"
     if kv_free is not None:

@@ -154,7 +154,7 @@ class Engine:
         layer_sliced_prefill: bool = False,
         whole_chunk_tokens: int = 0,
         max_draft: int = 0,
-        step_rows: int = 16,
+        step_rows: int = ...,
     ) -> Engine: ...
     def submit(
         self,

@@ -491,3 +491,33 @@ def test_count_tokens_is_what_tokenize_and_usage_count(server):
         assert counted == create(server, **anthropic, **extra, max_tokens=1)["usage"]["input_tokens"]
     with_tools = count(server, **anthropic, tools=TOOLS)
     assert with_tools > count(server, **anthropic)  # the template lists the tools
+
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}, "degrees": {"type": "integer"}},
+    "required": ["city", "degrees"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("field", ["output_config", "output_format"])
+def test_structured_output_is_json_that_its_schema_validates(server, field):
+    """Anthropic's structured outputs (`output_config.format`, or the beta's `output_format`): the
+    answer's text is JSON that the schema validates, held to it by the chat route's grammar, streamed
+    as the whole answer."""
+    answer_format = {"type": "json_schema", "schema": CITY}
+    value = {"format": answer_format, "effort": "low"} if field == "output_config" else answer_format
+    body = {"messages": WEATHER, field: value, **GREEDY}
+    out = create(server, **body)
+    assert [b["type"] for b in out["content"]] == ["text"] and out["stop_reason"] == "end_turn", out
+    jsonschema.validate(json.loads(out["content"][0]["text"]), CITY)
+    assert without_ids(assemble(stream(server, **body))) == without_ids(out)
+
+
+def test_structured_output_takes_one_name_and_a_json_schema(scripted):
+    one = {"type": "json_schema", "schema": CITY}
+    both = {"max_tokens": 8, "messages": USER, "output_format": one, "output_config": {"format": one}}
+    assert_anthropic_error(post(scripted, both), 400, "invalid_request_error", "not both")
+    other = {"max_tokens": 8, "messages": USER, "output_config": {"format": {"type": "regex", "schema": {}}}}
+    assert_anthropic_error(post(scripted, other), 400, "invalid_request_error", "output_config.format.type")

@@ -66,6 +66,8 @@ def chat_request(req: CountTokensRequest) -> ChatRequest:
             top_p=req.top_p,
             top_k=req.top_k,
         )
+        if (answer := req.answer_format()) is not None:
+            chat["response_format"] = {"type": "json_schema", "json_schema": {"schema": answer.json_schema}}
     return ChatRequest.model_validate(chat)
 
 

@@ -130,6 +130,22 @@ class ThinkingConfig(_Body):
     budget_tokens: int | None = Field(None, ge=1)
 
 
+class OutputFormat(_Body):
+    """Structured output: the answer's text is JSON that `schema` validates (held to it by the chat
+    route's json_schema grammar)."""
+
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    """`format` as OutputFormat; `effort` is accepted and ignored (how long the model reasons is its
+    own, as `thinking.budget_tokens` is)."""
+
+    format: OutputFormat | None = None
+    effort: Literal["low", "medium", "high"] | None = None
+
+
 class CountTokensRequest(_Body):
     """The conversation part of a request: what /v1/messages/count_tokens counts."""
 
@@ -153,6 +169,18 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=0, le=U32_MAX)
     stream: bool = False
+    output_config: OutputConfig | None = None
+    output_format: OutputFormat | None = None  # the structured outputs beta's name for output_config.format
+
+    @model_validator(mode="after")
+    def _one_output_format(self) -> MessagesRequest:
+        if self.output_format is not None and self.output_config is not None and self.output_config.format:
+            raise ValueError("give output_config.format or output_format, not both")
+        return self
+
+    def answer_format(self) -> OutputFormat | None:
+        """The structured output asked for, under either name."""
+        return self.output_format or (self.output_config.format if self.output_config else None)
 
     @field_validator("stop_sequences")
     @classmethod

@@ -11,6 +11,7 @@ import dataclasses
 import gc
 import os
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -105,14 +106,14 @@ def run_and_compare(
         kv_free.v.copy_(kv_vm.v)
     else:
         slots = written_slots(tables, positions, kv.k.device)
-        kernel_written = dataclasses.make_dataclass("Written", ["k", "v"])(kv.k[slots].clone(), kv.v[slots].clone())
+        kernel_written = SimpleNamespace(k=kv.k[slots].clone(), v=kv.v[slots].clone())
         kv_vm = kv
     # Each layer from the kernel's input to it (teacher forcing): per-layer errors stay per layer.
     flips = run_step(
         model, kv_vm, g, vm, forced_routing=buf.routing_log, tie_tol=TIE_TOL, teacher_residuals=buf.residual_log
     )
     if not free_running:
-        kv_vm = type(kernel_written)(kv.k[slots].clone(), kv.v[slots].clone())
+        kv_vm = SimpleNamespace(k=kv.k[slots].clone(), v=kv.v[slots].clone())
         kv = kernel_written
     return model, buf, vm, kv, kv_vm, tables, tokens, flips, kv_free, g
 

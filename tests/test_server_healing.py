@@ -188,6 +188,17 @@ def continued_prompt_ids() -> list[int]:
     return TOK.encode(text + START_RESPONSE + PREFILL, add_special_tokens=False)
 
 
+def prefilled_answer(server, prefill: str = PREFILL) -> dict:
+    """/v1/messages' greedy answer (12 tokens) to ASK prefilled with `prefill`."""
+    import httpx
+
+    messages = [*ASK, {"role": "assistant", "content": prefill}]
+    body = {"model": NAME, "max_tokens": 12, "temperature": 0, "messages": messages}
+    r = httpx.post(server.url + "/v1/messages", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def test_a_continued_message_renders_as_the_generation_prompt_and_its_text():
     from mk.server.chat import render_prompt
     from mk.server.errors import APIError
@@ -211,20 +222,10 @@ def test_a_continued_message_renders_as_the_generation_prompt_and_its_text():
 
 
 def test_a_prefilled_answer_continues_its_text_healed_on_both_routes(server, client):
-    import httpx
-
     expected, removed = healed_greedy_reference(continued_prompt_ids(), 12)
     assert removed == "\n"
     want = TOK.decode(upto_eos(expected), skip_special_tokens=True)[len(removed) :]
-    body = {
-        "model": NAME,
-        "max_tokens": 12,
-        "temperature": 0,
-        "messages": [*ASK, {"role": "assistant", "content": PREFILL}],
-    }
-    r = httpx.post(server.url + "/v1/messages", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    out = r.json()
+    out = prefilled_answer(server)
     assert "".join(b["text"] for b in out["content"] if b["type"] == "text") == want
     assert out["usage"]["input_tokens"] == len(continued_prompt_ids())
     chat = client.chat.completions.create(
@@ -236,22 +237,11 @@ def test_a_prefilled_answer_continues_its_text_healed_on_both_routes(server, cli
     )
     assert chat.choices[0].message.content == want
     # An empty last assistant message asks for an answer as if it were not there.
-    empty = {**body, "messages": [*ASK, {"role": "assistant", "content": ""}]}
-    r = httpx.post(server.url + "/v1/messages", json=empty, timeout=120)
-    assert r.status_code == 200 and r.json()["usage"]["input_tokens"] < len(continued_prompt_ids())
+    empty = prefilled_answer(server, "")
+    assert empty["usage"]["input_tokens"] < len(continued_prompt_ids())
 
 
 def test_a_prefilled_answer_is_not_healed_where_the_server_does_not_heal(off_server):
-    import httpx
-
-    ids = continued_prompt_ids()
-    want = TOK.decode(upto_eos(greedy_reference(ids, 12)), skip_special_tokens=True)
-    body = {
-        "model": NAME,
-        "max_tokens": 12,
-        "temperature": 0,
-        "messages": [*ASK, {"role": "assistant", "content": PREFILL}],
-    }
-    r = httpx.post(off_server.url + "/v1/messages", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    assert "".join(b["text"] for b in r.json()["content"] if b["type"] == "text") == want
+    want = TOK.decode(upto_eos(greedy_reference(continued_prompt_ids(), 12)), skip_special_tokens=True)
+    out = prefilled_answer(off_server)
+    assert "".join(b["text"] for b in out["content"] if b["type"] == "text") == want

@@ -246,7 +246,7 @@ class Engine:
             if self.backend == "megakernel":
                 kinds = dict(kernel_masks=self.kernel_masks, late_masks=self.late_masks)
                 # Drafts fill a launch's rows beyond the batch's own: its buffers take a whole launch.
-                kinds["rows"] = MAX_STEP_ROWS if self.max_draft else min(max_batch, MAX_STEP_ROWS)
+                kinds["rows"] = MAX_STEP_ROWS if self.max_draft else None
                 return MegakernelRunner(model, blocks, max_batch, context, **common, **kinds)
             return ReferenceRunner(model, blocks, max_batch, context, **common)
 

@@ -165,14 +165,13 @@ impl Scheduler {
     /// only the tokens the grammar takes in turn (a row never draws one it refuses).
     fn draft_all(&mut self) {
         let (max_draft, max_context) = (self.cfg.max_draft, self.cfg.max_context);
+        if max_draft == 0 {
+            return; // (no sequence has a draft: `decoded` empties each as it lands)
+        }
         let decoding = |s: &&mut Seq| s.phase == Phase::Decode;
         let mut wants = Vec::new();
         for seq in self.rows.iter_mut().flatten().filter(decoding) {
             seq.draft.clear();
-            if max_draft == 0 {
-                wants.push(0);
-                continue;
-            }
             let room = seq.params.max_tokens.saturating_sub(seq.generated()).min(max_context - seq.tokens.len());
             let speculator = seq.speculator.get_or_insert_with(|| Speculator::new(&seq.tokens));
             wants.push(speculator.draft(max_draft.min(room.saturating_sub(1))).len());
@@ -276,10 +275,17 @@ impl Scheduler {
             }
             let Some(seq) = self.rows[row].as_mut().filter(|s| s.landing(true, id)) else { continue };
             seq.in_flight -= 1;
-            let draft = std::mem::take(&mut seq.draft);
-            let drawn: Vec<u32> = sampled[start..end].iter().map(|s| s.token).collect();
-            let accepted = if drawn.len() == draft.len() + 1 { speculative::accepted(&draft, &drawn) } else { 0 };
-            self.stats.draft_tokens += draft.len() as u64;
+            let drafted = seq.draft.len();
+            let accepted = match drafted {
+                0 => 0,
+                _ if end - start != drafted + 1 => 0,
+                _ => {
+                    let drawn: Vec<u32> = sampled[start..end].iter().map(|s| s.token).collect();
+                    speculative::accepted(&seq.draft, &drawn)
+                }
+            };
+            seq.draft.clear();
+            self.stats.draft_tokens += drafted as u64;
             self.stats.accepted_tokens += accepted as u64;
             let before = seq.tokens.len();
             for s in &sampled[start..=start + accepted] {
@@ -294,9 +300,9 @@ impl Scheduler {
             }
             let Some(seq) = self.rows[row].as_mut().filter(|s| s.id == id) else { continue };
             if let Some(speculator) = seq.speculator.as_mut() {
-                speculator.advance(draft.len(), &seq.tokens[before..]);
+                speculator.advance(drafted, &seq.tokens[before..]);
             }
-            if !draft.is_empty() {
+            if drafted > 0 {
                 let len = seq.tokens.len() - 1;
                 self.rewind(row, len);
             }

@@ -83,9 +83,9 @@ from decode import kv_bytes, random_step, time_events
 from mk import _native
 from mk.config import PAGE_SIZE, ModelConfig
 from mk.engine import Engine
-from mk.engine_api import AUTO_ON_OFF, MAX_BATCH, PREFILL_CHUNK, WHOLE_CHUNK_TOKENS
 from mk.model import synthetic_weights
 from mk.model.reference import Model
+from mk.options import AUTO_ON_OFF, MAX_BATCH, PREFILL_CHUNK, WHOLE_CHUNK_TOKENS
 from mk.prefill_graphs import NEXT_TURN_BUCKETS
 from mk.sampling import ConstraintSpec, SamplingParams
 from mk.tokenizer import Tokenizer
@@ -194,7 +194,9 @@ def decode_misfit(engine: Engine, cfg: ModelConfig, batch: int, ctx: int) -> str
     """Why `batch` streams of `ctx`-token prompts, each with DECODE_ROOM tokens past it, cannot all
     hold their KV in the engine's pool at once (the row would wait for one to end), or None."""
     sliding = [cfg.is_sliding(layer) for layer in range(cfg.num_hidden_layers)]
-    per_stream, _ = _native.kv_blocks_needed(sliding, cfg.sliding_window, ctx + DECODE_ROOM, engine.prefill_chunk)
+    per_stream, _ = _native.kv_blocks_needed(
+        sliding, cfg.sliding_window, ctx + DECODE_ROOM, engine.options.prefill_chunk
+    )
     need, pool = batch * per_stream, engine.native_stats()["kv_blocks_total"]
     if need <= pool:
         return None
@@ -522,7 +524,7 @@ def main() -> None:
         sliced_prefill=AUTO_ON_OFF[args.sliced_prefill],
         kernel_masks=AUTO_ON_OFF[args.kernel_masks],
         late_masks=AUTO_ON_OFF[args.late_masks],
-        speculative=args.speculative,
+        speculative=AUTO_ON_OFF[args.speculative],
         tokenizer_json=Tokenizer.from_dir(Path(mk.__file__).parent / "embedded").hf.to_str() if args.grammar else None,
     )
     start_s = time.perf_counter() - started

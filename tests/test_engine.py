@@ -154,7 +154,7 @@ def test_fast_prefill_path_gives_the_reference_tokens(model, engine):
     """`prefill="fast"` sends each Rust chunk through mk.prefill (on the CPU: SDPA and the expert loop);
     prompts of several chunks, crossing pages and the sliding window, decode as the reference does."""
     e = engine(max_batch=4, prefill="fast")
-    assert e.prefill == "fast" and engine(max_batch=1).prefill == "reference"  # auto on the CPU
+    assert e.options.prefill == "fast" and engine(max_batch=1).options.prefill == "reference"  # auto on the CPU
     prompts = [prompt(5, 3), prompt(130, 4), prompt(200, 5)]
     params = dataclasses.replace(GREEDY, logprobs=0)
     fast, calls = e._runner.fast_prefill, []
@@ -179,7 +179,7 @@ def test_the_fresh_prompt_pass_gives_the_reference_tokens_and_close_releases_it(
     the pass's buffers (on a GPU: the graphs and the memory they keep)."""
     e = engine(max_batch=2, prefill="fast", prefill_graphs=True)
     fresh = e._runner.fast_prefill.fresh
-    assert fresh is not None and not e.prefill_graphs  # nothing to capture on the CPU
+    assert fresh is not None and not e.options.prefill_graphs  # nothing to capture on the CPU
     p = prompt(40, 6)
     [(tokens, _, _)] = run(e, [(0, p, GREEDY)])
     assert tokens == reference_greedy(model, p, GREEDY.max_tokens)[0]
@@ -284,7 +284,7 @@ def test_a_smaller_prefill_budget_while_streams_decode_changes_no_token(model, e
     assert runs[0][0] == runs[1][0]
     assert runs[1][1] >= runs[0][1] + 10, f"the budget did not cut the long prompt finer: {runs[0][1]}, {runs[1][1]}"
     for bad in (0, -1):
-        with pytest.raises(ValueError, match="decode_prefill_budget must be >= 1"):
+        with pytest.raises(ValueError, match="decode_prefill_budget must be at least 1"):
             Engine(model, max_context=256, decode_prefill_budget=bad)
 
 
@@ -307,12 +307,12 @@ def test_a_sliced_prefill_changes_no_token(model, engine):
 def test_sliced_prefill_and_its_budget_default_to_on_only_where_the_fast_prefill_runs_on_a_gpu(model):
     """On the CPU (reference prefill, or the fast one asked for) the defaults stay off: whole
     chunks. Asked for, sliced prefill takes DECODE_PREFILL_BUDGET (at most the chunk)."""
-    from mk.engine_api import DECODE_PREFILL_BUDGET
+    from mk.options import DECODE_PREFILL_BUDGET
 
     def settings(**options):
         e = Engine(model, max_context=256, **options)
         try:
-            return e.sliced_prefill, e.decode_prefill_budget
+            return e.options.sliced_prefill, e.options.decode_prefill_budget
         finally:
             e.close()
 
@@ -328,7 +328,7 @@ def test_late_masks_need_the_kernels_masks(model):
     with pytest.raises(ValueError, match="late_masks needs kernel_masks"):
         Engine(model, max_context=256, late_masks=True)
     # By default, on only where the kernel draws masked rows and steps launch ahead.
-    assert Engine(model, max_context=256).late_masks is False
+    assert Engine(model, max_context=256).options.late_masks is False
 
 
 def test_an_engine_that_fails_to_start_drops_its_prefill_graphs(model, monkeypatch):
@@ -600,11 +600,15 @@ def test_many_concurrent_streams_share_one_pump(engine):
 
 
 def test_cpu_defaults_prefill_in_small_chunks_one_step_at_a_time(model):
-    from mk.engine_api import CPU_MAX_BATCH, CPU_PREFILL_CHUNK
+    from mk.options import CPU_MAX_BATCH, CPU_PREFILL_CHUNK
 
     e = Engine(model, max_context=MAX_CONTEXT)
     try:
-        assert e.prefill_chunk == CPU_PREFILL_CHUNK and not e.launch_ahead and e.backend == "reference"
+        assert (
+            e.options.prefill_chunk == CPU_PREFILL_CHUNK
+            and not e.options.launch_ahead
+            and e.options.backend == "reference"
+        )
         assert e.max_batch == CPU_MAX_BATCH
         assert e.native_stats()["kv_blocks_free"] > 0
     finally:
@@ -626,7 +630,7 @@ def test_launch_ahead_streams_equal_synchronous_steps(model, engine, workload):
     ]
     jobs = [(0.004 * (i % 4), p, params) for i, (p, params) in enumerate(reqs + extra)]
     sync, ahead = engine(max_batch=4), engine(max_batch=4, launch_ahead=True)
-    assert not sync.launch_ahead and ahead.launch_ahead  # the default is off with the reference backend
+    assert not sync.options.launch_ahead and ahead.options.launch_ahead  # the default is off with the reference backend
     want, got = run(sync, jobs), run(ahead, jobs)
     assert [r[0] for r in got[: len(reqs)]] == alone
     for (w_tokens, w_finish, w_events), (tokens, finish, events) in zip(want, got, strict=True):

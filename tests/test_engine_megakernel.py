@@ -22,6 +22,7 @@ from mk.megakernel.runner import PER_STEP_FIELDS, MegakernelRunner, step_templat
 from mk.megakernel.support import MegakernelUnavailable, choose_backend, geometry_unsupported
 from mk.model import synthetic_weights
 from mk.model.reference import Model
+from mk.options import EngineOptions
 
 _FORMATS = {"u64": "<Q", "i32": "<i", "f32": "<f"}
 
@@ -86,7 +87,7 @@ def test_each_reason_the_megakernel_cannot_run(monkeypatch):
 
 def test_engine_backend_selection(tiny):
     with Engine(tiny, max_context=256, prefill_chunk=64) as e:
-        assert e.backend == "reference"
+        assert e.options.backend == "reference"
     with pytest.raises(MegakernelUnavailable, match="on cpu"):
         Engine(tiny, max_context=256, backend="megakernel")
     with pytest.raises(ValueError, match="backend must be one of"):
@@ -160,13 +161,15 @@ class FakeRunner:
 
 def native_engine(runner, backend: str = "megakernel"):
     cfg = ModelConfig.gpu_test()
+    resolved = EngineOptions().resolved(cuda=False, backend="megakernel")
     return _native.Engine(
         runner,
+        # (a namespace: the Rust side's own check of the backend's name is under test too)
+        SimpleNamespace(**{**dataclasses.asdict(resolved), "backend": backend, "whole_chunk_tokens": 0}),
         sliding=[cfg.is_sliding(i) for i in range(cfg.num_hidden_layers)],
         window=cfg.sliding_window,
         num_blocks=4096,
         vocab_size=cfg.vocab_size,
-        backend=backend,
     )
 
 

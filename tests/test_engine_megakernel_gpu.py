@@ -33,10 +33,10 @@ from test_engine import common, prompt, run
 
 from mk.config import ModelConfig
 from mk.engine import Engine
-from mk.engine_api import WHOLE_CHUNK_TOKENS
 from mk.megakernel.support import MAX_STEP_ROWS
 from mk.model import synthetic_weights
 from mk.model.reference import Model
+from mk.options import WHOLE_CHUNK_TOKENS
 from mk.sampling import ConstraintSpec, SamplingParams
 from mk.tokenizer import Tokenizer
 
@@ -81,7 +81,7 @@ def engine(
         kernel_masks=kernel_masks,
         **options,
     )
-    assert e.backend == backend and e.prefill == "fast"  # mk.prefill on the GPU, by default
+    assert e.options.backend == backend and e.options.prefill == "fast"  # mk.prefill on the GPU, by default
     try:
         yield e
     finally:
@@ -234,7 +234,7 @@ def test_a_sliced_prefill_beside_a_decoding_stream_agrees(model):
         sliced = asyncio.run(main(e))
         assert e.native_stats()["prefill_slices"] >= model.config.num_hidden_layers
     with engine(model, "megakernel", sliced_prefill=True, **options) as e:
-        assert e.whole_chunk_tokens == WHOLE_CHUNK_TOKENS
+        assert e.options.whole_chunk_tokens == WHOLE_CHUNK_TOKENS
         whole = asyncio.run(main(e))
         assert e.native_stats()["prefill_slices"] == 0
     requests = list(zip([0.0, 0.0], prompts, params, strict=True))
@@ -365,7 +365,7 @@ def test_constrained_requests_on_the_megakernel_follow_their_grammar(model):
         on_gpu = run(e, reqs)
     assert [r[0] for r in on_gpu] == [r[0] for r in results], "the kernel's masked draws are the host's"
     with engine(model, "megakernel", tokenizer_json=tok.hf.to_str()) as e:  # late masks: the default
-        assert e.late_masks
+        assert e.options.late_masks
         late = run(e, reqs)
         queued = e.native_stats()["queued_steps"]
     assert [r[0] for r in late] == [r[0] for r in results], "masks delivered while the step runs draw the same"

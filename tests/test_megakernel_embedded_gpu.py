@@ -16,6 +16,7 @@ from test_engine import run
 
 from mk.default_model import has_embedded, load_default
 from mk.engine import Engine
+from mk.options import AUTO_ON_OFF
 from mk.sampling import SamplingParams
 
 pytestmark = [
@@ -48,7 +49,7 @@ def follow_the_reference(prompts: list[str], max_batch: int, **engine_options) -
     with Engine(
         gpu_model, backend="megakernel", max_batch=max_batch, max_context=2048, kv_blocks=blocks, **engine_options
     ) as e:
-        assert e.backend == "megakernel"
+        assert e.options.backend == "megakernel"
         results = run(e, requests)
     checked = disagreements = 0
     for (_, prompt, _), (tokens, finish, _) in zip(requests, results, strict=True):
@@ -86,7 +87,7 @@ def test_greedy_tokens_with_drafts_follow_the_reference(monkeypatch, step_rows):
     """Speculative decoding at batch 4, its verification rows within one narrow launch (8 rows) or
     one wide one (16)."""
     monkeypatch.setattr("mk.engine.MAX_STEP_ROWS", step_rows)
-    follow_the_reference(PROMPTS, max_batch=4, speculative="on")
+    follow_the_reference(PROMPTS, max_batch=4, speculative=True)
 
 
 def test_drafts_change_no_greedy_token_and_are_accepted():
@@ -100,7 +101,12 @@ def test_drafts_change_no_greedy_token_and_are_accepted():
     runs = {}
     for speculative in ("off", "on"):
         with Engine(
-            gpu_model, backend="megakernel", max_batch=2, max_context=2048, kv_blocks=256, speculative=speculative
+            gpu_model,
+            backend="megakernel",
+            max_batch=2,
+            max_context=2048,
+            kv_blocks=256,
+            speculative=AUTO_ON_OFF[speculative],
         ) as e:
             runs[speculative] = ([tokens for tokens, _, _ in run(e, requests)], e.stats(), e.native_stats())
     (plain, _, plain_native), (drafted, stats, native) = runs["off"], runs["on"]

@@ -16,6 +16,7 @@ from mk.config import ModelConfig
 from mk.engine import Engine
 from mk.model import synthetic_weights
 from mk.model.reference import Model
+from mk.options import GPU_MEMORY_UTILIZATION
 from mk.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -66,7 +67,7 @@ def test_the_default_engine_serves_a_full_pool_within_its_share(model):
     vocab = model.config.vocab_size
     with Engine(model, max_context=40000) as engine:
         plan = engine.memory_plan
-        assert plan is not None and plan.utilization == memory.GPU_MEMORY_UTILIZATION
+        assert plan is not None and plan.utilization == GPU_MEMORY_UTILIZATION
         started = used()
         print(plan.describe(engine.max_context), f"; in use after the start {started / 2**30:.2f} GiB")
         assert started <= plan.utilization * total, "the start took more than its share of the card"

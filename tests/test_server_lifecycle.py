@@ -13,9 +13,9 @@ import torch
 from server_util import ServerProcess
 
 from mk.config import ModelConfig
-from mk.engine_api import CPU_MAX_BATCH, CPU_PREFILL_CHUNK
 from mk.model import synthetic_weights, write_checkpoint
 from mk.model.reference import Model
+from mk.options import CPU_MAX_BATCH, CPU_PREFILL_CHUNK
 from mk.server.__main__ import parse_args
 from mk.tokenizer import Tokenizer
 
@@ -52,40 +52,6 @@ def test_bad_flags_are_refused_with_one_line(argv, flag, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and flag in err
-
-
-def test_server_and_engine_share_their_defaults():
-    import inspect
-
-    from mk.engine import Engine
-    from mk.engine_api import AUTO_ON_OFF
-
-    args = parse_args([])  # None: the engine chooses (by device, by backend)
-    engine_defaults = inspect.signature(Engine).parameters
-    assert args.prefill_chunk is engine_defaults["prefill_chunk"].default is None
-    assert args.gpu_memory_utilization == engine_defaults["gpu_memory_utilization"].default
-    assert AUTO_ON_OFF[args.launch_ahead] is engine_defaults["launch_ahead"].default is None
-    assert AUTO_ON_OFF[args.prefill_graphs] is engine_defaults["prefill_graphs"].default is None
-    assert AUTO_ON_OFF[args.kernel_masks] is engine_defaults["kernel_masks"].default is None
-    switches = (
-        "launch_ahead",
-        "prefill_graphs",
-        "prefix_graphs",
-        "kernel_masks",
-        "late_masks",
-        "sliced_prefill",
-        "speculative",
-    )
-    for flag in switches:  # alone: on
-        option = "--" + flag.replace("_", "-")
-        assert getattr(parse_args([option]), flag) == "on" and getattr(parse_args([option, "off"]), flag) == "off"
-    assert args.decode_prefill_budget is engine_defaults["decode_prefill_budget"].default is None
-    assert AUTO_ON_OFF[args.prefix_graphs] is engine_defaults["prefix_graphs"].default is None
-    assert AUTO_ON_OFF[args.sliced_prefill] is engine_defaults["sliced_prefill"].default is None
-    assert AUTO_ON_OFF[args.late_masks] is engine_defaults["late_masks"].default is None
-    assert args.whole_chunk_tokens is engine_defaults["whole_chunk_tokens"].default is None
-    assert parse_args(["--whole-chunk-tokens", "0"]).whole_chunk_tokens == 0
-    assert args.speculative == engine_defaults["speculative"].default == "auto"  # (the Engine takes the word)
 
 
 def test_help_documents_every_flag():
@@ -128,8 +94,8 @@ def test_replicas_draw_no_progress_bars(monkeypatch, replica):
 
     seen = {}
 
-    def engine(model, **kwargs):
-        seen.update(kwargs)
+    def engine(model, options):
+        seen.update(vars(options))
         raise _Stop
 
     monkeypatch.setattr(mk.engine, "Engine", engine)
@@ -149,14 +115,14 @@ def test_the_speculative_flag_reaches_the_engine(monkeypatch, flag):
 
     seen = {}
 
-    def engine(model, **kwargs):
-        seen.update(kwargs)
+    def engine(model, options):
+        seen.update(vars(options))
         raise _Stop
 
     monkeypatch.setattr(mk.engine, "Engine", engine)
     with pytest.raises(_Stop):
         build_state(parse_args(["--device", "cpu", *flag]))
-    assert seen["speculative"] == (flag[1] if len(flag) == 2 else "on" if flag else "auto")
+    assert seen["speculative"] is (None if not flag else flag[-1] == "--speculative")
 
 
 @pytest.fixture(scope="module")

@@ -21,11 +21,12 @@ import torch
 import mk
 from mk import _native
 from mk.config import ModelConfig
-from mk.engine import Engine, draft_limit
+from mk.engine import Engine
 from mk.engine_api import EngineStats
 from mk.model.names import expected_shapes
 from mk.model.paged import PageAllocator
 from mk.model.reference import Model
+from mk.options import AUTO_ON_OFF, EngineOptions
 from mk.runner import ReferenceRunner
 from mk.sampling import ConstraintSpec, SamplingParams
 
@@ -159,19 +160,21 @@ def test_the_drafter_copies_from_the_text_and_follows_what_was_accepted():
 # ---- the engine's option ------------------------------------------------------------------------
 
 
-def test_the_option_maps_to_a_draft_limit():
-    for backend in ("reference", "megakernel"):
-        assert draft_limit("on", backend) == _native.MAX_DRAFT
-        assert draft_limit("off", backend) == 0
-        assert draft_limit("auto", backend) in (0, _native.MAX_DRAFT)
-    for bad in ("yes", "ON", True, None):
-        with pytest.raises(ValueError, match="speculative must be 'auto', 'on' or 'off'"):
-            draft_limit(bad, "reference")
+@pytest.mark.parametrize("cuda", [False, True])
+@pytest.mark.parametrize("backend", ["reference", "megakernel"])
+def test_the_option_maps_to_a_draft_limit(cuda, backend):
+    def limit(speculative):
+        return EngineOptions(speculative=speculative).resolved(cuda=cuda, backend=backend).max_draft
+
+    assert limit(True) == _native.MAX_DRAFT
+    assert limit(False) == 0
+    assert limit(None) == 0  # auto: off until the GPU checks pass
 
 
 def test_an_engine_refuses_an_unknown_mode_before_it_builds_anything():
-    with pytest.raises(ValueError, match="speculative must be 'auto', 'on' or 'off', not 'sometimes'"):
-        Engine(make_model(), max_context=256, speculative="sometimes")
+    for bad in ("on", "sometimes", 1):
+        with pytest.raises(ValueError, match=f"speculative must be None \\(auto\\), True or False, not {bad!r}"):
+            Engine(make_model(), max_context=256, speculative=bad)
 
 
 def test_the_counters_are_prometheus_counters():
@@ -266,8 +269,9 @@ PROMPTS = [
 
 
 def built_in(speculative: str, **options) -> mk.LLM:
+    """The built-in model on the CPU in float64, speculative decoding "on" or "off"."""
     options = {"max_batch": 4, "max_context": 512, "prefill_chunk": 128, **options}
-    return mk.LLM(device="cpu", dtype=torch.float64, speculative=speculative, **options)
+    return mk.LLM(device="cpu", dtype=torch.float64, speculative=AUTO_ON_OFF[speculative], **options)
 
 
 def settled(llm: mk.LLM) -> dict[str, int]:
@@ -285,7 +289,7 @@ def settled(llm: mk.LLM) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def llms():
     made = {mode: built_in(mode) for mode in ("on", "off")}
-    assert made["on"].engine.max_draft == _native.MAX_DRAFT and made["off"].engine.max_draft == 0
+    assert made["on"].engine.options.max_draft == _native.MAX_DRAFT and made["off"].engine.options.max_draft == 0
     yield made
     for llm in made.values():
         settled(llm)

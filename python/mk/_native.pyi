@@ -3,6 +3,7 @@
 from typing import Any, Protocol, final
 
 from mk.config import ModelConfig
+from mk.options import EngineOptions
 
 # ---- GPU kernels (rust/python/mod.rs) ----------------------------------------------------------
 
@@ -128,32 +129,21 @@ def kv_pool_blocks(budget: int, kv_heads: int, head_dim: int, elem_bytes: int) -
 @final
 class Engine:
     """The decode-loop thread over `runner` (None: a no-op backend that samples `noop_token`).
-    `backend`: "reference" (the runner prefills and decodes) or "megakernel" (the runner, a
-    MegakernelRunner, prefills; the megakernel decodes)."""
+    `options`: a resolved mk.options.EngineOptions (read by attribute; its `backend` is
+    "reference", where the runner prefills and decodes, or "megakernel", where the runner, a
+    MegakernelRunner, prefills and the megakernel decodes). `step_rows`: one decode step's rows."""
 
     def __new__(
         cls,
         runner: Runner | None,
+        options: EngineOptions,
         *,
         sliding: list[bool],
         window: int,
         num_blocks: int,
         vocab_size: int,
         eos_token_id: int | None = None,
-        max_batch: int = 8,
-        max_context: int = 4096,
-        prefill_chunk: int = 512,
-        max_waiting: int = 1024,
-        salt: bytes = ...,
-        check_invariants: bool = False,
         noop_token: int = 1,
-        backend: str = "reference",
-        tokenizer_json: str | None = None,
-        launch_ahead: bool = False,
-        decode_prefill_budget: int | None = None,
-        layer_sliced_prefill: bool = False,
-        whole_chunk_tokens: int = 0,
-        max_draft: int = 0,
         step_rows: int = ...,
     ) -> Engine: ...
     def submit(

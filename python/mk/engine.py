@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import threading
@@ -21,21 +22,11 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from mk import _native, memory
-from mk.engine_api import (
-    CPU_MAX_BATCH,
-    CPU_PREFILL_CHUNK,
-    DECODE_PREFILL_BUDGET,
-    MAX_BATCH,
-    PREFILL_CHUNK,
-    WHOLE_CHUNK_TOKENS,
-    EngineClosed,
-    EngineFull,
-    EngineStats,
-    PromptTooLong,
-)
+from mk.engine_api import EngineClosed, EngineFull, EngineStats, PromptTooLong
 from mk.megakernel.runner import MegakernelRunner
 from mk.megakernel.support import MAX_STEP_ROWS, choose_backend
 from mk.model.reference import Model
+from mk.options import WHOLE_CHUNK_TOKENS, EngineOptions
 from mk.outputs import TokenEvent
 from mk.prefill import Prefill, stack_experts
 from mk.runner import PrefillRunner, ReferenceRunner
@@ -84,240 +75,92 @@ class _CallbackSink:
 
 
 class Engine:
-    """mk's engine over a model (CPU float32/float64 or GPU bf16).
+    """mk's engine over a model (CPU float32/float64 or GPU bf16): `Engine(model, options)` or
+    `Engine(model, max_batch=4, ...)`, the keywords being `mk.options.EngineOptions` fields that
+    replace `options`' (or the defaults'). `self.options` holds them resolved: every automatic
+    choice made (`EngineOptions.resolved`), the prefill graphs as the warm-up captured them, and
+    `max_context` as the KV pool holds it.
 
-    `backend`: "megakernel" decodes with one megakernel launch per step (bf16 on a Hopper GPU;
-    an error elsewhere), "reference" with the PyTorch reference model, "auto" (the default) with
-    the megakernel wherever it can run. `self.backend` says which.
-
-    `prefill`: "fast" runs prompt chunks through `mk.prefill` (flex attention and grouped-GEMM MoE on
-    a GPU; it restacks the model's experts in place, see `mk.prefill.stack_experts`), "reference"
-    through the reference model's forward, "auto" (the default) is "fast" on a GPU and "reference" on
-    the CPU. Either way prefill is PyTorch, on the decode backend's stream.
-
-    `max_batch`: most sequences decoded together; None (the default): mk.engine_api.MAX_BATCH (one
-    megakernel launch's rows) on a GPU, CPU_MAX_BATCH on the CPU (`self.max_batch`).
-
-    `prefill_chunk`: most prompt tokens one loop iteration prefills; None (the default):
-    mk.engine_api.PREFILL_CHUNK on a GPU, CPU_PREFILL_CHUNK on the CPU (`self.prefill_chunk`).
-    `decode_prefill_budget`: the same while some stream decodes (at most `prefill_chunk`): smaller
-    chunks shorten a stream's longest wait while a long prompt is admitted, at the cost of more
-    chunks for that prompt (cheap ones with `prefix_graphs`). None (the default):
-    mk.engine_api.DECODE_PREFILL_BUDGET where `sliced_prefill` is on, else `prefill_chunk`
-    (`self.decode_prefill_budget`).
-    `sliced_prefill`: while some stream decodes, a prompt keeps chunks of up to `prefill_chunk`
-    tokens (at most `decode_prefill_budget` times the layers) and each chunk runs over several
-    iterations, a few layers each, so that an iteration's prefill is
-    at most `decode_prefill_budget` tokens through the whole model (tokens x layers), with a decode
-    step between the slices: the streams' pause shrinks like the budget's, while the prompt's time
-    to first token grows only by the decode steps in between (rust/engine/core.rs; the default
-    budget's measurements: docs/PERF.md, tuning decisions). Needs the fast prefill. None (the
-    default): on wherever the fast prefill runs on a GPU.
-    `whole_chunk_tokens`: with `sliced_prefill`, a call of one chunk of up to this many tokens is
-    not sliced (0: every call beyond the budget is). None (the default): with both kinds of prefill
-    graph mk.engine_api.WHOLE_CHUNK_TOKENS (such a chunk replays its graph at once), else 0
-    (`self.whole_chunk_tokens`).
-
-    `launch_ahead`: each decode step is launched before the previous step's tokens are handed
-    over (rust/engine/core.rs); the streams are the same. The megakernel backend then queues steps
-    of up to one launch's rows whose tokens the kernel draws itself (greedy, or a temperature alone)
-    on the GPU, each behind the one before, so that the host's work between steps overlaps the
-    GPU's; a step it cannot queue (rows that sample on the host: top-k/top-p, logprobs, a
-    grammar; more rows than one launch; drafts to verify; another backend) runs at once, as without
-    launch-ahead.
-    None (the default): on with the megakernel backend.
-
-    `prefill_graphs`: the fast prefill runs a chunk that is a fresh prompt alone as a CUDA graph of
-    its padded length, captured at start (`mk.prefill_graphs`; a few GB of GPU memory). None (the
-    default): on wherever the fast prefill runs on a GPU.
-
-    `prefix_graphs`: the fast prefill also runs a chunk after a cached prefix (a conversation's next
-    turn, a long prompt's later chunks) as a CUDA graph of its padded length and key count
-    (`mk.prefill_graphs.PrefixedChunks`), each shape the context allows captured at start. None (the
-    default): chunks of up to `mk.prefill_graphs.NEXT_TURN_BUCKETS[-1]` tokens on a GPU, where the
-    eager path's launches are most of a next turn's time to first token (docs/PERF.md, tuning
-    decisions); True: every chunk length, for more memory and captures; False: none.
-    `fresh_split` (with both kinds of graph): a fresh prompt alone just past a bucket of 4K tokens
-    or more replays that bucket's graph and then a next-turn graph of the rest, instead of the next
-    bucket's graph of twice the rows (`mk.prefill_graphs.fresh_split`). On by default.
-
-    `kernel_masks`: with the megakernel backend, a decode row under a grammar whose token the kernel
-    can draw (greedy or a temperature alone) is drawn by the kernel among its mask's tokens (the
-    mask uploaded before the step) instead of on the host from its logits (rust/engine/megakernel.rs;
-    True with another backend is an error). Its tokens equal the host sampler's; the launch then
-    waits for the masks the host path computes during the step, which costs less than the logits
-    copied back and the host draw it saves. None (the default): on with the megakernel backend.
-    `late_masks` (needs `kernel_masks` and launch-ahead): a step with such rows is launched ahead
-    too, before their masks are known; the masks are computed once the previous step's tokens
-    have landed, while the step runs, and the kernel's sample tasks wait for them
-    (rust/engine/core.rs, `Backend::deliver_masks`), so that a grammar no longer adds host time
-    between steps. The tokens are the same. None (the default): on wherever `kernel_masks` and
-    launch-ahead are.
-
-    `speculative`: "on" verifies drafts copied from each sequence's own text (its prompt and output so
-    far, rust/speculative) as verification rows beside its next token in the same decode step, at
-    most `self.max_draft` (mk._native.MAX_DRAFT) a sequence, fewer where its recent drafts failed or
-    the launch has few spare rows; a step may then give a sequence several tokens. The tokens are
-    those without drafts, greedy or sampled (each row draws with its generation index's noise), as
-    far as a row's logits do not depend on the rows beside it. Under a grammar a sequence drafts only
-    tokens the grammar takes.
-    "off": none (`self.max_draft` 0). "auto" (the default): `draft_limit` decides by backend.
-    `stats()` counts the draft tokens verified and accepted.
-
-    `progress`: the start's prefill warm-up (on a GPU: compilation and every CUDA graph's capture,
-    tens of seconds) shows a progress bar where stderr is a terminal.
-
-    KV pool: `kv_blocks` blocks, else `kv_bytes`, else on a GPU what the memory plan leaves within
-    `gpu_memory_utilization` of the card's total memory, everything included, once the warm-up's
-    peak has been measured (`mk.memory`; `self.memory_plan`), else (CPU) room for one sequence of
-    `max_context` tokens or `max_batch` of up to CPU_BATCH_CONTEXT tokens, whichever is more (a full
-    batch of long contexts would be gigabytes of zeros for a model small enough to run on the CPU).
-    A `max_context` whose sequence the pool cannot hold is a `mk.memory.MemoryPlanError` naming the
-    longest that fits; with `fit_context` the engine takes that one instead (`self.max_context`).
+    Prefill is PyTorch on the decode backend's stream; the fast prefill restacks the model's experts
+    in place (`mk.prefill.stack_experts`). The KV pool has `kv_blocks` blocks, else `kv_bytes`' worth,
+    else on a GPU what the memory plan leaves within `gpu_memory_utilization` of the card's total
+    memory once the warm-up's peak has been measured (`mk.memory`; `self.memory_plan`), else (CPU)
+    room for one sequence of `max_context` tokens or `max_batch` of up to CPU_BATCH_CONTEXT tokens,
+    whichever is more (a full batch of long contexts would be gigabytes of zeros for a model small
+    enough to run on the CPU). A `max_context` whose sequence the pool cannot hold is a
+    `mk.memory.MemoryPlanError` naming the longest that fits; with `fit_context` the engine takes
+    that one instead.
     """
 
-    def __init__(
-        self,
-        model: Model,
-        *,
-        max_batch: int | None = None,
-        max_context: int = 4096,
-        prefill_chunk: int | None = None,
-        max_waiting: int = 1024,
-        kv_blocks: int | None = None,
-        kv_bytes: int | None = None,
-        gpu_memory_utilization: float = memory.GPU_MEMORY_UTILIZATION,
-        fit_context: bool = False,
-        salt: bytes | None = None,
-        check_invariants: bool = False,
-        backend: str = "auto",
-        prefill: str = "auto",
-        tokenizer_json: str | None = None,
-        launch_ahead: bool | None = None,
-        prefill_graphs: bool | None = None,
-        decode_prefill_budget: int | None = None,
-        sliced_prefill: bool | None = None,
-        kernel_masks: bool | None = None,
-        late_masks: bool | None = None,
-        prefix_graphs: bool | None = None,
-        fresh_split: bool = True,
-        whole_chunk_tokens: int | None = None,
-        speculative: str = "auto",
-        progress: bool = True,
-    ) -> None:
-        cfg = model.config
-        if max_batch is None:
-            max_batch = MAX_BATCH if model.device.type == "cuda" else CPU_MAX_BATCH
-        if prefill_chunk is None:
-            prefill_chunk = PREFILL_CHUNK if model.device.type == "cuda" else CPU_PREFILL_CHUNK
-        self.prefill_chunk = prefill_chunk
-        if whole_chunk_tokens is not None and whole_chunk_tokens < 0:
-            raise ValueError(f"whole_chunk_tokens must be >= 0 (or None), got {whole_chunk_tokens}")
-        if decode_prefill_budget is not None and decode_prefill_budget < 1:
-            raise ValueError(f"decode_prefill_budget must be >= 1 (or None), got {decode_prefill_budget}")
-        memory.check_utilization(gpu_memory_utilization)
-        self.backend = choose_backend(model, backend)
-        self.max_draft = draft_limit(speculative, self.backend)
-        if kernel_masks and self.backend != "megakernel":
-            raise ValueError(f"kernel_masks needs the megakernel backend; this engine decodes with {self.backend!r}")
-        self.kernel_masks = self.backend == "megakernel" if kernel_masks is None else kernel_masks
-        if late_masks and not self.kernel_masks:
-            raise ValueError("late_masks needs kernel_masks (the megakernel backend's)")
-        fast = _fast_prefill(model, prefill, prefill_chunk, prefill_graphs, prefix_graphs, fresh_split)
-        self.prefill = "reference" if fast is None else "fast"
-        if sliced_prefill and fast is None:
-            raise ValueError("sliced_prefill needs the fast prefill (prefill='fast')")
-        if sliced_prefill is None:
-            sliced_prefill = fast is not None and model.device.type == "cuda"
-        self.sliced_prefill = sliced_prefill
-        if decode_prefill_budget is None and sliced_prefill:
-            decode_prefill_budget = min(DECODE_PREFILL_BUDGET, prefill_chunk)
-        self.decode_prefill_budget = prefill_chunk if decode_prefill_budget is None else decode_prefill_budget
-        self.launch_ahead = self.backend == "megakernel" if launch_ahead is None else launch_ahead
-        if late_masks and not self.launch_ahead:
-            raise ValueError("late_masks needs launch-ahead (launch_ahead=False turns it off)")
-        self.late_masks = bool(self.kernel_masks and self.launch_ahead) if late_masks is None else late_masks
-        self.config = cfg
-        self.max_batch = max_batch
+    def __init__(self, model: Model, options: EngineOptions | None = None, /, **overrides) -> None:
+        self.config = cfg = model.config
+        cuda = model.device.type == "cuda"
+        asked = dataclasses.replace(options or EngineOptions(), **overrides)
+        opts = asked.resolved(cuda=cuda, backend=choose_backend(model, asked.backend))
+        fast = _fast_prefill(model, opts)
         sliding = [cfg.is_sliding(layer) for layer in range(cfg.num_hidden_layers)]
+        chunk = opts.prefill_chunk
 
         def runner_over(blocks: int, context: int):
-            common = dict(fast_prefill=fast, prefill_chunk=prefill_chunk)
-            if self.backend == "megakernel":
-                kinds = dict(kernel_masks=self.kernel_masks, late_masks=self.late_masks)
+            common = dict(fast_prefill=fast, prefill_chunk=chunk)
+            if opts.backend == "megakernel":
+                kinds = dict(kernel_masks=opts.kernel_masks, late_masks=opts.late_masks)
                 # Drafts fill a launch's rows beyond the batch's own: its buffers take a whole launch.
-                kinds["rows"] = MAX_STEP_ROWS if self.max_draft else None
-                return MegakernelRunner(model, blocks, max_batch, context, **common, **kinds)
-            return ReferenceRunner(model, blocks, max_batch, context, **common)
+                kinds["rows"] = MAX_STEP_ROWS if opts.speculative else None
+                return MegakernelRunner(model, blocks, opts.max_batch, context, **common, **kinds)
+            return ReferenceRunner(model, blocks, opts.max_batch, context, **common)
 
         # The KV pool: as given, else on a GPU the memory plan's (mk.memory), else (CPU) a batch's.
         self.memory_plan: memory.MemoryPlan | None = None
-        asked = max_context
-        if kv_blocks is not None:
-            num_blocks = kv_blocks
-        elif kv_bytes is not None:
-            num_blocks = _blocks_in(model, kv_bytes)
-        elif model.device.type == "cuda":
+        max_context = opts.max_context
+        if opts.kv_blocks is not None:
+            num_blocks = opts.kv_blocks
+        elif opts.kv_bytes is not None:
+            num_blocks = _blocks_in(model, opts.kv_bytes)
+        elif cuda:
             in_use, total = memory.settled(model.device)
-            share = gpu_memory_utilization
+            share = opts.gpu_memory_utilization
             max_context = memory.context_ceiling(
-                cfg, model.dtype.itemsize, prefill_chunk, max_context, in_use, total, share, fit_context
+                cfg, model.dtype.itemsize, chunk, max_context, in_use, total, share, opts.fit_context
             )
             plan = memory.measure(
                 model.device,
                 cfg,
                 model.dtype.itemsize,
-                gpu_memory_utilization,
+                share,
                 lambda blocks: runner_over(blocks, max_context),
-                PrefillRunner.scratch_blocks(cfg, prefill_chunk, max_context),
-                progress,
+                PrefillRunner.scratch_blocks(cfg, chunk, max_context),
+                opts.progress,
             )
             self.memory_plan, num_blocks = plan, plan.kv_blocks
         else:
             batch_need, _ = _native.kv_blocks_needed(
-                sliding, cfg.sliding_window, min(max_context, CPU_BATCH_CONTEXT), prefill_chunk
+                sliding, cfg.sliding_window, min(max_context, CPU_BATCH_CONTEXT), chunk
             )
-            num_blocks = max(memory.blocks_needed(cfg, max_context, prefill_chunk), max_batch * batch_need)
-        max_context = _fitting_context(cfg, num_blocks, prefill_chunk, max_context, fit_context, self.memory_plan)
-        if max_context < asked:
-            log.warning("the context limit is %d tokens, the longest the KV pool holds (%d asked)", max_context, asked)
-        self.max_context = max_context
+            num_blocks = max(memory.blocks_needed(cfg, max_context, chunk), opts.max_batch * batch_need)
+        max_context = _fitting_context(cfg, num_blocks, chunk, max_context, opts.fit_context, self.memory_plan)
+        if max_context < asked.max_context:
+            log.warning(
+                "the context limit is %d tokens, the longest the KV pool holds (%d asked)",
+                max_context,
+                asked.max_context,
+            )
         if self.memory_plan is not None:
-            tokens = memory.largest_context(cfg, num_blocks, prefill_chunk, max(max_context, 1 << 24))
+            tokens = memory.largest_context(cfg, num_blocks, chunk, max(max_context, 1 << 24))
             log.info("%s", self.memory_plan.describe(tokens))
         self._runner = runner_over(num_blocks, max_context)
         try:
-            self._runner.warm_up(progress)
-            # After the warm-up, which captures them (a shape whose capture failed runs eagerly).
-            self.prefill_graphs = fast is not None and fast.fresh is not None and fast.fresh.capture
-            self.prefix_graphs = fast is not None and fast.prefixed is not None and fast.prefixed.capture
-            if whole_chunk_tokens is None:  # a lone chunk that replays a graph runs whole
-                graphed = sliced_prefill and self.prefill_graphs and self.prefix_graphs
-                if graphed:  # (and every shape's capture took)
-                    graphed = not (fast.fresh.uncapturable() or fast.prefixed.uncapturable())
-                whole_chunk_tokens = WHOLE_CHUNK_TOKENS if graphed else 0
-            self.whole_chunk_tokens = whole_chunk_tokens
+            self._runner.warm_up(opts.progress)
+            self.options = _after_warm_up(opts, fast, max_context, model)
             self._native = _native.Engine(
                 self._runner,
+                self.options,
                 sliding=sliding,
                 window=cfg.sliding_window,
                 num_blocks=num_blocks,
                 vocab_size=cfg.vocab_size,
                 eos_token_id=cfg.eos_token_id,
-                max_batch=max_batch,
-                max_context=max_context,
-                prefill_chunk=prefill_chunk,
-                max_waiting=max_waiting,
-                salt=salt if salt is not None else repr((cfg, model.dtype, _weights_id(model))).encode(),
-                check_invariants=check_invariants,
-                backend=self.backend,
-                tokenizer_json=tokenizer_json,
-                launch_ahead=self.launch_ahead,
-                decode_prefill_budget=decode_prefill_budget,
-                layer_sliced_prefill=sliced_prefill,
-                whole_chunk_tokens=self.whole_chunk_tokens,
-                max_draft=self.max_draft,
-                step_rows=self._runner.rows if self.backend == "megakernel" else MAX_STEP_ROWS,
+                step_rows=self._runner.rows if opts.backend == "megakernel" else MAX_STEP_ROWS,
             )
         except BaseException:
             # Drop the prefill's CUDA graphs now: left to the garbage collector, their memory pools
@@ -338,6 +181,16 @@ class Engine:
         )
         self._pump.start()
         self._finalizer = weakref.finalize(self, _shut_down, self._native, self._runner)
+
+    @property
+    def max_context(self) -> int:
+        """(`AsyncEngine`) The longest sequence, prompt plus completion."""
+        return self.options.max_context
+
+    @property
+    def max_batch(self) -> int:
+        """(`AsyncEngine`) The most sequences decoded together."""
+        return self.options.max_batch
 
     # ---- AsyncEngine ------------------------------------------------------------------------
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> _Stream:
@@ -526,42 +379,39 @@ def _put_all(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
         queue.put_nowait(event)
 
 
-SPECULATIVE = ("auto", "on", "off")
-
-
-def draft_limit(speculative: str, backend: str) -> int:
-    """The most draft tokens a sequence verifies in a step (`Engine(speculative=...)`; 0: none) on
-    `backend` ("megakernel" or "reference")."""
-    if speculative not in SPECULATIVE:
-        raise ValueError(f"speculative must be 'auto', 'on' or 'off', not {speculative!r}")
-    if speculative == "off":
-        return 0
-    # auto: off until the engine's speculative steps have passed the GPU tests and its benchmark
-    # (on the CPU reference, where every row costs its own compute, it stays off).
-    if speculative == "on":
-        return _native.MAX_DRAFT
-    return 0
-
-
-def _fast_prefill(
-    model: Model, mode: str, chunk: int, graphs: bool | None, prefix_graphs: bool | None, fresh_split: bool
-) -> Prefill | None:
-    """The engine's `mk.prefill` runner, or None for the reference model's forward (see `Engine`)."""
-    if mode not in ("auto", "fast", "reference"):
-        raise ValueError(f"prefill must be 'auto', 'fast' or 'reference', not {mode!r}")
-    cuda = model.device.type == "cuda"
-    if mode == "reference" or (mode == "auto" and not cuda):
+def _fast_prefill(model: Model, opts: EngineOptions) -> Prefill | None:
+    """The engine's `mk.prefill` runner, or None for the reference model's forward (`opts.prefill`)."""
+    if opts.prefill == "reference":
         return None
-    if cuda:  # before anything records weight addresses (the megakernel's tables)
+    if model.device.type == "cuda":  # before anything records weight addresses (the megakernel's tables)
         stack_experts(model.weights, model.config)
-    # Rust hands over at most `chunk` tokens a call, so each call is one chunk of mk.prefill (or two
-    # static passes: mk.prefill_graphs.fresh_split).
+    # Rust hands over at most one chunk's tokens a call, so each call is one chunk of mk.prefill (or
+    # two static passes: mk.prefill_graphs.fresh_split).
     return Prefill(
         model,
-        chunk=chunk,
-        graphs="auto" if graphs is None else graphs,
-        prefix_graphs="auto" if prefix_graphs is None else prefix_graphs,
-        fresh_split=fresh_split,
+        chunk=opts.prefill_chunk,
+        graphs="auto" if opts.prefill_graphs is None else opts.prefill_graphs,
+        prefix_graphs="auto" if opts.prefix_graphs is None else opts.prefix_graphs,
+        fresh_split=opts.fresh_split,
+    )
+
+
+def _after_warm_up(opts: EngineOptions, fast: Prefill | None, max_context: int, model: Model) -> EngineOptions:
+    """`opts` with what the warm-up and the KV pool decided: the prefill graphs it captured (a
+    shape whose capture failed runs eagerly), whole_chunk_tokens by them, the context the pool
+    holds, and the prefix cache's salt."""
+    fresh = fast is not None and fast.fresh is not None and fast.fresh.capture
+    prefixed = fast is not None and fast.prefixed is not None and fast.prefixed.capture
+    whole = opts.whole_chunk_tokens
+    if whole is None:  # a lone chunk that replays a graph runs whole (if every shape's capture took)
+        graphed = opts.sliced_prefill and fresh and prefixed
+        graphed = graphed and not (fast.fresh.uncapturable() or fast.prefixed.uncapturable())
+        whole = WHOLE_CHUNK_TOKENS if graphed else 0
+    salt = opts.salt
+    if salt is None:
+        salt = repr((model.config, model.dtype, _weights_id(model))).encode()
+    return dataclasses.replace(
+        opts, prefill_graphs=fresh, prefix_graphs=prefixed, whole_chunk_tokens=whole, max_context=max_context, salt=salt
     )
 
 

@@ -11,43 +11,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from mk import _native
 from mk.config import ModelConfig
 from mk.outputs import TokenEvent
 from mk.sampling import ConstraintSpec, SamplingParams
-
-# Prompt tokens one loop iteration prefills on a GPU, unless told otherwise (the engine's and the
-# server's default). A prefill call that does not replay a CUDA graph pays a fixed host cost of
-# launches, so fewer, larger chunks win; the price is that a decoding stream waits up to one chunk's
-# time while a long prompt is admitted (unless the sliced prefill cuts it). See docs/PERF.md,
-# tuning decisions.
-PREFILL_CHUNK = 8192
-# On the CPU, where a chunk takes far longer and a decoding stream waits for it: smaller.
-CPU_PREFILL_CHUNK = 512
-# Prompt tokens through the whole model (tokens x layers / layers) one loop iteration prefills
-# while some stream decodes, with the layer-sliced prefill that is on by default on a GPU: it bounds
-# a decoding stream's pause while a long prompt is admitted, and each slice between decode steps
-# delays that prompt's first token. The value keeps the pause well under a 50 ms target with the
-# admitted prompt's first token within 1.3x its standalone prefill (docs/PERF.md, tuning decisions).
-DECODE_PREFILL_BUDGET = 512
-# With the sliced prefill and both kinds of prefill graph: a prefill call of one chunk of up to this
-# many tokens (a next turn's new tokens, a short prompt, a long prompt's last chunk) runs whole
-# while streams decode, one graph replay, instead of slices of the eager path, each of which
-# carries its share of that path's fixed cost of launches: the streams pause once, and less, and
-# the chunk's first token comes sooner. A limit of 512 would slice a next turn of ~1K tokens
-# (docs/PERF.md, tuning decisions).
-WHOLE_CHUNK_TOKENS = 1024
-# Sequences decoded together on a GPU, unless told otherwise (the engine's and the server's
-# default): the rows of one megakernel launch (16: its wide image), which decodes them faster than
-# two launches of 8 (docs/PERF.md, tuning decisions), and a 9th concurrent request starts at once
-# instead of waiting for a running one to finish.
-MAX_BATCH = _native.STEP_MAX_BATCH
-# On the CPU, whose KV pool is sized for a whole batch (mk.engine.Engine): a smaller batch.
-CPU_MAX_BATCH = 8
-
-# The values of an auto/on/off flag (the server's and the benchmarks' `--launch-ahead` and
-# `--prefill-graphs`): the Engine argument, where None lets the engine choose.
-AUTO_ON_OFF = {"auto": None, "on": True, "off": False}
 
 
 class EngineError(RuntimeError):

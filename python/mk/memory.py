@@ -29,9 +29,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("mk")
 
 GiB = 1 << 30
-# The share of the card's memory mk may use by default (vLLM's `--gpu-memory-utilization` means
-# the same): the rest is left to the driver, other processes and the allocator's fragmentation.
-GPU_MEMORY_UTILIZATION = 0.9
 # Kept out of the KV pool beyond the measured peak: what the warm-up does not allocate (the Rust
 # engine's device buffers and the megakernel's image, a layer-sliced chunk's residual) and the
 # caching allocator's growth under other shapes.

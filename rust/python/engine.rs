@@ -14,6 +14,7 @@ use crate::engine::{Engine, EngineConfig, NoopBackend};
 use crate::grammar::{CompiledConstraints, Constraint, ConstraintSpec, Grammars};
 use crate::kv::KvConfig;
 use crate::sched::{Event, Request, SamplingParams, SchedConfig};
+use crate::speculative::length::MAX_DRAFT;
 
 /// (request id, token, logprob, top alternatives, finish reason, error, cached prompt tokens,
 /// seconds queued before admission)
@@ -30,6 +31,25 @@ type EventTuple = (
 
 fn to_tuple(e: Event) -> EventTuple {
     (e.id, e.token, e.logprob, e.top, e.finish.map(|f| f.as_str()), e.error, e.cached_tokens, e.queue_seconds)
+}
+
+/// The engine's options as Python's `mk.options.EngineOptions` holds them once resolved (every
+/// automatic choice made), read by attribute: the same names on both sides.
+#[derive(FromPyObject)]
+struct Options {
+    backend: String,
+    max_batch: usize,
+    max_context: usize,
+    max_waiting: usize,
+    prefill_chunk: usize,
+    decode_prefill_budget: usize,
+    sliced_prefill: bool,
+    whole_chunk_tokens: usize,
+    launch_ahead: bool,
+    speculative: bool,
+    check_invariants: bool,
+    salt: Option<Vec<u8>>,
+    tokenizer_json: Option<String>,
 }
 
 #[pyclass(name = "Engine", module = "mk._native", frozen)]
@@ -65,51 +85,45 @@ fn constraint_error(kind: &str, e: crate::grammar::GrammarError) -> PyErr {
 #[pymethods]
 impl PyEngine {
     /// Starts the loop thread over `runner` (None: the no-op backend, which "samples"
-    /// `noop_token` every step; for control-plane benchmarks). `backend`: "reference" (the
-    /// runner prefills and decodes) or "megakernel" (the runner prefills, the megakernel decodes).
-    /// `tokenizer_json`: the text of the tokenizer's `tokenizer.json`, which constrained requests
-    /// need (their grammars compile against its vocabulary). `launch_ahead`: each decode step is
-    /// launched before the previous one's tokens are handed over (rust/engine/core.rs).
-    /// `decode_prefill_budget`: prompt tokens an iteration prefills while some sequence decodes
-    /// (None: `prefill_chunk`). `layer_sliced_prefill`: while some sequence decodes, prefill whole
-    /// chunks over several iterations, a few layers each, within that budget (the runner's
-    /// `prefill` takes layer slices; rust/engine/core.rs), except a call of one chunk of at most
-    /// `whole_chunk_tokens` tokens (0: none), which runs whole. `max_draft`: speculative decoding's
-    /// most draft tokens per sequence and step (0: off; crate::speculative), within `step_rows`
-    /// rows a step (the megakernel's: its launch's).
+    /// `noop_token` every step; for control-plane benchmarks). `options`: the resolved
+    /// `mk.options.EngineOptions` (read by attribute, `Options`); its `backend` is "reference"
+    /// (the runner prefills and decodes) or "megakernel" (the runner prefills, the megakernel
+    /// decodes). The model gives the rest: which layers slide, the window, the KV pool's blocks,
+    /// the vocabulary and EOS. `step_rows`: the rows of one decode step (the megakernel's: its
+    /// launch's), which speculative decoding's drafts share with the batch.
     #[new]
     #[pyo3(signature = (
-        runner, *, sliding, window, num_blocks, vocab_size, eos_token_id=None, max_batch=8,
-        max_context=4096, prefill_chunk=512, max_waiting=1024, salt=Vec::new(), check_invariants=false,
-        noop_token=1, backend="reference", tokenizer_json=None, launch_ahead=false, decode_prefill_budget=None,
-        layer_sliced_prefill=false, whole_chunk_tokens=0, max_draft=0,
+        runner, options, *, sliding, window, num_blocks, vocab_size, eos_token_id=None, noop_token=1,
         step_rows=crate::gpu::step::MAX_STEP_ROWS
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         runner: Option<Py<PyAny>>,
+        options: Options,
         sliding: Vec<bool>,
         window: usize,
         num_blocks: usize,
         vocab_size: usize,
         eos_token_id: Option<u32>,
-        max_batch: usize,
-        max_context: usize,
-        prefill_chunk: usize,
-        max_waiting: usize,
-        salt: Vec<u8>,
-        check_invariants: bool,
         noop_token: u32,
-        backend: &str,
-        tokenizer_json: Option<String>,
-        launch_ahead: bool,
-        decode_prefill_budget: Option<usize>,
-        layer_sliced_prefill: bool,
-        whole_chunk_tokens: usize,
-        max_draft: usize,
         step_rows: usize,
     ) -> PyResult<Self> {
+        let Options {
+            backend,
+            max_batch,
+            max_context,
+            max_waiting,
+            prefill_chunk,
+            decode_prefill_budget,
+            sliced_prefill,
+            whole_chunk_tokens,
+            launch_ahead,
+            speculative,
+            check_invariants,
+            salt,
+            tokenizer_json,
+        } = options;
         let grammars = match (&tokenizer_json, eos_token_id) {
             (None, _) => None,
             (Some(json), Some(eos)) => Some(
@@ -122,21 +136,27 @@ impl PyEngine {
             sched: SchedConfig {
                 max_batch,
                 prefill_chunk,
-                decode_prefill_budget,
+                decode_prefill_budget: Some(decode_prefill_budget),
                 max_context,
                 vocab_size,
                 eos_token_id,
-                max_draft,
+                max_draft: if speculative { MAX_DRAFT } else { 0 },
                 step_rows,
             },
-            kv: KvConfig { sliding, window, page_size: crate::kv::PAGE_SIZE, num_blocks, salt },
+            kv: KvConfig {
+                sliding,
+                window,
+                page_size: crate::kv::PAGE_SIZE,
+                num_blocks,
+                salt: salt.unwrap_or_default(),
+            },
             max_waiting,
             check_invariants,
             launch_ahead,
-            layer_sliced_prefill,
+            layer_sliced_prefill: sliced_prefill,
             whole_chunk_tokens,
         };
-        let engine = match (runner, backend) {
+        let engine = match (runner, backend.as_str()) {
             (Some(r), "reference") => Engine::start(cfg, reference_backend(r, vocab_size)),
             (Some(r), "megakernel") => Engine::start(cfg, MegakernelBackend::new(py, r, vocab_size)?),
             (None, _) => Engine::start(cfg, NoopBackend::new(noop_token)),

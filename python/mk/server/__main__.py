@@ -23,17 +23,7 @@ from typing import NoReturn
 
 import torch
 
-from mk.engine_api import (
-    AUTO_ON_OFF,
-    CPU_MAX_BATCH,
-    CPU_PREFILL_CHUNK,
-    DECODE_PREFILL_BUDGET,
-    MAX_BATCH,
-    PREFILL_CHUNK,
-    WHOLE_CHUNK_TOKENS,
-)
-from mk.memory import GPU_MEMORY_UTILIZATION
-from mk.prefill_graphs import NEXT_TURN_BUCKETS
+from mk import options
 from mk.server.app import App
 from mk.server.http import BODY_TIMEOUT_S
 from mk.server.serve import check_port, serve
@@ -61,21 +51,6 @@ def _at_least(low: int):
         return value
 
     return parse
-
-
-def _auto_on_off(p: argparse.ArgumentParser, flag: str, text: str) -> None:
-    """A switch the engine decides by default (`auto`); the flag alone means `on`."""
-    p.add_argument(flag, choices=list(AUTO_ON_OFF), nargs="?", const="on", default="auto", help=text)
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
 
 
 def _seconds(text: str) -> float:
@@ -128,122 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="where the model runs: auto = the GPU when there is one (default: %(default)s)",
     )
-    p.add_argument(
-        "--backend",
-        choices=["auto", "megakernel", "reference"],
-        default="auto",
-        help="what decodes: the megakernel (bf16 on a Hopper GPU), the PyTorch reference model, or auto = "
-        "the megakernel wherever it can run (default: %(default)s)",
-    )
-    p.add_argument(
-        "--prefill",
-        choices=["auto", "fast", "reference"],
-        default="auto",
-        help="what prefills prompts: fast = mk.prefill (flex attention, grouped-GEMM experts, packed prompts; "
-        "compiles at start), reference = the reference model's forward, auto = fast on a GPU and reference on "
-        "the CPU (default: %(default)s)",
-    )
-    _auto_on_off(
-        p,
-        "--launch-ahead",
-        "launch each decode step before the previous step's tokens reach the host, so the GPU runs steps "
-        "back to back (rows the kernel draws itself: greedy, or a temperature without top_k, top_p, logprobs "
-        "or a grammar; others run one step at a time); auto = on with the megakernel backend, off with the "
-        "reference one (default: %(default)s)",
-    )
-    _auto_on_off(
-        p,
-        "--prefill-graphs",
-        "prefill a fresh prompt (no cached prefix) of up to one chunk as a CUDA graph replay, captured per "
-        "padded length at start: a short prompt's first token without the fixed host time of the eager path's "
-        "launches, for GPU memory the start's memory plan counts; auto = on with the fast prefill on a GPU "
-        "(default: %(default)s)",
-    )
-    _auto_on_off(
-        p,
-        "--prefix-graphs",
-        "prefill a chunk after a cached prefix (a conversation's next turn, its history from the prefix cache) as "
-        "a CUDA graph replay too, captured per padded (tokens, keys) shape at start, so that a next turn's first "
-        f"token comes without the eager path's launches; auto = chunks of up to {NEXT_TURN_BUCKETS[-1]} tokens "
-        "with the fast prefill on a GPU, on = every chunk length (more captures and memory) (default: %(default)s)",
-    )
-    p.add_argument(
-        "--decode-prefill-budget",
-        type=_at_least(1),
-        help="most prompt tokens one loop iteration prefills while streams decode (with --sliced-prefill: tokens "
-        "through the whole model): smaller shortens the streams' longest pause while a long prompt is admitted "
-        f"(default: {DECODE_PREFILL_BUDGET} with --sliced-prefill, else --prefill-chunk)",
-    )
-    _auto_on_off(
-        p,
-        "--sliced-prefill",
-        "while streams decode, run each prompt chunk over several loop iterations, a few layers each, within "
-        "--decode-prefill-budget tokens through the whole model, a decode step between them: the streams pause as "
-        "little as with small chunks while the prompt keeps whole chunks, its first token only the decode steps "
-        "in between later; auto = on wherever the fast prefill runs on a GPU; on needs the fast prefill (default: "
-        "%(default)s)",
-    )
-    p.add_argument(
-        "--whole-chunk-tokens",
-        type=_at_least(0),
-        help="with --sliced-prefill: a prompt chunk of one request of up to this many tokens runs at once, not in "
-        "slices (it replays a CUDA graph, which pauses the streams once and less than the eager slices would); 0 = "
-        f"slice every chunk past the budget (default: {WHOLE_CHUNK_TOKENS} with both kinds of prefill graph, else 0)",
-    )
-    _auto_on_off(
-        p,
-        "--kernel-masks",
-        "draw grammar-constrained rows (greedy, or a temperature alone) on the GPU among their mask's tokens "
-        "instead of copying their logits back and drawing on the host; auto = on with the megakernel backend, off "
-        "with the reference one; on with the reference backend is an error (default: %(default)s)",
-    )
-    _auto_on_off(
-        p,
-        "--late-masks",
-        "launch steps with grammar-constrained rows ahead too, their masks computed while the step runs and "
-        "the kernel waiting for them only where it samples; auto = on wherever --kernel-masks and --launch-ahead "
-        "are; on needs both (default: %(default)s)",
-    )
-    _auto_on_off(
-        p,
-        "--speculative",
-        "speculative decoding: verify tokens copied from a request's own text (its prompt and output so far: code "
-        "it repeats or edits) in the same decode step as its next token, so that a step may give it several "
-        "tokens; the output is token for token what decoding without drafts gives (a sampled request's seed for "
-        "seed); under a grammar only tokens it takes are drafted; /metrics counts the draft tokens and "
-        "those accepted; auto = off for now (default: %(default)s)",
-    )
-    p.add_argument(
-        "--max-batch",
-        type=_at_least(1),
-        default=None,
-        help=f"most sequences decoded together; up to {MAX_BATCH} run as one megakernel launch, more as several "
-        f"(default: {MAX_BATCH} on a GPU, {CPU_MAX_BATCH} on the CPU)",
-    )
-    p.add_argument(
-        "--max-context",
-        type=_at_least(2),
-        help="most tokens per sequence, prompt plus completion; on a GPU, a context whose sequence the KV cache "
-        "cannot hold is an error at start naming the longest that fits (default: the tokenizer's "
-        "model_max_length, 8192 for the built-in model, 32768 with --synthetic; on a GPU at most what the KV "
-        "cache holds)",
-    )
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=_fraction,
-        default=GPU_MEMORY_UTILIZATION,
-        help="share of the GPU's total memory mk may use, everything included (weights, KV cache, prefill "
-        "activations, CUDA graphs): the KV cache gets what the rest leaves, measured by a warm-up at start "
-        "(default: %(default)s)",
-    )
-    p.add_argument(
-        "--prefill-chunk",
-        type=_at_least(16),
-        default=None,
-        help="most prompt tokens prefilled per engine iteration: larger gives long prompts a sooner first token, "
-        f"smaller makes running streams wait less while a long prompt is admitted (default: {PREFILL_CHUNK} on a "
-        f"GPU, {CPU_PREFILL_CHUNK} on the CPU)",
-    )
+    # The engine's options (mk.options.EngineOptions), a flag each.
+    engine = p.add_argument_group("engine", "how the engine runs the model (mk.options.EngineOptions)")
+    options.add_arguments(engine)
     p.add_argument(
         "--token-healing",
         choices=["on", "off"],
@@ -253,12 +115,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "text leaves out; the same for a prefilled chat answer (a Messages request's last assistant message, "
         "chat's continue_final_message); not for requests with a grammar of their own or ignore_eos, nor "
         "token-id prompts; a completion request's token_healing field overrides it (default: %(default)s)",
-    )
-    p.add_argument(
-        "--max-waiting",
-        type=_at_least(1),
-        default=256,
-        help="requests queued beyond the batch before new ones get 503 (default: %(default)s)",
     )
     p.add_argument(
         "--api-key",
@@ -334,8 +190,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--body-timeout must be above 0")
     if args.replica_base_port is not None and args.data_parallel_size == 1:
         p.error("--replica-base-port is for --data-parallel-size 2 or more")
-    if args.sliced_prefill == "on" and args.prefill == "reference":
-        p.error("--sliced-prefill on needs the fast prefill (not --prefill reference)")
+    try:
+        options.from_arguments(args)
+    except ValueError as e:  # a combination of engine flags that cannot run, told in the flags' words
+        p.error(options.in_flags_words(str(e)))
     return args
 
 
@@ -397,45 +255,34 @@ def build_state(args: argparse.Namespace) -> ServerState:
     max_context = args.max_context or min(default_context, 1 << 20)
     engine = Engine(
         model,
-        max_batch=args.max_batch,
-        max_context=max_context,
-        max_waiting=args.max_waiting,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        fit_context=args.max_context is None,  # (a context asked for is an error where it cannot fit)
-        prefill_chunk=args.prefill_chunk,
-        backend=args.backend,
-        prefill=args.prefill,
-        tokenizer_json=tokenizer.hf.to_str(),  # constrained requests compile against its vocabulary
-        launch_ahead=AUTO_ON_OFF[args.launch_ahead],
-        prefill_graphs=AUTO_ON_OFF[args.prefill_graphs],
-        prefix_graphs=AUTO_ON_OFF[args.prefix_graphs],
-        decode_prefill_budget=args.decode_prefill_budget,
-        sliced_prefill=AUTO_ON_OFF[args.sliced_prefill],
-        whole_chunk_tokens=args.whole_chunk_tokens,
-        kernel_masks=AUTO_ON_OFF[args.kernel_masks],
-        late_masks=AUTO_ON_OFF[args.late_masks],
-        speculative=args.speculative,
-        progress=progress,
+        options.from_arguments(
+            args,
+            max_context=max_context,
+            fit_context=args.max_context is None,  # (a context asked for is an error where it cannot fit)
+            tokenizer_json=tokenizer.hf.to_str(),  # constrained requests compile against its vocabulary
+            progress=progress,
+        ),
     )
     if args.token_healing == "on":
         from mk.healing import warm_up
 
         warm_up(tokenizer)
-    graphs = (("of fresh prompts", engine.prefill_graphs), ("after a cached prefix", engine.prefix_graphs))
+    o = engine.options
+    graphs = (("of fresh prompts", o.prefill_graphs), ("after a cached prefix", o.prefix_graphs))
     log.info(
         "engine ready: %s, %s decode, %s prefill (chunks of %d tokens, CUDA graphs %s, %d tokens an iteration "
         "while streams decode%s), launch-ahead %s, max batch %d, context %d tokens, speculative decoding %s",
         name,
-        engine.backend,
-        engine.prefill,
-        engine.prefill_chunk,
+        o.backend,
+        o.prefill,
+        o.prefill_chunk,
         " and ".join(kind for kind, on in graphs if on) or "off",
-        engine.decode_prefill_budget,
-        _slices(engine),
-        "on" if engine.launch_ahead else "off",
-        engine.max_batch,
-        engine.max_context,
-        f"up to {engine.max_draft} draft tokens a step" if engine.max_draft else "off",
+        o.decode_prefill_budget,
+        _slices(o),
+        "on" if o.launch_ahead else "off",
+        o.max_batch,
+        o.max_context,
+        f"up to {o.max_draft} draft tokens a step" if o.max_draft else "off",
     )
     return ServerState(
         engine,
@@ -451,11 +298,11 @@ def build_state(args: argparse.Namespace) -> ServerState:
     )
 
 
-def _slices(engine) -> str:
+def _slices(o: options.EngineOptions) -> str:
     """The ready line's words on the sliced prefill."""
-    if not engine.sliced_prefill:
+    if not o.sliced_prefill:
         return ""
-    whole = engine.whole_chunk_tokens
+    whole = o.whole_chunk_tokens
     return ", in layer slices" + (f" (a lone chunk of up to {whole} tokens at once)" if whole else "")
 
 

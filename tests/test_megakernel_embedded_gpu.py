@@ -4,8 +4,12 @@ distribution is peaked, unlike random weights), checked token by token against t
 The check is teacher-forced: the reference model (fp32 on the CPU, on the same bf16 weights) reads
 the megakernel's whole sequence once and gives, at every generated position, its argmax and its
 top-2 gap. Each megakernel token must be the reference's argmax wherever that gap exceeds what bf16
-activations can move (GAP_TOL). Teacher forcing keeps one near-tie from turning the rest of a run
-into a comparison of two different texts. The first divergence and its gap are reported (-s).
+activations can move (GAP_TOL), unless a router near-tie explains it: at that position some MoE
+layer's 4th and 5th experts are within ROUTER_TIE of each other in the reference, and with them
+swapped the reference's argmax is the megakernel's token (bf16 arithmetic picked the other expert;
+an expert more or less moves this model's logits by whole units). Teacher forcing keeps one near-tie
+from turning the rest of a run into a comparison of two different texts. The first divergence and
+its gap are reported (-s), and so is each router near-tie taken as an explanation.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ import pytest
 import torch
 from test_engine import run
 
+import mk.model.moe
 from mk.default_model import has_embedded, load_default
 from mk.engine import Engine
+from mk.model.reference import Model
 from mk.options import AUTO_ON_OFF
 from mk.sampling import SamplingParams
 
@@ -28,6 +34,10 @@ NEW_TOKENS = 512
 # bf16 activations move this model's logits by a few hundredths (|logit| up to ~20); a wrong page,
 # row or expert moves them by whole units.
 GAP_TOL = 0.25
+# The widest fp32 margin between an MoE layer's 4th and 5th router logits at which this model's
+# bf16 forward chose another top-4 than its fp32 one (measured teacher-forced on the prompts'
+# 512-token greedy texts; the margin of record and how it was found: the commit that set it).
+ROUTER_TIE = 0.6
 PROMPTS = [
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "import os\n\n\ndef list_files(path):\n",
@@ -65,10 +75,52 @@ def follow_the_reference(prompts: list[str], max_batch: int, **engine_options) -
         print(f"{len(prompt)}-token prompt: {len(differ)} of {NEW_TOKENS} tokens differ from the reference ({first})")
         for j in differ:
             gap = float(gaps[j])
-            assert gap <= GAP_TOL, f"token {j}: megakernel {tokens[j]}, reference {int(want[j])}, gap {gap:.3f}"
+            if gap <= GAP_TOL:
+                continue
+            at = len(prompt) + j  # the position whose logits chose token j
+            tie = routing_tie(cpu_model, (prompt + tokens)[:at], tokens[j])
+            assert tie is not None, f"token {j}: megakernel {tokens[j]}, reference {int(want[j])}, gap {gap:.3f}"
+            print(f"  token {j} (gap {gap:.3f}): a router near-tie in layer {tie[0]}, margin {tie[1]:.4f}")
         checked += NEW_TOKENS
         disagreements += len(differ)
     assert disagreements <= 0.02 * checked, f"{disagreements} of {checked} tokens were near-tie flips"
+
+
+def routing_tie(model: Model, seq: list[int], token: int, within: float = ROUTER_TIE) -> tuple[int, float] | None:
+    """(layer, margin) of an MoE layer whose 4th and 5th experts at the last position of `seq` are
+    within `within` in the reference and, swapped there, make `token` its argmax; else None."""
+    cfg, last = model.config, len(seq) - 1
+    layers = [layer for layer in range(cfg.num_hidden_layers) if cfg.is_moe(layer)]
+    select, seen, swap = mk.model.moe.select_experts, [], []
+
+    def selecting(logits: torch.Tensor, k: int):  # called once per MoE layer, in order
+        layer = layers[len(seen)]
+        seen.append(logits[last].clone())
+        experts, scores = select(logits, k)
+        if swap == [layer]:
+            order = torch.sort(logits[last], descending=True, stable=True).indices
+            experts = experts.clone()
+            experts[last, k - 1] = order[k]
+            scores = torch.sigmoid(torch.gather(logits, 1, experts))
+        return experts, scores
+
+    mk.model.moe.select_experts = selecting
+    try:
+        model.logits(seq)
+        margins = [
+            (layer, float(v[3] - v[4]))
+            for layer, v in zip(layers, (r.sort(descending=True).values for r in seen), strict=True)
+        ]
+        for layer, margin in margins:
+            if margin > within:
+                continue
+            seen.clear()
+            swap[:] = [layer]
+            if int(model.logits(seq)[last].argmax()) == token:
+                return layer, margin
+    finally:
+        mk.model.moe.select_experts = select
+    return None
 
 
 def test_512_greedy_tokens_follow_the_reference_where_it_is_not_tied():

@@ -155,8 +155,8 @@ class FakeRunner:
         self.setup = setup
         self.model = SimpleNamespace(config=cfg)
 
-    def megakernel_setup(self) -> dict:
-        return self.setup
+    def megakernel_setup(self) -> SimpleNamespace:
+        return SimpleNamespace(**self.setup)
 
 
 def native_engine(runner, backend: str = "megakernel"):
@@ -194,14 +194,14 @@ def test_the_rust_glue_checks_its_arguments():
     }
     with pytest.raises(ValueError, match='backend must be "reference" or "megakernel", got "fast"'):
         native_engine(FakeRunner(good, cfg), backend="fast")
-    with pytest.raises(ValueError, match='megakernel_setup\\(\\) has no "rows"'):
+    with pytest.raises(ValueError, match="megakernel_setup\\(\\): .*no attribute 'rows'"):
         native_engine(FakeRunner({k: v for k, v in good.items() if k != "rows"}, cfg))
     with pytest.raises(ValueError, match=f"MkStepArgs is {size} bytes, got 3"):
         native_engine(FakeRunner({**good, "step_args": b"abc"}, cfg))
     with pytest.raises(ValueError, match="dealing must be 'round_robin' or 'balanced'"):
         native_engine(FakeRunner({**good, "dealing": "random"}, cfg))
     for key in ("kernel_masks", "late_masks"):
-        with pytest.raises(ValueError, match=f'megakernel_setup\\(\\) has no "{key}"'):
+        with pytest.raises(ValueError, match=f"megakernel_setup\\(\\): .*no attribute '{key}'"):
             native_engine(FakeRunner({k: v for k, v in good.items() if k != key}, cfg))
     if _native.gpu_available():
         # An all-zero template describes no model: refused before anything is allocated.

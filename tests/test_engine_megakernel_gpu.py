@@ -321,19 +321,24 @@ def test_the_server_streams_a_chat_completion_on_the_megakernel():
     assert code == 0, server.output()
 
 
-@pytest.mark.parametrize("variable,value", [("MK_TASK_UPLOAD", "full"), ("MK_DEALING", "balanced")])
-def test_host_side_variants_give_the_same_tokens(model, monkeypatch, variable, value):
-    """MK_TASK_UPLOAD=full uploads the whole task array every step (by default only the attention
-    bands a patched step changed); MK_DEALING=balanced deals the tasks by the cost model. Neither
-    may change a result: a lone greedy request (one batch shape throughout, so the same kernel
-    arithmetic) decodes the same tokens with the same log-probabilities as by default, across
-    pages and split changes."""
+@pytest.mark.parametrize("variant", ["MK_TASK_UPLOAD=full", "dealing=balanced"])
+def test_host_side_variants_give_the_same_tokens(model, monkeypatch, variant):
+    """MK_TASK_UPLOAD=full (an environment variable) uploads the whole task array every step (by
+    default only the attention bands a patched step changed); Engine(dealing="balanced") deals the
+    tasks by the cost model. Neither may change a result: a lone greedy request (one batch shape
+    throughout, so the same kernel arithmetic) decodes the same tokens with the same
+    log-probabilities as by default, across pages and split changes."""
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, logprobs=0)
     p = prompt(100, 11)
     with engine(model, "megakernel") as e:
         default = run(e, [(0, p, params)])[0]
-    monkeypatch.setenv(variable, value)
-    with engine(model, "megakernel") as e:
+    name, value = variant.split("=")
+    options = {}
+    if name.isupper():
+        monkeypatch.setenv(name, value)
+    else:
+        options[name] = value
+    with engine(model, "megakernel", **options) as e:
         variant = run(e, [(0, p, params)])[0]
     assert tokens_of(variant) == tokens_of(default)
     assert [ev.logprob for ev in variant[2]] == [ev.logprob for ev in default[2]]

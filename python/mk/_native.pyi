@@ -106,11 +106,10 @@ class Runner(PrefillRunner, Protocol):
 
 class MegakernelRunner(PrefillRunner, Protocol):
     """What the Megakernel backend calls (mk.megakernel.runner.MegakernelRunner): `prefill`, and
-    once at construction `megakernel_setup()` → device, stream,
-    step_args (bytes of an MkStepArgs template), rows, max_splits, slots, max_pages, num_blocks,
-    attn_chunk, row_groups, sample_parts; `model.config` gives the geometry."""
+    once at construction `megakernel_setup()`, read by attribute (a MegakernelSetup); `model.config`
+    gives the geometry."""
 
-    def megakernel_setup(self) -> dict[str, Any]: ...
+    def megakernel_setup(self) -> Any: ...
 
 # (id, token, logprob, top alternatives, finish reason, error, cached prompt tokens, seconds queued)
 EventTuple = tuple[

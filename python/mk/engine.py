@@ -104,7 +104,7 @@ class Engine:
         def runner_over(blocks: int, context: int):
             common = dict(fast_prefill=fast, prefill_chunk=chunk)
             if opts.backend == "megakernel":
-                kinds = dict(kernel_masks=opts.kernel_masks, late_masks=opts.late_masks)
+                kinds = dict(kernel_masks=opts.kernel_masks, late_masks=opts.late_masks, dealing=opts.dealing)
                 # Drafts fill a launch's rows beyond the batch's own: its buffers take a whole launch.
                 kinds["rows"] = MAX_STEP_ROWS if opts.speculative else None
                 return MegakernelRunner(model, blocks, opts.max_batch, context, **common, **kinds)

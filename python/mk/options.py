@@ -42,6 +42,7 @@ WHOLE_CHUNK_TOKENS = 1024
 # the same): the rest is left to the driver, other processes and the allocator's fragmentation.
 GPU_MEMORY_UTILIZATION = 0.9
 BACKENDS = ("auto", "megakernel", "reference")
+DEALINGS = ("round_robin", "balanced")
 PREFILLS = ("auto", "fast", "reference")
 # An auto/on/off switch's words and the field's value (None: the engine decides).
 AUTO_ON_OFF = {"auto": None, "on": True, "off": False}
@@ -171,6 +172,13 @@ class EngineOptions:
         "with both kinds of prefill graph, a fresh prompt just past a bucket of 4K tokens or more replays that "
         "bucket's graph and then a next-turn graph of the rest (mk.prefill_graphs.fresh_split)",
         flag=False,
+    )
+    dealing: str = _option(
+        "round_robin",
+        "how the megakernel's tasks are dealt to the SMs: round_robin, or balanced by the graph's cost model (an "
+        "experiment until a GPU run compares them)",
+        flag=False,
+        choices=DEALINGS,
     )
     check_invariants: bool = _option(False, "check the KV pool's invariants after every step (tests)", flag=False)
     progress: bool = _option(True, "a progress bar for the start's warm-up where stderr is a terminal", flag=False)

@@ -2,16 +2,12 @@
 //! prompt's K/V into the pool the kernel reads, exactly as the Reference backend does), decode in
 //! Rust with one megakernel launch per step and no Python at all.
 //!
-//! Runner protocol: the Reference backend's `prefill`, plus `megakernel_setup()` → dict, read
-//! once at construction (mk.megakernel.runner.MegakernelRunner): `device`, `stream` (the CUstream
-//! prefill runs on, which the launches share, so they follow the prefill's K/V writes),
-//! `step_args` (bytes of an MkStepArgs template holding every address Python owns), `rows`,
-//! `max_splits`, `slots`, `max_pages`, `num_blocks`, `attn_chunk`, `row_groups`, `sample_parts`,
-//! `dealing`, `kernel_masks` and `late_masks` (`MegakernelDecoder`'s).
+//! Runner protocol: the Reference backend's `prefill`, plus `megakernel_setup()`, read once at
+//! construction: an object with `Setup`'s fields as attributes (mk.megakernel.runner's
+//! `MegakernelSetup`).
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
 
 use super::errors;
 use super::graph::geometry_from;
@@ -35,46 +31,59 @@ pub struct MegakernelBackend {
     unseen: UnseenRows,
 }
 
-fn get<'py, T: FromPyObjectOwned<'py>>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<T> {
-    d.get_item(key)?
-        .ok_or_else(|| PyValueError::new_err(format!("megakernel_setup() has no {key:?}")))?
-        .extract()
-        .map_err(Into::into)
+/// What `megakernel_setup()` gives, read by attribute: the device and the CUstream prefill runs
+/// on (the launches share it, so they follow the prefill's K/V writes), `step_args` (bytes of an
+/// MkStepArgs template holding every address Python owns), the buffers' sizes, the graph's build
+/// options, and `kernel_masks`/`late_masks` (`MegakernelDecoder`'s).
+#[derive(FromPyObject)]
+struct Setup {
+    device: usize,
+    stream: u64,
+    step_args: Vec<u8>,
+    rows: usize,
+    max_splits: usize,
+    slots: usize,
+    max_pages: usize,
+    num_blocks: usize,
+    attn_chunk: usize,
+    row_groups: usize,
+    sample_parts: usize,
+    dealing: String,
+    kernel_masks: bool,
+    late_masks: bool,
 }
 
 impl MegakernelBackend {
     pub fn new(py: Python<'_>, runner: Py<PyAny>, vocab: usize) -> PyResult<Self> {
-        let setup = runner.call_method0(py, "megakernel_setup")?;
-        let d = setup.bind(py).cast::<PyDict>().map_err(|_| PyValueError::new_err("megakernel_setup() → dict"))?;
-        let raw: Vec<u8> = get(d, "step_args")?;
+        let s: Setup = runner
+            .call_method0(py, "megakernel_setup")?
+            .extract(py)
+            .map_err(|e| PyValueError::new_err(format!("megakernel_setup(): {e}")))?;
         let size = std::mem::size_of::<MkStepArgs>();
-        if raw.len() != size {
-            return Err(PyValueError::new_err(format!("MkStepArgs is {size} bytes, got {}", raw.len())));
+        if s.step_args.len() != size {
+            return Err(PyValueError::new_err(format!("MkStepArgs is {size} bytes, got {}", s.step_args.len())));
         }
         // SAFETY: MkStepArgs is plain old data of exactly `size` bytes; any bit pattern is valid.
-        let args: MkStepArgs = unsafe { std::ptr::read_unaligned(raw.as_ptr().cast()) };
+        let args: MkStepArgs = unsafe { std::ptr::read_unaligned(s.step_args.as_ptr().cast()) };
         let geometry = geometry_from(runner.bind(py).getattr("model")?.getattr("config")?.as_any())?;
         let step = StepSetup {
             args,
             geometry,
-            rows: get(d, "rows")?,
-            max_splits: get(d, "max_splits")?,
-            slots: get(d, "slots")?,
-            max_pages: get(d, "max_pages")?,
-            num_blocks: get(d, "num_blocks")?,
+            rows: s.rows,
+            max_splits: s.max_splits,
+            slots: s.slots,
+            max_pages: s.max_pages,
+            num_blocks: s.num_blocks,
             options: BuildOptions {
                 num_sms: 0, // the device's, filled in by GpuLauncher
-                attn_chunk: get(d, "attn_chunk")?,
-                row_groups: get(d, "row_groups")?,
-                sample_parts: get(d, "sample_parts")?,
-                dealing: crate::python::graph::parse_dealing(&get::<String>(d, "dealing")?)?,
+                attn_chunk: s.attn_chunk,
+                row_groups: s.row_groups,
+                sample_parts: s.sample_parts,
+                dealing: crate::python::graph::parse_dealing(&s.dealing)?,
                 ..BuildOptions::default()
             },
         };
-        let kernel_masks: bool = get(d, "kernel_masks")?;
-        let late_masks: bool = get(d, "late_masks")?;
-        let device: usize = get(d, "device")?;
-        let stream: u64 = get(d, "stream")?;
+        let (device, stream) = (s.device, s.stream);
         let launcher = py
             .detach(|| {
                 let gpu = Gpu::shared(device)?;
@@ -85,8 +94,8 @@ impl MegakernelBackend {
             })
             .map_err(errors::to_py)?;
         let mut decoder = MegakernelDecoder::new(launcher);
-        decoder.kernel_masks = kernel_masks;
-        decoder.late_masks = late_masks;
+        decoder.kernel_masks = s.kernel_masks;
+        decoder.late_masks = s.late_masks;
         Ok(Self { decoder, python: reference_backend(runner, vocab), unseen: UnseenRows::default() })
     }
 }

@@ -10,7 +10,7 @@ and the counters.
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +34,30 @@ def step_template(model: Model, kv, tables: ModelTables, buf: StepBuffers) -> by
     return pack_step_args(values)
 
 
+@dataclass(frozen=True)
+class MegakernelSetup:
+    """What the Rust backend reads once, by these names (`Setup` in
+    rust/python/megakernel_backend.rs): the device and the CUDA stream prefill runs on (the
+    launches share it, so they follow the prefill's K/V writes), an MkStepArgs template holding
+    every address Python owns, the buffers' sizes, the task graph's build options and how rows
+    under a grammar are drawn."""
+
+    device: int
+    stream: int
+    step_args: bytes
+    rows: int
+    max_splits: int
+    slots: int
+    max_pages: int
+    num_blocks: int
+    attn_chunk: int  # 0: automatic
+    row_groups: int
+    sample_parts: int
+    dealing: str  # mk.options.DEALINGS
+    kernel_masks: bool
+    late_masks: bool
+
+
 class MegakernelRunner(PrefillRunner):
     """Prefills on its own CUDA stream and hands the kernel's buffers to Rust, which decodes."""
 
@@ -51,6 +75,7 @@ class MegakernelRunner(PrefillRunner):
         kernel_masks: bool = False,
         late_masks: bool = False,
         rows: int | None = None,
+        dealing: str = "round_robin",
     ) -> None:
         why = megakernel_unsupported(model)
         if why is not None:
@@ -69,6 +94,7 @@ class MegakernelRunner(PrefillRunner):
         self.row_groups, self.sample_parts = row_groups, sample_parts
         self.kernel_masks = kernel_masks  # grammar rows drawn by the kernel (Engine's kernel_masks)
         self.late_masks = late_masks  # their steps queued, masks delivered while they run (Engine's)
+        self.dealing = dealing  # how the tasks are dealt to the SMs (Engine's)
         self.model_tables = ModelTables.build(model)
         # tokens, positions and block_tables of these buffers stay unused (Rust uploads its own).
         self.buffers = StepBuffers.allocate(
@@ -86,22 +112,22 @@ class MegakernelRunner(PrefillRunner):
             super().warm_up(progress)
         self.stream.synchronize()
 
-    def megakernel_setup(self) -> dict[str, int | bytes]:
-        """Read once by the Rust backend (see rust/python/megakernel_backend.rs)."""
-        return {
-            "device": self.model.device.index if self.model.device.index is not None else torch.cuda.current_device(),
-            "stream": self.stream.cuda_stream,
-            "step_args": step_template(self.model, self.kv, self.model_tables, self.buffers),
-            "rows": self.rows,
-            "max_splits": self.max_splits,
-            "slots": self.slots,
-            "max_pages": self.max_pages,
-            "num_blocks": self.kv.num_blocks,
-            "attn_chunk": 0,
-            "row_groups": self.row_groups,
-            "sample_parts": self.sample_parts,
-            # An experiment until a GPU run compares it (docs/MEGAKERNEL.md): MK_DEALING=balanced.
-            "dealing": os.environ.get("MK_DEALING", "round_robin"),
-            "kernel_masks": self.kernel_masks,
-            "late_masks": self.late_masks,
-        }
+    def megakernel_setup(self) -> MegakernelSetup:
+        """Read once by the Rust backend (rust/python/megakernel_backend.rs)."""
+        device = self.model.device.index
+        return MegakernelSetup(
+            device=device if device is not None else torch.cuda.current_device(),
+            stream=self.stream.cuda_stream,
+            step_args=step_template(self.model, self.kv, self.model_tables, self.buffers),
+            rows=self.rows,
+            max_splits=self.max_splits,
+            slots=self.slots,
+            max_pages=self.max_pages,
+            num_blocks=self.kv.num_blocks,
+            attn_chunk=0,
+            row_groups=self.row_groups,
+            sample_parts=self.sample_parts,
+            dealing=self.dealing,
+            kernel_masks=self.kernel_masks,
+            late_masks=self.late_masks,
+        )

@@ -1,5 +1,5 @@
 """A chat prompt's tokenizing on the server's CPU: a conversation rendered again with one more message
-(a next turn), encoded in full by `tokenizers` and through mk's segment cache (`mk.tokenizer`),
+(a next turn), encoded in full by `tokenizers` and through mk's segment cache (`mk.text.tokenizer`),
 whose earlier messages come from the cache. Histories of about 1K to 32K tokens; the built-in
 model's tokenizer, or the one of `--model DIR`. Prints a table and writes JSON.
 
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import mk
-from mk.tokenizer import Tokenizer
+from mk.text.tokenizer import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_json  # noqa: E402

@@ -88,7 +88,7 @@ from mk.model.reference import Model
 from mk.options import AUTO_ON_OFF, MAX_BATCH, PREFILL_CHUNK, WHOLE_CHUNK_TOKENS
 from mk.prefill_graphs import NEXT_TURN_BUCKETS
 from mk.sampling import ConstraintSpec, SamplingParams
-from mk.tokenizer import Tokenizer
+from mk.text.tokenizer import Tokenizer
 
 NEW_TOKENS = 64
 # Room for new tokens past the longest prompt. A decode row's first streams decode while the later

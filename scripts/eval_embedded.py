@@ -11,7 +11,7 @@ at most 4 per file, picked by hash). Greedy throughout.
 - prompt forms: the completion again from the prompts users type (`prompt_forms`: ending at the closing
   quotes, after the docstring's newline, after the next line's indentation), each counted as the
   completion is, and an answer that starts with a code fence or has an empty body as a failure (token
-  healing, mk.LLM's default, is what makes the last two work: mk/healing.py);
+  healing, mk.LLM's default, is what makes the last two work: mk/text/healing.py);
 - loops: of the completions, the share in which no non-blank line repeats more than 3 times;
 - chat: 20 "Write a Python function that ..." requests through the chat template; counts when the answer
   (its first ```python block if it has one) parses and defines a function;

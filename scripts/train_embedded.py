@@ -18,7 +18,7 @@ Self-contained (torch, tokenizers and the mk package; no network), seeded and re
    function ..." with its docstring's first line and the whole function in a ```python block as the answer
    (half of them with a short reasoning block); 2,000 tool-call conversations (tools offered in
    the system turn, a `<|START_ACTION|>` block, tool results, a final answer), repeated.
-3. Tokenizer: byte-level BPE (`mk.tokenizer_files.train_tokenizer`, the Cohere special tokens at mk's fixed
+3. Tokenizer: byte-level BPE (`mk.text.tokenizer_files.train_tokenizer`, the Cohere special tokens at mk's fixed
    ids) trained on the training documents only.
 4. Model: `ModelConfig.embedded()` (or `--preset tiny`; `--geometry field=value,...` changes its fields,
    e.g. `hidden_size=384,vocab_size=16384`; `--dry-run` prints the size and the megakernel's verdict),
@@ -62,11 +62,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mk import tokenizer_files
 from mk.config import ModelConfig, default_layer_types
 from mk.model import load, write_checkpoint
 from mk.model.names import expected_shapes
 from mk.model.train import forward, init_weights
+from mk.text import tokenizer_files
 
 REPO = Path(__file__).resolve().parent.parent
 SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "pydoc_data", "__pycache__"})
@@ -1057,7 +1057,7 @@ FIXED_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""'
 def reference_expectation(path: Path, max_new: int = 24) -> dict:
     """Greedy continuation of FIXED_PROMPT by the reference model loaded from the written checkpoint (CPU,
     float32): the expectation a test of the shipped weights compares against."""
-    from mk.tokenizer import Tokenizer
+    from mk.text.tokenizer import Tokenizer
 
     model = load(path, device="cpu", dtype=torch.float32, progress=False)
     tok = Tokenizer.from_dir(path)

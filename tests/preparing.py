@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from mk.default_model import NAME
 from mk.server.state import ServerState
-from mk.tokenizer import Tokenizer
+from mk.text.tokenizer import Tokenizer
 
 json_leaf = st.one_of(
     st.none(),

@@ -15,7 +15,7 @@ from mk.engine_api import EngineStats
 from mk.outputs import TokenEvent
 from mk.sampling import SamplingParams
 from mk.server import App, ServerState, serve
-from mk.tokenizer import Tokenizer
+from mk.text.tokenizer import Tokenizer
 
 USER, END = "<|USER_TOKEN|>", "<|END_OF_TURN_TOKEN|>"
 

@@ -337,7 +337,7 @@ def test_an_engine_that_fails_to_start_drops_its_prefill_graphs(model, monkeypat
     collector (which could free them during another engine's capture)."""
     import mk
     from mk.runner import PrefillRunner
-    from mk.tokenizer import Tokenizer
+    from mk.text.tokenizer import Tokenizer
 
     released = []
     monkeypatch.setattr(PrefillRunner, "release_graphs", lambda self: released.append(self))

@@ -38,7 +38,7 @@ from mk.model import synthetic_weights
 from mk.model.reference import Model
 from mk.options import WHOLE_CHUNK_TOKENS
 from mk.sampling import ConstraintSpec, SamplingParams
-from mk.tokenizer import Tokenizer
+from mk.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.gpu
 

@@ -9,7 +9,7 @@ from mk.config import ModelConfig
 from mk.outputs import TokenEvent
 from mk.server.generate import ChoiceRun
 from mk.server.metrics import Metrics
-from mk.tokenizer import Tokenizer
+from mk.text.tokenizer import Tokenizer
 
 TOK = Tokenizer.builtin(ModelConfig.tiny().vocab_size)
 

@@ -1,4 +1,4 @@
-"""Token healing (mk.healing): the backing-up rule on the built-in model's tokenizer, the grammar that
+"""Token healing (mk.text.healing): the backing-up rule on the built-in model's tokenizer, the grammar that
 holds the first tokens to the removed text, and `mk.LLM` on the built-in model (CPU): text prompts
 healed, token ids taken as given, stop strings, max_tokens and streaming on the healed text, and the
 prompt forms users type after a docstring on held-out functions."""
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 import mk
-from mk import healing
 from mk.default_model import load_default
-from mk.healing import MAX_HEALED_TOKENS, HealedText, back_up, heal, healing_constraint, strip_healed
 from mk.sampling import ConstraintSpec, SamplingParams
+from mk.text import healing
+from mk.text.healing import MAX_HEALED_TOKENS, HealedText, back_up, heal, healing_constraint, strip_healed
 
 TOK = load_default()[1]  # the built-in model's tokenizer (byte-level BPE)
 DOCSTRING = 'def add(a, b):\n    """Add two numbers."""'

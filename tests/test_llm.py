@@ -85,7 +85,7 @@ def _as_dict(p: SamplingParams) -> dict:
 
 def test_logprobs_fields(llm):
     # Token ids, which are not healed: under healing the first token is the best of those that begin with
-    # the healed text, while its logprobs are the model's own (mk.healing; tests/test_healing.py).
+    # the healed text, while its logprobs are the model's own (mk.text.healing; tests/test_healing.py).
     params = SamplingParams(max_tokens=3, temperature=0, logprobs=2)
     out = llm.generate(llm.encode("q"), params, use_tqdm=False)[0].outputs[0]
     assert len(out.logprobs) == len(out.token_ids) == len(out.top_logprobs)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from mk.config import ConfigError, ModelConfig
 from mk.model import CheckpointError, load_checkpoint, load_weights, synthetic_weights, write_checkpoint
 from mk.model.names import expected_shapes
-from mk.tokenizer_files import BOS_ID
+from mk.text.tokenizer_files import BOS_ID
 
 CFG = ModelConfig.tiny()
 L1 = "model.layers.1."

@@ -27,10 +27,10 @@ def greedy_reference(prompt_ids: list[int], n: int) -> list[int]:
 
 def healed_greedy_reference(prompt_ids: list[int], n: int) -> tuple[list[int], str]:
     """Greedy tokens of a text prompt's ids under token healing, outside the server: the prompt less
-    its healed tail (mk.healing.back_up), each first token the most likely of the text tokens consistent
+    its healed tail (mk.text.healing.back_up), each first token the most likely of the text tokens consistent
     with what is left of the tail (it starts with it, or is a start of it), then plain greedy; and the
     removed text."""
-    from mk.healing import back_up
+    from mk.text.healing import back_up
 
     model, _ = load_default()
     ids, removed = back_up(TOK, prompt_ids)

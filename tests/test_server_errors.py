@@ -437,7 +437,7 @@ def test_prompts_are_rendered_and_tokenized_and_grammars_compiled_off_the_event_
     from mk.server.completions import completions
     from mk.server.errors import APIError, bad_request
     from mk.server.state import ServerState
-    from mk.tokenizer import Tokenizer
+    from mk.text.tokenizer import Tokenizer
 
     threads = []
     tokenizer = Tokenizer.builtin(512)

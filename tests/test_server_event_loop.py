@@ -13,7 +13,7 @@ from server_util import ServerProcess, free_ports
 
 from mk.default_model import EMBEDDED_DIR
 from mk.server.offload import LARGE_BODY_BYTES, Offload
-from mk.tokenizer import Tokenizer
+from mk.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow  # (starts python -m mk.server)
 

@@ -1,4 +1,4 @@
-"""Token healing on /v1/completions (mk.healing), through the official client against real server
+"""Token healing on /v1/completions (mk.text.healing), through the official client against real server
 processes on the built-in model (CPU): the default server heals text prompts, one started with
 `--token-healing off` does not, and a request's `token_healing` field overrides either."""
 

@@ -17,7 +17,7 @@ from mk.model import synthetic_weights, write_checkpoint
 from mk.model.reference import Model
 from mk.options import CPU_MAX_BATCH, CPU_PREFILL_CHUNK
 from mk.server.__main__ import parse_args
-from mk.tokenizer import Tokenizer
+from mk.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow  # (starts and signals python -m mk.server)
 

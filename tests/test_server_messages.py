@@ -18,7 +18,7 @@ from mk.default_model import NAME
 from mk.server.anthropic_chat import TOOL_ERROR_PREFIX, chat_request
 from mk.server.anthropic_schemas import MessagesRequest
 from mk.server.errors import APIError
-from mk.tokenizer import Tokenizer
+from mk.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow  # (starts python -m mk.server)
 

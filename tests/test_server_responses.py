@@ -29,7 +29,7 @@ from mk.server.responses import _Answer, _prepare
 from mk.server.responses_chat import carried_output, chat_request, in_responses_terms
 from mk.server.responses_schemas import ResponsesRequest
 from mk.server.responses_store import ResponseStore, StoredResponse
-from mk.tokenizer import Tokenizer
+from mk.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow  # (starts python -m mk.server)
 

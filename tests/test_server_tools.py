@@ -10,7 +10,7 @@ from server_util import ServerProcess
 from mk.config import ModelConfig
 from mk.server.chat import build_prompt
 from mk.server.schemas import ChatRequest
-from mk.tokenizer import Tokenizer
+from mk.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow  # (starts python -m mk.server)
 

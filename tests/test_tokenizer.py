@@ -1,4 +1,4 @@
-"""mk.tokenizer (encode, token bytes, HF-style chat template) and mk.textstream (incremental
+"""mk.text.tokenizer (encode, token bytes, HF-style chat template) and mk.text.textstream (incremental
 detokenizer, stop strings)."""
 
 import json
@@ -9,11 +9,11 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import mk
-from mk import tokenizer_files
 from mk.config import ModelConfig
 from mk.model import synthetic_weights, write_checkpoint
-from mk.textstream import Detokenizer, StopMatcher
-from mk.tokenizer import TemplateError, Tokenizer, TooManyTokens
+from mk.text import tokenizer_files
+from mk.text.textstream import Detokenizer, StopMatcher
+from mk.text.tokenizer import TemplateError, Tokenizer, TooManyTokens
 
 TOK = Tokenizer.builtin(512)
 CHAT = [

@@ -1,4 +1,4 @@
-"""mk.tokenizer_files: the built-in tokenizer's training, its special tokens, and the chat template
+"""mk.text.tokenizer_files: the built-in tokenizer's training, its special tokens, and the chat template
 written beside a checkpoint (rendered as HF's apply_chat_template would)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from mk.config import ModelConfig
 from mk.model import synthetic_weights, write_checkpoint
-from mk.tokenizer_files import (
+from mk.text.tokenizer_files import (
     BOS_ID,
     EOS,
     EOS_ID,

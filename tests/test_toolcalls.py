@@ -1,4 +1,4 @@
-"""Cohere cmd4 output -> OpenAI reasoning, content and tool-call deltas (mk.toolcalls), on crafted outputs."""
+"""Cohere cmd4 output -> OpenAI reasoning, content and tool-call deltas (mk.text.toolcalls), on crafted outputs."""
 
 import json
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mk.toolcalls import Cmd4Stream, ToolCallError, ToolPolicy, parse
+from mk.text.toolcalls import Cmd4Stream, ToolCallError, ToolPolicy, parse
 
 CALLS = (
     "Look up both.<|END_THINKING|><|START_ACTION|>["

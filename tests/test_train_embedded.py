@@ -21,14 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from mk import tokenizer_files
 from mk.config import ModelConfig
 from mk.default_model import EMBEDDED_DIR, FALLBACK_NAME, NAME, has_embedded, load_default
 from mk.model import load, synthetic_weights
 from mk.model.names import expected_shapes
 from mk.model.reference import Model
 from mk.model.train import forward, init_weights
-from mk.tokenizer import Tokenizer
+from mk.text import tokenizer_files
+from mk.text.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -627,7 +627,7 @@ def test_training_needs_no_compiled_extension():
     """The device machine runs the script from python/ without mk's compiled module."""
     code = (
         "import sys, runpy; sys.modules['mk._native'] = None; "
-        "runpy.run_path('scripts/train_embedded.py', run_name='not_main'); import mk.tokenizer, mk.model.reference"
+        "runpy.run_path('scripts/train_embedded.py', run_name='not_main'); import mk.text.tokenizer, mk.model.reference"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO / "python")}
     subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True, timeout=120)

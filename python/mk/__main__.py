@@ -15,7 +15,7 @@ import torch
 from mk.config import PAGE_SIZE
 from mk.default_model import load_default
 from mk.model import PageAllocator, load
-from mk.tokenizer import Tokenizer
+from mk.text.tokenizer import Tokenizer
 
 
 def parse_args() -> argparse.Namespace:

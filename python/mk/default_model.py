@@ -17,7 +17,7 @@ import torch
 from mk.config import ModelConfig
 from mk.model import load, synthetic_weights
 from mk.model.reference import Model
-from mk.tokenizer import Tokenizer
+from mk.text.tokenizer import Tokenizer
 
 log = logging.getLogger("mk")
 

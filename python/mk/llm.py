@@ -7,7 +7,7 @@
 Stop strings are handled here (they need text): the request is cancelled at the first match and
 its text cut before the stop string, with finish reason "stop".
 
-Text prompts are healed (mk.healing; `token_healing=False` turns it off): one that ends where a longer
+Text prompts are healed (mk.text.healing; `token_healing=False` turns it off): one that ends where a longer
 token could start is submitted without its last token(s), and the completion is held to begin with
 their text, which is then left out of `text` (the prompt has it). `prompt_token_ids` are the prompt's
 own; `token_ids` and `logprobs` are every generated token's, the first one's text partly the prompt's,
@@ -23,18 +23,18 @@ from pathlib import Path
 import torch
 
 from mk.engine import Engine
-from mk.healing import HealedText, Healing, heal, strip_healed
 from mk.outputs import CompletionOutput, RequestOutput, TokenEvent
 from mk.sampling import SamplingParams
-from mk.textstream import Detokenizer, StopMatcher
-from mk.tokenizer import Tokenizer
+from mk.text.healing import HealedText, Healing, heal, strip_healed
+from mk.text.textstream import Detokenizer, StopMatcher
+from mk.text.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 
 
 def default_model(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
     """The model `mk.LLM()` serves when given none: the server's default (mk.default_model), with its
-    mk.tokenizer.Tokenizer."""
+    mk.text.tokenizer.Tokenizer."""
     from mk.default_model import load_default
 
     return load_default(device, dtype)
@@ -107,7 +107,7 @@ class LLM:
     tokenizer.json) or None for the embedded default. Engine options (max_batch, max_context,
     prefill_chunk, kv_blocks, gpu_memory_utilization, speculative, ...) pass through to
     `mk.engine.Engine`.
-    `token_healing`: heal text prompts (the module's docstring, mk.healing); it needs the engine's
+    `token_healing`: heal text prompts (the module's docstring, mk.text.healing); it needs the engine's
     `tokenizer_json` (given by default), without which it is off."""
 
     def __init__(
@@ -139,7 +139,7 @@ class LLM:
         return list(prompt) if not isinstance(prompt, str) else self._text.encode(prompt)
 
     def _heal(self, prompt: Prompt, ids: list[int], params: SamplingParams) -> Healing | None:
-        """The healing of a text prompt where it applies (mk.healing.heal); token ids are taken as given."""
+        """The healing of a text prompt where it applies (mk.text.healing.heal); token ids are taken as given."""
         if not self.token_healing or not isinstance(prompt, str):
             return None
         return heal(self._text, ids, params)

@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from mk import tokenizer_files
 from mk.config import ModelConfig
 from mk.model.loader import CheckpointError, check_tensors
+from mk.text import tokenizer_files
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 _INDEX = "model.safetensors.index.json"
@@ -58,7 +58,7 @@ def write_checkpoint(
 ) -> Path:
     """Write `weights` (exactly these tensors, in their own dtype) as a checkpoint folder at `path`.
 
-    `tokenizer=None` writes the built-in test tokenizer for `config.vocab_size` (mk.tokenizer_files); a given
+    `tokenizer=None` writes the built-in test tokenizer for `config.vocab_size` (mk.text.tokenizer_files); a given
     tokenizer must use that module's special tokens. `check=True` refuses weights that `load_weights` would
     reject; tests pass `check=False` to write malformed checkpoints on purpose. Tensors may live on any
     device: one shard at a time is copied to host memory. Shards of an earlier write into the same folder

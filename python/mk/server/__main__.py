@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
 def build_state(args: argparse.Namespace) -> ServerState:
     from mk.engine import Engine
     from mk.model import load
-    from mk.tokenizer import Tokenizer
+    from mk.text.tokenizer import Tokenizer
 
     cuda = torch.cuda.is_available()
     progress = os.environ.get("MK_REPLICA") is None  # (replicas share the parent's terminal: no bars)
@@ -264,7 +264,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         ),
     )
     if args.token_healing == "on":
-        from mk.healing import warm_up
+        from mk.text.healing import warm_up
 
         warm_up(tokenizer)
     o = engine.options
@@ -310,7 +310,7 @@ def _synthetic(device: torch.device):
     from mk.config import ModelConfig
     from mk.model import synthetic_weights
     from mk.model.reference import Model
-    from mk.tokenizer import Tokenizer
+    from mk.text.tokenizer import Tokenizer
 
     cfg = ModelConfig.real()
     log.info("generating full-size random weights on %s", device)

@@ -16,8 +16,8 @@ from mk.server.errors import bad_request
 from mk.server.params import encode_prompt, max_new_tokens, prepared_constraint
 from mk.server.schemas import ChatRequest, Message, NamedToolChoice, Tool
 from mk.server.state import ServerState
-from mk.tokenizer import TemplateError, Tokenizer
-from mk.toolcalls import START_THINKING, ToolPolicy
+from mk.text.tokenizer import TemplateError, Tokenizer
+from mk.text.toolcalls import START_THINKING, ToolPolicy
 
 
 @dataclass(slots=True)

@@ -23,7 +23,7 @@ from mk.server.logprobs import chat_logprobs
 from mk.server.params import parse_request
 from mk.server.schemas import ChatRequest
 from mk.server.state import ServerState
-from mk.toolcalls import Cmd4Stream, ContentTokens, Delta, ToolCallError, parse
+from mk.text.toolcalls import Cmd4Stream, ContentTokens, Delta, ToolCallError, parse
 
 
 async def chat_completions(state: ServerState, body: bytes, info: dict) -> dict | AsyncIterator:

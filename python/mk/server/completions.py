@@ -1,6 +1,6 @@
 """POST /v1/completions: prompts as text or token ids, several prompts, n choices each, streamed or not.
 
-Text prompts are healed (mk.healing) unless the request's `token_healing` or the server's
+Text prompts are healed (mk.text.healing) unless the request's `token_healing` or the server's
 `--token-healing off` says not to: a prompt ending where a longer token could start goes to the engine
 without its last token(s), under a grammar that makes the completion begin with their text, which the
 choice's text then leaves out. The usage counts the prompt's own tokens as `prompt_tokens` (the healed
@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from mk.healing import Healing, heal, prompt_bytes_left
 from mk.sampling import ConstraintSpec
 from mk.server.errors import bad_request, error_body
 from mk.server.generate import ChoiceRun, collect, gather_all, note, start_runs, stream_choices, usage
@@ -31,6 +30,7 @@ from mk.server.params import (
 )
 from mk.server.schemas import CompletionRequest
 from mk.server.state import ServerState
+from mk.text.healing import Healing, heal, prompt_bytes_left
 
 
 @dataclass(slots=True)

@@ -11,15 +11,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mk.engine_api import AsyncEngine, EngineClosed, EngineFull, PromptTooLong, RequestStream
-from mk.healing import HealedText, heal
 from mk.sampling import SamplingError, SamplingParams
 from mk.server.errors import APIError, bad_request
 from mk.server.metrics import ABORT, Metrics
 from mk.server.params import sampling_params
 from mk.server.state import ServerState
-from mk.textstream import Detokenizer, StopMatcher
-from mk.tokenizer import Tokenizer
-from mk.toolcalls import MARKERS
+from mk.text.healing import HealedText, heal
+from mk.text.textstream import Detokenizer, StopMatcher
+from mk.text.tokenizer import Tokenizer
+from mk.text.toolcalls import MARKERS
 
 if TYPE_CHECKING:
     from mk.server.chat import PreparedChat
@@ -78,9 +78,9 @@ class ChoiceRun:
         # end stops on a token that is part of the answer.
         self.silent_stops = stop_token_ids | {tokenizer.eos_token_id}
         # Special tokens add no text, but for the markers `keep_special` names (a chat answer's
-        # sections, which mk.toolcalls parses).
+        # sections, which mk.text.toolcalls parses).
         self.detok = Detokenizer(tokenizer, keep_special)
-        # Token healing's removed text (mk.healing), which the generated text begins with and the prompt
+        # Token healing's removed text (mk.text.healing), which the generated text begins with and the prompt
         # holds: left out before the stop strings are matched, so none matches the prompt's own text.
         self.unhealed = HealedText(healed)
         self.stops = StopMatcher(stops)
@@ -205,7 +205,7 @@ def continued(
 ) -> tuple[list[int], SamplingParams, str]:
     """A chat prompt's ids and params as the engine gets them, and the text healing removed from it:
     a prefilled answer (`continue_final_message`) is a text prompt that may end inside a token, healed
-    as completions' prompts are (mk.healing) where the server heals; any other as it is."""
+    as completions' prompts are (mk.text.healing) where the server heals; any other as it is."""
     if prefilled and state.token_healing:
         healing = heal(state.tokenizer, ids, params)
         if healing is not None:
@@ -242,7 +242,7 @@ def start_runs(
 ) -> list[ChoiceRun]:
     """One engine request and ChoiceRun per (prompt ids, params), choice i as `{rid}-{i}`; if one is
     refused, those already submitted are cancelled. `healed`: per request, the text token healing
-    removed from its prompt (mk.healing; "" where none)."""
+    removed from its prompt (mk.text.healing; "" where none)."""
     runs: list[ChoiceRun] = []
     try:
         for i, (ids, params) in enumerate(requests):

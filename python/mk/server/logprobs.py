@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mk.tokenizer import Tokenizer
+from mk.text.tokenizer import Tokenizer
 
 Token = tuple[int, float | None, tuple[tuple[int, float], ...] | None]
 
@@ -29,7 +29,7 @@ def completion_logprobs(
     """`offset`: where the first token's text starts in the choice's text. The entries are the tokens
     the text is made of: a special token (EOS among them) adds no text and gets no entry, as in chat's
     logprobs, so that the tokens join to the text and `text_offset` indexes into it. `prompt_bytes`:
-    how much of these tokens' text, from their start, is token healing's removed text (mk.healing),
+    how much of these tokens' text, from their start, is token healing's removed text (mk.text.healing),
     which the prompt holds and the choice's text leaves out: those tokens keep their entries with that
     text cut off their `tokens` (possibly to ""); their `top_logprobs` name the model's alternatives by
     their whole text, and the sampled token (also) by its cut text, as `tokens` does."""

@@ -21,7 +21,7 @@ from mk.server.http import parse_json
 from mk.server.params import check_grammars
 from mk.server.schemas import validate
 from mk.server.state import ServerState
-from mk.toolcalls import Cmd4Stream, Delta, ToolCallError, parse
+from mk.text.toolcalls import Cmd4Stream, Delta, ToolCallError, parse
 
 MESSAGE_ID_PREFIX = "msg_"
 TOOL_USE_ID_PREFIX = "toolu_"  # in place of the chat route's "call_"
@@ -163,7 +163,7 @@ class _BlockEvents:
     """A streamed answer's deltas as content-block events: a block starts where the kind of output
     changes (thinking, text, each tool call) and stops where the next starts or the answer ends. A
     call's arguments that come after its block has stopped can only be the "{}" of a call that has
-    none (mk.toolcalls), which its start's empty input already says: they are dropped."""
+    none (mk.text.toolcalls), which its start's empty input already says: they are dropped."""
 
     def __init__(self, thinking: bool) -> None:
         self.thinking = thinking  # the request turned thinking on: reasoning is shown

@@ -11,7 +11,7 @@ from mk.sampling import DEFAULT_MAX_TOKENS, ConstraintSpec, SamplingError, Sampl
 from mk.server.errors import APIError, bad_request
 from mk.server.schemas import ChatRequest, CompletionRequest, NamedToolChoice, _Sampling, validate
 from mk.server.state import ServerState
-from mk.tokenizer import Tokenizer, TooManyTokens
+from mk.text.tokenizer import Tokenizer, TooManyTokens
 
 R = TypeVar("R", ChatRequest, CompletionRequest)
 

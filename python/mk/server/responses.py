@@ -36,7 +36,7 @@ from mk.server.responses_schemas import (
 from mk.server.responses_store import MAX_RESPONSES, StoredResponse
 from mk.server.schemas import validate
 from mk.server.state import ServerState
-from mk.toolcalls import END_THINKING, Cmd4Stream, Delta, ToolCallError
+from mk.text.toolcalls import END_THINKING, Cmd4Stream, Delta, ToolCallError
 
 log = logging.getLogger("mk.server")
 R = TypeVar("R", bound=InputTokensRequest)

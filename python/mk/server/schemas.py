@@ -141,7 +141,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = Field(None, ge=0, le=20)
-    # Token healing of text prompts (mk.healing); None: the server's --token-healing.
+    # Token healing of text prompts (mk.text.healing); None: the server's --token-healing.
     token_healing: bool | None = None
 
     @field_validator("prompt", mode="before")

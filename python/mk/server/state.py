@@ -12,7 +12,7 @@ from mk.server.http import BODY_TIMEOUT_S
 from mk.server.metrics import Metrics
 from mk.server.offload import Offload
 from mk.server.responses_store import ResponseStore
-from mk.tokenizer import Tokenizer
+from mk.text.tokenizer import Tokenizer
 
 
 @dataclass
@@ -29,7 +29,7 @@ class ServerState:
     # Browser origins allowed to call the API (CORS; "*" allows any); empty: no CORS headers at all.
     allowed_origins: frozenset[str] = frozenset()
     stats_interval: float = 5.0
-    # Heal text prompts of /v1/completions (mk.healing) unless a request's `token_healing` says otherwise,
+    # Heal text prompts of /v1/completions (mk.text.healing) unless a request's `token_healing` says otherwise,
     # and prefilled chat answers (`continue_final_message`, a Messages request's last assistant message).
     token_healing: bool = True
     metrics: Metrics = field(init=False)

@@ -27,7 +27,7 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from mk.tokenizer import TemplateError, render_template
+from mk.text.tokenizer import TemplateError, render_template
 
 __all__ = ["TemplateError", "build_tokenizer", "render_chat", "tokenizer_config", "train_tokenizer"]
 
@@ -275,7 +275,7 @@ def render_chat(
     bos_token: str = BOS,
     **kwargs: Any,
 ) -> str:
-    """Render a chat template (the built-in one by default) through mk.tokenizer's HF-compatible
+    """Render a chat template (the built-in one by default) through mk.text.tokenizer's HF-compatible
     environment; extra kwargs (tool_choice, enable_thinking) are template variables."""
     return render_template(
         chat_template,

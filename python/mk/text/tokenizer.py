@@ -58,8 +58,8 @@ class Tokenizer:
 
     @classmethod
     def builtin(cls, vocab_size: int) -> Tokenizer:
-        """The test tokenizer and Cohere-format template of mk.tokenizer_files."""
-        from mk import tokenizer_files
+        """The test tokenizer and Cohere-format template of mk.text.tokenizer_files."""
+        from mk.text import tokenizer_files
 
         return cls(tokenizer_files.build_tokenizer(vocab_size), tokenizer_files.tokenizer_config())
 

@@ -26,7 +26,7 @@ import weakref
 from dataclasses import dataclass, replace
 
 from mk.sampling import ConstraintSpec, SamplingParams
-from mk.tokenizer import Tokenizer
+from mk.text.tokenizer import Tokenizer
 
 # Prompt tokens backed up at most. The longest tail (up to this many text tokens) that some longer
 # token starts with is removed: two covers a word split across tokens (" retu" as " ret" + "u",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Collection
 
-from mk.tokenizer import Tokenizer
+from mk.text.tokenizer import Tokenizer
 
 # Tokens decoded again before the new ones, so merges and leading spaces come out as in a full decode.
 _CONTEXT_TOKENS = 6

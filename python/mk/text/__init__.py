@@ -1,0 +1,1 @@
+"""Text: the tokenizer and its files, incremental detokenization, tool-call parsing and token healing."""

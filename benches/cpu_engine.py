@@ -1,6 +1,6 @@
 """The engine on the CPU, as `python -m mk.server` runs it with no arguments: the built-in model
 (mk.default_model), float32, the reference backend, the engine's CPU defaults, through
-`mk.engine.Engine`'s Python API, every token timed as it arrives (`submit_callback`).
+`mk.engine.engine.Engine`'s Python API, every token timed as it arrives (`submit_callback`).
 
 Rows:
 - decode: B streams of ctx-token random prompts (B = 1, 4, 8; ctx 256 and 2K), greedy,
@@ -11,7 +11,7 @@ Rows:
 - ttft: one random prompt alone (64, 512, 2K tokens), one new token: submission to first token,
   benches/engine.py's ttft rows (the median of its TTFT_RUNS prompts).
 
-`--serial-tokens N` sets mk.runner.SERIAL_TOKENS (calls of fewer tokens run on one intra-op
+`--serial-tokens N` sets mk.engine.runner.SERIAL_TOKENS (calls of fewer tokens run on one intra-op
 thread; 0: never) for an A/B of that policy.
 
 Usage: python benches/cpu_engine.py [--json out.json] [--serial-tokens N] [--quick]
@@ -25,11 +25,11 @@ import time
 
 import torch
 
-import mk.runner
+import mk.engine.runner
 from common import print_table, write_json
 from engine import NEW_TOKENS, Timed, random_prompt, submit, ttft_row, window_rates
 from mk.default_model import NAME, load_default
-from mk.engine import Engine
+from mk.engine.engine import Engine
 
 MAX_CONTEXT = 4096
 
@@ -75,11 +75,11 @@ def main() -> None:
     parser.add_argument(
         "--serial-tokens",
         type=int,
-        default=mk.runner.SERIAL_TOKENS,
-        help="calls of fewer tokens run on one intra-op thread (mk.runner.SERIAL_TOKENS; 0: never)",
+        default=mk.engine.runner.SERIAL_TOKENS,
+        help="calls of fewer tokens run on one intra-op thread (mk.engine.runner.SERIAL_TOKENS; 0: never)",
     )
     args = parser.parse_args()
-    mk.runner.SERIAL_TOKENS = args.serial_tokens
+    mk.engine.runner.SERIAL_TOKENS = args.serial_tokens
     model, _ = load_default()
     weight_bytes = sum(w.numel() * w.element_size() for w in model.weights.values())
     engine = Engine(model, max_context=MAX_CONTEXT, progress=False)

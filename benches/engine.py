@@ -1,5 +1,5 @@
 """The engine as its users see it, on the GPU: real geometry, synthetic bf16 weights, the
-megakernel backend through `mk.engine.Engine`'s Python API, every token timed as it arrives (on
+megakernel backend through `mk.engine.engine.Engine`'s Python API, every token timed as it arrives (on
 the engine's event thread, `submit_callback`).
 
 Rows:
@@ -31,7 +31,7 @@ A row that does not fit the card is marked `skipped` with the reason, and the ru
 row whose streams (each with DECODE_ROOM tokens past its prompt) need more blocks than the engine's KV
 pool has, or any row that runs out of GPU memory (a kernel step alone: `kernel_skipped`).
 The engine runs with the server's defaults (`python -m mk.server`: prefill chunk
-mk.engine_api.PREFILL_CHUNK, max batch mk.engine_api.MAX_BATCH, launch-ahead on, the Engine's share of
+mk.engine.api.PREFILL_CHUNK, max batch mk.engine.api.MAX_BATCH, launch-ahead on, the Engine's share of
 the card's memory); `--launch-ahead off` runs one step at a time,
 `--prefill-chunk N` another chunk, `--prefill-graphs off` prefills fresh prompts without CUDA
 graphs, `--prefix-graphs auto|on|off` runs chunks after a cached prefix as CUDA graphs (Engine(prefix_graphs=
@@ -40,10 +40,10 @@ length; captured during the engine's warm-up), `--fresh-split off` runs a fresh 
 bucket of 4K or more as the next bucket's graph instead of that bucket's and a next-turn graph of the
 rest (Engine(fresh_split=...), on by default),
 `--decode-prefill-budget N` prefills at most N prompt tokens an iteration while a stream decodes
-(through the whole model, with the sliced prefill that is on by default: mk.engine_api.DECODE_PREFILL_BUDGET);
+(through the whole model, with the sliced prefill that is on by default: mk.engine.api.DECODE_PREFILL_BUDGET);
 `--sliced-prefill off` cuts the prompt into chunks of the budget instead of running whole chunks a few
 layers an iteration; `--whole-chunk-tokens N` slices a lone chunk only past N tokens (Engine(
-whole_chunk_tokens=...); default mk.engine_api.WHOLE_CHUNK_TOKENS, where such a chunk replays a graph);
+whole_chunk_tokens=...); default mk.engine.api.WHOLE_CHUNK_TOKENS, where such a chunk replays a graph);
 `--prefill-only` runs the ttft and admit rows alone (with `--quick`: 512 and 8K prompts, and admit);
 `--prompts N,M` times prompts of those lengths in the ttft rows instead;
 `--gpu-memory-utilization U` lets mk use that share of the card's total memory instead of the Engine's
@@ -82,12 +82,12 @@ from common import OUT_OF_MEMORY, gib, print_table, run_point, skipped, write_js
 from decode import kv_bytes, random_step, time_events
 from mk import _native
 from mk.config import PAGE_SIZE, ModelConfig
-from mk.engine import Engine
+from mk.engine.engine import Engine
+from mk.engine.options import AUTO_ON_OFF, MAX_BATCH, PREFILL_CHUNK, WHOLE_CHUNK_TOKENS
+from mk.engine.sampling import ConstraintSpec, SamplingParams
 from mk.model import synthetic_weights
 from mk.model.reference import Model
-from mk.options import AUTO_ON_OFF, MAX_BATCH, PREFILL_CHUNK, WHOLE_CHUNK_TOKENS
 from mk.prefill_graphs import NEXT_TURN_BUCKETS
-from mk.sampling import ConstraintSpec, SamplingParams
 from mk.text.tokenizer import Tokenizer
 
 NEW_TOKENS = 64
@@ -110,7 +110,7 @@ REUSE_NEW_TOKENS = 256
 BURST_PROMPT = 2048
 BURST_SIZES = (2, 4, 8, 16)
 ADMIT_SLOW_GAP_S = 0.02
-# The second admit row's next turn (after 8K cached): within mk.engine_api.WHOLE_CHUNK_TOKENS, so one
+# The second admit row's next turn (after 8K cached): within mk.engine.api.WHOLE_CHUNK_TOKENS, so one
 # graph replay by default, or slices of the eager path with --whole-chunk-tokens 0.
 # (900: with the last partial page of the 8K history not cached, the uncached tokens stay within
 # 1024; 1000 made 1,064, past WHOLE_CHUNK_TOKENS, so that row had timed the sliced path.)

@@ -3,7 +3,7 @@
 # in .whl/, runs every GPU test and benchmark, writes logs and JSON under $OUT, prints a table last.
 #   device run:  bash scripts/device-check.sh [--quick|--tests|--sanitize|--bench]      (carry: [".whl"])
 # --quick: the megakernel tests and a two-point decode benchmark only.
-# --tests: every GPU test; --sanitize: compute-sanitizer memcheck and racecheck; --bench: the
+# --tests: every GPU test (PART=k/n: a share of the files); --sanitize: compute-sanitizer memcheck and racecheck; --bench: the
 # benchmarks. The whole thing no longer fits one 10-minute device call: run them as separate calls.
 set -uo pipefail
 source "$(dirname "$0")/device-env.sh"
@@ -17,6 +17,12 @@ quick=${1:-}
 status=0
 # Only the files with GPU tests: the others may import packages this machine lacks (the server's).
 mapfile -t gpu_files < <(grep -l "mark.gpu" tests/test_*.py)
+# PART=k/n: every n-th of those files from the k-th (the whole set outlasts one device call).
+if [ -n "${PART:-}" ]; then
+    part=() k=${PART%/*} n=${PART#*/}
+    for i in "${!gpu_files[@]}"; do [ $((i % n)) = $((k - 1)) ] && part+=("${gpu_files[$i]}"); done
+    gpu_files=("${part[@]}")
+fi
 tests=(-m gpu "${gpu_files[@]}")
 [ "$quick" = --quick ] && tests=(-m gpu tests/test_megakernel_gpu.py)
 touch "$OUT/tests.log" "$OUT/bench.log"

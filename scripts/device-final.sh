@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Runs ON the GPU machine: a run of record on the code that lands, in two parts that each fit one
-# 10-minute device call:
-#   tests: every GPU test;
+# Runs ON the GPU machine: a run of record on the code that lands, in three calls that each fit
+# one 10-minute device call:
+#   tests 1/2, tests 2/2: every GPU test, in two calls (each half of the files);
 #   grid:  the decode grid of record beside the yardstick of record, compute-sanitizer memcheck and
 #          racecheck on the GPU-test steps (each within its own limit), and benches/engine.py's rows
 #          (ENGINE=0 skips them).
 # Carry the wheel built from that code, .whl/yardstick.py (the yardstick of record; docs/PERF.md,
 # "Method") and, for the server's GPU test, .whl/server-py312 (scripts/server-wheels.sh).
-#   device run:  bash scripts/device-final.sh tests      then      bash scripts/device-final.sh grid
-#   (carry: [".whl"], timeout_s 600; send the second call at once, while the machine is warm)
+#   device run:  bash scripts/device-final.sh tests 1/2, then tests 2/2, then grid
+#   (carry: [".whl"], timeout_s 600; send each next call at once, while the machine is warm)
 # Writes $OUT/gpu-tests.log, or $OUT/{grid.log,grid.json,sanitize.log,engine.log,engine.json}
 # (at most 8 files come back), and prints the tests' summary, or the grid's table, the sanitizers'
 # summaries and the engine's tables.
@@ -22,7 +22,7 @@ status=0
 case ${1:-} in
 tests)
     check=$(mktemp -d)
-    OUT=$check bash scripts/device-check.sh --tests || status=1
+    OUT=$check PART=${2:-1/1} bash scripts/device-check.sh --tests || status=1
     cp "$check/tests.log" "$final/gpu-tests.log"
     ;;
 grid)
@@ -51,7 +51,7 @@ PY
     fi
     ;;
 *)
-    echo "usage: device-final.sh tests|grid"
+    echo "usage: device-final.sh tests [k/n]|grid"
     exit 2
     ;;
 esac

@@ -11,9 +11,9 @@ import argparse
 import asyncio
 
 from mk.config import ModelConfig
-from mk.engine_api import EngineStats
-from mk.outputs import TokenEvent
-from mk.sampling import SamplingParams
+from mk.engine.api import EngineStats
+from mk.engine.outputs import TokenEvent
+from mk.engine.sampling import SamplingParams
 from mk.server import App, ServerState, serve
 from mk.text.tokenizer import Tokenizer
 

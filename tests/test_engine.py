@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from mk.config import ModelConfig
-from mk.engine import Engine
-from mk.engine_api import EngineClosed, EngineFull, PromptTooLong
+from mk.engine.api import EngineClosed, EngineFull, PromptTooLong
+from mk.engine.engine import Engine
+from mk.engine.sampling import SamplingParams
 from mk.model import PageAllocator, synthetic_weights
 from mk.model.paged import pages_needed
 from mk.model.reference import Model
-from mk.sampling import SamplingParams
 
 MAX_CONTEXT = 320
 
@@ -307,7 +307,7 @@ def test_a_sliced_prefill_changes_no_token(model, engine):
 def test_sliced_prefill_and_its_budget_default_to_on_only_where_the_fast_prefill_runs_on_a_gpu(model):
     """On the CPU (reference prefill, or the fast one asked for) the defaults stay off: whole
     chunks. Asked for, sliced prefill takes DECODE_PREFILL_BUDGET (at most the chunk)."""
-    from mk.options import DECODE_PREFILL_BUDGET
+    from mk.engine.options import DECODE_PREFILL_BUDGET
 
     def settings(**options):
         e = Engine(model, max_context=256, **options)
@@ -336,7 +336,7 @@ def test_an_engine_that_fails_to_start_drops_its_prefill_graphs(model, monkeypat
     prefill's CUDA graphs on a GPU), the graphs are released at once, not left to the garbage
     collector (which could free them during another engine's capture)."""
     import mk
-    from mk.runner import PrefillRunner
+    from mk.engine.runner import PrefillRunner
     from mk.text.tokenizer import Tokenizer
 
     released = []
@@ -348,11 +348,11 @@ def test_an_engine_that_fails_to_start_drops_its_prefill_graphs(model, monkeypat
 
 
 def test_the_cpu_runner_runs_short_calls_on_one_thread(model, monkeypatch):
-    """On the CPU, decode steps and prefill calls of fewer than mk.runner.SERIAL_TOKENS tokens run on
+    """On the CPU, decode steps and prefill calls of fewer than mk.engine.runner.SERIAL_TOKENS tokens run on
     one intra-op thread (the loop thread's OpenMP workers sleep between a step's small ops), longer
     calls on the threads set, and the count set comes back after every call, one that raises too."""
-    import mk.runner
-    from mk.runner import ReferenceRunner
+    import mk.engine.runner
+    from mk.engine.runner import ReferenceRunner
 
     seen: list[tuple[str, int]] = []
 
@@ -367,7 +367,7 @@ def test_the_cpu_runner_runs_short_calls_on_one_thread(model, monkeypatch):
 
     monkeypatch.setattr(Model, "decode", spy("decode", Model.decode))
     monkeypatch.setattr(Model, "forward", spy("forward", Model.forward))
-    monkeypatch.setattr(mk.runner, "SERIAL_TOKENS", 8)
+    monkeypatch.setattr(mk.engine.runner, "SERIAL_TOKENS", 8)
     layers = model.config.num_hidden_layers
     runner = ReferenceRunner(model, 4 * layers, 2, 256)
     table = torch.full((layers, runner.max_pages), -1, dtype=torch.int32)
@@ -392,9 +392,9 @@ def test_the_warm_up_runs_a_chunk_after_a_cached_prefix(model, monkeypatch):
     prompts (as many keys as rows), two packed ones, and a chunk after a cached prefix (more keys
     than rows: unseen, its compilation would stall the first long prompt's admission for seconds),
     all on scratch blocks (for the prefixed chunk, five pages a layer)."""
-    import mk.runner
+    import mk.engine.runner
+    from mk.engine.runner import ReferenceRunner
     from mk.prefill import Prefill
-    from mk.runner import ReferenceRunner
 
     calls = []
     real = Prefill.__call__
@@ -420,7 +420,7 @@ def test_the_warm_up_runs_a_chunk_after_a_cached_prefix(model, monkeypatch):
 
     bars: list[Bar] = []
     monkeypatch.setattr(Prefill, "__call__", spy)
-    monkeypatch.setattr(mk.runner, "tqdm", Bar)
+    monkeypatch.setattr(mk.engine.runner, "tqdm", Bar)
     layers = model.config.num_hidden_layers
     runner = ReferenceRunner(model, 5 * layers, 2, 512, fast_prefill=Prefill(model, chunk=256))
     runner.warm_up()
@@ -600,7 +600,7 @@ def test_many_concurrent_streams_share_one_pump(engine):
 
 
 def test_cpu_defaults_prefill_in_small_chunks_one_step_at_a_time(model):
-    from mk.options import CPU_MAX_BATCH, CPU_PREFILL_CHUNK
+    from mk.engine.options import CPU_MAX_BATCH, CPU_PREFILL_CHUNK
 
     e = Engine(model, max_context=MAX_CONTEXT)
     try:
@@ -650,8 +650,8 @@ def test_a_grammar_compiled_while_a_request_is_prepared_is_followed_and_a_bad_on
     import queue
     import threading
 
+    from mk.engine.sampling import ConstraintSpec, SamplingError
     from mk.llm import default_model
-    from mk.sampling import ConstraintSpec, SamplingError
 
     model, tok = default_model()
     with Engine(model, max_context=512, tokenizer_json=tok.hf.to_str()) as engine:

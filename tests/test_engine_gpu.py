@@ -13,12 +13,12 @@ import torch
 from test_engine import common, prompt, reference_greedy, run
 
 from mk.config import PAGE_SIZE, ModelConfig
-from mk.engine import Engine
+from mk.engine.engine import Engine
+from mk.engine.sampling import SamplingParams
 from mk.model import PageAllocator, synthetic_weights
 from mk.model.paged import pages_needed
 from mk.model.reference import Model
 from mk.prefill_graphs import NEXT_TURN_BUCKETS
-from mk.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
 

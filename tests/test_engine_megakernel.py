@@ -14,7 +14,8 @@ import torch
 
 from mk import _native
 from mk.config import ModelConfig
-from mk.engine import Engine
+from mk.engine.engine import Engine
+from mk.engine.options import EngineOptions
 from mk.megakernel import support
 from mk.megakernel.buffers import StepBuffers
 from mk.megakernel.launch import ModelTables, kv_maps
@@ -22,7 +23,6 @@ from mk.megakernel.runner import PER_STEP_FIELDS, MegakernelRunner, step_templat
 from mk.megakernel.support import MegakernelUnavailable, choose_backend, geometry_unsupported
 from mk.model import synthetic_weights
 from mk.model.reference import Model
-from mk.options import EngineOptions
 
 _FORMATS = {"u64": "<Q", "i32": "<i", "f32": "<f"}
 

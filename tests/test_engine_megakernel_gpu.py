@@ -32,12 +32,12 @@ from server_util import ServerProcess
 from test_engine import common, prompt, run
 
 from mk.config import ModelConfig
-from mk.engine import Engine
+from mk.engine.engine import Engine
+from mk.engine.options import WHOLE_CHUNK_TOKENS
+from mk.engine.sampling import ConstraintSpec, SamplingParams
 from mk.megakernel.support import MAX_STEP_ROWS
 from mk.model import synthetic_weights
 from mk.model.reference import Model
-from mk.options import WHOLE_CHUNK_TOKENS
-from mk.sampling import ConstraintSpec, SamplingParams
 from mk.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.gpu

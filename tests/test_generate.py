@@ -6,7 +6,7 @@ import asyncio
 import time
 
 from mk.config import ModelConfig
-from mk.outputs import TokenEvent
+from mk.engine.outputs import TokenEvent
 from mk.server.generate import ChoiceRun
 from mk.server.metrics import Metrics
 from mk.text.tokenizer import Tokenizer

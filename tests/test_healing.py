@@ -13,7 +13,7 @@ import pytest
 
 import mk
 from mk.default_model import load_default
-from mk.sampling import ConstraintSpec, SamplingParams
+from mk.engine.sampling import ConstraintSpec, SamplingParams
 from mk.text import healing
 from mk.text.healing import MAX_HEALED_TOKENS, HealedText, back_up, heal, healing_constraint, strip_healed
 

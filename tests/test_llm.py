@@ -46,7 +46,7 @@ def test_generate_shapes_and_greedy_determinism(llm):
 def test_a_prompt_that_cannot_be_submitted_starts_none_of_the_batch(llm):
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     before = llm.engine.native_stats()["prefill_chunks"]
-    with pytest.raises(mk.engine_api.PromptTooLong):
+    with pytest.raises(mk.engine.api.PromptTooLong):
         llm.generate(["import os", "def f(x):", "x " * 400], params, use_tqdm=False)
     deadline = time.monotonic() + 10
     while llm.engine.active_requests and time.monotonic() < deadline:

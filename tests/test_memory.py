@@ -1,4 +1,4 @@
-"""The memory plan's arithmetic (mk.memory) and the engine's context check, on the CPU; the
+"""The memory plan's arithmetic (mk.engine.memory) and the engine's context check, on the CPU; the
 measurement itself runs on a GPU (test_memory_gpu.py)."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import re
 import pytest
 import torch
 
-from mk import _native, memory
+from mk import _native
 from mk.config import ModelConfig
-from mk.engine import Engine
+from mk.engine import memory
+from mk.engine.engine import Engine
 from mk.model import synthetic_weights
 from mk.model.reference import Model
 
@@ -95,7 +96,7 @@ def test_a_utilization_out_of_range_is_refused_before_anything_runs(model):
 
 def test_a_released_runner_holds_no_pool_and_no_sliced_prefill(model):
     """What a closed engine's runner lets go of (a sliced prefill's state holds the pool too)."""
-    from mk.runner import ReferenceRunner
+    from mk.engine.runner import ReferenceRunner
 
     runner = ReferenceRunner(model, 64, 2, 256)
     runner.sliced = object()  # (a layer-sliced prefill the engine stopped in the middle of)

@@ -11,13 +11,13 @@ import threading
 import pytest
 import torch
 
-from mk import memory
 from mk.config import ModelConfig
-from mk.engine import Engine
+from mk.engine import memory
+from mk.engine.engine import Engine
+from mk.engine.options import GPU_MEMORY_UTILIZATION
+from mk.engine.sampling import SamplingParams
 from mk.model import synthetic_weights
 from mk.model.reference import Model
-from mk.options import GPU_MEMORY_UTILIZATION
-from mk.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""mk.options: the engine's options stated once, the server's flags generated from them, and
+"""mk.engine.options: the engine's options stated once, the server's flags generated from them, and
 every automatic choice made in one place."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from mk.options import (
+from mk.engine.options import (
     CPU_MAX_BATCH,
     CPU_PREFILL_CHUNK,
     DECODE_PREFILL_BUDGET,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mk.sampling import SamplingError, SamplingParams
+from mk.engine.sampling import SamplingError, SamplingParams
 
 
 def test_defaults_and_greedy():

@@ -135,7 +135,7 @@ def test_the_healing_grammar_is_compiled_off_the_event_loop_and_sent_with_the_sh
     import threading
     from types import SimpleNamespace
 
-    from mk.engine_api import EngineClosed
+    from mk.engine.api import EngineClosed
     from mk.server.completions import completions
     from mk.server.errors import APIError
     from mk.server.state import ServerState

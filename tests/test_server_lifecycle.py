@@ -13,9 +13,9 @@ import torch
 from server_util import ServerProcess
 
 from mk.config import ModelConfig
+from mk.engine.options import CPU_MAX_BATCH, CPU_PREFILL_CHUNK
 from mk.model import synthetic_weights, write_checkpoint
 from mk.model.reference import Model
-from mk.options import CPU_MAX_BATCH, CPU_PREFILL_CHUNK
 from mk.server.__main__ import parse_args
 from mk.text.tokenizer import Tokenizer
 
@@ -89,7 +89,7 @@ class _Stop(Exception):
 def test_replicas_draw_no_progress_bars(monkeypatch, replica):
     """Data-parallel replicas write to the parent's terminal, where their bars would overwrite one
     another: a replica's engine starts without one, a lone server's with."""
-    import mk.engine
+    import mk.engine.engine
     from mk.server.__main__ import build_state
 
     seen = {}
@@ -98,7 +98,7 @@ def test_replicas_draw_no_progress_bars(monkeypatch, replica):
         seen.update(vars(options))
         raise _Stop
 
-    monkeypatch.setattr(mk.engine, "Engine", engine)
+    monkeypatch.setattr(mk.engine.engine, "Engine", engine)
     if replica is None:
         monkeypatch.delenv("MK_REPLICA", raising=False)
     else:
@@ -110,7 +110,7 @@ def test_replicas_draw_no_progress_bars(monkeypatch, replica):
 
 @pytest.mark.parametrize("flag", [[], ["--speculative", "off"], ["--speculative"]])
 def test_the_speculative_flag_reaches_the_engine(monkeypatch, flag):
-    import mk.engine
+    import mk.engine.engine
     from mk.server.__main__ import build_state
 
     seen = {}
@@ -119,7 +119,7 @@ def test_the_speculative_flag_reaches_the_engine(monkeypatch, flag):
         seen.update(vars(options))
         raise _Stop
 
-    monkeypatch.setattr(mk.engine, "Engine", engine)
+    monkeypatch.setattr(mk.engine.engine, "Engine", engine)
     with pytest.raises(_Stop):
         build_state(parse_args(["--device", "cpu", *flag]))
     assert seen["speculative"] is (None if not flag else flag[-1] == "--speculative")

@@ -21,14 +21,14 @@ import torch
 import mk
 from mk import _native
 from mk.config import ModelConfig
-from mk.engine import Engine
-from mk.engine_api import EngineStats
+from mk.engine.api import EngineStats
+from mk.engine.engine import Engine
+from mk.engine.options import AUTO_ON_OFF, EngineOptions
+from mk.engine.runner import ReferenceRunner
+from mk.engine.sampling import ConstraintSpec, SamplingParams
 from mk.model.names import expected_shapes
 from mk.model.paged import PageAllocator
 from mk.model.reference import Model
-from mk.options import AUTO_ON_OFF, EngineOptions
-from mk.runner import ReferenceRunner
-from mk.sampling import ConstraintSpec, SamplingParams
 
 torch.set_num_threads(1)
 

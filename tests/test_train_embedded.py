@@ -607,7 +607,17 @@ def test_three_step_cpu_run_writes_a_checkpoint_the_loader_reads(fake_stdlib, tm
     assert got == exp["greedy_ids"]
 
 
-def test_runs_are_reproducible(fake_stdlib, tmp_path):
+@pytest.fixture
+def one_thread():
+    """torch on one CPU thread for the test: its sums then have one order whatever else runs in the
+    process (a test's engine threads left behind, say)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_runs_are_reproducible(fake_stdlib, tmp_path, one_thread):
     """Same seed and flags: the same weights byte for byte (CPU); the recorded replay flags too, an
     unlikelihood phase's counted updates included."""
     first = _run(

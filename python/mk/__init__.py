@@ -1,7 +1,7 @@
 """mk: a megakernel serving engine for North Mini Code."""
 
 from mk.config import ModelConfig
-from mk.sampling import ConstraintSpec, SamplingParams
+from mk.engine.sampling import ConstraintSpec, SamplingParams
 
 __all__ = ["LLM", "ConstraintSpec", "ModelConfig", "SamplingParams"]
 

@@ -3,7 +3,7 @@
 from typing import Any, Protocol, final
 
 from mk.config import ModelConfig
-from mk.options import EngineOptions
+from mk.engine.options import EngineOptions
 
 # ---- GPU kernels (rust/python/mod.rs) ----------------------------------------------------------
 
@@ -85,7 +85,7 @@ class EngineStoppedError(RuntimeError):
     """The engine is shut down."""
 
 class PrefillRunner(Protocol):
-    """What both backends call to prefill (mk.runner.PrefillRunner). `dirty` lists the batch rows
+    """What both backends call to prefill (mk.engine.runner.PrefillRunner). `dirty` lists the batch rows
     whose page-table entries changed: (row, bytes of int32 [layer][page])."""
 
     def prefill(
@@ -99,7 +99,7 @@ class PrefillRunner(Protocol):
         layer-sliced call, logits only from the one that ends at the last layer ([0, vocab] before)."""
 
 class Runner(PrefillRunner, Protocol):
-    """What the Reference backend calls (mk.runner.ReferenceRunner): prefill, and decode."""
+    """What the Reference backend calls (mk.engine.runner.ReferenceRunner): prefill, and decode."""
 
     def decode(self, rows: list[int], tokens: list[int], positions: list[int], dirty: list[tuple[int, bytes]]) -> Any:
         """float32 buffer [len(rows), vocab]."""
@@ -128,7 +128,7 @@ def kv_pool_blocks(budget: int, kv_heads: int, head_dim: int, elem_bytes: int) -
 @final
 class Engine:
     """The decode-loop thread over `runner` (None: a no-op backend that samples `noop_token`).
-    `options`: a resolved mk.options.EngineOptions (read by attribute; its `backend` is
+    `options`: a resolved mk.engine.options.EngineOptions (read by attribute; its `backend` is
     "reference", where the runner prefills and decodes, or "megakernel", where the runner, a
     MegakernelRunner, prefills and the megakernel decodes). `step_rows`: one decode step's rows."""
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from mk.engine import Engine
-from mk.outputs import CompletionOutput, RequestOutput, TokenEvent
-from mk.sampling import SamplingParams
+from mk.engine.engine import Engine
+from mk.engine.outputs import CompletionOutput, RequestOutput, TokenEvent
+from mk.engine.sampling import SamplingParams
 from mk.text.healing import HealedText, Healing, heal, strip_healed
 from mk.text.textstream import Detokenizer, StopMatcher
 from mk.text.tokenizer import Tokenizer
@@ -106,7 +106,7 @@ class LLM:
     """A model and an engine. `model`: a checkpoint folder (config.json, safetensors,
     tokenizer.json) or None for the embedded default. Engine options (max_batch, max_context,
     prefill_chunk, kv_blocks, gpu_memory_utilization, speculative, ...) pass through to
-    `mk.engine.Engine`.
+    `mk.engine.engine.Engine`.
     `token_healing`: heal text prompts (the module's docstring, mk.text.healing); it needs the engine's
     `tokenizer_json` (given by default), without which it is off."""
 

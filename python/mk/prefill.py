@@ -50,6 +50,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from mk.config import ModelConfig
+from mk.engine.options import PREFILL_CHUNK
 from mk.model.experts import combine, copy_stacks, expert_names, moe_grouped, stack_experts, stacked_experts, swiglu_act
 from mk.model.moe import moe_ffn, swiglu
 from mk.model.paged import KVMappingError, PagedKV
@@ -66,7 +67,6 @@ from mk.model.varlen import (
     pack_keys,
     to_device,
 )
-from mk.options import PREFILL_CHUNK
 from mk.prefill_graphs import (
     BUCKETS,
     NEXT_TURN_BUCKETS,

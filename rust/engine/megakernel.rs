@@ -124,12 +124,12 @@ pub struct MegakernelDecoder<L> {
     /// (uploaded before the launch), instead of on the host from their logits. The launch then
     /// waits for the masks, which the host path computes while the step runs; that costs less than
     /// the logits' copy and the host draw it saves (docs/PERF.md, tuning decisions). Its tokens
-    /// equal the host path's. Off here; `mk.engine.Engine` turns it on by default.
+    /// equal the host path's. Off here; `mk.engine.engine.Engine` turns it on by default.
     pub kernel_masks: bool,
     /// With `kernel_masks`: a step with rows under a grammar is queued too, its masks delivered
     /// while it runs (`deliver_masks`; the kernel's sample tasks wait for them), so that the masks
     /// of step n + 1 are computed while it runs instead of between the steps. Off here;
-    /// `mk.engine.Engine` turns it on by default (docs/PERF.md, tuning decisions).
+    /// `mk.engine.engine.Engine` turns it on by default (docs/PERF.md, tuning decisions).
     pub late_masks: bool,
     sampled: Vec<u32>,
     logits: Vec<f32>,

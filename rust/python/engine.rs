@@ -33,7 +33,7 @@ fn to_tuple(e: Event) -> EventTuple {
     (e.id, e.token, e.logprob, e.top, e.finish.map(|f| f.as_str()), e.error, e.cached_tokens, e.queue_seconds)
 }
 
-/// The engine's options as Python's `mk.options.EngineOptions` holds them once resolved (every
+/// The engine's options as Python's `mk.engine.options.EngineOptions` holds them once resolved (every
 /// automatic choice made), read by attribute: the same names on both sides.
 #[derive(FromPyObject)]
 struct Options {
@@ -86,7 +86,7 @@ fn constraint_error(kind: &str, e: crate::grammar::GrammarError) -> PyErr {
 impl PyEngine {
     /// Starts the loop thread over `runner` (None: the no-op backend, which "samples"
     /// `noop_token` every step; for control-plane benchmarks). `options`: the resolved
-    /// `mk.options.EngineOptions` (read by attribute, `Options`); its `backend` is "reference"
+    /// `mk.engine.options.EngineOptions` (read by attribute, `Options`); its `backend` is "reference"
     /// (the runner prefills and decodes) or "megakernel" (the runner prefills, the megakernel
     /// decodes). The model gives the rest: which layers slide, the window, the KV pool's blocks,
     /// the vocabulary and EOS. `step_rows`: the rows of one decode step (the megakernel's: its

@@ -1,5 +1,5 @@
 //! The Python model behind the `Reference` decode backend: the one place the decode loop calls
-//! Python. It forwards each call to a runner object (`mk.runner.ReferenceRunner`: the PyTorch
+//! Python. It forwards each call to a runner object (`mk.engine.runner.ReferenceRunner`: the PyTorch
 //! reference model over a paged KV pool), holding the GIL only for that call, and hands back the
 //! logits; `crate::engine::SamplingBackend` samples them in Rust. Conversion only: no policy here.
 //!

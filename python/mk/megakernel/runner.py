@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from mk import _native
+from mk.engine.runner import PrefillRunner
 from mk.megakernel.buffers import StepBuffers
 from mk.megakernel.launch import ModelTables, fixed_step_args, pack_step_args
 from mk.megakernel.support import MAX_STEP_ROWS, MegakernelUnavailable, megakernel_unsupported
 from mk.model.reference import Model
 from mk.prefill import Prefill
-from mk.runner import PrefillRunner
 
 # MkStepArgs fields Rust fills in for every launch (its buffers, or per-step values).
 PER_STEP_FIELDS = tuple(_native.PER_STEP_FIELDS)
@@ -53,7 +53,7 @@ class MegakernelSetup:
     attn_chunk: int  # 0: automatic
     row_groups: int
     sample_parts: int
-    dealing: str  # mk.options.DEALINGS
+    dealing: str  # mk.engine.options.DEALINGS
     kernel_masks: bool
     late_masks: bool
 

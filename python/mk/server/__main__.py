@@ -23,7 +23,7 @@ from typing import NoReturn
 
 import torch
 
-from mk import options
+from mk.engine import options
 from mk.server.app import App
 from mk.server.http import BODY_TIMEOUT_S
 from mk.server.serve import check_port, serve
@@ -103,8 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="where the model runs: auto = the GPU when there is one (default: %(default)s)",
     )
-    # The engine's options (mk.options.EngineOptions), a flag each.
-    engine = p.add_argument_group("engine", "how the engine runs the model (mk.options.EngineOptions)")
+    # The engine's options (mk.engine.options.EngineOptions), a flag each.
+    engine = p.add_argument_group("engine", "how the engine runs the model (mk.engine.options.EngineOptions)")
     options.add_arguments(engine)
     p.add_argument(
         "--token-healing",
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def build_state(args: argparse.Namespace) -> ServerState:
-    from mk.engine import Engine
+    from mk.engine.engine import Engine
     from mk.model import load
     from mk.text.tokenizer import Tokenizer
 

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from mk.sampling import ConstraintSpec
+from mk.engine.sampling import ConstraintSpec
 from mk.server.errors import bad_request
 from mk.server.params import encode_prompt, max_new_tokens, prepared_constraint
 from mk.server.schemas import ChatRequest, Message, NamedToolChoice, Tool

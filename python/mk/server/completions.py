@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from mk.sampling import ConstraintSpec
+from mk.engine.sampling import ConstraintSpec
 from mk.server.errors import bad_request, error_body
 from mk.server.generate import ChoiceRun, collect, gather_all, note, start_runs, stream_choices, usage
 from mk.server.http import parse_json

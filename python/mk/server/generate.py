@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mk.engine_api import AsyncEngine, EngineClosed, EngineFull, PromptTooLong, RequestStream
-from mk.sampling import SamplingError, SamplingParams
+from mk.engine.api import AsyncEngine, EngineClosed, EngineFull, PromptTooLong, RequestStream
+from mk.engine.sampling import SamplingError, SamplingParams
 from mk.server.errors import APIError, bad_request
 from mk.server.metrics import ABORT, Metrics
 from mk.server.params import sampling_params

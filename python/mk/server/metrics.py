@@ -20,8 +20,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from mk.engine_api import EngineStats
-from mk.outputs import FinishReason
+from mk.engine.api import EngineStats
+from mk.engine.outputs import FinishReason
 
 # No `*_created` series beside every counter and histogram: nothing reads them, and they double the page.
 disable_created_metrics()

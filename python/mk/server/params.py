@@ -7,7 +7,7 @@ import json
 from typing import Any, TypeVar
 
 from mk import _native
-from mk.sampling import DEFAULT_MAX_TOKENS, ConstraintSpec, SamplingError, SamplingParams
+from mk.engine.sampling import DEFAULT_MAX_TOKENS, ConstraintSpec, SamplingError, SamplingParams
 from mk.server.errors import APIError, bad_request
 from mk.server.schemas import ChatRequest, CompletionRequest, NamedToolChoice, _Sampling, validate
 from mk.server.state import ServerState

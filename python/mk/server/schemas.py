@@ -20,7 +20,7 @@ from mk.server.errors import bad_request
 MAX_N = 32
 MAX_STOPS = 16
 # The engine's integer widths (rust/python/engine.rs, `submit`): top_k and token ids are u32; a seed
-# is 64 bits, signed or not (mk.engine takes it modulo 2**64).
+# is 64 bits, signed or not (mk.engine.engine takes it modulo 2**64).
 U32_MAX = 2**32 - 1
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 

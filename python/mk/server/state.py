@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from mk.engine_api import AsyncEngine
+from mk.engine.api import AsyncEngine
 from mk.server.errors import APIError
 from mk.server.http import BODY_TIMEOUT_S
 from mk.server.metrics import Metrics

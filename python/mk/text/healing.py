@@ -25,7 +25,7 @@ import threading
 import weakref
 from dataclasses import dataclass, replace
 
-from mk.sampling import ConstraintSpec, SamplingParams
+from mk.engine.sampling import ConstraintSpec, SamplingParams
 from mk.text.tokenizer import Tokenizer
 
 # Prompt tokens backed up at most. The longest tail (up to this many text tokens) that some longer

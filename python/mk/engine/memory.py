@@ -24,7 +24,7 @@ from mk import _native
 from mk.config import ModelConfig
 
 if TYPE_CHECKING:
-    from mk.runner import PrefillRunner
+    from mk.engine.runner import PrefillRunner
 
 log = logging.getLogger("mk")
 

@@ -166,7 +166,7 @@ class PrefillRunner:
 
     def _warm_up_reference(self) -> None:
         """On a GPU, one whole chunk of the reference model's forward after the longest prefix the
-        context allows: its peak is what the memory plan (mk.memory) must leave room for."""
+        context allows: its peak is what the memory plan (mk.engine.memory) must leave room for."""
         n, pages = self._whole_chunk()
         if self.model.device.type != "cuda" or self.kv.num_blocks < self.layers * pages:
             return

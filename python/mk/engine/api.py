@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from mk.config import ModelConfig
-from mk.outputs import TokenEvent
-from mk.sampling import ConstraintSpec, SamplingParams
+from mk.engine.outputs import TokenEvent
+from mk.engine.sampling import ConstraintSpec, SamplingParams
 
 
 class EngineError(RuntimeError):

@@ -1,6 +1,6 @@
 """`EngineOptions`: every option of the engine, stated once.
 
-Each field is an option: its name, type, default and meaning. `mk.engine.Engine` takes them,
+Each field is an option: its name, type, default and meaning. `mk.engine.engine.Engine` takes them,
 `python -m mk.server` generates its flags from them (`add_arguments`, `from_arguments`), and the
 Rust decode loop reads the resolved ones by name (`mk._native.Engine`). `None` in a field that
 allows it, or "auto", lets the engine decide by the machine, the model and the other options:
@@ -15,7 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from mk import _native, memory
+from mk import _native
+from mk.engine import memory
 
 # Sequences decoded together on a GPU: the rows of one megakernel launch (its wide image), which
 # decodes them faster than two launches of 8, and a 9th concurrent request starts at once instead

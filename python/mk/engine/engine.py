@@ -21,16 +21,17 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from mk import _native, memory
-from mk.engine_api import EngineClosed, EngineFull, EngineStats, PromptTooLong
+from mk import _native
+from mk.engine import memory
+from mk.engine.api import EngineClosed, EngineFull, EngineStats, PromptTooLong
+from mk.engine.options import WHOLE_CHUNK_TOKENS, EngineOptions
+from mk.engine.outputs import TokenEvent
+from mk.engine.runner import PrefillRunner, ReferenceRunner
+from mk.engine.sampling import ConstraintSpec, SamplingError, SamplingParams
 from mk.megakernel.runner import MegakernelRunner
 from mk.megakernel.support import MAX_STEP_ROWS, choose_backend
 from mk.model.reference import Model
-from mk.options import WHOLE_CHUNK_TOKENS, EngineOptions
-from mk.outputs import TokenEvent
 from mk.prefill import Prefill, stack_experts
-from mk.runner import PrefillRunner, ReferenceRunner
-from mk.sampling import ConstraintSpec, SamplingError, SamplingParams
 
 _U64 = 1 << 64
 log = logging.getLogger("mk")
@@ -76,7 +77,7 @@ class _CallbackSink:
 
 class Engine:
     """mk's engine over a model (CPU float32/float64 or GPU bf16): `Engine(model, options)` or
-    `Engine(model, max_batch=4, ...)`, the keywords being `mk.options.EngineOptions` fields that
+    `Engine(model, max_batch=4, ...)`, the keywords being `mk.engine.options.EngineOptions` fields that
     replace `options`' (or the defaults'). `self.options` holds them resolved: every automatic
     choice made (`EngineOptions.resolved`), the prefill graphs as the warm-up captured them, and
     `max_context` as the KV pool holds it.
@@ -84,11 +85,11 @@ class Engine:
     Prefill is PyTorch on the decode backend's stream; the fast prefill restacks the model's experts
     in place (`mk.prefill.stack_experts`). The KV pool has `kv_blocks` blocks, else `kv_bytes`' worth,
     else on a GPU what the memory plan leaves within `gpu_memory_utilization` of the card's total
-    memory once the warm-up's peak has been measured (`mk.memory`; `self.memory_plan`), else (CPU)
+    memory once the warm-up's peak has been measured (`mk.engine.memory`; `self.memory_plan`), else (CPU)
     room for one sequence of `max_context` tokens or `max_batch` of up to CPU_BATCH_CONTEXT tokens,
     whichever is more (a full batch of long contexts would be gigabytes of zeros for a model small
     enough to run on the CPU). A `max_context` whose sequence the pool cannot hold is a
-    `mk.memory.MemoryPlanError` naming the longest that fits; with `fit_context` the engine takes
+    `mk.engine.memory.MemoryPlanError` naming the longest that fits; with `fit_context` the engine takes
     that one instead.
     """
 
@@ -110,7 +111,7 @@ class Engine:
                 return MegakernelRunner(model, blocks, opts.max_batch, context, **common, **kinds)
             return ReferenceRunner(model, blocks, opts.max_batch, context, **common)
 
-        # The KV pool: as given, else on a GPU the memory plan's (mk.memory), else (CPU) a batch's.
+        # The KV pool: as given, else on a GPU the memory plan's (mk.engine.memory), else (CPU) a batch's.
         self.memory_plan: memory.MemoryPlan | None = None
         max_context = opts.max_context
         if opts.kv_blocks is not None:

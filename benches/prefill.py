@@ -1,4 +1,4 @@
-"""Prefill speed of mk.prefill at the real geometry (synthetic N(0, 0.01) weights, experts stacked).
+"""Prefill speed of mk.prefill.packed at the real geometry (synthetic N(0, 0.01) weights, experts stacked).
 
 Rows: one prompt of 512, 2K, 8K, 32K and 128K tokens (default chunk); the 8K prompt again with
 other chunk sizes, without compiled elementwise steps, and with SDPA attention (what the fast
@@ -6,7 +6,7 @@ paths buy); a batch of eight 1K prompts in one call against the same eight one c
 Each request's pages are mapped up front (no window release: it changes no compute), pools are
 NaN-poisoned first and every logit must come out finite.
 
-Achieved TFLOP/s = matrix FLOPs (`mk.prefill.prefill_flops`: the active weights per token, the
+Achieved TFLOP/s = matrix FLOPs (`mk.prefill.packed.prefill_flops`: the active weights per token, the
 attention over the visible keys, the LM head for each last token) / wall time of the call,
 against the ~790 TFLOP/s the H200 reaches on large bf16 matmuls. Prints a table, writes JSON (and
 a PNG when matplotlib is there). A case whose KV pool does not fit the card's free memory (checked
@@ -29,7 +29,7 @@ from mk.config import PAGE_SIZE, ModelConfig
 from mk.model import synthetic_weights
 from mk.model.paged import PagedKV
 from mk.model.reference import Model
-from mk.prefill import Prefill, PrefillRequest, prefill_flops, stack_experts
+from mk.prefill.packed import Prefill, PrefillRequest, prefill_flops, stack_experts
 
 MATMUL_FLOPS = 790e12  # measured bf16 dense matmul rate of the H200 (docs/PERF.md, hardware ceilings)
 

@@ -6,7 +6,7 @@
 #   device run:  bash scripts/prefill-check.sh      (carry: [".whl"])
 set -uo pipefail
 source "$(dirname "$0")/device-env.sh"
-python3 -c 'import mk.prefill' || { echo "the wheel has no mk.prefill: rebuild it"; exit 1; }
+python3 -c 'import mk.prefill.packed' || { echo "the wheel has no mk.prefill.packed: rebuild it"; exit 1; }
 
 status=0
 timeout 330 python3 -m pytest -q -p no:cacheprovider -rA -s -m gpu tests/test_prefill_gpu.py \

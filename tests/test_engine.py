@@ -151,7 +151,7 @@ def test_greedy_matches_a_token_by_token_reference_loop(model, engine):
 
 
 def test_fast_prefill_path_gives_the_reference_tokens(model, engine):
-    """`prefill="fast"` sends each Rust chunk through mk.prefill (on the CPU: SDPA and the expert loop);
+    """`prefill="fast"` sends each Rust chunk through mk.prefill.packed (on the CPU: SDPA and the expert loop);
     prompts of several chunks, crossing pages and the sliding window, decode as the reference does."""
     e = engine(max_batch=4, prefill="fast")
     assert e.options.prefill == "fast" and engine(max_batch=1).options.prefill == "reference"  # auto on the CPU
@@ -394,7 +394,7 @@ def test_the_warm_up_runs_a_chunk_after_a_cached_prefix(model, monkeypatch):
     all on scratch blocks (for the prefixed chunk, five pages a layer)."""
     import mk.engine.runner
     from mk.engine.runner import ReferenceRunner
-    from mk.prefill import Prefill
+    from mk.prefill.packed import Prefill
 
     calls = []
     real = Prefill.__call__

@@ -3,7 +3,7 @@ GPU-test geometry (synthetic bf16 weights): staggered greedy requests, a batch l
 launch, seeded sampling, a layer-sliced prefill beside a decoding stream, and the server end to end
 with `--synthetic`.
 
-Both backends prefill with the same PyTorch code, mk.prefill (arrival timing may cut a prompt into different
+Both backends prefill with the same PyTorch code, mk.prefill.packed (arrival timing may cut a prompt into different
 chunks), and decode tokens agree until the first near-tie. With these random weights the logits
 spread about 0.9, top-2 gaps are often a few bf16 steps (0.016 at |logit| ≈ 3.5), and an expert
 choice that flips on a near-tie router logit moves the logits by up to about 1 (bf16 against fp32
@@ -81,7 +81,7 @@ def engine(
         kernel_masks=kernel_masks,
         **options,
     )
-    assert e.options.backend == backend and e.options.prefill == "fast"  # mk.prefill on the GPU, by default
+    assert e.options.backend == backend and e.options.prefill == "fast"  # mk.prefill.packed on the GPU, by default
     try:
         yield e
     finally:
@@ -206,7 +206,7 @@ def test_launch_ahead_agrees_with_synchronous_steps(model, rows):
 
 
 def test_a_sliced_prefill_beside_a_decoding_stream_agrees(model):
-    """sliced_prefill on the megakernel backend (mk.prefill.SlicedPrefill on CUDA): a 1,500-token
+    """sliced_prefill on the megakernel backend (mk.prefill.packed.SlicedPrefill on CUDA): a 1,500-token
     prompt submitted once a stream decodes goes in chunks of 640 tokens (budget 128 x 5 layers), a
     layer an iteration, a decode step between (whole_chunk_tokens=0); both requests' tokens agree
     with the same engine cutting that prompt into 128-token chunks instead, until the first

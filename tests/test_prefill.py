@@ -1,4 +1,4 @@
-"""mk.prefill (chunked, packed prefill into the paged cache) against the reference model, on the CPU.
+"""mk.prefill.packed (chunked, packed prefill into the paged cache) against the reference model, on the CPU.
 
 Tiny geometry (window 96, pages of 64), fresh random weights each run (MK_TEST_SEED replays one;
 failures print it). float64 runs check the logic to 1e-10 (SDPA and eager-flex attention, the
@@ -17,15 +17,14 @@ from routing import RoutingLog, tie_gap
 
 import mk.model.experts as grouped_moe
 import mk.model.moe as reference_moe
-import mk.prefill as prefill_module
-import mk.prefill_graphs as prefill_graphs
+import mk.prefill.graphs as prefill_graphs
+import mk.prefill.packed as prefill_module
 from mk.config import PAGE_SIZE, ModelConfig
 from mk.model.names import expected_shapes
 from mk.model.paged import UNMAPPED, KVMappingError, PageAllocator, pages_needed
 from mk.model.reference import Model
 from mk.model.varlen import Piece, attend_causal, interval_block_mask, refresh_block_mask, static_block_mask
-from mk.prefill import Prefill, PrefillRequest, Span, plan_chunks, prefill_flops, stack_experts, stacked_experts
-from mk.prefill_graphs import (
+from mk.prefill.graphs import (
     BUCKETS,
     NEXT_TURN_BUCKETS,
     PACKED_SEQUENCES,
@@ -34,6 +33,7 @@ from mk.prefill_graphs import (
     PrefixedChunks,
     fresh_split,
 )
+from mk.prefill.packed import Prefill, PrefillRequest, Span, plan_chunks, prefill_flops, stack_experts, stacked_experts
 
 torch.set_num_threads(1)
 
@@ -226,7 +226,7 @@ def test_prefill_flops_counts_visible_keys():
 
 
 def random_intervals(rng: random.Random, pieces: int, window: int | None):
-    """lo/hi of packed pieces laid out like mk.prefill lays out one chunk's keys."""
+    """lo/hi of packed pieces laid out like mk.prefill.packed lays out one chunk's keys."""
     lo, hi, off = [], [], 0
     for _ in range(pieces):
         first, n = rng.randint(0, 300), rng.randint(1, 200)
@@ -601,7 +601,7 @@ def test_prefill_writes_only_its_own_positions(weights64):
     assert torch.equal(changed, (pos >= 30) & (pos < 90))
 
 
-# ---- a fresh prompt's static pass (mk.prefill_graphs) -----------------------------------------------
+# ---- a fresh prompt's static pass (mk.prefill.graphs) -----------------------------------------------
 @pytest.mark.parametrize("attention", ["sdpa", "flex_eager"])
 @pytest.mark.parametrize("n", [1, 63, 64, 200, 300])
 def test_a_fresh_prompt_padded_to_a_bucket_matches_the_reference(weights64, attention, n):
@@ -668,7 +668,7 @@ def test_a_fresh_prompt_with_another_cache_drops_the_static_buffers(weights64):
     assert buckets[0] is buckets[1] and buckets[2] is not buckets[1] and buckets[3] is not buckets[2]
 
 
-# ---- a chunk after a cached prefix: its static pass (mk.prefill_graphs.PrefixedChunks) -----------------
+# ---- a chunk after a cached prefix: its static pass (mk.prefill.graphs.PrefixedChunks) -----------------
 def prefixed_prefill(model: Model, attention: str) -> Prefill:
     """A prefill whose chunks after a cached prefix take the static pass, run eagerly: one bucket of
     256 rows, full-attention keys padded to 512 columns (the tiny tables hold 512 positions)."""
@@ -980,7 +980,7 @@ def test_an_invalidated_capture_is_ended_and_later_captures_take_a_new_pool(monk
     the capture had ended (the allocator refuses to end it again), the pool stays."""
     from types import SimpleNamespace
 
-    from mk.prefill_graphs import _end_abandoned_capture
+    from mk.prefill.graphs import _end_abandoned_capture
 
     ended, renewed = [], []
     prefill = SimpleNamespace(device=torch.device("cuda", 3), renew_graph_pool=lambda: renewed.append(True))

@@ -31,7 +31,7 @@ from mk.engine.sampling import ConstraintSpec, SamplingError, SamplingParams
 from mk.megakernel.runner import MegakernelRunner
 from mk.megakernel.support import MAX_STEP_ROWS, choose_backend
 from mk.model.reference import Model
-from mk.prefill import Prefill, stack_experts
+from mk.prefill.packed import Prefill, stack_experts
 
 _U64 = 1 << 64
 log = logging.getLogger("mk")
@@ -83,7 +83,7 @@ class Engine:
     `max_context` as the KV pool holds it.
 
     Prefill is PyTorch on the decode backend's stream; the fast prefill restacks the model's experts
-    in place (`mk.prefill.stack_experts`). The KV pool has `kv_blocks` blocks, else `kv_bytes`' worth,
+    in place (`mk.prefill.packed.stack_experts`). The KV pool has `kv_blocks` blocks, else `kv_bytes`' worth,
     else on a GPU what the memory plan leaves within `gpu_memory_utilization` of the card's total
     memory once the warm-up's peak has been measured (`mk.engine.memory`; `self.memory_plan`), else (CPU)
     room for one sequence of `max_context` tokens or `max_batch` of up to CPU_BATCH_CONTEXT tokens,
@@ -381,13 +381,13 @@ def _put_all(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
 
 
 def _fast_prefill(model: Model, opts: EngineOptions) -> Prefill | None:
-    """The engine's `mk.prefill` runner, or None for the reference model's forward (`opts.prefill`)."""
+    """The engine's `mk.prefill.packed` runner, or None for the reference model's forward (`opts.prefill`)."""
     if opts.prefill == "reference":
         return None
     if model.device.type == "cuda":  # before anything records weight addresses (the megakernel's tables)
         stack_experts(model.weights, model.config)
-    # Rust hands over at most one chunk's tokens a call, so each call is one chunk of mk.prefill (or
-    # two static passes: mk.prefill_graphs.fresh_split).
+    # Rust hands over at most one chunk's tokens a call, so each call is one chunk of mk.prefill.packed (or
+    # two static passes: mk.prefill.graphs.fresh_split).
     return Prefill(
         model,
         chunk=opts.prefill_chunk,

@@ -75,8 +75,9 @@ class EngineOptions:
     )
     prefill: str = _option(
         "auto",
-        "what prefills prompts: fast = mk.prefill (flex attention, grouped-GEMM experts, packed prompts; compiles "
-        "at start), reference = the reference model's forward, auto = fast on a GPU and reference on the CPU",
+        "what prefills prompts: fast = the packed prefill (mk.prefill: flex attention, grouped-GEMM experts, packed "
+        "prompts; compiles at start), reference = the reference model's forward, auto = fast on a GPU and reference "
+        "on the CPU",
         choices=PREFILLS,
     )
     max_batch: int | None = _option(
@@ -138,7 +139,7 @@ class EngineOptions:
         "prefill a chunk after a cached prefix (a conversation's next turn) as a CUDA graph replay too, captured "
         "per padded (tokens, keys) shape at start, so that a next turn's first token comes without the eager "
         "path's launches; on = every chunk length (more captures and memory)",
-        "the shortest chunks (mk.prefill_graphs.NEXT_TURN_BUCKETS) with the fast prefill on a GPU",
+        "the shortest chunks (mk.prefill.graphs.NEXT_TURN_BUCKETS) with the fast prefill on a GPU",
     )
     launch_ahead: bool | None = _switch(
         "launch each decode step before the previous step's tokens reach the host, so the GPU runs steps back to "
@@ -171,7 +172,7 @@ class EngineOptions:
     fresh_split: bool = _option(
         True,
         "with both kinds of prefill graph, a fresh prompt just past a bucket of 4K tokens or more replays that "
-        "bucket's graph and then a next-turn graph of the rest (mk.prefill_graphs.fresh_split)",
+        "bucket's graph and then a next-turn graph of the rest (mk.prefill.graphs.fresh_split)",
         flag=False,
     )
     dealing: str = _option(

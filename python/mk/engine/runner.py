@@ -5,7 +5,7 @@ is `mk.megakernel.runner.MegakernelRunner`.
 
 Rust owns the block ids; a runner owns the K/V tensors and a mirror of the dense page table,
 patched with the rows Rust reports as changed. It returns logits as float32 numpy arrays and Rust
-samples them. Prefill chunks run through `mk.prefill.Prefill` when one is given (the engine's
+samples them. Prefill chunks run through `mk.prefill.packed.Prefill` when one is given (the engine's
 choice on a GPU), else through the reference model's own forward.
 """
 
@@ -24,7 +24,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from mk.config import PAGE_SIZE
 from mk.model.reference import Model
 from mk.model.varlen import FLEX_BLOCK
-from mk.prefill import Prefill, PrefillRequest, SlicedPrefill
+from mk.prefill.packed import Prefill, PrefillRequest, SlicedPrefill
 
 log = logging.getLogger("mk")
 
@@ -68,7 +68,7 @@ class PrefillRunner:
     def warm_up(self, progress: bool = True) -> None:
         """Run the fast prefill on scratch pages before serving, so its first-call compilation (tens of
         seconds on a GPU) does not land on the first request; on a GPU also capture the CUDA graphs
-        of fresh prompts and of chunks after a cached prefix (mk.prefill_graphs; the latter's long
+        of fresh prompts and of chunks after a cached prefix (mk.prefill.graphs; the latter's long
         prefixes read scratch pages again and again), the largest of each kind first so that the
         others reuse its memory, then run one whole chunk the usual way, so that neither does the
         allocation of a full chunk's activations (a few GB; a capture empties the cache). Uses
@@ -227,7 +227,7 @@ class PrefillRunner:
         self.sliced = None  # (a sliced call the engine dropped: its state goes)
         if self.fast_prefill is not None:
             # One packed forward pass. Rust mapped every page of every chunk before calling (the
-            # page contract of mk.prefill).
+            # page contract of mk.prefill.packed).
             requests = [PrefillRequest(tokens, start, self.tables[row]) for row, tokens, start, _ in pieces]
             logits = self.fast_prefill(requests, self.kv).logits[last]
         else:
@@ -241,7 +241,7 @@ class PrefillRunner:
 
     def _prefill_slice(self, pieces, last: list[int], start: int, end: int):
         if self.fast_prefill is None:
-            raise ValueError("a layer-sliced prefill needs the fast prefill (mk.prefill)")
+            raise ValueError("a layer-sliced prefill needs the fast prefill (mk.prefill.packed)")
         if start == 0:
             self.sliced = None  # (a call dropped half way is forgotten)
             requests = [PrefillRequest(tokens, first, self.tables[row]) for row, tokens, first, _ in pieces]
@@ -338,7 +338,7 @@ def _peak_only(run: Callable[[], object]) -> Callable[[], None]:
 
 @contextlib.contextmanager
 def _usual_path(prefill: Prefill):
-    """`prefill` without its static passes (mk.prefill_graphs) for the duration."""
+    """`prefill` without its static passes (mk.prefill.graphs) for the duration."""
     fresh, prefixed, prefill.fresh, prefill.prefixed = prefill.fresh, prefill.prefixed, None, None
     try:
         yield

@@ -1,6 +1,6 @@
 """The Python half of the `Megakernel` decode backend (rust/python/megakernel_backend.rs).
 
-Prefill is the Reference runner's (PyTorch, `mk.prefill`, writes the prompt's K/V into the pool), run on this
+Prefill is the Reference runner's (PyTorch, `mk.prefill.packed`, writes the prompt's K/V into the pool), run on this
 runner's own CUDA stream; decode never comes here: Rust launches the megakernel on the same
 stream, so every launch follows the prefills before it. This object owns every tensor the kernel
 reads (weights, KV pool, pointer tables, activation buffers) and hands their addresses to Rust once,
@@ -20,7 +20,7 @@ from mk.megakernel.buffers import StepBuffers
 from mk.megakernel.launch import ModelTables, fixed_step_args, pack_step_args
 from mk.megakernel.support import MAX_STEP_ROWS, MegakernelUnavailable, megakernel_unsupported
 from mk.model.reference import Model
-from mk.prefill import Prefill
+from mk.prefill.packed import Prefill
 
 # MkStepArgs fields Rust fills in for every launch (its buffers, or per-step values).
 PER_STEP_FIELDS = tuple(_native.PER_STEP_FIELDS)

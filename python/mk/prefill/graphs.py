@@ -71,7 +71,7 @@ from mk.model.varlen import (
 
 if TYPE_CHECKING:
     from mk.config import ModelConfig
-    from mk.prefill import Prefill
+    from mk.prefill.packed import Prefill
 
 # Padded chunk lengths. Below a few thousand tokens a prefill reads nearly every expert's weights
 # whatever its length, so padding a short prompt up to the next bucket costs little GPU time.

@@ -5,7 +5,9 @@
 #include "ops/step_attention.cuh"
 #include "ops/step_common.cuh"
 #include "ops/step_gemv.cuh"
-#include "ops/step_misc.cuh"
+#include "ops/step_norm.cuh"
+#include "ops/step_sample.cuh"
+#include "ops/step_topk.cuh"
 #include "ops/step_stream.cuh"
 
 namespace mk {

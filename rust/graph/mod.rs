@@ -541,7 +541,7 @@ pub(crate) mod tests {
     #[test]
     fn a_norm_waits_for_the_o_projection_first_and_the_ffn_second() {
         // The kernel reads x, y_attn and the routing after the first wait (and the layer's top-k)
-        // alone, before it waits for the FFN (cuda/ops/step_misc.cuh run_residual_norm): the
+        // alone, before it waits for the FFN (cuda/ops/step_norm.cuh run_residual_norm): the
         // checker sees both waits as one, so the order of the two is pinned here.
         let geom = gpu_test();
         for batch in [1, 4] {

@@ -295,7 +295,7 @@ pub fn inverse_temperature(t: f32) -> Option<f32> {
 
 /// Gumbel-max over every finite logit at temperature 1 / `inv_t` (finite, > 0), in one pass
 /// without a list of ids: the draw of a spec with a temperature and no filter, and what the
-/// megakernel's sample tasks compute for such a row (cuda/ops/step_misc.cuh), bit for bit.
+/// megakernel's sample tasks compute for such a row (cuda/ops/step_sample.cuh), bit for bit.
 pub fn gumbel_draw(logits: &[f32], inv_t: f32, seed: u64, index: u32) -> Result<u32, SampleError> {
     let first = argmax(logits)?;
     Ok(gumbel_max(logits, finite_ids(logits), first, inv_t, seed, index))

@@ -1,6 +1,6 @@
 //! Philox4x32-10 (Salmon et al., SC'11): a counter-based generator, so every random draw is a pure
 //! function of (key, counter), and the Gumbel noise made from it. The decode megakernel computes
-//! the same functions on the GPU (cuda/ops/step_misc.cuh) bit for bit: the known-answer tests
+//! the same functions on the GPU (cuda/ops/step_sample.cuh) bit for bit: the known-answer tests
 //! below pin the definition both sides follow, and the logarithm is this module's own (separately
 //! rounded f32 products, sums and one quotient, which CUDA's `__fmul_rn`, `__fadd_rn` and
 //! `__fdiv_rn` reproduce exactly), not the C library's or the GPU's, which may round differently.

@@ -4,11 +4,13 @@
 #include "abi.h"
 #include "ops/step_attention.cuh"
 #include "ops/step_common.cuh"
+#include "ops/step_embed.cuh"
 #include "ops/step_gemv.cuh"
 #include "ops/step_norm.cuh"
+#include "ops/step_producer.cuh"
 #include "ops/step_sample.cuh"
-#include "ops/step_topk.cuh"
 #include "ops/step_stream.cuh"
+#include "ops/step_topk.cuh"
 
 namespace mk {
 

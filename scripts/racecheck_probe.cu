@@ -2,7 +2,7 @@
 // see an mbarrier hand-off of a plain shared-memory value? The megakernel's weight producer
 // writes each ring stage's tag with a plain store after waiting for the stage's "empty" phase
 // and before arriving on its "full" barrier; the compute warps read it after waiting on "full"
-// and arrive on "empty" afterwards (cuda/ops/step_gemv.cuh). This kernel does exactly that with
+// and arrive on "empty" afterwards (cuda/ops/step_producer.cuh, step_gemv.cuh). This kernel does exactly that with
 // one producer warp and two consumer warps over a 4-slot ring, and checks every value arrived.
 // A racecheck hazard here means the tool does not model the hand-off; none means it does, and a
 // hazard in the megakernel would then be real. It reports hazards: racecheck models barriers

@@ -6,8 +6,8 @@
 // expert tiles wait, for the layer's top-k task that says which expert a slot holds.
 //
 // Producer and consumers walk the same stage sequence: for each GEMV task with weights, for each
-// 16-row group with rows, for each chunk of kc columns, one stage (stream_weights and
-// gemv_compute in step_gemv.cuh).
+// 16-row group with rows, for each chunk of kc columns, one stage (stream_weights in
+// step_producer.cuh, gemv_compute in step_gemv.cuh).
 #pragma once
 #include "step_common.cuh"
 

@@ -117,6 +117,8 @@ pub struct BackendError(pub String);
 /// What one prefill chunk gave: the next token after a last chunk, else None.
 pub type PrefillResult = Result<Option<Sampled>, BackendError>;
 
+/// What the engine's loop needs of whatever computes: prefill chunks and decode steps, run when
+/// called. Launch-ahead is a separate capability (`QueuedDecoder`) a backend may have.
 pub trait Backend: Send {
     /// Computes K/V for every chunk; `out` receives one result per chunk, in order: the sampled
     /// next token for a last chunk, else None (or the error that ended that chunk). `Err`: the call
@@ -128,12 +130,28 @@ pub trait Backend: Send {
     /// Runs one decode step; `out` receives one `Sampled` per row, in row order.
     fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError>;
 
-    /// Whether `queue` takes this step. A backend that runs steps when they are called takes none;
-    /// one takes rows under a grammar (`input.is_constrained`, their masks not yet known) only
-    /// where it has `late_masks`.
-    fn can_queue(&self, _input: &DecodeInput<'_>) -> bool {
-        false
+    /// The backend's queued decoding (launch-ahead), where it has one.
+    fn queued(&mut self) -> Option<&mut dyn QueuedDecoder> {
+        None
     }
+
+    /// The same, to ask what it takes (`can_queue`, `late_masks`).
+    fn queued_ref(&self) -> Option<&dyn QueuedDecoder> {
+        None
+    }
+
+    /// Where the decode calls' host time went so far (zeros where the backend does not measure).
+    fn launch_times(&self) -> LaunchTimes {
+        LaunchTimes::default()
+    }
+}
+
+/// Decode steps queued on the device behind each other and collected later (launch-ahead),
+/// optionally with the masks of their rows under a grammar delivered after they were queued.
+pub trait QueuedDecoder {
+    /// Whether `queue` takes this step. One takes rows under a grammar (`input.is_constrained`,
+    /// their masks not yet known) only where it has `late_masks`.
+    fn can_queue(&self, input: &DecodeInput<'_>) -> bool;
 
     /// Whether a queued step may hold rows under a grammar whose masks come after it is queued
     /// (`deliver_masks`): the device waits for them only where it samples those rows, so the
@@ -155,19 +173,10 @@ pub trait Backend: Send {
     /// just before this one samples for its row j, which the host has not seen yet (it stays on
     /// the device). `previous` has one entry per row, or none (every token is in `input`).
     /// `collect` returns each queued step's tokens, oldest first.
-    fn queue(&mut self, _input: &DecodeInput<'_>, _previous: &[Option<usize>]) -> Result<(), BackendError> {
-        Err(BackendError("this backend does not queue decode steps".into()))
-    }
+    fn queue(&mut self, input: &DecodeInput<'_>, previous: &[Option<usize>]) -> Result<(), BackendError>;
 
     /// Waits for the oldest queued step; `out` receives one `Sampled` per row, in row order.
-    fn collect(&mut self, _out: &mut Vec<Sampled>) -> Result<(), BackendError> {
-        Err(BackendError("this backend does not queue decode steps".into()))
-    }
-
-    /// Where the decode calls' host time went so far (zeros where the backend does not measure).
-    fn launch_times(&self) -> LaunchTimes {
-        LaunchTimes::default()
-    }
+    fn collect(&mut self, out: &mut Vec<Sampled>) -> Result<(), BackendError>;
 }
 
 impl<B: Backend + ?Sized> Backend for Box<B> {
@@ -179,24 +188,12 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
         (**self).decode(input, out)
     }
 
-    fn can_queue(&self, input: &DecodeInput<'_>) -> bool {
-        (**self).can_queue(input)
+    fn queued(&mut self) -> Option<&mut dyn QueuedDecoder> {
+        (**self).queued()
     }
 
-    fn late_masks(&self) -> bool {
-        (**self).late_masks()
-    }
-
-    fn deliver_masks(&mut self, masks: &[Option<&TokenMask>]) -> Result<(), BackendError> {
-        (**self).deliver_masks(masks)
-    }
-
-    fn queue(&mut self, input: &DecodeInput<'_>, previous: &[Option<usize>]) -> Result<(), BackendError> {
-        (**self).queue(input, previous)
-    }
-
-    fn collect(&mut self, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
-        (**self).collect(out)
+    fn queued_ref(&self) -> Option<&dyn QueuedDecoder> {
+        (**self).queued_ref()
     }
 
     fn launch_times(&self) -> LaunchTimes {

@@ -7,9 +7,9 @@
 //! step n samples for it, so that a backend that queues steps on a device never waits for the
 //! host between them. A row that finishes with step n's token is in step n + 1 too: that token
 //! is dropped when step n + 1 lands. Prefill, rows under a grammar and blocks that run out fall
-//! back to one synchronous step. A backend that can queue the step (`Backend::can_queue`) gets it
+//! back to one synchronous step. A backend that can queue the step (`QueuedDecoder::can_queue`) gets it
 //! with, for each row, which of step n's rows samples its token (the token stays on the device),
-//! and the step lands through `Backend::collect`. A step the backend cannot queue is not launched
+//! and the step lands through `QueuedDecoder::collect`. A step the backend cannot queue is not launched
 //! ahead: it runs synchronously (one planned behind a queued step runs before that step lands,
 //! while its rows still hold their pages, and lands right after it), so no token is handed over
 //! an iteration late. Launch-ahead changes when tokens are handed over, never what they are.
@@ -34,6 +34,7 @@ use std::time::Instant;
 
 use super::backend::{
     Backend, BackendError, DecodeInput, LaunchTimes, LayerSlice, PrefillChunkInput, PrefillInput, PrefillResult,
+    QueuedDecoder,
 };
 use crate::grammar::{allowed_all, Constraint, MaskError, MaskSet, TokenMask, NO_MASKS};
 use crate::sampling::Sampled;
@@ -84,7 +85,7 @@ struct Flight {
 }
 
 /// A launched step's tokens: known (the backend ran it when it was launched, or it failed), or
-/// still on the device (queued: `Backend::collect` waits for them).
+/// still on the device (queued: `QueuedDecoder::collect` waits for them).
 enum Landing {
     Ran(Result<Vec<Sampled>, BackendError>),
     Queued,
@@ -357,7 +358,7 @@ impl<B: Backend> Core<B> {
             if usable && self.sched.plan_ahead(&flight.batch, &mut batch, &mut previous, late) && !batch.is_empty() {
                 let masks = self.pending_masks(&batch);
                 if matches!(flight.landing, Landing::Queued)
-                    && !self.backend.can_queue(&DecodeInput { masks: &masks, ..unmasked_input(&self.sched, &batch) })
+                    && !self.can_queue(&DecodeInput { masks: &masks, ..unmasked_input(&self.sched, &batch) })
                 {
                     // (`late_masks_ahead` asked this of every decoding row: a step with a row under
                     // a grammar is queueable, or plan_ahead would not have planned it.)
@@ -402,8 +403,7 @@ impl<B: Backend> Core<B> {
             // under a grammar go with it where the backend takes their masks late.
             let masks = self.pending_masks(&batch);
             let input = DecodeInput { masks: &masks, ..unmasked_input(&self.sched, &batch) };
-            let queueable =
-                batch.drafts == 0 && (!constrained || self.backend.late_masks()) && self.backend.can_queue(&input);
+            let queueable = batch.drafts == 0 && (!constrained || self.takes_late_masks()) && self.can_queue(&input);
             if self.launch_ahead && queueable {
                 backend_ns += self.launch(batch, &[], true);
                 backend_ns += self.land_if_ran(out); // the queue refused it: its rows fail now
@@ -428,7 +428,17 @@ impl<B: Backend> Core<B> {
 }
 
 impl<B: Backend> Core<B> {
-    /// Queues `batch`'s step where `queue` says (the caller has asked `Backend::can_queue`;
+    /// Whether the backend queues this step (`QueuedDecoder::can_queue`; never without one).
+    fn can_queue(&self, input: &DecodeInput<'_>) -> bool {
+        self.backend.queued_ref().is_some_and(|q| q.can_queue(input))
+    }
+
+    /// Whether the backend takes the masks of a queued step's rows late (`QueuedDecoder::late_masks`).
+    fn takes_late_masks(&self) -> bool {
+        self.backend.queued_ref().is_some_and(|q| q.late_masks())
+    }
+
+    /// Queues `batch`'s step where `queue` says (the caller has asked `QueuedDecoder::can_queue`;
     /// `previous`: for each row, the row of the step in flight whose token it feeds, or nothing
     /// where `batch.tokens` holds it), else runs it (its tokens are all known then), and keeps it
     /// in flight: a queued step lands in the next iteration, one that ran through `land_if_ran`.
@@ -439,7 +449,7 @@ impl<B: Backend> Core<B> {
         let masks = if queue { self.pending_masks(&batch) } else { MaskSet::pending(Vec::new()) };
         let input = DecodeInput { masks: &masks, ..unmasked_input(&self.sched, &batch) };
         let landing = if queue {
-            match self.backend.queue(&input, previous) {
+            match queued_decoder(&mut self.backend).and_then(|q| q.queue(&input, previous)) {
                 Ok(()) => {
                     self.metrics.queued_steps += 1;
                     Landing::Queued
@@ -465,7 +475,7 @@ impl<B: Backend> Core<B> {
     /// builds no mask set).
     fn pending_masks(&self, batch: &DecodeBatch) -> MaskSet {
         let constrained = |r: &usize| self.sched.seq(*r).is_some_and(|s| s.constrained());
-        if !self.backend.late_masks() || !batch.rows.iter().any(constrained) {
+        if !self.takes_late_masks() || !batch.rows.iter().any(constrained) {
             return MaskSet::pending(Vec::new());
         }
         MaskSet::pending(batch.rows.iter().map(constrained).collect())
@@ -475,7 +485,7 @@ impl<B: Backend> Core<B> {
     /// their masks late and can queue a step of every decoding row as they sample now (so any
     /// step `plan_ahead` plans from them: `can_queue` holds for a subset of a queueable step).
     fn late_masks_ahead(&self) -> bool {
-        if !self.backend.late_masks() || !self.sched.decoding_constrained() {
+        if !self.takes_late_masks() || !self.sched.decoding_constrained() {
             return false; // (no grammar: plan_ahead needs no leave, and nothing is built per step)
         }
         let (mut rows, mut specs, mut constrained) = (Vec::new(), Vec::new(), Vec::new());
@@ -491,11 +501,11 @@ impl<B: Backend> Core<B> {
             table: self.sched.page_table(),
             dirty_rows: &[],
         };
-        self.backend.can_queue(&input)
+        self.can_queue(&input)
     }
 
     /// The masks of the step in flight where it was queued with rows under a grammar: computed now,
-    /// every token before it having landed, while it runs (`Backend::deliver_masks`). A row whose
+    /// every token before it having landed, while it runs (`QueuedDecoder::deliver_masks`). A row whose
     /// request has left gets none (its token is dropped when the step lands). Returns the
     /// backend's time in ns.
     fn deliver_masks(&mut self) -> u64 {
@@ -512,7 +522,7 @@ impl<B: Backend> Core<B> {
         }
         let list: Vec<Option<&TokenMask>> = (0..batch.len()).map(|i| masks.as_ref().and_then(|m| m.get(i))).collect();
         let t = Instant::now();
-        if let Err(e) = self.backend.deliver_masks(&list) {
+        if let Err(e) = queued_decoder(&mut self.backend).and_then(|q| q.deliver_masks(&list)) {
             flight.failed = Some(e); // its rows fail as it lands
         }
         let ns = t.elapsed().as_nanos() as u64;
@@ -537,7 +547,8 @@ impl<B: Backend> Core<B> {
         let t = Instant::now();
         let mut sampled = std::mem::take(&mut self.sampled);
         sampled.clear();
-        flight.landing = Landing::Ran(self.backend.collect(&mut sampled).map(|()| sampled));
+        flight.landing =
+            Landing::Ran(queued_decoder(&mut self.backend).and_then(|q| q.collect(&mut sampled)).map(|()| sampled));
         t.elapsed().as_nanos() as u64
     }
 
@@ -618,6 +629,11 @@ fn unmasked_input<'a>(sched: &'a Scheduler, batch: &'a DecodeBatch) -> DecodeInp
         table: sched.page_table(),
         dirty_rows: sched.dirty_rows(),
     }
+}
+
+/// `backend`'s queued decoding; the loop asks for it only after `can_queue` said yes.
+fn queued_decoder<B: Backend>(backend: &mut B) -> Result<&mut dyn QueuedDecoder, BackendError> {
+    backend.queued().ok_or_else(|| BackendError("this backend does not queue decode steps".into()))
 }
 
 /// The grammar states of one backend call's constrained entries, lent out of their sequences

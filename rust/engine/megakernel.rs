@@ -161,13 +161,13 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
             && (0..input.len()).all(|i| !needs_logits(&input.specs[i]) && (late || !input.is_constrained(i)))
     }
 
-    /// The masks of the step queued last with rows under a grammar (`Backend::deliver_masks`; a
+    /// The masks of the step queued last with rows under a grammar (`QueuedDecoder::deliver_masks`; a
     /// masked row whose request has left gets None: the launcher allows it every token).
     pub fn deliver_masks(&mut self, masks: &[Option<&TokenMask>]) -> Result<(), BackendError> {
         self.launcher.deliver_masks(masks)
     }
 
-    /// Queues the step as one launch (`Backend::queue`).
+    /// Queues the step as one launch (`QueuedDecoder::queue`).
     pub fn queue(&mut self, input: &DecodeInput<'_>, previous: &[Option<usize>]) -> Result<(), BackendError> {
         if !self.can_queue(input) {
             return Err(BackendError("this step cannot be queued".into()));
@@ -196,7 +196,7 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
         Ok(())
     }
 
-    /// The oldest queued step's tokens (`Backend::collect`).
+    /// The oldest queued step's tokens (`QueuedDecoder::collect`).
     pub fn collect(&mut self, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
         let rows = self.queued.pop_front().ok_or_else(|| BackendError("no step is queued".into()))?;
         self.sampled.clear();

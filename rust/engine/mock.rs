@@ -4,7 +4,9 @@
 //! id, a stale page or a bad prefix attach therefore changes the output or fails the call, while
 //! any correct schedule reproduces `MockModel::solo`, the request run alone.
 
-use super::backend::{Backend, BackendError, DecodeInput, LaunchTimes, PrefillChunkInput, PrefillInput, PrefillResult};
+use super::backend::{
+    Backend, BackendError, DecodeInput, LaunchTimes, PrefillChunkInput, PrefillInput, PrefillResult, QueuedDecoder,
+};
 use crate::grammar::TokenMask;
 use crate::kv::KvConfig;
 use crate::sampling::{SampleSpec, Sampled, Sampler};
@@ -149,7 +151,7 @@ pub struct MockBackend {
     pub decode_calls: usize,
     /// Largest decode batch seen.
     pub max_rows: usize,
-    /// Take decode steps into a queue, as a device would (`Backend::queue`): each step runs when
+    /// Take decode steps into a queue, as a device would (`QueuedDecoder::queue`): each step runs when
     /// it is queued, reading the tokens it follows from the step queued before (which the loop
     /// has not seen), and its tokens wait for `collect`.
     pub queueing: bool,
@@ -158,7 +160,7 @@ pub struct MockBackend {
     /// Queue at most this many steps, then refuse (a batch that stops being queueable).
     pub queue_limit: Option<usize>,
     /// Queue steps with rows under a grammar too, their masks delivered later
-    /// (`Backend::late_masks`): such a step's logits are computed when it is queued and its rows
+    /// (`QueuedDecoder::late_masks`): such a step's logits are computed when it is queued and its rows
     /// sampled when the masks come; collecting it before that fails it.
     pub late_masks: bool,
     /// The last queued step's logits and specs while its masks have not come.
@@ -340,6 +342,21 @@ impl Backend for MockBackend {
         self.step(input, out)
     }
 
+    fn queued(&mut self) -> Option<&mut dyn QueuedDecoder> {
+        Some(self)
+    }
+
+    fn queued_ref(&self) -> Option<&dyn QueuedDecoder> {
+        Some(self)
+    }
+
+    /// One launch per decode call (the only phase the mock can stand for: no time).
+    fn launch_times(&self) -> LaunchTimes {
+        LaunchTimes { launches: self.decode_calls as u64, ..LaunchTimes::default() }
+    }
+}
+
+impl QueuedDecoder for MockBackend {
     fn can_queue(&self, input: &DecodeInput<'_>) -> bool {
         self.queueing
             && self.queue_limit.is_none_or(|limit| self.queued_steps < limit)
@@ -430,10 +447,5 @@ impl Backend for MockBackend {
     fn collect(&mut self, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
         out.extend(self.queued.pop_front().expect("collect follows queue")?);
         Ok(())
-    }
-
-    /// One launch per decode call (the only phase the mock can stand for: no time).
-    fn launch_times(&self) -> LaunchTimes {
-        LaunchTimes { launches: self.decode_calls as u64, ..LaunchTimes::default() }
     }
 }

@@ -26,6 +26,7 @@ use std::time::Duration;
 pub use self::core::{Core, LoopMetrics};
 pub use backend::{
     Backend, BackendError, DecodeInput, LaunchTimes, LayerSlice, PrefillChunkInput, PrefillInput, PrefillResult,
+    QueuedDecoder,
 };
 pub use events::EventQueue;
 pub use noop::NoopBackend;

@@ -644,7 +644,7 @@ fn constrained_requests_follow_their_grammar_beside_free_ones() {
     ];
     // (batch, launch-ahead, a backend that queues steps with late masks): without late masks rows
     // under a grammar step synchronously; with them they queue, their masks computed once the
-    // tokens before have landed (Backend::deliver_masks).
+    // tokens before have landed (QueuedDecoder::deliver_masks).
     for (max_batch, ahead, late) in
         [(1, false, false), (4, false, false), (4, true, false), (4, true, true), (1, true, true)]
     {

@@ -14,7 +14,7 @@ use super::graph::geometry_from;
 use super::reference_backend::{reference_backend, ReferenceBackend};
 use crate::engine::backend::UnseenRows;
 use crate::engine::megakernel::MegakernelDecoder;
-use crate::engine::{Backend, BackendError, DecodeInput, LaunchTimes, PrefillInput, PrefillResult};
+use crate::engine::{Backend, BackendError, DecodeInput, LaunchTimes, PrefillInput, PrefillResult, QueuedDecoder};
 use crate::gpu::step::{GpuLauncher, StepSetup};
 use crate::gpu::{Gpu, MkStepArgs};
 use crate::grammar::TokenMask;
@@ -113,17 +113,22 @@ impl Backend for MegakernelBackend {
         self.decoder.decode(input, out)
     }
 
+    fn queued(&mut self) -> Option<&mut dyn QueuedDecoder> {
+        Some(self)
+    }
+
+    fn queued_ref(&self) -> Option<&dyn QueuedDecoder> {
+        Some(self)
+    }
+
+    fn launch_times(&self) -> LaunchTimes {
+        self.decoder.launch_times()
+    }
+}
+
+impl QueuedDecoder for MegakernelBackend {
     fn can_queue(&self, input: &DecodeInput<'_>) -> bool {
         self.decoder.can_queue(input)
-    }
-
-    fn queue(&mut self, input: &DecodeInput<'_>, previous: &[Option<usize>]) -> Result<(), BackendError> {
-        self.unseen.note(input.table.rows(), input.dirty_rows);
-        self.decoder.queue(input, previous)
-    }
-
-    fn collect(&mut self, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
-        self.decoder.collect(out)
     }
 
     fn late_masks(&self) -> bool {
@@ -134,7 +139,12 @@ impl Backend for MegakernelBackend {
         self.decoder.deliver_masks(masks)
     }
 
-    fn launch_times(&self) -> LaunchTimes {
-        self.decoder.launch_times()
+    fn queue(&mut self, input: &DecodeInput<'_>, previous: &[Option<usize>]) -> Result<(), BackendError> {
+        self.unseen.note(input.table.rows(), input.dirty_rows);
+        self.decoder.queue(input, previous)
+    }
+
+    fn collect(&mut self, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
+        self.decoder.collect(out)
     }
 }

@@ -11,7 +11,9 @@
 //! does with the mask), without its logits coming back. Either way a seed gives the same tokens on
 //! every backend.
 
-use super::backend::{BackendError, DecodeInput, LaunchTimes};
+use super::backend::{
+    Backend, BackendError, DecodeInput, LaunchTimes, PrefillInput, PrefillResult, QueuedDecoder, UnseenRows,
+};
 use crate::gpu::step::{GpuLauncher, StepRows};
 use crate::gpu::MkRowSample;
 use crate::grammar::TokenMask;
@@ -287,6 +289,72 @@ impl<L: StepLauncher> MegakernelDecoder<L> {
             }
         }
         Ok(())
+    }
+}
+
+/// The megakernel backend: prompts prefill through `P` (PyTorch on the GPU, writing the K/V pool
+/// the kernel reads), decode steps run as launches of `L`. `P` never sees a decode call, so the
+/// rows whose table changed in decode steps reach it with its next prefill (`UnseenRows`).
+pub struct MegakernelBackend<P, L> {
+    // Declared first so it drops first: its device buffers are freed on the stream the
+    // prefilling side owns (and keeps alive until it drops, after).
+    decoder: MegakernelDecoder<L>,
+    prefiller: P,
+    unseen: UnseenRows,
+}
+
+impl<P: Backend, L: StepLauncher + Send> MegakernelBackend<P, L> {
+    pub fn new(decoder: MegakernelDecoder<L>, prefiller: P) -> Self {
+        Self { decoder, prefiller, unseen: UnseenRows::default() }
+    }
+}
+
+impl<P: Backend, L: StepLauncher + Send> Backend for MegakernelBackend<P, L> {
+    fn prefill(&mut self, input: &PrefillInput<'_>, out: &mut Vec<PrefillResult>) -> Result<(), BackendError> {
+        let dirty_rows = self.unseen.pending(input.table.rows(), input.dirty_rows);
+        self.prefiller.prefill(&PrefillInput { dirty_rows, ..*input }, out)?;
+        self.unseen.sent();
+        Ok(())
+    }
+
+    fn decode(&mut self, input: &DecodeInput<'_>, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
+        self.unseen.note(input.table.rows(), input.dirty_rows);
+        self.decoder.decode(input, out)
+    }
+
+    fn queued(&mut self) -> Option<&mut dyn QueuedDecoder> {
+        Some(self)
+    }
+
+    fn queued_ref(&self) -> Option<&dyn QueuedDecoder> {
+        Some(self)
+    }
+
+    fn launch_times(&self) -> LaunchTimes {
+        self.decoder.launch_times()
+    }
+}
+
+impl<P: Backend, L: StepLauncher + Send> QueuedDecoder for MegakernelBackend<P, L> {
+    fn can_queue(&self, input: &DecodeInput<'_>) -> bool {
+        self.decoder.can_queue(input)
+    }
+
+    fn late_masks(&self) -> bool {
+        self.decoder.kernel_masks && self.decoder.late_masks
+    }
+
+    fn deliver_masks(&mut self, masks: &[Option<&TokenMask>]) -> Result<(), BackendError> {
+        self.decoder.deliver_masks(masks)
+    }
+
+    fn queue(&mut self, input: &DecodeInput<'_>, previous: &[Option<usize>]) -> Result<(), BackendError> {
+        self.unseen.note(input.table.rows(), input.dirty_rows);
+        self.decoder.queue(input, previous)
+    }
+
+    fn collect(&mut self, out: &mut Vec<Sampled>) -> Result<(), BackendError> {
+        self.decoder.collect(out)
     }
 }
 

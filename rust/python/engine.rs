@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::errors;
-use super::megakernel_backend::MegakernelBackend;
+use super::megakernel_backend::megakernel_backend;
 use super::reference_backend::reference_backend;
 use crate::engine::{Engine, EngineConfig, NoopBackend};
 use crate::grammar::{CompiledConstraints, Constraint, ConstraintSpec, Grammars};
@@ -158,7 +158,7 @@ impl PyEngine {
         };
         let engine = match (runner, backend.as_str()) {
             (Some(r), "reference") => Engine::start(cfg, reference_backend(r, vocab_size)),
-            (Some(r), "megakernel") => Engine::start(cfg, MegakernelBackend::new(py, r, vocab_size)?),
+            (Some(r), "megakernel") => Engine::start(cfg, megakernel_backend(py, r, vocab_size)?),
             (None, _) => Engine::start(cfg, NoopBackend::new(noop_token)),
             (Some(_), other) => {
                 return Err(PyValueError::new_err(format!(

@@ -218,12 +218,27 @@ impl<B: Backend> Core<B> {
     }
 
     /// One iteration, calling `between` after the prefill chunks and before the decode step (the
-    /// worker delivers first tokens there instead of one decode step later).
+    /// worker delivers first tokens there instead of one decode step later): admit, prefill, land
+    /// the step in flight and launch the next one ahead where it can, else decode now, then the
+    /// late masks and the loop's metrics.
     pub fn step_with(&mut self, out: &mut Vec<Event>, mut between: impl FnMut(&mut Self, &mut Vec<Event>)) {
         let started = Instant::now();
-        let mut backend_ns = 0;
         self.sched.admit();
+        let mut backend_ns = self.prefill_phase(out);
+        if !out.is_empty() {
+            between(self, out);
+        }
+        let (ns, launched) = self.launch_ahead_phase(out);
+        backend_ns += ns;
+        backend_ns += self.decode_phase(launched, out);
+        backend_ns += self.deliver_masks();
+        self.account(started, backend_ns);
+    }
 
+    /// This iteration's prefill call, its results landed (the step in flight lands first, unless
+    /// the call is a slice in the middle of a layer-sliced chunk). Returns the backend's time in ns.
+    fn prefill_phase(&mut self, out: &mut Vec<Event>) -> u64 {
+        let mut backend_ns = 0;
         // Every prefill chunk of this iteration (one per sequence, a chunk's worth of tokens in
         // all) goes to the backend as one call, which packs them into one forward pass.
         let mut chunks = std::mem::take(&mut self.chunks);
@@ -340,11 +355,14 @@ impl<B: Backend> Core<B> {
             self.prefilled = results;
         }
         self.chunks = chunks;
+        backend_ns
+    }
 
-        if !out.is_empty() {
-            between(self, out);
-        }
-        // Launch-ahead: step n + 1 goes out before step n lands.
+    /// Lands the step in flight, with step n + 1 launched before it lands where the backend can
+    /// queue it behind step n (or run right after it). Returns the backend's time in ns and
+    /// whether a step went out.
+    fn launch_ahead_phase(&mut self, out: &mut Vec<Event>) -> (u64, bool) {
+        let mut backend_ns = 0;
         let mut launched = false;
         if let Some(mut flight) = self.in_flight.take() {
             let mut batch = std::mem::take(&mut self.batch);
@@ -392,27 +410,38 @@ impl<B: Backend> Core<B> {
             backend_ns += self.land(flight, out);
             backend_ns += self.land_if_ran(out);
         }
-        if !launched {
-            self.sched.plan_decode(&mut self.batch, out);
-        }
-        if !launched && !self.batch.is_empty() {
-            let batch = std::mem::take(&mut self.batch);
-            let constrained = batch.rows.iter().any(|&r| self.sched.seq(r).is_some_and(|s| s.constrained()));
-            // Only a step the backend can queue goes out ahead: one it would run at once would
-            // hand its tokens over an iteration late (a step's time added to every token). Rows
-            // under a grammar go with it where the backend takes their masks late.
-            let masks = self.pending_masks(&batch);
-            let input = DecodeInput { masks: &masks, ..unmasked_input(&self.sched, &batch) };
-            let queueable = batch.drafts == 0 && (!constrained || self.takes_late_masks()) && self.can_queue(&input);
-            if self.launch_ahead && queueable {
-                backend_ns += self.launch(batch, &[], true);
-                backend_ns += self.land_if_ran(out); // the queue refused it: its rows fail now
-            } else {
-                backend_ns += self.decode_now(batch, out);
-            }
-        }
+        (backend_ns, launched)
+    }
 
-        backend_ns += self.deliver_masks();
+    /// Where no step went out ahead: plans the decode step and queues it (launch-ahead, when the
+    /// backend can) or runs it now. Returns the backend's time in ns.
+    fn decode_phase(&mut self, launched: bool, out: &mut Vec<Event>) -> u64 {
+        if launched {
+            return 0;
+        }
+        self.sched.plan_decode(&mut self.batch, out);
+        if self.batch.is_empty() {
+            return 0;
+        }
+        let batch = std::mem::take(&mut self.batch);
+        let constrained = batch.rows.iter().any(|&r| self.sched.seq(r).is_some_and(|s| s.constrained()));
+        // Only a step the backend can queue goes out ahead: one it would run at once would hand
+        // its tokens over an iteration late (a step's time added to every token). Rows under a
+        // grammar go with it where the backend takes their masks late.
+        let masks = self.pending_masks(&batch);
+        let input = DecodeInput { masks: &masks, ..unmasked_input(&self.sched, &batch) };
+        let queueable = batch.drafts == 0 && (!constrained || self.takes_late_masks()) && self.can_queue(&input);
+        if self.launch_ahead && queueable {
+            // (a queue that refused it leaves it ran: its rows fail now)
+            self.launch(batch, &[], true) + self.land_if_ran(out)
+        } else {
+            self.decode_now(batch, out)
+        }
+    }
+
+    /// The loop's metrics of an iteration that started at `started` and spent `backend_ns` in the
+    /// backend; the scheduler's invariants where they are checked.
+    fn account(&mut self, started: Instant, backend_ns: u64) {
         let host = (started.elapsed().as_nanos() as u64).saturating_sub(backend_ns);
         let m = &mut self.metrics;
         m.iterations += 1;

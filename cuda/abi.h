@@ -1,6 +1,6 @@
 // The one calling convention shared by the CUDA kernels and the Rust host code.
 //
-// Rust mirrors every struct here with #[repr(C)] (rust/gpu/abi.rs); a Rust test reads the
+// Rust mirrors every struct here with #[repr(C)] (rust/abi.rs); a Rust test reads the
 // sizes and offsets nvcc actually compiled (from the embedded abi_probe cubin) and compares.
 // Only fixed-width fields; device pointers travel as uint64_t so the layout is the same on
 // host and device. Append-only: never reorder or retype an existing field.
@@ -233,7 +233,7 @@ typedef struct MkRowSample {
 #define MK_STAGE_BOXES 12
 #endif
 #if MK_STAGE_BOXES != 12
-#error "the swizzled variant's host maps bring 12 boxes a stage (rust/gpu/abi.rs STAGE_BOXES)"
+#error "the swizzled variant's host maps bring 12 boxes a stage (rust/abi.rs STAGE_BOXES)"
 #endif
 #else
 #define MK_STAGE_COLS 256

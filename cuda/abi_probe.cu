@@ -1,6 +1,6 @@
 // Not a kernel: a table of the ABI struct layouts as nvcc compiled them for the device. The Rust
 // test `abi_layout_matches_nvcc` reads this symbol out of the embedded cubin. Order of entries:
-// see rust/gpu/abi.rs (ABI_PROBE_FIELDS).
+// see rust/gpu/probe.rs (expected_probe_layout).
 #include <stddef.h>
 #include "abi.h"
 

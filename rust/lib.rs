@@ -3,6 +3,7 @@
 //! The logic modules are plain Rust (tested with `cargo test`); the PyO3 surface lives in
 //! `python` and is compiled only with the `python` feature (maturin turns it on).
 
+pub mod abi;
 pub mod engine;
 pub mod gpu;
 pub mod grammar;

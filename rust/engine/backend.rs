@@ -96,18 +96,7 @@ impl<'a> DecodeInput<'a> {
     }
 }
 
-/// Where a backend's decode calls spent their host time, summed over its life (the megakernel's
-/// launcher: `crate::gpu::step::GpuLauncher`; backends that do not measure report zeros): the
-/// task lists, page tables and checks (`prepare`), the uploads, the launch call (`call`), and the
-/// wait for the step with the copies back (`wait`, which holds the kernel's own time).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct LaunchTimes {
-    pub launches: u64,
-    pub prepare_ns: u64,
-    pub upload_ns: u64,
-    pub call_ns: u64,
-    pub wait_ns: u64,
-}
+pub use crate::gpu::step::LaunchTimes;
 
 /// A failed backend call; the requests it concerned end with finish reason `error`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

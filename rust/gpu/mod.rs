@@ -3,14 +3,15 @@
 //! The CUDA driver is loaded at run time (cudarc's dynamic loading), so the crate links and the
 //! Python package imports on machines with no GPU; only opening a device reports an error there.
 
-pub mod abi;
 pub mod compact;
+pub mod probe;
 pub mod step;
 pub mod tensor_map;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use crate::abi;
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, DriverError, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
@@ -301,7 +302,7 @@ fn load_image(ctx: &Arc<CudaContext>, image: &[u8]) -> Result<Image, GpuError> {
     Ok(Image { rows: rows as usize, function })
 }
 
-pub use abi::{MkRowSample, MkStepArgs};
+pub use crate::abi::{MkRowSample, MkStepArgs};
 
 #[cfg(test)]
 mod tests {

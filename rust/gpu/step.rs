@@ -14,7 +14,6 @@ use cudarc::driver::{result, sys, CudaEvent, CudaSlice, CudaStream, DevicePtr, D
 
 use super::compact::{check_mapped, compact_tables, step_pages};
 use super::{Gpu, GpuError, MkRowSample, MkStepArgs};
-use crate::engine::LaunchTimes;
 use crate::grammar::TokenMask;
 use crate::graph::cache::{GraphCache, StepTasks};
 use crate::graph::task::MkTask;
@@ -23,7 +22,20 @@ use crate::sched::PageTable;
 
 /// Rows one launch can take (`MK_STEP_MAX_BATCH`: 1-8 run the narrow megakernel image, one n-tile
 /// of 8 for the GEMV, and 9-16 the wide one, two n-tiles).
-pub const MAX_STEP_ROWS: usize = crate::gpu::abi::STEP_MAX_BATCH;
+pub const MAX_STEP_ROWS: usize = crate::abi::STEP_MAX_BATCH;
+
+/// Where a backend's decode calls spent their host time, summed over its life (`GpuLauncher`'s;
+/// backends that do not measure report zeros): the task lists, page tables and checks
+/// (`prepare`), the uploads, the launch call (`call`), and the wait for the step with the copies
+/// back (`wait`, which holds the kernel's own time).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LaunchTimes {
+    pub launches: u64,
+    pub prepare_ns: u64,
+    pub upload_ns: u64,
+    pub call_ns: u64,
+    pub wait_ns: u64,
+}
 
 /// The `MkStepArgs` fields `launch` fills in for every step (its buffers, or per-step values); Python
 /// leaves them 0 in the template (`_native.PER_STEP_FIELDS`).
@@ -780,10 +792,10 @@ fn validate(s: &StepSetup) -> Result<(), GpuError> {
         return Err(invalid(format!("a launch holds 1 to {MAX_STEP_ROWS} rows, got buffers for {}", s.rows)));
     }
     let longest_k = a.longest_reduction(); // the dimensions equal the geometry's (checked above)
-    if longest_k > crate::gpu::abi::STEP_MAX_K {
+    if longest_k > crate::abi::STEP_MAX_K {
         return Err(invalid(format!(
             "a GEMV reduces over at most {} values (MK_STEP_MAX_K); this geometry needs {longest_k}",
-            crate::gpu::abi::STEP_MAX_K
+            crate::abi::STEP_MAX_K
         )));
     }
     if s.max_splits == 0 || s.max_splits > s.options.num_sms || s.slots < g.slots(s.rows) || s.max_pages == 0 {

@@ -5,8 +5,8 @@
 
 use cudarc::driver::sys;
 
-use super::abi::{KV_BOX_COLS, STAGE_BOXES, STAGE_COLS, STAGE_ROWS, TENSOR_MAP_BYTES, WEIGHT_SWIZZLE};
 use super::GpuError;
+use crate::abi::{KV_BOX_COLS, STAGE_BOXES, STAGE_COLS, STAGE_ROWS, TENSOR_MAP_BYTES, WEIGHT_SWIZZLE};
 
 /// One weight matrix to describe: the device address of a row-major bf16 [rows, cols] tensor
 /// (nn.Linear layout), or address 0 for an empty table entry.

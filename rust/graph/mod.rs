@@ -14,7 +14,7 @@ pub mod task;
 
 pub use deal::Dealing;
 
-use crate::gpu::abi::GEMV_MAX_GROUPS;
+use crate::abi::GEMV_MAX_GROUPS;
 use crate::kv::PAGE_SIZE;
 
 use task::{counter, logits_counter, num_counters, sample_counter, Counter, Matrix, MkTask, Op, ARG_ROUTERS};

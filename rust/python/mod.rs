@@ -31,7 +31,7 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         cubins.set_item(*name, bytes.len())?;
     }
     info.set_item("cubins", cubins)?;
-    info.set_item("abi_version", gpu::abi::ABI_VERSION)?;
+    info.set_item("abi_version", crate::abi::ABI_VERSION)?;
     Ok(info)
 }
 
@@ -71,30 +71,30 @@ fn gumbel_draw(logits: &[u8], inv_temperature: f32, seed: u64, index: u32) -> Py
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("GpuError", m.py().get_type::<errors::GpuError>())?;
-    m.add("STEP_MAX_K", gpu::abi::STEP_MAX_K)?;
-    m.add("GEMV_MAX_GROUPS", gpu::abi::GEMV_MAX_GROUPS)?;
-    m.add("STEP_HEAD_DIM", gpu::abi::STEP_HEAD_DIM)?;
-    m.add("STEP_MAX_GROUP", gpu::abi::STEP_MAX_GROUP)?;
-    m.add("STEP_MAX_TOP_K", gpu::abi::STEP_MAX_TOP_K)?;
-    m.add("STEP_MAX_EXPERTS", gpu::abi::STEP_MAX_EXPERTS)?;
+    m.add("STEP_MAX_K", crate::abi::STEP_MAX_K)?;
+    m.add("GEMV_MAX_GROUPS", crate::abi::GEMV_MAX_GROUPS)?;
+    m.add("STEP_HEAD_DIM", crate::abi::STEP_HEAD_DIM)?;
+    m.add("STEP_MAX_GROUP", crate::abi::STEP_MAX_GROUP)?;
+    m.add("STEP_MAX_TOP_K", crate::abi::STEP_MAX_TOP_K)?;
+    m.add("STEP_MAX_EXPERTS", crate::abi::STEP_MAX_EXPERTS)?;
     m.add("ROW_GROUPS", crate::graph::ROW_GROUPS)?;
     m.add("SAMPLE_PARTS", crate::graph::SAMPLE_PARTS)?;
     m.add("JSON_LAYOUT", crate::grammar::JSON_LAYOUT)?;
-    m.add("STEP_MAX_BATCH", gpu::abi::STEP_MAX_BATCH)?;
+    m.add("STEP_MAX_BATCH", crate::abi::STEP_MAX_BATCH)?;
     m.add("MAX_DRAFT", crate::speculative::length::MAX_DRAFT)?;
     m.add_function(wrap_pyfunction!(gpu_available, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(weight_maps, m)?)?;
     m.add_function(wrap_pyfunction!(kv_maps, m)?)?;
     m.add_function(wrap_pyfunction!(gumbel_draw, m)?)?;
-    m.add("TENSOR_MAP_BYTES", gpu::abi::TENSOR_MAP_BYTES)?;
-    m.add("TRACE_ENTRY_BYTES", gpu::abi::TRACE_ENTRY_BYTES)?;
-    m.add("TRACE_MARKED", gpu::abi::TRACE_MARKED)?;
-    m.add("LEDGER_STAGES", gpu::abi::LEDGER_STAGES)?;
+    m.add("TENSOR_MAP_BYTES", crate::abi::TENSOR_MAP_BYTES)?;
+    m.add("TRACE_ENTRY_BYTES", crate::abi::TRACE_ENTRY_BYTES)?;
+    m.add("TRACE_MARKED", crate::abi::TRACE_MARKED)?;
+    m.add("LEDGER_STAGES", crate::abi::LEDGER_STAGES)?;
     m.add("ROW_SAMPLE_BYTES", std::mem::size_of::<gpu::MkRowSample>())?;
-    m.add("LAYER_WEIGHT_COUNT", gpu::abi::LAYER_WEIGHT_COUNT)?;
+    m.add("LAYER_WEIGHT_COUNT", crate::abi::LAYER_WEIGHT_COUNT)?;
     m.add("PER_STEP_FIELDS", gpu::step::PER_STEP_FIELDS.to_vec())?;
-    m.add("LAYER_WEIGHTS", gpu::abi::LAYER_WEIGHTS.to_vec())?;
+    m.add("LAYER_WEIGHTS", crate::abi::LAYER_WEIGHTS.to_vec())?;
     m.add("PAGE_SIZE", crate::kv::PAGE_SIZE)?;
     {
         use crate::graph::task::{Matrix, Op, COUNTERS_PER_LAYER, TASK_ARG_WORD, TASK_WORDS};

@@ -111,10 +111,28 @@ class MegakernelRunner(PrefillRunner, Protocol):
 
     def megakernel_setup(self) -> Any: ...
 
-# (id, token, logprob, top alternatives, finish reason, error, cached prompt tokens, seconds queued)
-EventTuple = tuple[
-    int, int | None, float | None, list[tuple[int, float]] | None, str | None, str | None, int | None, float | None
-]
+@final
+class Event:
+    """One event of request `id`: a token (its logprob and top alternatives where asked), or the end
+    (finish reason, error); the first token also carries the prompt tokens the prefix cache gave
+    and the seconds the request waited for admission."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def token(self) -> int | None: ...
+    @property
+    def logprob(self) -> float | None: ...
+    @property
+    def top(self) -> list[tuple[int, float]] | None: ...
+    @property
+    def finish(self) -> str | None: ...
+    @property
+    def error(self) -> str | None: ...
+    @property
+    def cached_tokens(self) -> int | None: ...
+    @property
+    def queue_seconds(self) -> float | None: ...
 
 def kv_blocks_needed(sliding: list[bool], window: int, len: int, chunk: int) -> tuple[int, int]:
     """(blocks a len-token sequence holds decoding, peak blocks prefilling it in chunks), 64-token pages."""
@@ -178,7 +196,7 @@ class Engine:
 
     def cancel(self, id: int) -> None: ...
     def cancel_all(self) -> None: ...
-    def next_events(self, timeout: float) -> list[EventTuple] | None:
+    def next_events(self, timeout: float) -> list[Event] | None:
         """Waits with the GIL released; [] on timeout, None once stopped and drained."""
 
     def stats(self) -> dict[str, int]: ...

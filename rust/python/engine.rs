@@ -16,21 +16,35 @@ use crate::kv::KvConfig;
 use crate::sched::{Event, Request, SamplingParams, SchedConfig};
 use crate::speculative::length::MAX_DRAFT;
 
-/// (request id, token, logprob, top alternatives, finish reason, error, cached prompt tokens,
-/// seconds queued before admission)
-type EventTuple = (
-    u64,
-    Option<u32>,
-    Option<f32>,
-    Option<Vec<(u32, f32)>>,
-    Option<&'static str>,
-    Option<String>,
-    Option<usize>,
-    Option<f64>,
-);
+/// One event of a request, as the event pump reads it (`mk.engine.engine._pump` makes a
+/// `TokenEvent` of it): a token (with its logprob and top alternatives where asked), or the end
+/// (finish reason, error); the first token also says how many prompt tokens came from the prefix
+/// cache and how long the request waited for admission.
+#[pyclass(name = "Event", module = "mk._native", frozen, get_all)]
+pub struct PyEvent {
+    id: u64,
+    token: Option<u32>,
+    logprob: Option<f32>,
+    top: Option<Vec<(u32, f32)>>,
+    finish: Option<&'static str>,
+    error: Option<String>,
+    cached_tokens: Option<usize>,
+    queue_seconds: Option<f64>,
+}
 
-fn to_tuple(e: Event) -> EventTuple {
-    (e.id, e.token, e.logprob, e.top, e.finish.map(|f| f.as_str()), e.error, e.cached_tokens, e.queue_seconds)
+impl From<Event> for PyEvent {
+    fn from(e: Event) -> Self {
+        Self {
+            id: e.id,
+            token: e.token,
+            logprob: e.logprob,
+            top: e.top,
+            finish: e.finish.map(|f| f.as_str()),
+            error: e.error,
+            cached_tokens: e.cached_tokens,
+            queue_seconds: e.queue_seconds,
+        }
+    }
 }
 
 /// The engine's options as Python's `mk.engine.options.EngineOptions` holds them once resolved (every
@@ -242,13 +256,12 @@ impl PyEngine {
         self.engine.cancel_all();
     }
 
-    /// Events since the last call as tuples (id, token, logprob, top, finish, error, cached),
-    /// waiting up to `timeout` seconds with the GIL released. [] on timeout; None once the
-    /// engine has stopped and everything was delivered.
-    fn next_events(&self, py: Python<'_>, timeout: f64) -> Option<Vec<EventTuple>> {
+    /// Events since the last call, waiting up to `timeout` seconds with the GIL released. [] on
+    /// timeout; None once the engine has stopped and everything was delivered.
+    fn next_events(&self, py: Python<'_>, timeout: f64) -> Option<Vec<PyEvent>> {
         let timeout = Duration::from_secs_f64(timeout.clamp(0.0, 3600.0));
         let events = py.detach(|| self.engine.next_events(timeout))?;
-        Some(events.into_iter().map(to_tuple).collect())
+        Some(events.into_iter().map(PyEvent::from).collect())
     }
 
     /// Counters of the scheduler, the KV cache and the loop (refreshed every iteration).
@@ -387,6 +400,7 @@ fn kv_pool_blocks(budget: u64, kv_heads: u64, head_dim: u64, elem_bytes: u64) ->
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
+    m.add_class::<PyEvent>()?;
     m.add_function(wrap_pyfunction!(kv_blocks_needed, m)?)?;
     m.add_function(wrap_pyfunction!(kv_pool_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(kv_keep_from, m)?)?;

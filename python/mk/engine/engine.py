@@ -341,14 +341,15 @@ def _pump(native: _native.Engine, streams: dict[int, _Stream]) -> None:
         if batch is None:
             break
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for nid, token, logprob, top, finish, error, cached, queued in batch:
-            stream = streams.get(nid)
+        for e in batch:
+            stream = streams.get(e.id)
             if stream is None:
                 continue
-            event = TokenEvent(token, logprob, None if top is None else tuple(top), finish, error, cached, queued)
-            if finish is not None:
+            top = None if e.top is None else tuple(e.top)
+            event = TokenEvent(e.token, e.logprob, top, e.finish, e.error, e.cached_tokens, e.queue_seconds)
+            if e.finish is not None:
                 stream.finished = True
-                del streams[nid]
+                del streams[e.id]
             _deliver(stream, event, by_loop)
         for loop, items in by_loop.items():
             try:

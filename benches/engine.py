@@ -58,7 +58,8 @@ drawn by the kernel among the mask's tokens (the mask uploaded before each step)
 too, the masks computed while each step runs (Engine(late_masks=...), on by default; `--late-masks off`
 uploads the masks before each step instead). `--speculative on` verifies drafts from each stream's
 own text (Engine(speculative=...)); the decode rows then count the draft tokens verified in their
-window and those accepted (random prompts repeat little: what drafts cost where they fail).
+window and those accepted (random weights' greedy text falls into loops, which drafts copy: most
+are accepted, so these rows are no measure of what failing drafts cost).
 Usage: python benches/engine.py [--json out.json] [--quick] [--launch-ahead auto|on|off] [--prefill-chunk N]
        [--prefill-graphs auto|on|off] [--prefix-graphs auto|on|off] [--fresh-split on|off]
        [--decode-prefill-budget N] [--sliced-prefill auto|on|off] [--whole-chunk-tokens N]
@@ -481,8 +482,8 @@ def main() -> None:
         "--speculative",
         choices=["auto", "on", "off"],
         default="auto",
-        help="Engine(speculative=...): drafts from each stream's own text (random prompts: few are accepted, "
-        "so the decode rows show what failing drafts cost)",
+        help="Engine(speculative=...): drafts from each stream's own text (the synthetic weights' greedy text "
+        "loops, so most drafts are accepted)",
     )
     parser.add_argument(
         "--late-masks",

@@ -5,14 +5,12 @@
 //! with that launch's B. So each launch gets its own compacted copy, `pages` wide: only the pages
 //! its longest row reaches, not the table's full width (at short contexts that is most of it).
 
+use crate::kv::PAGE_SIZE;
 use crate::sched::PageTable;
-
-/// The kernel's page size (`kPage` in cuda/ops/step_attention.cuh).
-pub const PAGE: usize = crate::kv::PAGE_SIZE;
 
 /// Pages per row a launch needs: enough for its highest write position.
 pub fn step_pages(positions: &[u32]) -> usize {
-    positions.iter().map(|&p| p as usize / PAGE + 1).max().unwrap_or(0)
+    positions.iter().map(|&p| p as usize / PAGE_SIZE + 1).max().unwrap_or(0)
 }
 
 /// `[layer][i][page]` for i over `rows` (engine rows), `pages` entries each, into `out`.
@@ -42,9 +40,9 @@ pub fn check_mapped(
     for (layer, w) in window.iter().enumerate() {
         for (i, &pos) in positions.iter().enumerate() {
             let pos = pos as usize;
-            let first = w.map_or(0, |w| (pos + 1).saturating_sub(w)) / PAGE;
+            let first = w.map_or(0, |w| (pos + 1).saturating_sub(w)) / PAGE_SIZE;
             let entries = &compact[(layer * b + i) * pages..][..pages];
-            for (page, &block) in entries.iter().enumerate().take(pos / PAGE + 1).skip(first) {
+            for (page, &block) in entries.iter().enumerate().take(pos / PAGE_SIZE + 1).skip(first) {
                 if block < 0 || block as usize >= num_blocks {
                     return Err(format!(
                         "step row {i} (position {pos}) reads page {page} of layer {layer}, mapped to block {block} \
@@ -67,7 +65,7 @@ mod tests {
         let kv = KvManager::new(KvConfig {
             sliding: vec![false, true],
             window: 128,
-            page_size: PAGE,
+            page_size: PAGE_SIZE,
             num_blocks: 64,
             salt: vec![],
         })

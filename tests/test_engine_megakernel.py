@@ -162,10 +162,11 @@ class FakeRunner:
 def native_engine(runner, backend: str = "megakernel"):
     cfg = ModelConfig.gpu_test()
     resolved = EngineOptions().resolved(cuda=False, backend="megakernel")
+    decided = {"whole_chunk_tokens": 0, "max_draft": resolved.max_draft}  # (the warm-up's; a property)
     return _native.Engine(
         runner,
         # (a namespace: the Rust side's own check of the backend's name is under test too)
-        SimpleNamespace(**{**dataclasses.asdict(resolved), "backend": backend, "whole_chunk_tokens": 0}),
+        SimpleNamespace(**{**dataclasses.asdict(resolved), **decided, "backend": backend}),
         sliding=[cfg.is_sliding(i) for i in range(cfg.num_hidden_layers)],
         window=cfg.sliding_window,
         num_blocks=4096,

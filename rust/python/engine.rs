@@ -14,7 +14,6 @@ use crate::engine::{Engine, EngineConfig, NoopBackend};
 use crate::grammar::{CompiledConstraints, Constraint, ConstraintSpec, Grammars};
 use crate::kv::KvConfig;
 use crate::sched::{Event, Request, SamplingParams, SchedConfig};
-use crate::speculative::length::MAX_DRAFT;
 
 /// One event of a request, as the event pump reads it (`mk.engine.engine._pump` makes a
 /// `TokenEvent` of it): a token (with its logprob and top alternatives where asked), or the end
@@ -60,7 +59,8 @@ struct Options {
     sliced_prefill: bool,
     whole_chunk_tokens: usize,
     launch_ahead: bool,
-    speculative: bool,
+    /// Speculative decoding's most draft tokens a sequence and step (0: off).
+    max_draft: usize,
     check_invariants: bool,
     salt: Option<Vec<u8>>,
     tokenizer_json: Option<String>,
@@ -133,7 +133,7 @@ impl PyEngine {
             sliced_prefill,
             whole_chunk_tokens,
             launch_ahead,
-            speculative,
+            max_draft,
             check_invariants,
             salt,
             tokenizer_json,
@@ -154,7 +154,7 @@ impl PyEngine {
                 max_context,
                 vocab_size,
                 eos_token_id,
-                max_draft: if speculative { MAX_DRAFT } else { 0 },
+                max_draft,
                 step_rows,
             },
             kv: KvConfig {

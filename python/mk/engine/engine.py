@@ -246,7 +246,7 @@ class Engine:
         return stream
 
     def prepare_constraint(self, spec: ConstraintSpec | None) -> None:
-        """Compiles `spec` ahead of the `submit` that uses it (engine_api.AsyncEngine)."""
+        """Compiles `spec` ahead of the `submit` that uses it (mk.engine.api.AsyncEngine)."""
         if spec is not None:
             with contextlib.suppress(_native.ConstraintError):
                 self._native.compile_constraint(spec.kind, spec.value)

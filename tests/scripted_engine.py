@@ -14,7 +14,7 @@ from mk.config import ModelConfig
 from mk.engine.api import EngineStats
 from mk.engine.outputs import TokenEvent
 from mk.engine.sampling import SamplingParams
-from mk.server import App, ServerState, serve
+from mk.server import App, ServerState, run
 from mk.text.tokenizer import Tokenizer
 
 USER, END = "<|USER_TOKEN|>", "<|END_OF_TURN_TOKEN|>"
@@ -75,7 +75,7 @@ def main() -> None:
     args = p.parse_args()
     tok = Tokenizer.builtin(ModelConfig.tiny().vocab_size)
     state = ServerState(ScriptedEngine(tok), tok, "scripted", api_key=args.api_key)
-    asyncio.run(serve(App(state), "127.0.0.1", args.port, drain_timeout=5))
+    run(App(state), "127.0.0.1", args.port, drain_timeout=5)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ as one server does (mk/server/replicas.py).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
@@ -26,7 +25,7 @@ import torch
 from mk.engine import options
 from mk.server.app import App
 from mk.server.http import BODY_TIMEOUT_S
-from mk.server.serve import check_port, serve
+from mk.server.serve import check_port, run
 from mk.server.state import ServerState
 
 log = logging.getLogger("mk.server")
@@ -219,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         state = build_state(args)
     except (ValueError, OSError, RuntimeError) as e:
         sys.exit(f"python -m mk.server: error: {e}")
-    asyncio.run(serve(App(state), args.host, args.port, args.drain_timeout, args.log_level == "debug"))
+    run(App(state), args.host, args.port, args.drain_timeout, args.log_level == "debug")
 
 
 def build_state(args: argparse.Namespace) -> ServerState:

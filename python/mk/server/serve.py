@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
+import sys
 
 from granian.constants import Interfaces
 from granian.log import LogLevels
@@ -63,3 +65,15 @@ async def serve(app: App, host: str, port: int, drain_timeout: float, debug: boo
     app.state.offload.close()
     app.state.engine.close()
     log.info("stopped")
+
+
+def run(app: App, host: str, port: int, drain_timeout: float, debug: bool = False) -> None:
+    """`serve` to its end, then the process ends at once, status 0. Not through the interpreter's
+    shutdown: granian's Rust threads may still release Python objects of connections that ended
+    with the server (a client's stalled body, say), and doing that while the interpreter
+    finalizes aborts the process."""
+    asyncio.run(serve(app, host, port, drain_timeout, debug))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

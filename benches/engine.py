@@ -35,7 +35,7 @@ mk.engine.api.PREFILL_CHUNK, max batch mk.engine.api.MAX_BATCH, launch-ahead on,
 the card's memory); `--launch-ahead off` runs one step at a time,
 `--prefill-chunk N` another chunk, `--prefill-graphs off` prefills fresh prompts without CUDA
 graphs, `--prefix-graphs auto|on|off` runs chunks after a cached prefix as CUDA graphs (Engine(prefix_graphs=
-...); auto: the next turn's chunks, up to mk.prefill.graphs.NEXT_TURN_BUCKETS[-1] tokens; on: every
+...); auto: the next turn's chunks, up to mk.prefill.prefixed.NEXT_TURN_BUCKETS[-1] tokens; on: every
 length; captured during the engine's warm-up), `--fresh-split off` runs a fresh prompt just past a
 bucket of 4K or more as the next bucket's graph instead of that bucket's and a next-turn graph of the
 rest (Engine(fresh_split=...), on by default),
@@ -88,7 +88,7 @@ from mk.engine.options import AUTO_ON_OFF, MAX_BATCH, PREFILL_CHUNK, WHOLE_CHUNK
 from mk.engine.sampling import ConstraintSpec, SamplingParams
 from mk.model import synthetic_weights
 from mk.model.reference import Model
-from mk.prefill.graphs import NEXT_TURN_BUCKETS
+from mk.prefill.prefixed import NEXT_TURN_BUCKETS
 from mk.text.tokenizer import Tokenizer
 
 NEW_TOKENS = 64
@@ -106,7 +106,7 @@ TTFT_RUNS = 5
 # assistant's previous answer, say).
 REUSE_NEW_TOKENS = 256
 # A burst row's conversations: their cached prompts (then REUSE_NEW_TOKENS new tokens each), and how
-# many arrive together: 2 and 4 share one graph replay (mk.prefill.graphs.PACKED_SEQUENCES), 8 take
+# many arrive together: 2 and 4 share one graph replay (mk.prefill.prefixed.PACKED_SEQUENCES), 8 take
 # two, 16 one packed pass on the usual path (more than STATIC_PASSES_MAX replays).
 BURST_PROMPT = 2048
 BURST_SIZES = (2, 4, 8, 16)

@@ -18,7 +18,7 @@ from mk.engine.sampling import SamplingParams
 from mk.model import PageAllocator, synthetic_weights
 from mk.model.paged import pages_needed
 from mk.model.reference import Model
-from mk.prefill.graphs import NEXT_TURN_BUCKETS
+from mk.prefill.prefixed import NEXT_TURN_BUCKETS
 
 pytestmark = pytest.mark.gpu
 

@@ -17,23 +17,17 @@ from routing import RoutingLog, tie_gap
 
 import mk.model.experts as grouped_moe
 import mk.model.moe as reference_moe
-import mk.prefill.graphs as prefill_graphs
+import mk.prefill.fresh as fresh_module
 import mk.prefill.packed as prefill_module
 from mk.config import PAGE_SIZE, ModelConfig
 from mk.model.names import expected_shapes
 from mk.model.paged import UNMAPPED, KVMappingError, PageAllocator, pages_needed
 from mk.model.reference import Model
 from mk.model.varlen import Piece, attend_causal, interval_block_mask, refresh_block_mask, static_block_mask
-from mk.prefill.graphs import (
-    BUCKETS,
-    NEXT_TURN_BUCKETS,
-    PACKED_SEQUENCES,
-    STATIC_PASSES_MAX,
-    FreshPrompts,
-    PrefixedChunks,
-    fresh_split,
-)
+from mk.prefill.fresh import SPLIT_MIN_BUCKET, FreshPrompts, fresh_split
 from mk.prefill.packed import Prefill, PrefillRequest, Span, plan_chunks, prefill_flops, stack_experts, stacked_experts
+from mk.prefill.prefixed import NEXT_TURN_BUCKETS, PACKED_SEQUENCES, PrefixedChunks
+from mk.prefill.static import BUCKETS, STATIC_PASSES_MAX
 
 torch.set_num_threads(1)
 
@@ -601,7 +595,7 @@ def test_prefill_writes_only_its_own_positions(weights64):
     assert torch.equal(changed, (pos >= 30) & (pos < 90))
 
 
-# ---- a fresh prompt's static pass (mk.prefill.graphs) -----------------------------------------------
+# ---- a fresh prompt's static pass (mk.prefill.fresh) ------------------------------------------------
 @pytest.mark.parametrize("attention", ["sdpa", "flex_eager"])
 @pytest.mark.parametrize("n", [1, 63, 64, 200, 300])
 def test_a_fresh_prompt_padded_to_a_bucket_matches_the_reference(weights64, attention, n):
@@ -668,7 +662,7 @@ def test_a_fresh_prompt_with_another_cache_drops_the_static_buffers(weights64):
     assert buckets[0] is buckets[1] and buckets[2] is not buckets[1] and buckets[3] is not buckets[2]
 
 
-# ---- a chunk after a cached prefix: its static pass (mk.prefill.graphs.PrefixedChunks) -----------------
+# ---- a chunk after a cached prefix: its static pass (mk.prefill.prefixed.PrefixedChunks) -----------------
 def prefixed_prefill(model: Model, attention: str) -> Prefill:
     """A prefill whose chunks after a cached prefix take the static pass, run eagerly: one bucket of
     256 rows, full-attention keys padded to 512 columns (the tiny tables hold 512 positions)."""
@@ -773,7 +767,7 @@ def test_fresh_split_cuts_only_just_past_a_compute_bound_bucket(weights64):
     fresh = prefill.fresh
     next_turn = PrefixedChunks(prefill, buckets=NEXT_TURN_BUCKETS, capture=False)
     every = PrefixedChunks(prefill, buckets=BUCKETS, capture=False)
-    assert prefill_graphs.SPLIT_MIN_BUCKET == 4096 and fresh.buckets[-1] == 8192
+    assert SPLIT_MIN_BUCKET == 4096 and fresh.buckets[-1] == 8192
     want = {1: 0, 2048: 0, 2049: 0, 3000: 0, 4096: 0, 4097: 4096, 5281: 4096, 6144: 4096, 6145: 0, 8192: 0}
     assert {n: fresh_split(n, fresh, next_turn) for n in want} == want
     # Past the largest fresh bucket (a chunk of more than 8K tokens): its rest may be half of 8K with
@@ -791,7 +785,7 @@ def test_a_fresh_prompt_just_past_a_bucket_runs_as_two_static_passes(weights64, 
     passes, run eagerly here), and gives the reference's logits, residual and pages; 385 (a rest of
     more than half the bucket) and 256 (a bucket exactly) stay one chunk, as does any prompt with
     fresh_split off."""
-    monkeypatch.setattr(prefill_graphs, "SPLIT_MIN_BUCKET", 256)
+    monkeypatch.setattr(fresh_module, "SPLIT_MIN_BUCKET", 256)
     model = model_of(weights64, torch.float64)
     for split_on in (True, False):
         pool = Pool(model)
@@ -814,7 +808,7 @@ def test_a_fresh_prompt_just_past_a_bucket_runs_as_two_static_passes(weights64, 
 
 
 def test_a_packed_call_is_never_split(weights64, monkeypatch):
-    monkeypatch.setattr(prefill_graphs, "SPLIT_MIN_BUCKET", 256)
+    monkeypatch.setattr(fresh_module, "SPLIT_MIN_BUCKET", 256)
     model = model_of(weights64, torch.float64)
     pool = Pool(model)
     prefill = Prefill(model, chunk=512, attention="sdpa", moe="loop", graphs=True)
@@ -976,11 +970,11 @@ def test_a_shape_whose_capture_fails_runs_eagerly_and_the_others_keep_their_grap
 
 def test_an_invalidated_capture_is_ended_and_later_captures_take_a_new_pool(monkeypatch):
     """PyTorch's capture_end raises on a capture CUDA invalidated before it ends the allocator's
-    recording into the pool; `_end_abandoned_capture` ends it and renews the prefill's pool. When
+    recording into the pool; `end_abandoned_capture` ends it and renews the prefill's pool. When
     the capture had ended (the allocator refuses to end it again), the pool stays."""
     from types import SimpleNamespace
 
-    from mk.prefill.graphs import _end_abandoned_capture
+    from mk.prefill.static import end_abandoned_capture
 
     ended, renewed = [], []
     prefill = SimpleNamespace(device=torch.device("cuda", 3), renew_graph_pool=lambda: renewed.append(True))
@@ -991,9 +985,9 @@ def test_an_invalidated_capture_is_ended_and_later_captures_take_a_new_pool(monk
             raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
 
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
-    _end_abandoned_capture(prefill, (0, 1))
+    end_abandoned_capture(prefill, (0, 1))
     assert ended == [(3, (0, 1))] and renewed == [True]
-    _end_abandoned_capture(prefill, (0, 2))
+    end_abandoned_capture(prefill, (0, 2))
     assert ended[-1] == (3, (0, 2)) and renewed == [True], "an ended capture's pool stays"
 
 

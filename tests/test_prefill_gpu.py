@@ -31,8 +31,8 @@ from mk.model import PageAllocator, synthetic_weights
 from mk.model.paged import UNMAPPED
 from mk.model.reference import Model
 from mk.model.varlen import fa3_available
-from mk.prefill.graphs import NEXT_TURN_BUCKETS
 from mk.prefill.packed import Prefill, PrefillRequest, Span, stack_experts
+from mk.prefill.prefixed import NEXT_TURN_BUCKETS
 
 pytestmark = pytest.mark.gpu
 
@@ -141,7 +141,7 @@ def test_one_long_prompt_across_the_window(models, prefill, attention):
 
 
 def test_fresh_prompts_replay_cuda_graphs_that_match_the_references(models, prefill):
-    """Fresh prompts alone run as CUDA graphs of padded lengths (mk.prefill.graphs): the first of a
+    """Fresh prompts alone run as CUDA graphs of padded lengths (mk.prefill.fresh): the first of a
     bucket captures it, the next replays it with other tokens and pages. Each is as close to the
     references as the eager pass is, writes only its own positions, and the time per prompt is
     printed beside the eager pass's (run with -s)."""
@@ -177,7 +177,7 @@ def test_a_failed_capture_leaves_its_shape_eager_and_the_others_replaying(models
     purpose (a synchronisation of the capturing stream, which CUDA refuses and which invalidates
     the capture). That call warns and is still right; the 1024-token bucket's capture after it
     succeeds and replays, in a new graph pool (PyTorch leaves the old one "recording":
-    `mk.prefill.graphs._end_abandoned_capture`); the 256-token shape runs eagerly from then on,
+    `mk.prefill.static.end_abandoned_capture`); the 256-token shape runs eagerly from then on,
     as close to the references as before."""
     p = Prefill(models[0], chunk=2048)
     fresh = p.fresh
@@ -213,7 +213,7 @@ def test_a_failed_capture_leaves_its_shape_eager_and_the_others_replaying(models
 
 def test_chunks_after_a_cached_prefix_replay_cuda_graphs_that_match_the_references(models):
     """With prefix_graphs, a long prompt's later chunks (cached prefix, start > 0) run as CUDA graphs
-    of padded (rows, keys) buckets (mk.prefill.graphs.PrefixedChunks): 7000 tokens in chunks of
+    of padded (rows, keys) buckets (mk.prefill.prefixed.PrefixedChunks): 7000 tokens in chunks of
     2048 cross the 4096 window (sliding keys from the window before each chunk) and end on a short
     chunk; a second prompt of other tokens replays the same buckets, and a third of 7900 tokens
     replays the (2048, 8192) bucket at another start (its block mask rewritten for other
@@ -238,7 +238,7 @@ def test_chunks_after_a_cached_prefix_replay_cuda_graphs_that_match_the_referenc
 def test_a_fresh_prompt_just_past_4k_replays_two_graphs_that_match_the_references(models):
     """The defaults at an 8K chunk: a fresh 5000-token prompt runs as the 4096-token fresh graph,
     then its last 904 tokens as the next-turn graph of (1024 rows, 8192 keys), not as the 8192
-    bucket's pass (mk.prefill.graphs.fresh_split); as close to the references as the eager pass,
+    bucket's pass (mk.prefill.fresh.fresh_split); as close to the references as the eager pass,
     only its own positions written. With fresh_split off it takes the 8192 bucket."""
     pools = Pools(models, L * 200)
     for split in (True, False):
@@ -284,7 +284,7 @@ def test_packed_prompts_of_mixed_lengths(models, chunk, static):
 def test_prefix_reuse_past_the_window(models, prefill):
     """A cached 4224-token prefix (66 pages) whose sliding-layer page 0 is already released, then
     900 new tokens; a fresh 700-token prompt in the same call. The two share one static pass after
-    cached prefixes, replayed as the graph of (2048 rows, 8192 keys) (mk.prefill.graphs.PrefixedChunks)."""
+    cached prefixes, replayed as the graph of (2048 rows, 8192 keys) (mk.prefill.prefixed.PrefixedChunks)."""
     pools = Pools(models, L * 100)
     toks = tokens_of(5124)
     table = pools.table(5124, 81)

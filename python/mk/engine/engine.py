@@ -388,7 +388,7 @@ def _fast_prefill(model: Model, opts: EngineOptions) -> Prefill | None:
     if model.device.type == "cuda":  # before anything records weight addresses (the megakernel's tables)
         stack_experts(model.weights, model.config)
     # Rust hands over at most one chunk's tokens a call, so each call is one chunk of mk.prefill.packed (or
-    # two static passes: mk.prefill.graphs.fresh_split).
+    # two static passes: mk.prefill.fresh.fresh_split).
     return Prefill(
         model,
         chunk=opts.prefill_chunk,

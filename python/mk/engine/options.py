@@ -139,7 +139,7 @@ class EngineOptions:
         "prefill a chunk after a cached prefix (a conversation's next turn) as a CUDA graph replay too, captured "
         "per padded (tokens, keys) shape at start, so that a next turn's first token comes without the eager "
         "path's launches; on = every chunk length (more captures and memory)",
-        "the shortest chunks (mk.prefill.graphs.NEXT_TURN_BUCKETS) with the fast prefill on a GPU",
+        "the shortest chunks (mk.prefill.prefixed.NEXT_TURN_BUCKETS) with the fast prefill on a GPU",
     )
     launch_ahead: bool | None = _switch(
         "launch each decode step before the previous step's tokens reach the host, so the GPU runs steps back to "
@@ -172,7 +172,7 @@ class EngineOptions:
     fresh_split: bool = _option(
         True,
         "with both kinds of prefill graph, a fresh prompt just past a bucket of 4K tokens or more replays that "
-        "bucket's graph and then a next-turn graph of the rest (mk.prefill.graphs.fresh_split)",
+        "bucket's graph and then a next-turn graph of the rest (mk.prefill.fresh.fresh_split)",
         flag=False,
     )
     dealing: str = _option(

@@ -68,7 +68,7 @@ class PrefillRunner:
     def warm_up(self, progress: bool = True) -> None:
         """Run the fast prefill on scratch pages before serving, so its first-call compilation (tens of
         seconds on a GPU) does not land on the first request; on a GPU also capture the CUDA graphs
-        of fresh prompts and of chunks after a cached prefix (mk.prefill.graphs; the latter's long
+        of fresh prompts and of chunks after a cached prefix (mk.prefill.static; the latter's long
         prefixes read scratch pages again and again), the largest of each kind first so that the
         others reuse its memory, then run one whole chunk the usual way, so that neither does the
         allocation of a full chunk's activations (a few GB; a capture empties the cache). Uses
@@ -338,7 +338,7 @@ def _peak_only(run: Callable[[], object]) -> Callable[[], None]:
 
 @contextlib.contextmanager
 def _usual_path(prefill: Prefill):
-    """`prefill` without its static passes (mk.prefill.graphs) for the duration."""
+    """`prefill` without its static passes (mk.prefill.static) for the duration."""
     fresh, prefixed, prefill.fresh, prefill.prefixed = prefill.fresh, prefill.prefixed, None, None
     try:
         yield

@@ -21,7 +21,7 @@ fallback if flex fails to compile): `mk.model.varlen`. MoE runs two `torch._grou
 On CUDA the elementwise steps (norm, RoPE, SwiGLU activation, combine, residual) run through
 `torch.compile` (dynamic shapes: one compile each per process; eager if compiling fails). A chunk
 that is one fresh prompt (no cached prefix, the common case of a short prompt) runs as a
-static-shape pass padded to a bucket and, on CUDA, as a CUDA graph replay (`mk.prefill.graphs`):
+static-shape pass padded to a bucket and, on CUDA, as a CUDA graph replay (`mk.prefill.static`):
 its ~1,700 launches and ~300 compiled-region calls are otherwise most of its time (one
 just past a bucket of 4K or more runs as that bucket and the rest after it: `fresh_split`). Such
 a pass of at least STATIC_STEPS_MIN_ROWS rows takes elementwise steps compiled for its exact
@@ -67,15 +67,9 @@ from mk.model.varlen import (
     pack_keys,
     to_device,
 )
-from mk.prefill.graphs import (
-    BUCKETS,
-    NEXT_TURN_BUCKETS,
-    STATIC_PASSES_MAX,
-    FreshPrompts,
-    PrefixedChunks,
-    check_pieces,
-    fresh_split,
-)
+from mk.prefill.fresh import FreshPrompts, fresh_split
+from mk.prefill.prefixed import NEXT_TURN_BUCKETS, PrefixedChunks, check_pieces
+from mk.prefill.static import BUCKETS, STATIC_PASSES_MAX
 
 # Tokens per chunk by default (the engine's prefill chunk on a GPU, which it passes here): large
 # enough that a chunk is compute bound on a Hopper GPU (each chunk re-reads all ~60 GB of expert
@@ -216,7 +210,7 @@ class Prefill:
     mask), "fa3" or "sdpa". moe: "auto" ("grouped" on CUDA bf16, else "loop"), "grouped" or
     "loop". compile: compile the elementwise steps ("auto": on CUDA). graphs: a chunk that is a
     fresh prompt alone (no cached prefix) runs as a static-shape pass padded to a bucket
-    (`mk.prefill.graphs`), captured as a CUDA graph on CUDA ("auto": on CUDA with the grouped MoE;
+    (`mk.prefill.static`), captured as a CUDA graph on CUDA ("auto": on CUDA with the grouped MoE;
     True on the CPU runs the static pass eagerly, for tests). prefix_graphs: the same for a chunk
     of up to PACKED_SEQUENCES sequences after their cached prefixes (`PrefixedChunks`; a chunk of
     more takes up to STATIC_PASSES_MAX static passes, `_static_groups`): "auto" (the default) for
@@ -225,7 +219,7 @@ class Prefill:
     bucket.
     fresh_split: with both kinds of static pass, a fresh prompt alone just past a bucket of at
     least SPLIT_MIN_BUCKET tokens runs as that bucket's pass and its rest as a chunk after a cached
-    prefix (`mk.prefill.graphs.fresh_split`), instead of the next bucket's pass of twice the rows.
+    prefix (`mk.prefill.fresh.fresh_split`), instead of the next bucket's pass of twice the rows.
 
     Grouped MoE needs each layer's experts stacked: views when they already are (see
     `stack_experts`, which the engine should call once after loading), else a copy per layer
@@ -299,7 +293,7 @@ class Prefill:
 
     def renew_graph_pool(self) -> None:
         """Later captures take a new pool (`graph_pool`): the current one is unusable after a
-        capture CUDA invalidated (mk.prefill.graphs). The graphs in the old one keep it."""
+        capture CUDA invalidated (mk.prefill.static). The graphs in the old one keep it."""
         self._graph_pool = None
 
     def _stack_all(self) -> None:

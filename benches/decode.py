@@ -26,7 +26,7 @@ Where $MK_MEGAKERNEL_CUBIN lists several variants (a:b:...), each point also tim
 kernel on the same buffers, in KERNEL_ROUNDS alternating rounds (between processes the step time
 varies more than in one process: docs/PERF.md, "Noise"): `mk_kernel<k>_ms` (the median),
 `kernel<k>_same_logits`.
-A batch larger than one launch takes (MK_STEP_MAX_BATCH: 16, or 8 in the swizzled variant) runs as the
+A batch larger than one launch takes (MK_STEP_MAX_ROWS: 16, or 8 in the swizzled variant) runs as the
 engine runs it: consecutive launches of at most that many rows, timed together, each reading the
 weights again (`launches` in its row; the variants, traces and kernel comparisons are skipped).
 `distinct_experts`: the experts the batch's rows select in a MoE layer, the mean over the MoE layers.
@@ -63,7 +63,7 @@ from common import (
 from mk import _native
 from mk.config import PAGE_SIZE, ModelConfig
 from mk.megakernel.launch import MegakernelStep, ledger_of, trace_buffer
-from mk.megakernel.support import MAX_STEP_ROWS
+from mk.megakernel.support import STEP_MAX_ROWS
 from mk.megakernel.trace import print_stream_profile, print_summary, stream_profile, summarize
 from mk.model.names import expected_shapes
 from mk.model.paged import PagedKV
@@ -350,12 +350,12 @@ def measure(
 
 
 def measure_launches(cfg, model, stacked, batch: int, ctx: int, iters: int, torch_graph=True) -> dict:
-    """`batch` rows past one launch's, as consecutive launches of at most MAX_STEP_ROWS rows
+    """`batch` rows past one launch's, as consecutive launches of at most STEP_MAX_ROWS rows
     (the engine's backend does the same), timed together."""
     kv, tables, pages = kv_for(cfg, batch, ctx)
     launches = []
-    for r0 in range(0, batch, MAX_STEP_ROWS):
-        rows = min(MAX_STEP_ROWS, batch - r0)
+    for r0 in range(0, batch, STEP_MAX_ROWS):
+        rows = min(STEP_MAX_ROWS, batch - r0)
         step = MegakernelStep(model, kv, pages)
         g = step.graph([ctx - 1] * rows)
         buf = step.buffers(g, log_residuals=False)
@@ -483,7 +483,7 @@ def main() -> None:
     sizes = [s for s in args.sizes.split(",") if s]
     rows = []
     for b, c in grid:
-        if b > MAX_STEP_ROWS:
+        if b > STEP_MAX_ROWS:
             point = partial(measure_launches, cfg, model, stacked, b, c, args.iters, not args.no_torch)
         else:
             trace = args.trace or args.ledger

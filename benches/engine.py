@@ -31,7 +31,7 @@ A row that does not fit the card is marked `skipped` with the reason, and the ru
 row whose streams (each with DECODE_ROOM tokens past its prompt) need more blocks than the engine's KV
 pool has, or any row that runs out of GPU memory (a kernel step alone: `kernel_skipped`).
 The engine runs with the server's defaults (`python -m mk.server`: prefill chunk
-mk.engine.api.PREFILL_CHUNK, max batch mk.engine.api.MAX_BATCH, launch-ahead on, the Engine's share of
+mk.engine.api.PREFILL_CHUNK, max batch mk.engine.api.GPU_MAX_BATCH, launch-ahead on, the Engine's share of
 the card's memory); `--launch-ahead off` runs one step at a time,
 `--prefill-chunk N` another chunk, `--prefill-graphs off` prefills fresh prompts without CUDA
 graphs, `--prefix-graphs auto|on|off` runs chunks after a cached prefix as CUDA graphs (Engine(prefix_graphs=
@@ -84,7 +84,7 @@ from decode import kv_bytes, random_step, time_events
 from mk import _native
 from mk.config import PAGE_SIZE, ModelConfig
 from mk.engine.engine import Engine
-from mk.engine.options import AUTO_ON_OFF, MAX_BATCH, PREFILL_CHUNK, WHOLE_CHUNK_TOKENS
+from mk.engine.options import AUTO_ON_OFF, GPU_MAX_BATCH, PREFILL_CHUNK, WHOLE_CHUNK_TOKENS
 from mk.engine.sampling import ConstraintSpec, SamplingParams
 from mk.model import synthetic_weights
 from mk.model.reference import Model
@@ -495,7 +495,9 @@ def main() -> None:
     cfg = ModelConfig.real()
     model = Model(cfg, synthetic_weights(cfg, seed=0, device="cuda", dtype=torch.bfloat16, std=0.01))
     gen = torch.Generator().manual_seed(0)
-    full = [(b, c) for c in (8192, 32768) for b in (1, 4, 8)] + [(MAX_BATCH, c) for c in (4096, 8192) if MAX_BATCH > 8]
+    full = [(b, c) for c in (8192, 32768) for b in (1, 4, 8)] + [
+        (GPU_MAX_BATCH, c) for c in (4096, 8192) if GPU_MAX_BATCH > 8
+    ]
     points = [(1, 8192), (8, 8192)] if args.quick else full
     # (5281: just past the 4K bucket, where the fresh split replays two graphs)
     prompts = [512, 8192] if args.quick else [512, 2048, 5281, 8192, 32768]
@@ -512,7 +514,7 @@ def main() -> None:
     engine = Engine(
         model,
         backend="megakernel",
-        max_batch=MAX_BATCH,
+        max_batch=GPU_MAX_BATCH,
         max_context=32768 + DECODE_ROOM,
         prefill_chunk=args.prefill_chunk,
         **memory,

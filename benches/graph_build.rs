@@ -22,14 +22,14 @@ use std::time::Instant;
 use mk::gpu::compact::{check_mapped, compact_tables, step_pages};
 use mk::graph::cache::GraphCache;
 use mk::graph::deal::{model, Dealing};
-use mk::graph::{build_step, BuildOptions, Geometry};
+use mk::graph::{build_step, BuildOptions, ModelDims};
 use mk::kv::{KvConfig, KvManager};
 use mk::sched::PageTable;
 
 const STEPS: usize = 200;
 
-fn real() -> Geometry {
-    Geometry {
+fn real() -> ModelDims {
+    ModelDims {
         hidden: 2048,
         heads: 32,
         kv_heads: 4,
@@ -62,7 +62,7 @@ struct Row {
 /// Per step: `compact_tables` and `check_mapped` as the launcher runs them, over `batch` rows
 /// that the KV manager grows one position a step from `start` (its page table synced as the
 /// scheduler does).
-fn tables_us(geom: &Geometry, start: &[usize]) -> f64 {
+fn tables_us(geom: &ModelDims, start: &[usize]) -> f64 {
     let batch = start.len();
     let max_context = start.iter().max().unwrap() + STEPS + 2;
     let sliding: Vec<bool> = geom.window.iter().map(Option::is_some).collect();
@@ -95,7 +95,7 @@ fn tables_us(geom: &Geometry, start: &[usize]) -> f64 {
     spent * 1e6 / STEPS as f64
 }
 
-fn case(geom: &Geometry, opts: &BuildOptions, batch: usize, context: usize) -> Row {
+fn case(geom: &ModelDims, opts: &BuildOptions, batch: usize, context: usize) -> Row {
     let start: Vec<usize> = (0..batch).map(|b| context - 1 - 37 * b).collect();
     let step = |i: usize| start.iter().map(|p| p + i).collect::<Vec<_>>();
 

@@ -25,7 +25,7 @@ keys on full layers, the window on sliding ones) and every row's embedding row, 
 datasheet bandwidth. `distinct_experts`: the experts the step's rows select in a MoE layer, the
 mean over the MoE layers.
 Points: B in 1, 2, 4, 8 and ctx in 8192, 32768, each with every K of 0, 3, 4, 8 whose B (K + 1)
-rows fit one launch (MK_STEP_MAX_BATCH). A point whose KV does not fit the card is marked skipped.
+rows fit one launch (MK_STEP_MAX_ROWS). A point whose KV does not fit the card is marked skipped.
 Usage: python benches/speculative.py [--json out.json] [--quick | --points 1x8192,4x8192] [--ks 0,3,4,8]
        [--routing uniform|zipf:S] [--iters N]
 """
@@ -53,7 +53,7 @@ from mk.config import PAGE_SIZE, ModelConfig
 from mk.megakernel.buffers import StepBuffers
 from mk.megakernel.graph import StepGraph
 from mk.megakernel.launch import MegakernelStep
-from mk.megakernel.support import MAX_STEP_ROWS
+from mk.megakernel.support import STEP_MAX_ROWS
 from mk.model.paged import PagedKV
 from mk.model.reference import Model
 
@@ -198,9 +198,9 @@ def main() -> None:
     rows = []
     for b, c in grid:
         # kv_for maps the pages through ctx's: a draft must end there.
-        fits = [k for k in ks if b * (k + 1) <= MAX_STEP_ROWS and (c - 1 + k) // PAGE_SIZE <= c // PAGE_SIZE]
+        fits = [k for k in ks if b * (k + 1) <= STEP_MAX_ROWS and (c - 1 + k) // PAGE_SIZE <= c // PAGE_SIZE]
         if not fits:
-            print(f"{b}x{c}: {b} rows do not fit one launch ({MAX_STEP_ROWS} rows)")
+            print(f"{b}x{c}: {b} rows do not fit one launch ({STEP_MAX_ROWS} rows)")
             continue
         point = partial(measure, cfg, model, b, c, fits, args.iters)
         out = run_point({"batch": b, "ctx": c}, point, kv_bytes(cfg, b, c), "its KV")

@@ -131,7 +131,7 @@ typedef enum MkLayerWeight {
 // [rows][MK_STEP_MAX_K]) and a wide one for 9-16 (two n-tiles, a long reduction's activations
 // staged in passes of the same buffer size; docs/MEGAKERNEL.md, "Batch size"). MK_IMAGE_ROWS is
 // the rows of the image being compiled (the wide one gets -DMK_IMAGE_ROWS=MK_WIDE_ROWS), and
-// `mk_image_rows` tells the host which image is which; MK_STEP_MAX_BATCH is the most rows of one
+// `mk_image_rows` tells the host which image is which; MK_STEP_MAX_ROWS is the most rows of one
 // launch. The swizzled-weights variant has no wide image (its 16-row loop spills registers).
 #define MK_STEP_MAX_K 4096
 #define MK_NARROW_ROWS 8
@@ -213,12 +213,12 @@ typedef struct MkRowSample {
 #define MK_WEIGHT_SWIZZLE 0
 #endif
 #if MK_WEIGHT_SWIZZLE
-#define MK_STEP_MAX_BATCH MK_NARROW_ROWS
+#define MK_STEP_MAX_ROWS MK_NARROW_ROWS
 #if MK_IMAGE_ROWS > MK_NARROW_ROWS
 #error "the swizzled-weights variant has no wide image: its 16-row loop spills registers"
 #endif
 #else
-#define MK_STEP_MAX_BATCH MK_WIDE_ROWS
+#define MK_STEP_MAX_ROWS MK_WIDE_ROWS
 #endif
 // One box of a weight stage: a tile of MK_STAGE_ROWS weight rows by MK_STAGE_COLS columns (fewer
 // where k is shorter). A stage is MK_STAGE_BOXES boxes side by side along k (24 KB). In the

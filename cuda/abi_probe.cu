@@ -91,7 +91,7 @@ extern "C" __device__ const unsigned long long mk_abi_layout[] = {
     MK_STEP_MAX_K,
     MK_NARROW_ROWS,
     MK_WIDE_ROWS,
-    MK_STEP_MAX_BATCH,
+    MK_STEP_MAX_ROWS,
     MK_GEMV_MAX_GROUPS,
     MK_STEP_HEAD_DIM,
     MK_STEP_MAX_GROUP,

@@ -149,12 +149,12 @@ unsafe impl cudarc::driver::DeviceRepr for MkStepArgs {}
 pub const STEP_SMEM_BYTES: u32 = 227 * 1024;
 pub const STEP_THREADS: u32 = 320;
 /// `MK_STEP_MAX_K`: the longest GEMV reduction. `MK_NARROW_ROWS` and `MK_WIDE_ROWS`: the rows of
-/// the two megakernel images (build.rs), and `MK_STEP_MAX_BATCH` the most rows of one launch (the
+/// the two megakernel images (build.rs), and `MK_STEP_MAX_ROWS` the most rows of one launch (the
 /// wide image's; the narrow one's in the swizzled variant, which has no wide image).
 pub const STEP_MAX_K: usize = 4096;
 pub const NARROW_ROWS: usize = 8;
 pub const WIDE_ROWS: usize = 16;
-pub const STEP_MAX_BATCH: usize = if WEIGHT_SWIZZLE { NARROW_ROWS } else { WIDE_ROWS };
+pub const STEP_MAX_ROWS: usize = if WEIGHT_SWIZZLE { NARROW_ROWS } else { WIDE_ROWS };
 /// `MK_GEMV_MAX_GROUPS`: the most 16-row weight groups of one GEMV task.
 pub const GEMV_MAX_GROUPS: usize = 8;
 /// `MK_STEP_HEAD_DIM`, `MK_STEP_MAX_GROUP`, `MK_STEP_MAX_TOP_K`, `MK_STEP_MAX_EXPERTS`: the

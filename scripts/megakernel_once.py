@@ -25,7 +25,7 @@ args = sys.argv[1:]
 dump_path = args[args.index("--dump") + 1] if "--dump" in args else None
 dumps = []
 steps = [([100, 4100, 64, 5000], queue, local) for queue, local in itertools.product((True, False), (False, True))]
-if _native.STEP_MAX_BATCH >= 16 and "--narrow" not in args:
+if _native.STEP_MAX_ROWS >= 16 and "--narrow" not in args:
     steps.append(([100 + 397 * i for i in range(12)], True, False))
 for positions, queue, local in steps:
     max_pages = max(positions) // PAGE_SIZE + 1

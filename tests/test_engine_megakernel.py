@@ -217,7 +217,7 @@ def test_python_constants_equal_the_abis():
     from mk.config import PAGE_SIZE
 
     assert PAGE_SIZE == _native.PAGE_SIZE
-    assert support.MAX_STEP_ROWS == _native.STEP_MAX_BATCH
+    assert support.STEP_MAX_ROWS == _native.STEP_MAX_ROWS
 
 
 def test_row_samples_pack_as_the_abis_mk_row_sample():

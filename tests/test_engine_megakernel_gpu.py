@@ -35,7 +35,7 @@ from mk.config import ModelConfig
 from mk.engine.engine import Engine
 from mk.engine.options import WHOLE_CHUNK_TOKENS
 from mk.engine.sampling import ConstraintSpec, SamplingParams
-from mk.megakernel.support import MAX_STEP_ROWS
+from mk.megakernel.support import STEP_MAX_ROWS
 from mk.model import synthetic_weights
 from mk.model.reference import Model
 from mk.text.tokenizer import Tokenizer
@@ -168,7 +168,7 @@ def test_logprobs_of_the_kernels_logits_match_the_reference(model, reference):
 
 def test_a_batch_past_one_launch_runs_as_two_launches(model):
     # Two rows more than one launch takes: every step with more live rows than that is two launches.
-    rows = MAX_STEP_ROWS + 2
+    rows = STEP_MAX_ROWS + 2
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     requests = [(0.0, prompt(20 + 23 * (i % 8), 50 + i), params) for i in range(rows)]
     assert sum(len(p) for _, p, _ in requests) <= 2048
@@ -179,12 +179,12 @@ def test_a_batch_past_one_launch_runs_as_two_launches(model):
         mk = run(e, [(t, p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)) for t, p, _ in requests])
         s = e.native_stats()
     # 23 decode rows each, in fewer steps than one launch's rows would need: some steps took two.
-    assert s["decode_rows"] == 23 * rows and MAX_STEP_ROWS * s["decode_steps"] < s["decode_rows"], s
+    assert s["decode_rows"] == 23 * rows and STEP_MAX_ROWS * s["decode_steps"] < s["decode_rows"], s
     agreed = compare(f"{rows} rows", mk, ref, requests)
     assert agreed >= 10
 
 
-@pytest.mark.parametrize("rows", [6, MAX_STEP_ROWS + 2])
+@pytest.mark.parametrize("rows", [6, STEP_MAX_ROWS + 2])
 def test_launch_ahead_agrees_with_synchronous_steps(model, rows):
     """With launch-ahead the megakernel backend queues each greedy step of up to one launch's rows
     behind the step before on the GPU, its tokens forwarded on the device (6 rows); a batch of two

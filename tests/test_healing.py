@@ -224,6 +224,7 @@ def test_prompts_after_a_docstring_parse_at_least_as_often_as_at_its_closing_quo
     a space too many before its first statement."""
     sys.path.insert(0, str(REPO / "scripts"))
     import eval_embedded as ev
+    from embedded.evaluation import cut_completion, parses_with_body
 
     fns = ev.held_out_functions(["jinja2"], FUNCTIONS)
     heads, forms = [], []
@@ -241,8 +242,8 @@ def test_prompts_after_a_docstring_parse_at_least_as_often_as_at_its_closing_quo
         got: dict[str, list[tuple[bool, bool]]] = {}
         for (i, name, prompt), out in zip(prompts, outs, strict=True):
             c = out.outputs[0]
-            body = ev.te.cut_completion((prompt + c.text)[len(heads[i]) :], c.finish_reason == "stop")
-            got.setdefault(name, []).append((ev.te.parses_with_body(heads[i] + body), c.text.startswith("```")))
+            body = cut_completion((prompt + c.text)[len(heads[i]) :], c.finish_reason == "stop")
+            got.setdefault(name, []).append((parses_with_body(heads[i] + body), c.text.startswith("```")))
         return got
 
     healed, plain = run(llm), run(unhealed)

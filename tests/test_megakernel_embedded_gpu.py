@@ -138,7 +138,7 @@ def test_a_batch_of_one_whole_launch_follows_the_reference():
 def test_greedy_tokens_with_drafts_follow_the_reference(monkeypatch, step_rows):
     """Speculative decoding at batch 4, its verification rows within one narrow launch (8 rows) or
     one wide one (16)."""
-    monkeypatch.setattr("mk.engine.engine.MAX_STEP_ROWS", step_rows)
+    monkeypatch.setattr("mk.engine.engine.STEP_MAX_ROWS", step_rows)
     follow_the_reference(PROMPTS, max_batch=4, speculative=True)
 
 

@@ -30,7 +30,7 @@ from mk.model.reference import Model
 SEED = int(os.environ.get("MK_TEST_SEED", str(int.from_bytes(os.urandom(4), "little") % 2**31)))
 # Steps of 9-16 rows (two n-tiles in every GEMV, long reductions in passes) run the wide megakernel
 # image, which the swizzled-weights variant does not have.
-WIDE = pytest.mark.skipif(_native.STEP_MAX_BATCH < 16, reason="this build has no wide megakernel image")
+WIDE = pytest.mark.skipif(_native.STEP_MAX_ROWS < 16, reason="this build has no wide megakernel image")
 # 11 ragged rows (the second n-tile partly used) and 16 (both full), across pages and windows.
 WIDE_POSITIONS = [
     [100, 5000, 64, 8191, 1, 700, 4159, 300, 4095, 63, 2048],

@@ -15,7 +15,7 @@ def test_build_info_names_the_hopper_target_and_the_embedded_megakernel():
     # variant lacks; the host's rows per launch agree.
     assert set(info["cubins"]) == {"abi_probe", "megakernel"} | (set() if swizzled else {"megakernel_wide"})
     assert all(size > 0 for size in info["cubins"].values())
-    assert _native.STEP_MAX_BATCH == (8 if swizzled else 16)
+    assert _native.STEP_MAX_ROWS == (8 if swizzled else 16)
 
 
 def test_a_launch_without_a_gpu_is_a_clear_error():

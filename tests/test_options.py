@@ -11,7 +11,7 @@ from mk.engine.options import (
     CPU_MAX_BATCH,
     CPU_PREFILL_CHUNK,
     DECODE_PREFILL_BUDGET,
-    MAX_BATCH,
+    GPU_MAX_BATCH,
     PREFILL_CHUNK,
     EngineOptions,
     flag_fields,
@@ -77,7 +77,7 @@ def test_resolving_makes_every_automatic_choice(cuda, backend):
     o = EngineOptions().resolved(cuda=cuda, backend=backend)
     megakernel = backend == "megakernel"
     assert o.backend == backend and o.prefill == ("fast" if cuda else "reference")
-    assert o.max_batch == (MAX_BATCH if cuda else CPU_MAX_BATCH)
+    assert o.max_batch == (GPU_MAX_BATCH if cuda else CPU_MAX_BATCH)
     assert o.prefill_chunk == (PREFILL_CHUNK if cuda else CPU_PREFILL_CHUNK)
     assert o.sliced_prefill is cuda
     assert o.decode_prefill_budget == (DECODE_PREFILL_BUDGET if cuda else CPU_PREFILL_CHUNK)

@@ -16,7 +16,7 @@ STEP_MAX_EXPERTS: int  # MK_STEP_MAX_EXPERTS: experts per layer at most
 ROW_GROUPS: int  # the task builder's default row groups of expert down and LM-head tasks
 SAMPLE_PARTS: int  # the task builder's default vocabulary slices per row for sampling
 JSON_LAYOUT: str  # llguidance's x-guidance options constrained JSON gets unless its schema has its own
-STEP_MAX_BATCH: int  # MK_STEP_MAX_BATCH: rows per megakernel launch
+STEP_MAX_ROWS: int  # MK_STEP_MAX_ROWS: rows per megakernel launch
 MAX_DRAFT: int  # the most draft tokens one sequence verifies in a step
 TENSOR_MAP_BYTES: int  # MK_TENSOR_MAP_BYTES: one encoded weight map
 TRACE_ENTRY_BYTES: int  # sizeof(MkTraceEntry): one traced task

@@ -1094,7 +1094,7 @@ fn speculative_decoding_gives_the_solo_streams_in_fewer_steps() {
             spec.metrics.decode_steps,
             plain.metrics.decode_steps
         );
-        assert!(spec.backend.max_rows <= crate::gpu::step::MAX_STEP_ROWS);
+        assert!(spec.backend.max_rows <= crate::abi::STEP_MAX_ROWS);
     }
 }
 

@@ -206,13 +206,13 @@ impl Gpu {
             || grid > self.num_sms
             || args.per_sm <= 0
             || args.batch < 1
-            || args.batch as usize > abi::STEP_MAX_BATCH
+            || args.batch as usize > abi::STEP_MAX_ROWS
         {
             return Err(GpuError::InvalidArgument(format!(
                 "decode_step needs 1 <= grid <= {} SMs, per_sm > 0 and 1 <= batch <= {}; got grid={grid}, per_sm={}, \
                  batch={}",
                 self.num_sms,
-                abi::STEP_MAX_BATCH,
+                abi::STEP_MAX_ROWS,
                 args.per_sm,
                 args.batch
             )));
@@ -234,7 +234,7 @@ impl Gpu {
                 abi::STEP_MAX_EXPERTS
             )));
         }
-        // Every variant's widest image takes STEP_MAX_BATCH rows (checked at load).
+        // Every variant's widest image takes STEP_MAX_ROWS rows (checked at load).
         let image = images.iter().find(|image| image.rows >= args.batch as usize).expect("an image takes the batch");
         let stream = self.ctx.wrap_borrowed_stream(stream);
         let cfg = LaunchConfig {
@@ -250,13 +250,13 @@ impl Gpu {
 }
 
 /// A variant's images' rows, narrowest first, must be distinct and the widest must take
-/// `STEP_MAX_BATCH` rows: the engine sizes its launches by that.
+/// `STEP_MAX_ROWS` rows: the engine sizes its launches by that.
 fn check_variant_rows(k: usize, rows: &[usize]) -> Result<(), GpuError> {
-    if rows.windows(2).any(|w| w[0] == w[1]) || rows.last() != Some(&abi::STEP_MAX_BATCH) {
+    if rows.windows(2).any(|w| w[0] == w[1]) || rows.last() != Some(&abi::STEP_MAX_ROWS) {
         return Err(GpuError::InvalidArgument(format!(
             "megakernel variant {k}: its images take {rows:?} rows; a variant needs images of distinct rows, the \
              widest taking {} (compile megakernel.cu as both images: compile_megakernel in scripts/device-env.sh)",
-            abi::STEP_MAX_BATCH
+            abi::STEP_MAX_ROWS
         )));
     }
     Ok(())
@@ -287,10 +287,10 @@ fn load_image(ctx: &Arc<CudaContext>, image: &[u8]) -> Result<Image, GpuError> {
     };
     let bytes = stream.clone_dtoh(&symbol).during("read mk_image_rows")?;
     let rows = i32::from_le_bytes(bytes.get(..4).and_then(|b| b.try_into().ok()).ok_or_else(stale)?);
-    if rows < 1 || rows as usize > abi::STEP_MAX_BATCH {
+    if rows < 1 || rows as usize > abi::STEP_MAX_ROWS {
         return Err(GpuError::InvalidArgument(format!(
             "it says it takes {rows} rows (mk_image_rows), this build 1 to {}",
-            abi::STEP_MAX_BATCH
+            abi::STEP_MAX_ROWS
         )));
     }
     function
@@ -356,7 +356,7 @@ mod tests {
 
     #[test]
     fn a_variant_must_take_a_whole_launch_with_images_of_distinct_rows() {
-        let max = abi::STEP_MAX_BATCH;
+        let max = abi::STEP_MAX_ROWS;
         assert!(check_variant_rows(0, &[abi::NARROW_ROWS, abi::WIDE_ROWS]).is_ok() || abi::WEIGHT_SWIZZLE);
         assert!(check_variant_rows(0, &[max]).is_ok());
         for bad in [vec![], vec![max - 1], vec![max, max], vec![1, max - 1]] {

@@ -24,7 +24,7 @@ pub fn expected_probe_layout() -> Vec<(&'static str, u64)> {
     out.push(("MK_STEP_MAX_K", STEP_MAX_K as u64));
     out.push(("MK_NARROW_ROWS", NARROW_ROWS as u64));
     out.push(("MK_WIDE_ROWS", WIDE_ROWS as u64));
-    out.push(("MK_STEP_MAX_BATCH", STEP_MAX_BATCH as u64));
+    out.push(("MK_STEP_MAX_ROWS", STEP_MAX_ROWS as u64));
     out.push(("MK_GEMV_MAX_GROUPS", GEMV_MAX_GROUPS as u64));
     out.push(("MK_STEP_HEAD_DIM", STEP_HEAD_DIM as u64));
     out.push(("MK_STEP_MAX_GROUP", STEP_MAX_GROUP as u64));

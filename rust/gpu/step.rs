@@ -14,15 +14,12 @@ use cudarc::driver::{result, sys, CudaEvent, CudaSlice, CudaStream, DevicePtr, D
 
 use super::compact::{check_mapped, compact_tables, step_pages};
 use super::{Gpu, GpuError, MkRowSample, MkStepArgs};
+use crate::abi::STEP_MAX_ROWS;
 use crate::grammar::TokenMask;
 use crate::graph::cache::{GraphCache, StepTasks};
 use crate::graph::task::MkTask;
-use crate::graph::{BuildOptions, Geometry};
+use crate::graph::{BuildOptions, ModelDims};
 use crate::sched::PageTable;
-
-/// Rows one launch can take (`MK_STEP_MAX_BATCH`: 1-8 run the narrow megakernel image, one n-tile
-/// of 8 for the GEMV, and 9-16 the wide one, two n-tiles).
-pub const MAX_STEP_ROWS: usize = crate::abi::STEP_MAX_BATCH;
 
 /// Where a backend's decode calls spent their host time, summed over its life (`GpuLauncher`'s;
 /// backends that do not measure report zeros): the task lists, page tables and checks
@@ -65,8 +62,8 @@ pub struct StepSetup {
     /// Addresses of everything Python owns and the model's dimensions. The `PER_STEP_FIELDS` are
     /// ignored and filled in here.
     pub args: MkStepArgs,
-    pub geometry: Geometry,
-    /// Rows the activation buffers hold (at most `MAX_STEP_ROWS`).
+    pub dims: ModelDims,
+    /// Rows the activation buffers hold (at most `STEP_MAX_ROWS`).
     pub rows: usize,
     /// Attention partials per (row, KV head) the buffers hold.
     pub max_splits: usize,
@@ -234,7 +231,7 @@ impl GpuLauncher {
         setup.options.num_sms = gpu.num_sms() as usize;
         validate(&setup)?;
         let stream = gpu.borrow_stream(stream);
-        let layers = setup.geometry.layers();
+        let layers = setup.dims.layers();
         let num_counters = crate::graph::task::num_counters(layers);
         let alloc = |n: usize| stream.alloc_zeros::<i32>(n.max(1)).map_err(driver("allocate step inputs"));
         let tokens = alloc(setup.rows)?;
@@ -275,7 +272,7 @@ impl GpuLauncher {
     }
 
     pub fn vocab(&self) -> usize {
-        self.setup.geometry.vocab
+        self.setup.dims.vocab
     }
 
     /// Where the launches' host time went so far (`run`'s phases).
@@ -393,7 +390,7 @@ impl GpuLauncher {
         {
             return Err(invalid("rows, tokens, positions, want_logits and samples differ in length".into()));
         }
-        let g = &self.setup.geometry;
+        let g = &self.setup.dims;
         check_masks(step, TokenMask::words_for(g.vocab))?;
         if let Some(t) = step.tokens.iter().find(|&&t| t as usize >= g.vocab) {
             return Err(invalid(format!("token {t} is outside the vocabulary of {}", g.vocab)));
@@ -547,7 +544,7 @@ impl GpuLauncher {
     /// mask_epoch (the mapped buffer, its flag word and this launch's epoch).
     fn await_masks(&mut self, samples: &[MkRowSample]) -> Result<(u64, u64, i32), GpuError> {
         if self.late.is_none() {
-            let words = TokenMask::words_for(self.setup.geometry.vocab);
+            let words = TokenMask::words_for(self.setup.dims.vocab);
             let ctx = self.stream.context();
             // SAFETY: page-locked and mapped; the host writes it only while no launch reads it
             // (`deliver_masks`: the launch before has been collected) and the device reads it only
@@ -589,7 +586,7 @@ impl GpuLauncher {
     /// `deliver_masks`'s writes, the word always; the outer error: nothing could be written, the
     /// inner one: the masks were not what the launch needs (it got every token allowed).
     fn write_masks(&mut self, masks: &[Option<&TokenMask>]) -> Result<Option<GpuError>, GpuError> {
-        let words = TokenMask::words_for(self.setup.geometry.vocab);
+        let words = TokenMask::words_for(self.setup.dims.vocab);
         let pending = self.pending.len();
         let late = self.late.as_mut().ok_or_else(|| invalid("no launch waits for masks".into()))?;
         let host = late.host.as_mut_slice().map_err(driver("reach the mask memory"))?;
@@ -627,7 +624,7 @@ impl GpuLauncher {
         if masks.iter().all(Option::is_none) {
             return Ok(0);
         }
-        let words = TokenMask::words_for(self.setup.geometry.vocab);
+        let words = TokenMask::words_for(self.setup.dims.vocab);
         if self.masks.is_none() {
             let buffer =
                 self.stream.alloc_zeros::<u32>(self.setup.rows * words).map_err(driver("allocate the masks"))?;
@@ -650,7 +647,7 @@ impl GpuLauncher {
 
     fn download(&mut self, step: &StepRows<'_>, sampled: &mut Vec<u32>, logits: &mut Vec<f32>) -> Result<(), GpuError> {
         let b = step.rows.len();
-        let vocab = self.setup.geometry.vocab;
+        let vocab = self.setup.dims.vocab;
         let s = self.stream.cu_stream();
         self.stream.context().bind_to_thread().map_err(driver("bind the context"))?;
         self.host_i32.clear();
@@ -731,7 +728,7 @@ fn ptr<T>(slice: &CudaSlice<T>, stream: &CudaStream) -> u64 {
 
 /// The template must describe the geometry the graphs are built for, and hold every buffer.
 fn validate(s: &StepSetup) -> Result<(), GpuError> {
-    let (a, g) = (&s.args, &s.geometry);
+    let (a, g) = (&s.args, &s.dims);
     let dims = [
         ("layers", a.layers, g.layers()),
         ("hidden", a.hidden, g.hidden),
@@ -788,8 +785,8 @@ fn validate(s: &StepSetup) -> Result<(), GpuError> {
     if let Some((name, _)) = pointers.iter().find(|(_, p)| *p == 0) {
         return Err(invalid(format!("MkStepArgs.{name} is a null pointer")));
     }
-    if s.rows == 0 || s.rows > MAX_STEP_ROWS {
-        return Err(invalid(format!("a launch holds 1 to {MAX_STEP_ROWS} rows, got buffers for {}", s.rows)));
+    if s.rows == 0 || s.rows > STEP_MAX_ROWS {
+        return Err(invalid(format!("a launch holds 1 to {STEP_MAX_ROWS} rows, got buffers for {}", s.rows)));
     }
     let longest_k = a.longest_reduction(); // the dimensions equal the geometry's (checked above)
     if longest_k > crate::abi::STEP_MAX_K {
@@ -821,8 +818,8 @@ mod tests {
 
     /// A setup that passes: every address non-null, the GPU-test geometry, 8 rows.
     fn setup() -> StepSetup {
-        let geometry = crate::graph::tests::gpu_test();
-        let g = &geometry;
+        let dims = crate::graph::tests::gpu_test();
+        let g = &dims;
         let mut args = MkStepArgs {
             layers: g.layers() as i32,
             hidden: g.hidden as i32,
@@ -846,7 +843,7 @@ mod tests {
         }
         args.residual_log = 0;
         let options = BuildOptions { num_sms: 132, ..Default::default() };
-        StepSetup { args, geometry, rows: 8, max_splits: 132, slots: 32, max_pages: 128, num_blocks: 1000, options }
+        StepSetup { args, dims, rows: 8, max_splits: 132, slots: 32, max_pages: 128, num_blocks: 1000, options }
     }
 
     #[test]
@@ -871,8 +868,8 @@ mod tests {
         let mut s = setup();
         s.args.routing_log = 0; // written by every TOPK task: it must exist
         assert!(err(s).contains("routing_log is a null pointer"));
-        let too_many = err(StepSetup { rows: MAX_STEP_ROWS + 1, ..setup() });
-        assert!(too_many.contains(&format!("1 to {MAX_STEP_ROWS} rows")), "{too_many}");
+        let too_many = err(StepSetup { rows: STEP_MAX_ROWS + 1, ..setup() });
+        assert!(too_many.contains(&format!("1 to {STEP_MAX_ROWS} rows")), "{too_many}");
         assert!(err(StepSetup { max_splits: 133, ..setup() }).contains("133 splits"));
         assert!(err(StepSetup { slots: 31, ..setup() }).contains("31 slots"));
         let fixed = BuildOptions { attn_chunk: 256, ..setup().options };

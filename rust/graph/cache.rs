@@ -12,7 +12,7 @@
 //! step by step.
 
 use super::task::{MkTask, Op};
-use super::{build_step, BuildOptions, Dealing, Geometry, GraphError, KeyRange};
+use super::{build_step, BuildOptions, Dealing, GraphError, KeyRange, ModelDims};
 
 /// A step's task lists as the kernel takes them.
 #[derive(Debug, Clone, Copy)]
@@ -67,7 +67,7 @@ impl BandCopy {
 }
 
 pub struct GraphCache {
-    geom: Geometry,
+    geom: ModelDims,
     opts: BuildOptions,
     /// Every (layer, row)'s keys of the cached graph, layer-major: the batch's shape (their count
     /// and split counts; with the `Balanced` dealing, which weighs tasks by split size, the sizes
@@ -90,7 +90,7 @@ pub struct GraphCache {
 }
 
 impl GraphCache {
-    pub fn new(geom: Geometry, opts: BuildOptions) -> Self {
+    pub fn new(geom: ModelDims, opts: BuildOptions) -> Self {
         GraphCache {
             geom,
             opts,
@@ -203,7 +203,7 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn fresh(geom: &Geometry, opts: &BuildOptions, positions: &[usize]) -> (Vec<MkTask>, usize) {
+    fn fresh(geom: &ModelDims, opts: &BuildOptions, positions: &[usize]) -> (Vec<MkTask>, usize) {
         build_step(geom, positions, opts).unwrap().padded()
     }
 
@@ -215,7 +215,7 @@ mod tests {
     /// Decode steps of a batch that grows by one token a step, with rows joining and leaving. A
     /// "device" copy follows along: a full upload after a rebuild, the band copies after a patch.
     fn check_run(
-        geom: Geometry,
+        geom: ModelDims,
         opts: BuildOptions,
         mut positions: Vec<usize>,
         steps: usize,

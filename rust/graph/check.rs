@@ -12,7 +12,7 @@ use std::collections::HashMap;
 
 use super::effects::{effects, external_inputs, Buf, Region};
 use super::task::{counter, Counter, Op};
-use super::{Geometry, StepGraph};
+use super::{ModelDims, StepGraph};
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Violation {
@@ -27,7 +27,7 @@ pub enum Violation {
 type WriteIndex = HashMap<(Buf, usize), Vec<(usize, usize, usize)>>;
 
 /// Returns every violation found (empty when the graph is sound), at most `limit` of them.
-pub fn check(geom: &Geometry, graph: &StepGraph, limit: usize) -> Vec<Violation> {
+pub fn check(geom: &ModelDims, graph: &StepGraph, limit: usize) -> Vec<Violation> {
     let mut out = Vec::new();
     let n = graph.order.len();
     let producers = producers_of(graph);
@@ -215,7 +215,7 @@ mod tests {
     use super::super::{build_step, BuildOptions};
     use super::*;
 
-    fn sound(geom: &Geometry, positions: &[usize], opts: &BuildOptions) {
+    fn sound(geom: &ModelDims, positions: &[usize], opts: &BuildOptions) {
         let g = build_step(geom, positions, opts).unwrap();
         let v = check(geom, &g, 5);
         assert!(v.is_empty(), "positions {positions:?}: {v:?}");

@@ -15,7 +15,7 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 use super::task::{Matrix, MkTask, Op};
-use super::Geometry;
+use super::ModelDims;
 
 /// How the global order is dealt onto the SMs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -48,7 +48,7 @@ const SM_KV_BYTES_PER_NS: f64 = 20.0;
 const SMALL_TASK_NS: f64 = 4500.0;
 
 /// Modelled duration of task `t` in ns.
-pub fn cost_ns(t: &MkTask, g: &Geometry) -> f64 {
+pub fn cost_ns(t: &MkTask, g: &ModelDims) -> f64 {
     let streamed = |bytes: usize| TASK_NS + bytes as f64 / SM_BYTES_PER_NS;
     match t.op() {
         Op::Gemv => {
@@ -81,7 +81,7 @@ pub fn cost_ns(t: &MkTask, g: &Geometry) -> f64 {
 }
 
 /// Per-SM lists of indices into `order` (each ascending).
-pub fn deal(order: &[MkTask], g: &Geometry, num_sms: usize, dealing: Dealing, num_counters: usize) -> Vec<Vec<usize>> {
+pub fn deal(order: &[MkTask], g: &ModelDims, num_sms: usize, dealing: Dealing, num_counters: usize) -> Vec<Vec<usize>> {
     let mut per_sm = vec![Vec::new(); num_sms];
     match dealing {
         Dealing::RoundRobin => {
@@ -115,7 +115,7 @@ pub struct Modelled {
 
 /// Runs the model over a dealt graph. Every SM list is a subsequence of the order and producers
 /// precede consumers, so one pass in global order sees each task after all it depends on.
-pub fn model(order: &[MkTask], per_sm: &[Vec<usize>], g: &Geometry, num_counters: usize) -> Modelled {
+pub fn model(order: &[MkTask], per_sm: &[Vec<usize>], g: &ModelDims, num_counters: usize) -> Modelled {
     let mut sm_of = vec![0; order.len()];
     for (s, list) in per_sm.iter().enumerate() {
         for &i in list {

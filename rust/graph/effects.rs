@@ -3,7 +3,7 @@
 //! Weights are constant during a step and not modelled.
 
 use super::task::{Matrix, MkTask, Op, ARG_ROUTERS};
-use super::{split_keys, Geometry, StepGraph};
+use super::{split_keys, ModelDims, StepGraph};
 
 /// The step's activation and cache buffers. Each is a set of rows of elements; `row` and the
 /// element range [lo, hi) of a `Region` index them as the comments say.
@@ -65,7 +65,7 @@ fn r(buf: Buf, row: usize, lo: usize, hi: usize) -> Region {
 }
 
 /// Regions that exist before the step starts: input tokens and the KV of earlier positions.
-pub fn external_inputs(geom: &Geometry, graph: &StepGraph) -> Vec<Region> {
+pub fn external_inputs(geom: &ModelDims, graph: &StepGraph) -> Vec<Region> {
     let mut out = Vec::new();
     let kvw = geom.kv_width();
     for (b, &pos) in graph.positions.iter().enumerate() {
@@ -81,7 +81,7 @@ pub fn external_inputs(geom: &Geometry, graph: &StepGraph) -> Vec<Region> {
 }
 
 /// The reads and writes of one task of `graph`.
-pub fn effects(t: &MkTask, geom: &Geometry, graph: &StepGraph) -> Effects {
+pub fn effects(t: &MkTask, geom: &ModelDims, graph: &StepGraph) -> Effects {
     let batch = graph.positions.len();
     let rows = 0..batch;
     let (d, kvw, hd) = (geom.hidden, geom.kv_width(), geom.head_dim);
@@ -156,7 +156,7 @@ pub fn effects(t: &MkTask, geom: &Geometry, graph: &StepGraph) -> Effects {
 /// What an expert task learns its slots from: the top-k task's routing, or with local routing
 /// (`ARG_ROUTERS`) the router's logits, from which its block's producer chooses the experts (it
 /// copies the top-k's routing instead only after that task's counter says it has run).
-fn routing_reads(t: &MkTask, geom: &Geometry, batch: usize) -> Vec<Region> {
+fn routing_reads(t: &MkTask, geom: &ModelDims, batch: usize) -> Vec<Region> {
     if t.arg[ARG_ROUTERS] > 0 {
         (0..batch).map(|b| r(Buf::Router, b, 0, geom.experts)).collect()
     } else {
@@ -164,7 +164,7 @@ fn routing_reads(t: &MkTask, geom: &Geometry, batch: usize) -> Vec<Region> {
     }
 }
 
-fn gemv_effects(t: &MkTask, geom: &Geometry, positions: &[usize], e: &mut Effects) {
+fn gemv_effects(t: &MkTask, geom: &ModelDims, positions: &[usize], e: &mut Effects) {
     let batch = positions.len();
     let (d, qw, kvw) = (geom.hidden, geom.q_width(), geom.kv_width());
     let l = t.layer as usize;

@@ -21,7 +21,7 @@ use task::{counter, logits_counter, num_counters, sample_counter, Counter, Matri
 
 /// The model dimensions the graph depends on (from `ModelConfig`).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Geometry {
+pub struct ModelDims {
     pub hidden: usize,
     pub heads: usize,
     pub kv_heads: usize,
@@ -37,7 +37,7 @@ pub struct Geometry {
     pub moe: Vec<bool>,
 }
 
-impl Geometry {
+impl ModelDims {
     pub fn layers(&self) -> usize {
         self.window.len()
     }
@@ -139,7 +139,7 @@ pub enum GraphError {
     #[error("a decode step needs at least one row")]
     EmptyBatch,
     #[error("{0}")]
-    Geometry(String),
+    Dims(String),
 }
 
 /// A built step: the global order (for checkers and the CPU interpreter) and the per-SM lists.
@@ -170,7 +170,7 @@ impl StepGraph {
 }
 
 /// Builds the step for rows writing at `positions` (one per sequence in the batch).
-pub fn build_step(geom: &Geometry, positions: &[usize], opts: &BuildOptions) -> Result<StepGraph, GraphError> {
+pub fn build_step(geom: &ModelDims, positions: &[usize], opts: &BuildOptions) -> Result<StepGraph, GraphError> {
     validate(geom, opts)?;
     if positions.is_empty() {
         return Err(GraphError::EmptyBatch);
@@ -194,9 +194,9 @@ pub fn build_step(geom: &Geometry, positions: &[usize], opts: &BuildOptions) -> 
     })
 }
 
-fn validate(g: &Geometry, o: &BuildOptions) -> Result<(), GraphError> {
-    validate_geometry(g)?;
-    let bad = |m: String| Err(GraphError::Geometry(m));
+fn validate(g: &ModelDims, o: &BuildOptions) -> Result<(), GraphError> {
+    validate_dims(g)?;
+    let bad = |m: String| Err(GraphError::Dims(m));
     if o.num_sms == 0 || o.attn_chunk % PAGE_SIZE != 0 {
         return bad(format!("num_sms > 0 and attn_chunk a multiple of {PAGE_SIZE} (0: automatic)"));
     }
@@ -214,8 +214,8 @@ fn validate(g: &Geometry, o: &BuildOptions) -> Result<(), GraphError> {
 
 /// The shapes every task of a step needs (whatever the build options): GEMV widths in whole
 /// 32-column chunks, vocabulary slices of 16, whole query groups.
-pub fn validate_geometry(g: &Geometry) -> Result<(), GraphError> {
-    let bad = |m: String| Err(GraphError::Geometry(m));
+pub fn validate_dims(g: &ModelDims) -> Result<(), GraphError> {
+    let bad = |m: String| Err(GraphError::Dims(m));
     if g.layers() == 0 || g.moe.len() != g.layers() {
         return bad("window and moe must list every layer".into());
     }
@@ -234,7 +234,7 @@ pub fn validate_geometry(g: &Geometry) -> Result<(), GraphError> {
 }
 
 struct Builder<'a> {
-    geom: &'a Geometry,
+    geom: &'a ModelDims,
     opts: &'a BuildOptions,
     batch: usize,
     order: Vec<MkTask>,
@@ -436,7 +436,7 @@ pub struct KeyRange {
 impl KeyRange {
     /// Row writing at `pos` in layer `l` of a `batch`-row step. Automatic chunks (attn_chunk 0):
     /// about num_sms splits per layer in all, at least two pages each.
-    pub fn of(g: &Geometry, opts: &BuildOptions, batch: usize, l: usize, pos: usize) -> KeyRange {
+    pub fn of(g: &ModelDims, opts: &BuildOptions, batch: usize, l: usize, pos: usize) -> KeyRange {
         let per_row = (opts.num_sms / (batch * g.kv_heads)).max(1);
         KeyRange::cut(pos, g.window[l], |keys| match opts.attn_chunk {
             0 => keys.div_ceil(per_row).div_ceil(PAGE_SIZE).max(2) * PAGE_SIZE,
@@ -492,8 +492,8 @@ pub(crate) mod tests {
     use super::*;
 
     /// The tiny CPU geometry of mk.config (5 layers, window 96).
-    pub fn tiny() -> Geometry {
-        Geometry {
+    pub fn tiny() -> ModelDims {
+        ModelDims {
             hidden: 64,
             heads: 4,
             kv_heads: 2,
@@ -509,8 +509,8 @@ pub(crate) mod tests {
     }
 
     /// The GPU test geometry: real widths, 5 layers, 32 experts.
-    pub fn gpu_test() -> Geometry {
-        Geometry {
+    pub fn gpu_test() -> ModelDims {
+        ModelDims {
             hidden: 2048,
             heads: 32,
             kv_heads: 4,
@@ -799,7 +799,7 @@ pub(crate) mod tests {
         assert!(build_step(&tiny(), &[1], &BuildOptions { row_groups: 3, ..Default::default() }).is_ok());
         assert!(build_step(&tiny(), &[1], &BuildOptions { gate_up_groups: 5, ..Default::default() }).is_err());
         assert!(build_step(&tiny(), &[1], &BuildOptions { qkv_groups: 9, ..Default::default() }).is_err());
-        assert!(matches!(build_step(&tiny(), &[1], &opts), Err(GraphError::Geometry(_))));
+        assert!(matches!(build_step(&tiny(), &[1], &opts), Err(GraphError::Dims(_))));
         assert_eq!(build_step(&tiny(), &[], &BuildOptions::default()).unwrap_err(), GraphError::EmptyBatch);
     }
 }

@@ -6,14 +6,14 @@ use super::KvError;
 
 /// The shape of the KV cache that every table of a model shares.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Geometry {
+pub struct KvGeometry {
     page: usize,
     window: usize,
     sliding: Vec<bool>,
     num_sliding: usize,
 }
 
-impl Geometry {
+impl KvGeometry {
     /// `page`: tokens per block; `window`: keys a sliding layer keeps visible, the current token
     /// included (a query at p sees [p−W+1, p]); `sliding[l]`: whether layer l is windowed.
     ///
@@ -117,17 +117,17 @@ impl Geometry {
 mod tests {
     use super::*;
 
-    fn nmc() -> Geometry {
-        Geometry::new(64, 4096, (0..49).map(|l| l % 4 != 0).collect()).unwrap()
+    fn nmc() -> KvGeometry {
+        KvGeometry::new(64, 4096, (0..49).map(|l| l % 4 != 0).collect()).unwrap()
     }
 
     #[test]
     fn rejects_bad_shapes() {
-        assert!(matches!(Geometry::new(0, 8, vec![true]), Err(KvError::Config(_))));
-        assert!(matches!(Geometry::new(64, 0, vec![true]), Err(KvError::Config(_))));
-        assert!(matches!(Geometry::new(64, 8, vec![]), Err(KvError::Config(_))));
+        assert!(matches!(KvGeometry::new(0, 8, vec![true]), Err(KvError::Config(_))));
+        assert!(matches!(KvGeometry::new(64, 0, vec![true]), Err(KvError::Config(_))));
+        assert!(matches!(KvGeometry::new(64, 8, vec![]), Err(KvError::Config(_))));
         // A window is irrelevant without sliding layers.
-        assert!(Geometry::new(64, 0, vec![false, false]).is_ok());
+        assert!(KvGeometry::new(64, 0, vec![false, false]).is_ok());
     }
 
     #[test]
@@ -144,7 +144,7 @@ mod tests {
     #[test]
     fn span_pages_is_the_worst_alignment() {
         for page in 1..9 {
-            let g = Geometry::new(page, 1, vec![true]).unwrap();
+            let g = KvGeometry::new(page, 1, vec![true]).unwrap();
             for span in 1..40 {
                 let worst = (0..page).map(|start| (start + span - 1) / page - start / page + 1).max().unwrap();
                 assert_eq!(g.span_pages(span), worst, "page {page} span {span}");
@@ -191,8 +191,8 @@ mod tests {
         // Absurd sizes saturate instead of wrapping.
         assert!(g.blocks_needed(usize::MAX) > g.blocks_needed(1 << 40));
         assert!(g.prefill_blocks_needed(usize::MAX, usize::MAX) > g.blocks_needed(1 << 40));
-        let all_full = Geometry::new(1, 1, vec![false; 3]).unwrap();
+        let all_full = KvGeometry::new(1, 1, vec![false; 3]).unwrap();
         assert_eq!(all_full.blocks_needed(usize::MAX), usize::MAX);
-        assert_eq!(Geometry::new(64, usize::MAX, vec![true]).unwrap().window_pages(), usize::MAX / 64);
+        assert_eq!(KvGeometry::new(64, usize::MAX, vec![true]).unwrap().window_pages(), usize::MAX / 64);
     }
 }

@@ -25,7 +25,7 @@ use std::collections::HashMap;
 pub const PAGE_SIZE: usize = 64;
 
 pub use error::KvError;
-pub use geometry::Geometry;
+pub use geometry::KvGeometry;
 pub use pool::{blocks_for_budget, bytes_per_block, BlockId, BlockPool};
 pub use prefix::PrefixCache;
 pub use table::{BlockTable, UNMAPPED};
@@ -91,7 +91,7 @@ pub struct KvStats {
 /// the state as it was.
 #[derive(Debug, Clone)]
 pub struct KvManager {
-    geom: Geometry,
+    geom: KvGeometry,
     pool: BlockPool,
     prefix: PrefixCache,
     seqs: HashMap<SeqId, BlockTable>,
@@ -100,13 +100,13 @@ pub struct KvManager {
 
 impl KvManager {
     pub fn new(config: KvConfig) -> Result<Self, KvError> {
-        let geom = Geometry::new(config.page_size, config.window, config.sliding)?;
+        let geom = KvGeometry::new(config.page_size, config.window, config.sliding)?;
         let pool = BlockPool::new(config.num_blocks)?;
         let prefix = PrefixCache::new(&config.salt, geom.num_layers());
         Ok(Self { geom, pool, prefix, seqs: HashMap::new(), lookup_tokens: 0 })
     }
 
-    pub fn geometry(&self) -> &Geometry {
+    pub fn geometry(&self) -> &KvGeometry {
         &self.geom
     }
 

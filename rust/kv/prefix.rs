@@ -16,7 +16,7 @@ use std::collections::HashMap;
 
 use sha2::{Digest, Sha256};
 
-use super::geometry::Geometry;
+use super::geometry::KvGeometry;
 use super::pool::{BlockId, BlockPool, Tag};
 use super::table::{BlockTable, UNMAPPED};
 use super::KvError;
@@ -85,11 +85,11 @@ struct Entry {
 }
 
 impl Entry {
-    fn full_ok(&self, geom: &Geometry) -> bool {
+    fn full_ok(&self, geom: &KvGeometry) -> bool {
         self.blocks.iter().enumerate().all(|(l, &b)| geom.is_sliding(l) || b != UNMAPPED)
     }
 
-    fn sliding_ok(&self, geom: &Geometry) -> bool {
+    fn sliding_ok(&self, geom: &KvGeometry) -> bool {
         self.blocks.iter().enumerate().all(|(l, &b)| !geom.is_sliding(l) || b != UNMAPPED)
     }
 }
@@ -137,7 +137,7 @@ impl PrefixCache {
     /// The longest attachable prefix of `tokens`: entry ids of its pages. A prefix of n pages is
     /// attachable when every page has all its full-layer blocks and, on sliding layers, the pages
     /// the first recomputed query (position n·page) can see are present; older ones may be gone.
-    fn longest(&self, geom: &Geometry, tokens: &[u32]) -> Vec<Tag> {
+    fn longest(&self, geom: &KvGeometry, tokens: &[u32]) -> Vec<Tag> {
         let mut ids = Vec::new();
         for key in page_keys(&self.root, tokens, geom.page()) {
             match self.index.get(&key) {
@@ -159,7 +159,7 @@ impl PrefixCache {
     }
 
     /// Tokens of `tokens` that `attach_longest` would attach now, without attaching them.
-    pub fn peek(&self, geom: &Geometry, tokens: &[u32]) -> usize {
+    pub fn peek(&self, geom: &KvGeometry, tokens: &[u32]) -> usize {
         self.longest(geom, tokens).len() * geom.page()
     }
 
@@ -168,7 +168,7 @@ impl PrefixCache {
     pub fn attach_longest(
         &mut self,
         pool: &mut BlockPool,
-        geom: &Geometry,
+        geom: &KvGeometry,
         tokens: &[u32],
     ) -> Result<Attached, KvError> {
         let ids = self.longest(geom, tokens);
@@ -200,7 +200,7 @@ impl PrefixCache {
     pub fn publish(
         &mut self,
         pool: &mut BlockPool,
-        geom: &Geometry,
+        geom: &KvGeometry,
         tokens: &[u32],
         table: &BlockTable,
     ) -> Result<usize, KvError> {
@@ -307,12 +307,12 @@ mod tests {
 
     const P: usize = 4;
 
-    fn geom(window: usize, sliding: Vec<bool>) -> Geometry {
-        Geometry::new(P, window, sliding).unwrap()
+    fn geom(window: usize, sliding: Vec<bool>) -> KvGeometry {
+        KvGeometry::new(P, window, sliding).unwrap()
     }
 
     /// A table of `len` tokens built from fresh pool blocks (no window release: window large).
-    fn written(pool: &mut BlockPool, g: &Geometry, len: usize) -> BlockTable {
+    fn written(pool: &mut BlockPool, g: &KvGeometry, len: usize) -> BlockTable {
         let mut t = BlockTable::new(g.num_layers());
         t.release_out_of_window(g, g.keep_from(0), |_| Ok(())).unwrap();
         t.map_through(g, len, |_| Ok(pool.allocate()?.block)).unwrap();

@@ -89,9 +89,9 @@ impl Live {
     }
 }
 
-/// Oracle of the window rule, written out independently of `Geometry::keep_from`: a query at `q`
+/// Oracle of the window rule, written out independently of `KvGeometry::keep_from`: a query at `q`
 /// sees [q−W+1, q], so a sliding layer needs page j iff the page ends after q−W.
-fn sees(geom: &Geometry, q: usize, page: usize) -> bool {
+fn sees(geom: &KvGeometry, q: usize, page: usize) -> bool {
     ((page + 1) * geom.page()) as i64 - 1 > q as i64 - geom.window() as i64
 }
 

@@ -5,7 +5,7 @@
 //! window; always 0 on full layers), pages from `low` to the end are mapped, and the row covers
 //! every position below `len`.
 
-use super::geometry::Geometry;
+use super::geometry::KvGeometry;
 use super::pool::BlockId;
 use super::KvError;
 
@@ -31,7 +31,7 @@ impl BlockTable {
 
     /// A table of `pages` full pages attached from the prefix cache; `rows[l]` is layer l's row
     /// (sliding layers unmapped below the window that the next query needs).
-    pub(crate) fn attached(geom: &Geometry, pages: usize, rows: Vec<Vec<i32>>) -> Self {
+    pub(crate) fn attached(geom: &KvGeometry, pages: usize, rows: Vec<Vec<i32>>) -> Self {
         let len = pages * geom.page();
         let low = (0..rows.len()).map(|l| if geom.is_sliding(l) { geom.keep_from(len) } else { 0 }).collect();
         let mut table = Self { len, rows, low, pages: 0, sliding_low: 0 };
@@ -39,7 +39,7 @@ impl BlockTable {
         table
     }
 
-    fn refresh(&mut self, geom: &Geometry) {
+    fn refresh(&mut self, geom: &KvGeometry) {
         self.pages = self.rows.iter().map(Vec::len).min().unwrap_or(0);
         self.sliding_low =
             (0..self.rows.len()).filter(|&l| geom.is_sliding(l)).map(|l| self.low[l]).min().unwrap_or(usize::MAX);
@@ -47,7 +47,7 @@ impl BlockTable {
 
     /// Grows to `new_len` without touching the rows when that maps and releases nothing (63 of
     /// every 64 decode steps); returns false, changing nothing, otherwise.
-    pub fn extend_in_place(&mut self, geom: &Geometry, new_len: usize) -> bool {
+    pub fn extend_in_place(&mut self, geom: &KvGeometry, new_len: usize) -> bool {
         if new_len < self.len || geom.pages_for(new_len) > self.pages || geom.keep_from(self.len) > self.sliding_low {
             return false;
         }
@@ -110,7 +110,7 @@ impl BlockTable {
 
     /// Blocks that growing to `new_len` must map, over all layers. The earliest new query is at
     /// position `len`, so sliding layers need nothing below `keep_from(len)`.
-    pub fn pages_to_map(&self, geom: &Geometry, new_len: usize) -> usize {
+    pub fn pages_to_map(&self, geom: &KvGeometry, new_len: usize) -> usize {
         let target = geom.pages_for(new_len);
         let keep = geom.keep_from(self.len);
         (0..self.rows.len())
@@ -122,7 +122,7 @@ impl BlockTable {
     }
 
     /// Blocks of sliding layers below page `keep` (those a grow past `len` lets go of).
-    pub fn out_of_window<'a>(&'a self, geom: &'a Geometry, keep: usize) -> impl Iterator<Item = BlockId> + 'a {
+    pub fn out_of_window<'a>(&'a self, geom: &'a KvGeometry, keep: usize) -> impl Iterator<Item = BlockId> + 'a {
         (0..self.rows.len()).filter(|&l| geom.is_sliding(l)).flat_map(move |l| {
             let end = keep.min(self.rows[l].len());
             self.rows[l].get(self.low[l]..end).unwrap_or(&[]).iter().map(|&b| b as BlockId)
@@ -133,7 +133,7 @@ impl BlockTable {
     /// The watermark makes this incremental: each page is looked at once.
     pub fn release_out_of_window(
         &mut self,
-        geom: &Geometry,
+        geom: &KvGeometry,
         keep: usize,
         mut release: impl FnMut(BlockId) -> Result<(), KvError>,
     ) -> Result<(), KvError> {
@@ -157,7 +157,7 @@ impl BlockTable {
     /// layer), skipping sliding-layer pages already out of the window, then records the length.
     pub fn map_through(
         &mut self,
-        geom: &Geometry,
+        geom: &KvGeometry,
         new_len: usize,
         mut alloc: impl FnMut(usize) -> Result<BlockId, KvError>,
     ) -> Result<(), KvError> {
@@ -184,7 +184,7 @@ impl BlockTable {
     /// later than `new_len`.
     pub fn truncate(
         &mut self,
-        geom: &Geometry,
+        geom: &KvGeometry,
         new_len: usize,
         mut release: impl FnMut(BlockId) -> Result<(), KvError>,
     ) -> Result<(), KvError> {
@@ -206,7 +206,7 @@ impl BlockTable {
     /// first (the free list reuses early releases first, so prefix pages survive longest) and,
     /// within a page, sliding layers before full ones (a lost full-layer page breaks every longer
     /// cached prefix, a lost sliding one only those whose window covers it).
-    pub fn release_order<'a>(&'a self, geom: &'a Geometry) -> impl Iterator<Item = BlockId> + 'a {
+    pub fn release_order<'a>(&'a self, geom: &'a KvGeometry) -> impl Iterator<Item = BlockId> + 'a {
         let pages = self.rows.iter().map(Vec::len).max().unwrap_or(0);
         (0..pages).rev().flat_map(move |j| {
             let sliding = (0..self.rows.len()).filter(|&l| geom.is_sliding(l));
@@ -216,7 +216,7 @@ impl BlockTable {
     }
 
     /// Structural invariants of the table against `geom` (used by `KvManager::check`).
-    pub fn check(&self, geom: &Geometry) -> Result<(), String> {
+    pub fn check(&self, geom: &KvGeometry) -> Result<(), String> {
         if self.rows.len() != geom.num_layers() {
             return Err(format!("{} rows for {} layers", self.rows.len(), geom.num_layers()));
         }
@@ -260,7 +260,7 @@ mod tests {
 
     fn grow(
         t: &mut BlockTable,
-        g: &Geometry,
+        g: &KvGeometry,
         new_len: usize,
         alloc: &mut impl FnMut(usize) -> Result<BlockId, KvError>,
     ) {
@@ -277,7 +277,7 @@ mod tests {
 
     #[test]
     fn growing_maps_the_page_of_each_new_position_on_every_layer() {
-        let g = Geometry::new(4, 8, vec![false, true]).unwrap();
+        let g = KvGeometry::new(4, 8, vec![false, true]).unwrap();
         let mut t = BlockTable::new(2);
         let mut alloc = counter();
         assert_eq!(t.pages_to_map(&g, 1), 2);
@@ -298,7 +298,7 @@ mod tests {
     /// Decodes one token at a time from 0 to `end`, reporting the sliding layer's watermark after
     /// each step (the step that computed position p).
     fn decode_watermarks(page: usize, window: usize, end: usize) -> Vec<usize> {
-        let g = Geometry::new(page, window, vec![true]).unwrap();
+        let g = KvGeometry::new(page, window, vec![true]).unwrap();
         let mut t = BlockTable::new(1);
         let mut alloc = counter();
         (1..=end)
@@ -342,7 +342,7 @@ mod tests {
 
     #[test]
     fn in_place_extension_only_when_nothing_changes() {
-        let g = Geometry::new(4, 8, vec![false, true]).unwrap();
+        let g = KvGeometry::new(4, 8, vec![false, true]).unwrap();
         let mut t = BlockTable::new(2);
         let mut alloc = counter();
         assert!(!t.extend_in_place(&g, 1)); // needs page 0
@@ -363,7 +363,7 @@ mod tests {
 
     #[test]
     fn full_layers_keep_everything() {
-        let g = Geometry::new(4, 4, vec![false, true]).unwrap();
+        let g = KvGeometry::new(4, 4, vec![false, true]).unwrap();
         let mut t = BlockTable::new(2);
         let mut alloc = counter();
         for len in 1..=40 {
@@ -376,7 +376,7 @@ mod tests {
 
     #[test]
     fn a_chunk_keeps_the_window_of_its_first_query() {
-        let g = Geometry::new(4, 8, vec![true]).unwrap();
+        let g = KvGeometry::new(4, 8, vec![true]).unwrap();
         let mut t = BlockTable::new(1);
         let mut alloc = counter();
         grow(&mut t, &g, 20, &mut alloc);
@@ -396,7 +396,7 @@ mod tests {
 
     #[test]
     fn dense_rows_are_padded() {
-        let g = Geometry::new(4, 4, vec![true]).unwrap();
+        let g = KvGeometry::new(4, 4, vec![true]).unwrap();
         let mut t = BlockTable::new(1);
         let mut alloc = counter();
         for len in [6, 8, 9] {
@@ -411,7 +411,7 @@ mod tests {
 
     #[test]
     fn release_order_is_reverse_logical_sliding_first() {
-        let g = Geometry::new(4, 100, vec![false, true]).unwrap();
+        let g = KvGeometry::new(4, 100, vec![false, true]).unwrap();
         let mut t = BlockTable::new(2);
         let mut alloc = counter();
         grow(&mut t, &g, 9, &mut alloc);

@@ -108,7 +108,7 @@ impl PyEngine {
     #[new]
     #[pyo3(signature = (
         runner, options, *, sliding, window, num_blocks, vocab_size, eos_token_id=None, noop_token=1,
-        step_rows=crate::gpu::step::MAX_STEP_ROWS
+        step_rows=crate::abi::STEP_MAX_ROWS
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -376,7 +376,7 @@ impl Drop for PyEngine {
 #[pyfunction]
 #[pyo3(signature = (sliding, window, len, chunk))]
 fn kv_blocks_needed(sliding: Vec<bool>, window: usize, len: usize, chunk: usize) -> PyResult<(usize, usize)> {
-    let g = crate::kv::Geometry::new(crate::kv::PAGE_SIZE, window, sliding).map_err(errors::kv_to_py)?;
+    let g = crate::kv::KvGeometry::new(crate::kv::PAGE_SIZE, window, sliding).map_err(errors::kv_to_py)?;
     Ok((g.blocks_needed(len), g.prefill_blocks_needed(len, chunk)))
 }
 
@@ -385,7 +385,7 @@ fn kv_blocks_needed(sliding: Vec<bool>, window: usize, len: usize, chunk: usize)
 #[pyfunction]
 #[pyo3(signature = (window, query))]
 fn kv_keep_from(window: usize, query: usize) -> PyResult<usize> {
-    let g = crate::kv::Geometry::new(crate::kv::PAGE_SIZE, window, vec![true]).map_err(errors::kv_to_py)?;
+    let g = crate::kv::KvGeometry::new(crate::kv::PAGE_SIZE, window, vec![true]).map_err(errors::kv_to_py)?;
     Ok(g.keep_from(query))
 }
 

@@ -5,9 +5,9 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::graph::{build_step, check, deal, BuildOptions, Dealing, Geometry};
+use crate::graph::{build_step, check, deal, BuildOptions, Dealing, ModelDims};
 
-pub(crate) fn geometry_from(cfg: &Bound<'_, PyAny>) -> PyResult<Geometry> {
+pub(crate) fn dims_from(cfg: &Bound<'_, PyAny>) -> PyResult<ModelDims> {
     let layers: usize = cfg.getattr("num_hidden_layers")?.extract()?;
     let mut window = Vec::with_capacity(layers);
     let mut moe = Vec::with_capacity(layers);
@@ -16,7 +16,7 @@ pub(crate) fn geometry_from(cfg: &Bound<'_, PyAny>) -> PyResult<Geometry> {
         moe.push(cfg.call_method1("is_moe", (l,))?.extract::<bool>()?);
     }
     let get = |name: &str| -> PyResult<usize> { cfg.getattr(name)?.extract() };
-    Ok(Geometry {
+    Ok(ModelDims {
         hidden: get("hidden_size")?,
         heads: get("num_attention_heads")?,
         kv_heads: get("num_key_value_heads")?,
@@ -56,7 +56,7 @@ pub fn build_step_graph<'py>(
     expert_queue: Option<bool>,
     local_routing: Option<bool>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let geom = geometry_from(config)?;
+    let geom = dims_from(config)?;
     let dealing = parse_dealing(dealing)?;
     let d = BuildOptions::default();
     let opts = BuildOptions {
@@ -135,12 +135,12 @@ pub fn megakernel_count(py: Python<'_>, device: usize) -> PyResult<usize> {
     py.detach(|| crate::gpu::Gpu::shared(device).map(|gpu| gpu.kernel_count())).map_err(super::errors::to_py)
 }
 
-/// Why `config`'s shapes cannot be cut into the megakernel's tasks (`graph::validate_geometry`:
+/// Why `config`'s shapes cannot be cut into the megakernel's tasks (`graph::validate_dims`:
 /// GEMV widths in whole 32-column chunks, ...), or None.
 #[pyfunction]
 pub fn graph_geometry_error(config: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
-    let geom = geometry_from(config)?;
-    Ok(crate::graph::validate_geometry(&geom).err().map(|e| e.to_string()))
+    let geom = dims_from(config)?;
+    Ok(crate::graph::validate_dims(&geom).err().map(|e| e.to_string()))
 }
 
 pub fn parse_dealing(name: &str) -> PyResult<Dealing> {

@@ -7,7 +7,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::errors;
-use super::graph::geometry_from;
+use super::graph::dims_from;
 use super::reference_backend::{reference_backend, ReferenceBackend};
 use crate::engine::megakernel::{MegakernelBackend, MegakernelDecoder};
 use crate::gpu::step::{GpuLauncher, StepSetup};
@@ -51,10 +51,10 @@ pub fn megakernel_backend(py: Python<'_>, runner: Py<PyAny>, vocab: usize) -> Py
     }
     // SAFETY: MkStepArgs is plain old data of exactly `size` bytes; any bit pattern is valid.
     let args: MkStepArgs = unsafe { std::ptr::read_unaligned(s.step_args.as_ptr().cast()) };
-    let geometry = geometry_from(runner.bind(py).getattr("model")?.getattr("config")?.as_any())?;
+    let dims = dims_from(runner.bind(py).getattr("model")?.getattr("config")?.as_any())?;
     let step = StepSetup {
         args,
-        geometry,
+        dims,
         rows: s.rows,
         max_splits: s.max_splits,
         slots: s.slots,

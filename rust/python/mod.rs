@@ -80,7 +80,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ROW_GROUPS", crate::graph::ROW_GROUPS)?;
     m.add("SAMPLE_PARTS", crate::graph::SAMPLE_PARTS)?;
     m.add("JSON_LAYOUT", crate::grammar::JSON_LAYOUT)?;
-    m.add("STEP_MAX_BATCH", crate::abi::STEP_MAX_BATCH)?;
+    m.add("STEP_MAX_ROWS", crate::abi::STEP_MAX_ROWS)?;
     m.add("MAX_DRAFT", crate::speculative::length::MAX_DRAFT)?;
     m.add_function(wrap_pyfunction!(gpu_available, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;

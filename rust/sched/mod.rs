@@ -66,7 +66,7 @@ impl SchedConfig {
             vocab_size,
             eos_token_id: None,
             max_draft: 0,
-            step_rows: crate::abi::STEP_MAX_BATCH,
+            step_rows: crate::abi::STEP_MAX_ROWS,
         }
     }
 }

@@ -29,7 +29,7 @@ from mk.engine.outputs import TokenEvent
 from mk.engine.runner import PrefillRunner, ReferenceRunner
 from mk.engine.sampling import ConstraintSpec, SamplingError, SamplingParams
 from mk.megakernel.runner import MegakernelRunner
-from mk.megakernel.support import MAX_STEP_ROWS, choose_backend
+from mk.megakernel.support import STEP_MAX_ROWS, choose_backend
 from mk.model.reference import Model
 from mk.prefill.packed import Prefill, stack_experts
 
@@ -107,7 +107,7 @@ class Engine:
             if opts.backend == "megakernel":
                 kinds = dict(kernel_masks=opts.kernel_masks, late_masks=opts.late_masks, dealing=opts.dealing)
                 # Drafts fill a launch's rows beyond the batch's own: its buffers take a whole launch.
-                kinds["rows"] = MAX_STEP_ROWS if opts.speculative else None
+                kinds["rows"] = STEP_MAX_ROWS if opts.speculative else None
                 return MegakernelRunner(model, blocks, opts.max_batch, context, **common, **kinds)
             return ReferenceRunner(model, blocks, opts.max_batch, context, **common)
 
@@ -161,7 +161,7 @@ class Engine:
                 num_blocks=num_blocks,
                 vocab_size=cfg.vocab_size,
                 eos_token_id=cfg.eos_token_id,
-                step_rows=self._runner.rows if opts.backend == "megakernel" else MAX_STEP_ROWS,
+                step_rows=self._runner.rows if opts.backend == "megakernel" else STEP_MAX_ROWS,
             )
         except BaseException:
             # Drop the prefill's CUDA graphs now: left to the garbage collector, their memory pools

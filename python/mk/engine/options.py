@@ -21,7 +21,7 @@ from mk.engine import memory
 # Sequences decoded together on a GPU: the rows of one megakernel launch (its wide image), which
 # decodes them faster than two launches of 8, and a 9th concurrent request starts at once instead
 # of waiting for a running one to finish.
-MAX_BATCH = _native.STEP_MAX_BATCH
+GPU_MAX_BATCH = _native.STEP_MAX_ROWS
 # On the CPU, whose KV pool is sized for a whole batch: a smaller batch.
 CPU_MAX_BATCH = 8
 # Prompt tokens one loop iteration prefills on a GPU. A prefill call that does not replay a CUDA
@@ -82,9 +82,9 @@ class EngineOptions:
     )
     max_batch: int | None = _option(
         None,
-        f"most sequences decoded together; up to {MAX_BATCH} run as one megakernel launch, more as several",
+        f"most sequences decoded together; up to {GPU_MAX_BATCH} run as one megakernel launch, more as several",
         minimum=1,
-        default_text=f"{MAX_BATCH} on a GPU, {CPU_MAX_BATCH} on the CPU",
+        default_text=f"{GPU_MAX_BATCH} on a GPU, {CPU_MAX_BATCH} on the CPU",
     )
     max_context: int = _option(
         4096,
@@ -233,7 +233,7 @@ class EngineOptions:
             self,
             backend=backend,
             prefill="fast" if fast else "reference",
-            max_batch=self.max_batch or (MAX_BATCH if cuda else CPU_MAX_BATCH),
+            max_batch=self.max_batch or (GPU_MAX_BATCH if cuda else CPU_MAX_BATCH),
             prefill_chunk=chunk,
             decode_prefill_budget=budget,
             sliced_prefill=sliced,

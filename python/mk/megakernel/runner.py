@@ -18,7 +18,7 @@ from mk import _native
 from mk.engine.runner import PrefillRunner
 from mk.megakernel.buffers import StepBuffers
 from mk.megakernel.launch import ModelTables, fixed_step_args, pack_step_args
-from mk.megakernel.support import MAX_STEP_ROWS, MegakernelUnavailable, megakernel_unsupported
+from mk.megakernel.support import STEP_MAX_ROWS, MegakernelUnavailable, megakernel_unsupported
 from mk.model.reference import Model
 from mk.prefill.packed import Prefill
 
@@ -83,11 +83,11 @@ class MegakernelRunner(PrefillRunner):
         super().__init__(model, num_blocks, max_batch, max_context, fast_prefill, prefill_chunk)
         cfg, device = model.config, model.device
         self.stream = torch.cuda.Stream(device)
-        # Rows of one launch (None: the batch's, up to MAX_STEP_ROWS); larger steps run as several
+        # Rows of one launch (None: the batch's, up to STEP_MAX_ROWS); larger steps run as several
         # launches, each over these buffers in turn.
-        self.rows = min(max_batch, MAX_STEP_ROWS) if rows is None else rows
-        if not 1 <= self.rows <= MAX_STEP_ROWS:
-            raise ValueError(f"a launch takes 1 to {MAX_STEP_ROWS} rows, not {self.rows}")
+        self.rows = min(max_batch, STEP_MAX_ROWS) if rows is None else rows
+        if not 1 <= self.rows <= STEP_MAX_ROWS:
+            raise ValueError(f"a launch takes 1 to {STEP_MAX_ROWS} rows, not {self.rows}")
         self.slots = min(cfg.num_experts, self.rows * cfg.num_experts_per_tok)
         # Automatic attention splits never exceed one per SM (graph::Builder::attention).
         self.max_splits = torch.cuda.get_device_properties(device).multi_processor_count

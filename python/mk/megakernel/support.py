@@ -14,9 +14,9 @@ from mk.config import ModelConfig
 
 BACKENDS = ("auto", "megakernel", "reference")
 
-# Rows one launch takes (MK_STEP_MAX_BATCH in cuda/abi.h: 1-8 rows run the narrow megakernel image,
+# Rows one launch takes (MK_STEP_MAX_ROWS in cuda/abi.h: 1-8 rows run the narrow megakernel image,
 # 9-16 the wide one). A larger engine batch runs as several launches per step.
-MAX_STEP_ROWS = _native.STEP_MAX_BATCH
+STEP_MAX_ROWS = _native.STEP_MAX_ROWS
 
 
 class MegakernelUnavailable(RuntimeError):

@@ -71,7 +71,7 @@ def pages_needed(upto_pos: int) -> int:
 
 def window_start_page(cfg: ModelConfig, pos: int) -> int:
     """First page a sliding layer still needs when the lowest future query is at `pos` (rust/kv
-    `Geometry::keep_from`)."""
+    `KvGeometry::keep_from`)."""
     return max(0, pos - cfg.sliding_window + 1) // PAGE_SIZE
 
 

@@ -26,7 +26,7 @@ from server_util import ServerProcess, free_ports
 from mk.server import replicas
 from mk.server.__main__ import parse_args
 from mk.server.balancer import BALANCE_ABS, BLOCK_CHARS, Balancer, prefix_blocks
-from mk.server.front import prompt_of
+from mk.server.front import ROUTED_CHARS, prompt_of
 from mk.server.merged_metrics import merge_pages
 
 pytestmark = pytest.mark.slow  # (starts data-parallel servers and single servers)
@@ -177,6 +177,21 @@ def test_the_prompt_is_read_from_the_fields_that_make_it():
     assert prompt_of("/v1/completions", b"not json") == (None, None)
     assert prompt_of("/v1/completions", b"[1, 2]") == (None, None)
     assert prompt_of("/v1/completions", b'{"max_tokens": 1}') == (None, None)
+
+
+def test_the_router_reads_only_the_start_of_a_huge_prompt():
+    """A prompt of millions of token ids gives the router its first ROUTED_CHARS characters, the
+    same ones a whole dump would start with; a short prompt's text is whole."""
+    ids = list(range(200_000, 200_000 + 400_000))
+    body = json.dumps({"prompt": ids, "max_tokens": 1, "system": "s"}).encode()
+    text, _ = prompt_of("/v1/completions", body)
+    whole = '"s"' + json.dumps(ids, separators=(",", ":"))
+    assert len(whole) > ROUTED_CHARS and text == whole[:ROUTED_CHARS]
+    nested = {"messages": [{"role": "user", "content": "x" * 50}] * 3, "tools": [[1], "t"]}
+    text, _ = prompt_of("/v1/chat/completions", json.dumps(nested).encode())
+    assert text == json.dumps(nested["tools"], separators=(",", ":")) + json.dumps(
+        nested["messages"], separators=(",", ":")
+    )
 
 
 def test_the_metrics_pages_merge_into_one_family_each_with_the_replica_as_a_label():

@@ -4,6 +4,7 @@ through the data-parallel front."""
 
 import asyncio
 import json
+import random
 import threading
 import time
 
@@ -12,7 +13,9 @@ import pytest
 from server_util import ServerProcess, free_ports
 
 from mk.default_model import EMBEDDED_DIR
-from mk.server.offload import LARGE_BODY_BYTES, Offload
+from mk.server import http
+from mk.server.http import LARGE_BODY_BYTES
+from mk.server.offload import Offload
 from mk.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow  # (starts python -m mk.server)
@@ -148,3 +151,23 @@ def test_memory_goes_back_after_a_long_prompt(server):
         assert r.status_code == 400 and "at least" not in r.text, r.text  # (tokenized, not refused by size)
     after = tree_rss_bytes(server.proc.pid)
     assert after < 1.2 * before, (before / 2**20, after / 2**20)
+
+
+def test_a_large_body_is_parsed_with_python_hooks_and_to_the_same_values(monkeypatch):
+    """From LARGE_BODY_BYTES on, every number and object of a body passes through a Python-level hook
+    (where the parsing thread may hand the GIL to the event loop), and the values are json.loads'."""
+    calls = {"int": 0, "float": 0, "object": 0}
+    for name, hook in (("int", http._int), ("float", http._float), ("object", http._object)):
+        monkeypatch.setattr(
+            http, f"_{name}", lambda s, hook=hook, name=name: calls.__setitem__(name, calls[name] + 1) or hook(s)
+        )
+    rng = random.Random()
+    small = {"prompt": [rng.randrange(1 << 20) for _ in range(100)], "temperature": rng.random(), "x": [{"a": -1e-3}]}
+    assert http.parse_json(json.dumps(small).encode()) == small and calls == {"int": 0, "float": 0, "object": 0}
+    ids = [rng.randrange(1 << 20) for _ in range(LARGE_BODY_BYTES // 4)]
+    large = {**small, "prompt": ids, "logit": [rng.uniform(-1e6, 1e6) for _ in range(1000)], "n": -7}
+    body = json.dumps(large).encode()
+    assert len(body) >= LARGE_BODY_BYTES
+    parsed = http.parse_json(body)
+    assert parsed == json.loads(body) == large
+    assert calls == {"int": len(ids) + 1, "float": 1000 + 2, "object": 2}

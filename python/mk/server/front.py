@@ -39,8 +39,9 @@ NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
 # order a prompt renders them.
 GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", ANTHROPIC_ROUTE, RESPONSES_ROUTE})
 PROMPT_FIELDS = ("instructions", "system", "tools", "messages", "prompt", "input")
-# A body larger than this is parsed on a thread, not on the event loop.
-THREAD_PARSE_BYTES = 1 << 20
+# The most characters of a prompt's text the router reads: a conversation is known by its first
+# hundreds of thousands of tokens, and a larger request costs the router no more than this.
+ROUTED_CHARS = 1 << 20
 # A Responses answer names its id first: `{"id":"resp_...` whole, in its first event streamed.
 RESPONSE_ID = re.compile(rb'"id":"(resp_[A-Za-z0-9_-]+)"')
 ID_SCAN_BYTES = 8192
@@ -52,17 +53,46 @@ class Unreachable(Exception):
 
 
 def prompt_of(path: str, body: bytes) -> tuple[str | None, str | None]:
-    """The text a request's prompt is made of (for prefix routing), and the previous_response_id it names;
-    (None, None) for a body that is no JSON object (the replica it goes to says what is wrong with it)."""
+    """The text a request's prompt starts with (for prefix routing: at most `ROUTED_CHARS`), and the
+    previous_response_id it names; (None, None) for a body that is no JSON object (the replica it
+    goes to says what is wrong with it)."""
     try:
-        obj = json.loads(body)
+        obj = http.loads(body)
         if not isinstance(obj, dict):
             return None, None
-        fields = [json.dumps(obj[f], ensure_ascii=False, separators=(",", ":")) for f in PROMPT_FIELDS if f in obj]
+        text = _leading_text([obj[f] for f in PROMPT_FIELDS if f in obj], ROUTED_CHARS)
     except (ValueError, RecursionError):
         return None, None
     previous = obj.get("previous_response_id") if path == RESPONSES_ROUTE else None
-    return "".join(fields) or None, previous if isinstance(previous, str) else None
+    return text or None, previous if isinstance(previous, str) else None
+
+
+def _leading_text(values: list[Any], budget: int) -> str:
+    """The first `budget` characters of the values written as compact JSON one after the other, a
+    list item by item, so that a huge list costs no more than its first items."""
+    parts: list[str] = []
+    for value in values:
+        if budget <= 0:
+            break
+        if isinstance(value, list):
+            parts.append("[")
+            budget -= 1
+            for i, item in enumerate(value):
+                if budget <= 0:
+                    break
+                parts.append((("," if i else "") + _compact(item))[:budget])
+                budget -= len(parts[-1])
+            if budget > 0:
+                parts.append("]")
+                budget -= 1
+        else:
+            parts.append(_compact(value)[:budget])
+            budget -= len(parts[-1])
+    return "".join(parts)
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 class Front:
@@ -126,7 +156,7 @@ class Front:
             return
         text, named = None, None  # the prompt, and the stored response the request names
         if method == "POST" and path in GENERATION_ROUTES:
-            parse = asyncio.to_thread if len(body) > THREAD_PARSE_BYTES else _now
+            parse = asyncio.to_thread if len(body) >= http.LARGE_BODY_BYTES else _now
             text, named = await parse(prompt_of, path, body)
         elif path.startswith(RESPONSES_ROUTE + "/") and path.count("/") == 3:  # GET or DELETE of a stored one
             named = path.removeprefix(RESPONSES_ROUTE + "/")

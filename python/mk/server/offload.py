@@ -16,6 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from mk.server.http import LARGE_BODY_BYTES
+
 T = TypeVar("T")
 
 # Threads preparing requests.
@@ -23,8 +25,6 @@ THREADS = 4
 # Of them, at most this many prepare a large request at once, so that small requests always find a
 # thread: a few multi-megabyte prompts cannot queue a short one behind seconds of tokenizing.
 LARGE_JOBS = 2
-# A request whose body has this many bytes or more is a large one.
-LARGE_BODY_BYTES = 1 << 20
 
 
 class Offload:

@@ -42,7 +42,7 @@ NEW_NAME = "{}_edited"
 
 
 def edits(fn) -> dict[str, tuple[str, str]]:
-    """Each edit form that applies to `fn` (a scripts/train_embedded.py Function): its prompt, ending at
+    """Each edit form that applies to `fn` (a scripts/embedded/corpus.py Function): its prompt, ending at
     the edited docstring's closing quotes (where the completion test ends its prompts), and the edit's
     own continuation (the body, edited as asked)."""
     renamed = fn.prompt.replace(f"def {fn.name}(", f"def {NEW_NAME.format(fn.name)}(", 1)

@@ -36,7 +36,10 @@ HERE = Path(__file__).resolve().parent
 
 sys.path.insert(0, str(HERE))  # its siblings, imported by name (once)
 import code_corpus as cc  # noqa: E402
-import train_embedded as te  # noqa: E402
+from embedded.corpus import pick_test_functions  # noqa: E402
+from embedded.documents import TOOLS, tool_prompt  # noqa: E402
+from embedded.evaluation import action_ok, cut_completion, parses_with_body  # noqa: E402
+from embedded.unlikelihood import loop_free  # noqa: E402
 
 MAX_NEW = 96
 CHAT_TASKS = (
@@ -70,7 +73,7 @@ def held_out_functions(held: list[str], count: int) -> list:
     if missing:
         raise SystemExit(f"not installed here: {', '.join(sorted(missing))}")
     files = {path: text for texts in cc.build(packages, set(held)).held_out.values() for path, text in texts.items()}
-    return te.pick_test_functions(files, count)  # the functions training held out, if it held these out
+    return pick_test_functions(files, count)  # the functions training held out, if it held these out
 
 
 def prompt_forms(fn) -> dict[str, str]:
@@ -82,8 +85,8 @@ def prompt_forms(fn) -> dict[str, str]:
 
 def form_ok(head: str, text: str, stopped: bool) -> bool:
     """A completion of `head` that parses as a function with a body, neither a code fence nor empty."""
-    body = te.cut_completion(text, stopped)
-    return not text.lstrip().startswith("```") and bool(body.strip()) and te.parses_with_body(head + body)
+    body = cut_completion(text, stopped)
+    return not text.lstrip().startswith("```") and bool(body.strip()) and parses_with_body(head + body)
 
 
 def chat_code(answer: str) -> bool:
@@ -111,12 +114,12 @@ def evaluate(llm, fns: list) -> dict:
     rows = []
     for f, head, out in zip(fns, heads, completions, strict=True):
         o = out.outputs[0]
-        body = te.cut_completion(o.text, o.finish_reason == "stop")
+        body = cut_completion(o.text, o.finish_reason == "stop")
         rows.append(
             {
                 "name": f"{f.path}:{f.name}",
-                "ok": te.parses_with_body(head + body),
-                "loop_free": te.loop_free(o.text),
+                "ok": parses_with_body(head + body),
+                "loop_free": loop_free(o.text),
                 "text": o.text,
             }
         )
@@ -143,10 +146,10 @@ def evaluate(llm, fns: list) -> dict:
         answer = text.split("<|START_RESPONSE|>", 1)[-1].split("<|END_RESPONSE|>", 1)[0]
         chat_rows.append({"task": task, "ok": "<|START_RESPONSE|>" in text and chat_code(answer), "text": text})
 
-    # Held-out functions come from a site-packages corpus: their modules as imported (te.import_path).
-    tool_prompts = [tok.apply_chat_template(te.tool_prompt(f, site=True), tools=te.TOOLS) for f in fns]
+    # Held-out functions come from a site-packages corpus: their modules as imported (embedded.documents.import_path).
+    tool_prompts = [tok.apply_chat_template(tool_prompt(f, site=True), tools=TOOLS) for f in fns]
     tools = llm.generate([tok.encode(p, add_special_tokens=False) for p in tool_prompts], greedy, use_tqdm=False)
-    tool_ok = [te.action_ok(raw(o)) for o in tools]
+    tool_ok = [action_ok(raw(o)) for o in tools]
 
     def share(values) -> float:
         values = list(values)

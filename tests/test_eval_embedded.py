@@ -13,16 +13,18 @@ REPO = Path(__file__).resolve().parent.parent
 
 sys.path.insert(0, str(REPO / "scripts"))  # the scripts import each other by name
 import eval_embedded as ev  # noqa: E402
+from embedded.corpus import Function  # noqa: E402
+from embedded.unlikelihood import loop_free  # noqa: E402
 
 pytestmark = pytest.mark.slow  # (evaluates the built-in model over held-out packages)
 
 
 def test_a_line_repeated_more_than_three_times_is_a_loop():
-    """The harness counts loops with the recipe's rule (train_embedded.loop_free, which its unlikelihood
+    """The harness counts loops with the recipe's rule (embedded.unlikelihood.loop_free, which its unlikelihood
     phase trains against)."""
-    assert ev.te.loop_free("a = 1\nb = 2\n\n\n\n\n")
-    assert ev.te.loop_free("import os\n" * 3 + "x = 1\n")
-    assert not ev.te.loop_free("import os\n" * 4)
+    assert loop_free("a = 1\nb = 2\n\n\n\n\n")
+    assert loop_free("import os\n" * 3 + "x = 1\n")
+    assert not loop_free("import os\n" * 4)
 
 
 def test_a_chat_answer_counts_when_its_code_defines_a_function():
@@ -43,7 +45,7 @@ def test_held_out_prompts_are_functions_of_the_named_package():
 
 
 def test_the_prompt_forms_users_type_and_what_counts_as_a_completion_of_them():
-    fn = ev.te.Function("m.py", "add", 1, 'def add(a, b):\n    """Add."""\n', "    return a + b\n")
+    fn = Function("m.py", "add", 1, 'def add(a, b):\n    """Add."""\n', "    return a + b\n")
     forms = ev.prompt_forms(fn)
     assert forms == {
         "quotes": 'def add(a, b):\n    """Add."""',

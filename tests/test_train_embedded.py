@@ -34,7 +34,40 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 sys.path.insert(0, str(REPO / "scripts"))  # the scripts import each other by name
-import train_embedded as te  # noqa: E402
+import train_embedded as te  # noqa: E402  (main, preset_config: the command line)
+from embedded.corpus import (  # noqa: E402
+    PER_FILE,
+    SITE,
+    _normalise,
+    build_corpus,
+    build_site_corpus,
+    code_corpus,
+    extract_functions,
+    first_files,
+    holdout_key,
+    list_sources,
+    read_source,
+)
+from embedded.documents import (  # noqa: E402
+    TOOL_NAMES,
+    _summary,
+    build_documents,
+    chat_example,
+    import_path,
+    tool_examples,
+    tool_prompt,
+)
+from embedded.evaluation import action_ok, cut_completion, parses_with_body  # noqa: E402
+from embedded.outputs import unshippable, write_shipped  # noqa: E402
+from embedded.tokens import build_tokenizer, encode_chat, encode_code, token_stream  # noqa: E402
+from embedded.unlikelihood import (  # noqa: E402
+    UL_MAX_VAL_COST,
+    loop_free,
+    looping_examples,
+    repeat_marks,
+    unlikelihood_loss,
+    unlikelihood_phase,
+)
 
 pytestmark = pytest.mark.slow  # (trains small models)
 
@@ -70,76 +103,74 @@ def fake_stdlib(tmp_path: Path) -> Path:
 
 
 def _normalised_sources(corpus) -> list[str]:
-    return [te._normalise(f.source) for f in corpus.test_functions]
+    return [_normalise(f.source) for f in corpus.test_functions]
 
 
 # ---- corpus ---------------------------------------------------------------------------------------
 
 
 def test_holdout_is_deterministic_disjoint_and_skips_tests(fake_stdlib):
-    a = te.build_corpus(fake_stdlib, heldout=10)
-    b = te.build_corpus(fake_stdlib, heldout=10)
+    a = build_corpus(fake_stdlib, heldout=10)
+    b = build_corpus(fake_stdlib, heldout=10)
     assert a.test_functions == b.test_functions and a.heldout == b.heldout and a.train == b.train
     assert len(a.test_functions) == 10
     assert {f.path for f in a.test_functions} == set(a.heldout)
-    assert all(sum(f.path == p for f in a.test_functions) <= te.PER_FILE for p in a.heldout)
+    assert all(sum(f.path == p for f in a.test_functions) <= PER_FILE for p in a.heldout)
     assert not (set(a.train) & set(a.heldout)) and not (set(a.train) & set(a.val)) and not (set(a.val) & set(a.heldout))
     everything = set(a.train) | set(a.val) | set(a.heldout)
     assert not any(p.startswith(("test/", "site-packages/", "pydoc_data/")) or "/tests/" in p for p in everything)
     assert "broken.py" not in everything and "latin.py" not in everything
     # The held-out files are the first files (in path-hash order) that have functions fit for the test.
-    order = sorted(te.list_sources(fake_stdlib), key=te.holdout_key)
-    fit = [
-        p for p in order if te.read_source(fake_stdlib / p) and te.extract_functions(p, (fake_stdlib / p).read_text())
-    ]
+    order = sorted(list_sources(fake_stdlib), key=holdout_key)
+    fit = [p for p in order if read_source(fake_stdlib / p) and extract_functions(p, (fake_stdlib / p).read_text())]
     assert list(a.heldout) == fit[: len(a.heldout)]
     # Fewer training files leave the held-out and validation sets alone.
-    c = te.build_corpus(fake_stdlib, heldout=10, max_files=5)
+    c = build_corpus(fake_stdlib, heldout=10, max_files=5)
     assert c.heldout == a.heldout and c.val == a.val and len(c.train) == 5
 
 
 def test_byte_caps_keep_the_first_training_files_and_bound_the_tokenizer_text(fake_stdlib):
-    full = te.build_corpus(fake_stdlib, heldout=10)
+    full = build_corpus(fake_stdlib, heldout=10)
     sizes = [len(t) for t in full.train.values()]
     cap = sum(sizes[:3]) + sizes[3] // 2  # three whole files and half of the fourth
-    capped = te.build_corpus(fake_stdlib, heldout=10, max_bytes=cap)
+    capped = build_corpus(fake_stdlib, heldout=10, max_bytes=cap)
     assert list(capped.train) == list(full.train)[:3]
     assert capped.heldout == full.heldout and capped.val == full.val  # only the training side shrinks
-    assert te.first_files(full.train, 2, None) == (dict(list(full.train.items())[:2]), [])
-    assert te.first_files(full.train, None, None) == (full.train, [])
+    assert first_files(full.train, 2, None) == (dict(list(full.train.items())[:2]), [])
+    assert first_files(full.train, None, None) == (full.train, [])
     first = next(iter(full.train))
-    kept, dropped = te.first_files(full.train, 2, None, lambda t: t == full.train[first])
+    kept, dropped = first_files(full.train, 2, None, lambda t: t == full.train[first])
     assert dropped == [first] and list(kept) == list(full.train)[1:3]
-    docs = te.build_documents(full, 3, 0)
-    small = te.build_tokenizer(docs, 300, max_code_bytes=sizes[0])
-    whole = te.build_tokenizer(docs, 300)
+    docs = build_documents(full, 3, 0)
+    small = build_tokenizer(docs, 300, max_code_bytes=sizes[0])
+    whole = build_tokenizer(docs, 300)
     for name, i in tokenizer_files.SPECIAL_IDS.items():
         assert small.token_to_id(name) == whole.token_to_id(name) == i
-    assert te.build_tokenizer(docs, 300, max_code_bytes=sum(sizes)).get_vocab() == whole.get_vocab()
+    assert build_tokenizer(docs, 300, max_code_bytes=sum(sizes)).get_vocab() == whole.get_vocab()
 
 
 def test_the_token_stream_is_the_documents_in_seeded_order():
     pieces = [[1, 2], [], [3], [4, 5, 6]]
-    stream = te.token_stream(pieces, seed=5)
+    stream = token_stream(pieces, seed=5)
     order = list(range(4))
     random.Random(5).shuffle(order)
     assert stream.tolist() == [t for i in order for t in pieces[i]] and stream.dtype == torch.long
-    assert te.token_stream([], seed=1).tolist() == []
+    assert token_stream([], seed=1).tolist() == []
 
 
 def test_held_out_functions_never_reach_the_training_documents(fake_stdlib):
-    first = te.build_corpus(fake_stdlib, heldout=10)
+    first = build_corpus(fake_stdlib, heldout=10)
     victim = first.test_functions[3]
     # A copy of a held-out function in a file that sorts after every other one: it must be dropped.
-    name = max((f"copy{i}.py" for i in range(200)), key=te.holdout_key)
+    name = max((f"copy{i}.py" for i in range(200)), key=holdout_key)
     (fake_stdlib / name).write_text("import sys\n\n\n" + victim.source)
-    corpus = te.build_corpus(fake_stdlib, heldout=10)
+    corpus = build_corpus(fake_stdlib, heldout=10)
     assert corpus.test_functions == first.test_functions
     assert corpus.leak_excluded == [name] and name not in corpus.train
-    docs = te.build_documents(corpus, tool_count=20, seed=0)
+    docs = build_documents(corpus, tool_count=20, seed=0)
     needles = _normalised_sources(corpus)
     for text in [*docs.code, *docs.chat, *docs.tools]:
-        hay = te._normalise(text)
+        hay = _normalise(text)
         assert not any(n in hay for n in needles)
     assert not any(f.path in corpus.heldout for f in corpus.train_functions)
 
@@ -147,15 +178,15 @@ def test_held_out_functions_never_reach_the_training_documents(fake_stdlib):
 def test_real_stdlib_split_has_100_functions_and_no_leak():
     import sysconfig
 
-    corpus = te.build_corpus(sysconfig.get_paths()["stdlib"], heldout=100, max_files=30)
-    assert len(corpus.test_functions) == 100 and len(corpus.heldout) >= 100 // te.PER_FILE
+    corpus = build_corpus(sysconfig.get_paths()["stdlib"], heldout=100, max_files=30)
+    assert len(corpus.test_functions) == 100 and len(corpus.heldout) >= 100 // PER_FILE
     assert not (set(corpus.train) & set(corpus.heldout))
     needles = _normalised_sources(corpus)
     for text in corpus.train.values():
-        hay = te._normalise(text)
+        hay = _normalise(text)
         assert not any(n in hay for n in needles)
     for f in corpus.test_functions:
-        assert te.parses_with_body(f.source) and not te.parses_with_body(f.prompt)  # prompt: docstring only
+        assert parses_with_body(f.source) and not parses_with_body(f.prompt)  # prompt: docstring only
         assert f.prompt.endswith("\n") and f.body.lstrip("\n").startswith((" ", "\t"))
 
 
@@ -166,7 +197,7 @@ def test_a_site_corpus_holds_whole_packages_out(tmp_path):
     """Training on installed packages (scripts/code_corpus.py): the held-out packages' files are the
     held-out set and their functions the tests; training and validation files come from the others,
     and a training file that copies a held-out function is dropped."""
-    cc = te._code_corpus()
+    cc = code_corpus()
 
     def package(name: str, modules: dict[str, str]):
         root = tmp_path / name
@@ -180,32 +211,32 @@ def test_a_site_corpus_holds_whole_packages_out(tmp_path):
     copies = package("copies", {"copies/c.py": _module(500) + "\n\n" + held_fn})
     held = package("held", {f"held/h{i}.py": _module(100 + i).replace("func_", "hfunc_") for i in range(6)})
     (tmp_path / "held" / "held" / "h0.py").write_text(_module(100).replace("func_", "hfunc_") + "\n\n" + held_fn)
-    corpus, manifest = te.build_site_corpus([train, copies, held], {"held"}, heldout=12)
+    corpus, manifest = build_site_corpus([train, copies, held], {"held"}, heldout=12)
     assert set(corpus.heldout) == {f"held/held/h{i}.py" for i in range(6)}
     assert len(corpus.test_functions) == 12 and all(f.path.startswith("held/") for f in corpus.test_functions)
     assert not set(corpus.train) & set(corpus.val) and all(p.startswith(("train/", "copies/")) for p in corpus.train)
     assert len(corpus.train) + len(corpus.val) + len(corpus.leak_excluded) == 31
     assert manifest["held_out"] == ["held"] and {r["name"] for r in manifest["packages"]} == {"train", "copies", "held"}
     needles = _normalised_sources(corpus)  # no training file copies a test function
-    assert not any(n in te._normalise(t) for t in corpus.train.values() for n in needles)
+    assert not any(n in _normalise(t) for t in corpus.train.values() for n in needles)
     assert set(corpus.leak_excluded) <= {"copies/copies/c.py"}
-    again, _ = te.build_site_corpus([train, copies, held], {"held"}, heldout=12)
+    again, _ = build_site_corpus([train, copies, held], {"held"}, heldout=12)
     assert again.train == corpus.train and [f.name for f in again.test_functions] == [
         f.name for f in corpus.test_functions
     ]
     # Capped: the first training files in the same order, the held-out side and validation unchanged.
     cap = sum(len(t) for t in list(corpus.train.values())[:5])
-    capped, _ = te.build_site_corpus([train, copies, held], {"held"}, heldout=12, max_bytes=cap)
+    capped, _ = build_site_corpus([train, copies, held], {"held"}, heldout=12, max_bytes=cap)
     assert list(capped.train) == list(corpus.train)[:5]
     assert capped.val == corpus.val and capped.heldout == corpus.heldout
-    assert not any(n in te._normalise(t) for t in capped.train.values() for n in needles)
+    assert not any(n in _normalise(t) for t in capped.train.values() for n in needles)
 
 
 def test_chat_examples_render_with_the_template(fake_stdlib):
-    corpus = te.build_corpus(fake_stdlib, heldout=10)
+    corpus = build_corpus(fake_stdlib, heldout=10)
     kinds = set()
     for fn in corpus.train_functions:
-        text = te.chat_example(fn)
+        text = chat_example(fn)
         assert text.startswith(tokenizer_files.BOS + "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>")
         assert "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_THINKING|>" in text and "<|END_THINKING|>" in text
         user = text.split("<|USER_TOKEN|>")[1].split("<|END_OF_TURN_TOKEN|>")[0]
@@ -213,7 +244,7 @@ def test_chat_examples_render_with_the_template(fake_stdlib):
         if user.startswith("Write a Python function"):
             # The whole function in a fenced block, from its summary: what the chat bar asks for.
             kinds.add("write")
-            assert te._summary(fn) in user and content == f"```python\n{fn.source}```"
+            assert _summary(fn) in user and content == f"```python\n{fn.source}```"
             tree = ast.parse(content.removeprefix("```python\n").removesuffix("```"))
             assert isinstance(tree.body[0], ast.FunctionDef | ast.AsyncFunctionDef)
         else:
@@ -228,66 +259,64 @@ def test_chat_examples_render_with_the_template(fake_stdlib):
 
 
 def test_documents_hold_each_training_function_alone_and_code_ends_without_a_newline(fake_stdlib):
-    corpus = te.build_corpus(fake_stdlib, heldout=10)
-    docs = te.build_documents(corpus, tool_count=5, seed=0)
+    corpus = build_corpus(fake_stdlib, heldout=10)
+    docs = build_documents(corpus, tool_count=5, seed=0)
     assert docs.functions == [f.source for f in corpus.train_functions] and docs.functions
-    tok = te.build_tokenizer(docs, 600)
+    tok = build_tokenizer(docs, 600)
     newline = {i for t, i in tok.get_vocab().items() if set(tok.decode([i])) <= {"\n"} and tok.decode([i])}
-    for ids in te.encode_code(tok, docs.code + docs.functions):
+    for ids in encode_code(tok, docs.code + docs.functions):
         assert ids[-1] == tokenizer_files.EOS_ID and ids[-2] not in newline
 
 
 def test_tool_examples_are_cohere_action_blocks(fake_stdlib):
-    corpus = te.build_corpus(fake_stdlib, heldout=10)
-    examples = te.tool_examples(corpus, 25, seed=0)
-    assert len(examples) == 25 and examples == te.tool_examples(corpus, 25, seed=0)
+    corpus = build_corpus(fake_stdlib, heldout=10)
+    examples = tool_examples(corpus, 25, seed=0)
+    assert len(examples) == 25 and examples == tool_examples(corpus, 25, seed=0)
     names = set()
     for text in examples:
         assert text.startswith(tokenizer_files.BOS + "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|># Available Tools")
-        assert te.action_ok(text)
+        assert action_ok(text)
         block = text.split("<|START_ACTION|>")[1].split("<|END_ACTION|>")[0]
         calls = json.loads(block)
         assert all(set(c) == {"tool_call_id", "tool_name", "parameters"} for c in calls)
         names |= {c["tool_name"] for c in calls}
         assert "<|START_TOOL_RESULT|>" in text and text.endswith("<|END_RESPONSE|><|END_OF_TURN_TOKEN|>")
-    assert names == te.TOOL_NAMES
+    assert names == TOOL_NAMES
     assert any(len(json.loads(t.split("<|START_ACTION|>")[1].split("<|END_ACTION|>")[0])) == 2 for t in examples)
-    assert not te.action_ok("<|START_ACTION|>[{'tool_name': 'x'}]<|END_ACTION|>")
-    assert not te.action_ok(
-        '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "rm", "parameters": {}}]<|END_ACTION|>'
-    )
+    assert not action_ok("<|START_ACTION|>[{'tool_name': 'x'}]<|END_ACTION|>")
+    assert not action_ok('<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "rm", "parameters": {}}]<|END_ACTION|>')
 
 
 def test_site_corpus_tool_examples_name_modules_as_imported(fake_stdlib):
     """A site-packages corpus files each module under its distribution's folder; its tool
     conversations show the import path, exactly as the same files without the folder would."""
-    corpus = te.build_corpus(fake_stdlib, heldout=10)
+    corpus = build_corpus(fake_stdlib, heldout=10)
     site = dataclasses.replace(
         corpus,
-        root=te.SITE,
+        root=SITE,
         train={f"dist/{p}": t for p, t in corpus.train.items()},
         train_functions=[dataclasses.replace(f, path=f"dist/{f.path}") for f in corpus.train_functions],
     )
-    assert te.tool_examples(site, 25, seed=0) == te.tool_examples(corpus, 25, seed=0)
+    assert tool_examples(site, 25, seed=0) == tool_examples(corpus, 25, seed=0)
     fn = dataclasses.replace(corpus.train_functions[0], path="networkx/networkx/algorithms/cuts.py", name="cut_size")
-    (turn,) = te.tool_prompt(fn, site=True)
+    (turn,) = tool_prompt(fn, site=True)
     assert "`networkx.algorithms.cuts` module" in turn["content"]
-    assert te.import_path("networkx/networkx/__init__.py", site=False) == "networkx/networkx/__init__.py"
+    assert import_path("networkx/networkx/__init__.py", site=False) == "networkx/networkx/__init__.py"
 
 
 def test_tokenizer_keeps_the_special_token_ids(fake_stdlib):
-    corpus = te.build_corpus(fake_stdlib, heldout=10)
-    docs = te.build_documents(corpus, tool_count=10, seed=0)
-    tok = te.build_tokenizer(docs, 600)
+    corpus = build_corpus(fake_stdlib, heldout=10)
+    docs = build_documents(corpus, tool_count=10, seed=0)
+    tok = build_tokenizer(docs, 600)
     assert tok.get_vocab_size() <= 600
     for name, i in tokenizer_files.SPECIAL_IDS.items():
         assert tok.token_to_id(name) == i
         assert tok.encode(name, add_special_tokens=False).ids == [i]
     assert tok.encode("x = 1").ids[0] == tokenizer_files.BOS_ID
-    chat = te.encode_chat(tok, [docs.chat[0]])[0]
+    chat = encode_chat(tok, [docs.chat[0]])[0]
     assert chat[0] == tokenizer_files.BOS_ID and chat[-1] == tokenizer_files.EOS_ID
-    assert te.encode_code(tok, ["pass\n"])[0][0] == tokenizer_files.BOS_ID
-    assert tok.decode(te.encode_code(tok, [docs.code[0]])[0][1:-1]) == docs.code[0].rstrip("\n")
+    assert encode_code(tok, ["pass\n"])[0][0] == tokenizer_files.BOS_ID
+    assert tok.decode(encode_code(tok, [docs.code[0]])[0][1:-1]) == docs.code[0].rstrip("\n")
 
 
 # ---- completion rules ------------------------------------------------------------------------------
@@ -295,17 +324,17 @@ def test_tokenizer_keeps_the_special_token_ids(fake_stdlib):
 
 def test_completion_cut_and_parse_rules():
     head = 'def f(x):\n    """Double."""'
-    assert te.cut_completion("\n    return 2 * x\n\ndef g():\n", finished=False) == "\n    return 2 * x\n\n"
-    assert te.cut_completion("\n    y = x\n    return y", finished=True) == "\n    y = x\n    return y"
-    assert te.cut_completion("\n    y = x\n    return (y", finished=False) == "\n    y = x\n"
-    assert te.parses_with_body(head + "\n    return 2 * x\n")
-    assert not te.parses_with_body(head + "\n")  # a docstring alone is no body
-    assert not te.parses_with_body(head + "\n    return (x\n")
-    assert not te.parses_with_body(head + "\n    return x\nprint(1)\n")
+    assert cut_completion("\n    return 2 * x\n\ndef g():\n", finished=False) == "\n    return 2 * x\n\n"
+    assert cut_completion("\n    y = x\n    return y", finished=True) == "\n    y = x\n    return y"
+    assert cut_completion("\n    y = x\n    return (y", finished=False) == "\n    y = x\n"
+    assert parses_with_body(head + "\n    return 2 * x\n")
+    assert not parses_with_body(head + "\n")  # a docstring alone is no body
+    assert not parses_with_body(head + "\n    return (x\n")
+    assert not parses_with_body(head + "\n    return x\nprint(1)\n")
     # A placeholder is no body (the issue's bar), but a placeholder beside real statements is fine.
-    assert not te.parses_with_body(head + "\n    pass\n")
-    assert not te.parses_with_body(head + "\n    ...\n    pass\n")
-    assert te.parses_with_body(head + "\n    y = 2 * x\n    pass\n")
+    assert not parses_with_body(head + "\n    pass\n")
+    assert not parses_with_body(head + "\n    ...\n    pass\n")
+    assert parses_with_body(head + "\n    y = 2 * x\n    pass\n")
 
 
 # ---- the training forward ---------------------------------------------------------------------------
@@ -390,14 +419,14 @@ def test_init_weights_cover_the_checkpoint_names_and_train():
 
 
 def test_loop_rule_and_repeat_marks():
-    assert te.loop_free("a\nb\na\nb\na\n\n\n\n")  # blank lines never count
-    assert not te.loop_free("x = 1\n" * 4) and te.loop_free("x = 1\n" * 3)
-    assert not te.loop_free("  y\ny  \ny\n", repeats=2)  # lines compare stripped
+    assert loop_free("a\nb\na\nb\na\n\n\n\n")  # blank lines never count
+    assert not loop_free("x = 1\n" * 4) and loop_free("x = 1\n" * 3)
+    assert not loop_free("  y\ny  \ny\n", repeats=2)  # lines compare stripped
     # The tokens that close a repeat of an earlier 4-gram: [1 2 3 4] again at 7 and 12, [2 3 4 1] at 13.
     ids = [1, 2, 3, 4, 1, 2, 3, 4, 9, 1, 2, 3, 4, 1]
-    assert te.repeat_marks(ids) == [7, 12, 13]
-    assert te.repeat_marks([5] * 6, n=2) == [2, 3, 4, 5]
-    assert te.repeat_marks([1, 2, 3]) == []
+    assert repeat_marks(ids) == [7, 12, 13]
+    assert repeat_marks([5] * 6, n=2) == [2, 3, 4, 5]
+    assert repeat_marks([1, 2, 3]) == []
 
 
 def test_looping_examples_keep_only_loops_and_mark_their_repeats():
@@ -411,12 +440,12 @@ def test_looping_examples_keep_only_loops_and_mark_their_repeats():
     inline = [ord(c) for c in "f(x) or f(x) or f(x) or f(x)"]  # one line, looping inside it
     varied = [ord(c) for c in "f(x) or g(y)\n"]
     outs = [line * 3 + [eos] + line * 5, line * 2 + [ord("c"), ord("\n")], line * 4, inline, varied]
-    ex = te.looping_examples(Tok(), [prompt] * len(outs), outs, {eos})
+    ex = looping_examples(Tok(), [prompt] * len(outs), outs, {eos})
     # The first loops before its EOS (three lines), the second never repeats a line more than twice,
     # the fourth repeats itself within its line, the last has one repeated 4-gram (" or ") only.
     assert [len(s) for s, _ in ex] == [1 + 9, 1 + 12, 1 + len(inline)]
     seq, marks = ex[0]
-    assert seq == prompt + line * 3 and marks == [1 + t for t in te.repeat_marks(line * 3)] and marks
+    assert seq == prompt + line * 3 and marks == [1 + t for t in repeat_marks(line * 3)] and marks
 
 
 def test_unlikelihood_loss_is_minus_log_one_minus_p_and_lowers_the_marked_tokens():
@@ -427,7 +456,7 @@ def test_unlikelihood_loss_is_minus_log_one_minus_p_and_lowers_the_marked_tokens
     marks[0, 2] = marks[1, 4] = True
     p = torch.softmax(logits, -1)
     want = -(torch.log(1 - p[0, 1, seqs[0, 2]]) + torch.log(1 - p[1, 3, seqs[1, 4]])) / 2
-    assert torch.allclose(te.unlikelihood_loss(logits, seqs, marks), want.float())
+    assert torch.allclose(unlikelihood_loss(logits, seqs, marks), want.float())
     # A few steps on the loss alone make the model's marked tokens less likely.
     cfg = ModelConfig.tiny()
     w = init_weights(cfg, seed=3, device=torch.device("cpu"))
@@ -451,7 +480,7 @@ def test_unlikelihood_loss_is_minus_log_one_minus_p_and_lowers_the_marked_tokens
     fit(lambda logits: torch.nn.functional.cross_entropy(logits[0, :-1], seq[0, 1:]))
     learned = marked_p()
     assert learned > 0.3
-    fit(lambda logits: te.unlikelihood_loss(logits, seq, m))
+    fit(lambda logits: unlikelihood_loss(logits, seq, m))
     assert marked_p() < 0.5 * learned
 
 
@@ -477,9 +506,7 @@ def looping_phase_inputs(updates: int):
 
 def test_the_unlikelihood_phase_updates_on_looping_continuations_for_the_counted_updates():
     cfg, w, args, stream, prompts = looping_phase_inputs(3)
-    new, record = te.unlikelihood_phase(
-        args, cfg, w, stream, prompts, LoopingTok(), torch.device("cpu"), lambda msg: None
-    )
+    new, record = unlikelihood_phase(args, cfg, w, stream, prompts, LoopingTok(), torch.device("cpu"), lambda msg: None)
     assert record["updates"] == 3 and record["penalised_tokens"] > 0
     # 40 prompts a round, each continuation looping: two rounds feed three updates of UL_BATCH.
     assert record["looping_share_by_round"] == [1.0, 1.0]
@@ -490,7 +517,7 @@ def test_the_unlikelihood_phase_updates_on_looping_continuations_for_the_counted
     # schedule's final learning rate.
     before = {n: t.detach().clone() for n, t in w.items()}
     opt = torch.optim.AdamW(list(w.values()), lr=args.lr)
-    same, _ = te.unlikelihood_phase(
+    same, _ = unlikelihood_phase(
         args, cfg, w, stream, prompts, LoopingTok(), torch.device("cpu"), lambda msg: None, opt
     )
     assert same is w and all(not torch.equal(w[n], before[n]) for n in changed)
@@ -509,13 +536,13 @@ def test_the_unlikelihood_phase_undoes_the_update_that_costs_too_much_and_ends()
 
         a = argparse.Namespace(**{**vars(args), "unlikelihood_updates": updates})
         guard = None if costs is None else val_cost
-        new, record = te.unlikelihood_phase(
+        new, record = unlikelihood_phase(
             a, cfg, w, stream, prompts, LoopingTok(), torch.device("cpu"), print, None, guard
         )
         return new, record, seen
 
     one, _, _ = phase(1)
-    guarded, record, seen = phase(4, [0.0, te.UL_MAX_VAL_COST + 0.01, 0.0, 0.0])
+    guarded, record, seen = phase(4, [0.0, UL_MAX_VAL_COST + 0.01, 0.0, 0.0])
 
     # The second update cost too much: undone, and the phase ended with the first update's weights
     # (to 1e-9: the CPU's embedding backward sums across threads in no fixed order, ~1e-11 apart;
@@ -541,10 +568,11 @@ def test_a_phase_that_fails_or_costs_validation_loss_ships_the_weights_before_it
         record = {"updates": 1, "looping_share_by_round": [1.0], "wall_seconds": 0.0}
         return {n: torch.zeros_like(t) for n, t in weights.items()}, record
 
+    # train_embedded imports the phase by name: main looks it up there, so that is where it is patched.
     monkeypatch.setattr(te, "unlikelihood_phase", spoiled)
     report = _run(fake_stdlib, tmp_path / "b", tmp_path / "db", *ul)
     assert report["unlikelihood"]["kept"] is False
-    assert report["unlikelihood"]["val_loss_after"] > report["unlikelihood"]["val_loss_before"] + te.UL_MAX_VAL_COST
+    assert report["unlikelihood"]["val_loss_after"] > report["unlikelihood"]["val_loss_before"] + UL_MAX_VAL_COST
 
     def broken(*a, **k):
         raise RuntimeError("boom")
@@ -670,7 +698,7 @@ def test_embedded_preset_fits_the_megakernel_and_the_size_bounds():
     assert cfg.sliding_window <= 512
     nbytes = 2 * sum(math.prod(s) for s in expected_shapes(cfg).values())
     assert nbytes <= 40_000_000  # the issue's bound
-    assert te.unshippable(cfg) is None  # returns from the device machine (shards of at most 15 MiB)
+    assert unshippable(cfg) is None  # returns from the device machine (shards of at most 15 MiB)
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -708,12 +736,12 @@ def test_a_dry_run_reports_the_size_and_the_megakernel_verdict(capsys):
 
 def test_a_geometry_the_device_could_not_return_is_refused_before_training():
     # The embedding of 32768 x 384 is 24 MiB in bf16: one tensor over a 15 MiB shard.
-    big_table = te.unshippable(te.preset_config("embedded", "vocab_size=32768,hidden_size=384"))
+    big_table = unshippable(te.preset_config("embedded", "vocab_size=32768,hidden_size=384"))
     assert big_table is not None and "model.embed_tokens.weight" in big_table and "shard" in big_table
     geometry = "vocab_size=16384,hidden_size=384,num_hidden_layers=8,intermediate_size=128,num_experts=32"
-    many = te.unshippable(te.preset_config("embedded", geometry))  # 90 MB, no tensor over 12 MiB
+    many = unshippable(te.preset_config("embedded", geometry))  # 90 MB, no tensor over 12 MiB
     assert many is not None and "MiB returned" in many
-    assert te.unshippable(te.preset_config("embedded", "vocab_size=16384,hidden_size=384")) is None
+    assert unshippable(te.preset_config("embedded", "vocab_size=16384,hidden_size=384")) is None
     with pytest.raises(SystemExit, match="over a 15 MiB shard"):
         te.main(["--device", "cpu", "--geometry", "vocab_size=32768,hidden_size=384"])
 
@@ -723,14 +751,14 @@ def test_a_checkpoint_larger_than_a_shard_is_written_in_shards_the_loader_reads(
     w = synthetic_weights(cfg, seed=3, dtype=torch.bfloat16)
     tok = tokenizer_files.train_tokenizer(["def f(x):\n    return x + 1\n"] * 20, 300)
     total = sum(t.numel() * t.element_size() for t in w.values())
-    size = te.write_shipped(tmp_path / "sharded", cfg, w, tok, shard_bytes=total // 3)
+    size = write_shipped(tmp_path / "sharded", cfg, w, tok, shard_bytes=total // 3)
     shards = sorted(p.name for p in (tmp_path / "sharded").glob("*.safetensors"))
     assert len(shards) >= 3 and all(n.startswith("model-") for n in shards)
     assert all((tmp_path / "sharded" / n).stat().st_size <= total // 3 + 100_000 for n in shards)
     assert size == sum((tmp_path / "sharded" / n).stat().st_size for n in shards)
     loaded = load(tmp_path / "sharded", progress=False, dtype=torch.bfloat16)
     assert all(torch.equal(loaded.weights[n], t) for n, t in w.items())
-    assert te.write_shipped(tmp_path / "one", cfg, w, tok) > total  # fits: one file (plus its header)
+    assert write_shipped(tmp_path / "one", cfg, w, tok) > total  # fits: one file (plus its header)
     assert [p.name for p in (tmp_path / "one").glob("*.safetensors")] == ["model.safetensors"]
 
 

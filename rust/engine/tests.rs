@@ -1099,6 +1099,28 @@ fn speculative_decoding_gives_the_solo_streams_in_fewer_steps() {
 }
 
 #[test]
+fn a_sequence_drafts_from_another_live_sequences_text() {
+    // The model's text rarely repeats itself, so a sequence alone has few drafts accepted; a
+    // second request of the same prompt, started later, finds its every step in the first one's
+    // output and drafts it whole.
+    let model = MockModel::small();
+    let params = SamplingParams::greedy(60).with_ignore_eos();
+    let prompt: Vec<u32> = (0..9u32).map(|i| 1 + (i * 11) % 29).collect();
+    let first = Request::new(1, prompt.clone(), params.clone());
+    let second = Request::new(2, prompt, params);
+    let accepted = |arrivals: &[(usize, Request)]| {
+        let mut c = core(&model, 400, 4, 16, 200);
+        c.sched.config_mut().max_draft = crate::speculative::length::MAX_DRAFT;
+        let out = run(&mut c, arrivals, &[]);
+        assert_solo(&model, arrivals, &out, 200);
+        c.sched.stats().accepted_tokens
+    };
+    let alone = accepted(&[(0, first.clone())]) + accepted(&[(0, second.clone())]);
+    let together = accepted(&[(0, first), (30, second)]);
+    assert!(together >= alone + 20, "{together} draft tokens accepted together, {alone} alone");
+}
+
+#[test]
 fn drafts_stop_at_a_stop_token_and_fill_only_the_rows_the_batch_leaves() {
     let model = MockModel::repetitive();
     let greedy = SamplingParams::greedy(40).with_ignore_eos();

@@ -18,7 +18,7 @@ impl PySpeculator {
 
     /// The next step's draft, at most `most` tokens.
     fn draft(&self, most: usize) -> Vec<u32> {
-        self.0.draft(most).to_vec()
+        self.0.draft(most, &[]).to_vec()
     }
 
     /// After a step that verified `drafted` draft tokens and gained `gained` (1 to drafted + 1).

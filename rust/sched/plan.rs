@@ -2,7 +2,7 @@
 //! decoding sequence. Blocks are mapped (`grow`) before the backend writes K/V; a grow the free
 //! list cannot cover preempts (see `preempt.rs`).
 
-use super::{Event, Phase, RequestId, Scheduler, Seq};
+use super::{Event, Phase, RequestId, Scheduler};
 use crate::kv::KvError;
 use crate::sampling::{SampleSpec, Sampled};
 use crate::speculative::{self, share_rows, Speculator};
@@ -168,22 +168,28 @@ impl Scheduler {
         if max_draft == 0 {
             return; // (no sequence has a draft: `decoded` empties each as it lands)
         }
-        let decoding = |s: &&mut Seq| s.phase == Phase::Decode;
-        let mut wants = Vec::new();
-        for seq in self.rows.iter_mut().flatten().filter(decoding) {
+        let mut most = Vec::new();
+        for seq in self.rows.iter_mut().flatten().filter(|s| s.phase == Phase::Decode) {
             seq.draft.clear();
             let room = seq.params.max_tokens.saturating_sub(seq.generated()).min(max_context - seq.tokens.len());
-            let speculator = seq.speculator.get_or_insert_with(|| Speculator::new(&seq.tokens));
-            wants.push(speculator.draft(max_draft.min(room.saturating_sub(1))).len());
+            seq.speculator.get_or_insert_with(|| Speculator::new(&seq.tokens));
+            most.push(max_draft.min(room.saturating_sub(1)));
         }
+        // Each one's longest draft, from its own text or another decoding sequence's.
+        let drafts: Vec<Vec<u32>> = {
+            let speculators: Vec<&Speculator> = self.decoding_speculators().collect();
+            let indices: Vec<_> = speculators.iter().map(|s| s.index()).collect();
+            speculators.iter().zip(&most).map(|(s, &most)| s.draft(most, &indices).to_vec()).collect()
+        };
+        let wants: Vec<usize> = drafts.iter().map(Vec::len).collect();
         if wants.iter().all(|&w| w == 0) {
             return;
         }
         let got = share_rows(&wants, self.cfg.step_rows.saturating_sub(wants.len()));
-        for (seq, k) in self.rows.iter_mut().flatten().filter(decoding).zip(got) {
-            if let Some(speculator) = seq.speculator.as_ref().filter(|_| k > 0) {
-                seq.draft.extend_from_slice(speculator.draft(k));
-            }
+        let decoding = self.rows.iter_mut().flatten().filter(|s| s.phase == Phase::Decode);
+        for ((seq, k), draft) in decoding.zip(got).zip(drafts) {
+            // (a shorter draft of the same match is this one's first k tokens)
+            seq.draft.extend_from_slice(&draft[..k]);
             if let Some(c) = seq.constraint.as_ref().filter(|_| !seq.draft.is_empty()) {
                 let mut state = c.clone();
                 let taken = seq.draft.iter().take_while(|&&t| !state.is_stopped() && state.commit(t).is_ok()).count();
@@ -192,13 +198,20 @@ impl Scheduler {
         }
     }
 
+    /// The speculators of the decoding sequences (those that drafted before), in row order.
+    fn decoding_speculators(&self) -> impl Iterator<Item = &Speculator> {
+        self.rows.iter().flatten().filter(|s| s.phase == Phase::Decode).filter_map(|s| s.speculator.as_ref())
+    }
+
     /// Whether the next step would verify a draft for some decoding sequence (launch-ahead then
     /// waits: what a verification step gains is known only when it lands).
     pub fn would_draft(&self) -> bool {
         let mut decoding = self.rows.iter().flatten().filter(|s| s.phase == Phase::Decode);
-        self.cfg.max_draft > 0
-            && decoding.clone().count() < self.cfg.step_rows
-            && decoding.any(|s| s.speculator.as_ref().is_none_or(Speculator::would_draft))
+        if self.cfg.max_draft == 0 || decoding.clone().count() >= self.cfg.step_rows {
+            return false;
+        }
+        let indices: Vec<_> = self.decoding_speculators().map(Speculator::index).collect();
+        decoding.any(|s| s.speculator.as_ref().is_none_or(|sp| sp.would_draft(&indices)))
     }
 
     /// Launch-ahead: the step after `flight` (launched, not yet `decoded`), planned before its

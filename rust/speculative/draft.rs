@@ -50,10 +50,17 @@ impl NgramIndex {
     /// Up to `k` tokens that followed the latest earlier occurrence of the longest n-gram ending
     /// the sequence, with that n; (0, nothing) where no n-gram of `MIN_NGRAM` or more recurs.
     pub fn draft(&self, k: usize) -> (usize, &[u32]) {
+        self.draft_for(&self.tokens, k)
+    }
+
+    /// Up to `k` tokens that followed, in this index's text, the latest occurrence of the longest
+    /// n-gram ending `text` (another sequence's, or this one's own), with that n; (0, nothing)
+    /// where none of `MIN_NGRAM` or more occurs here with a token after it.
+    pub fn draft_for(&self, text: &[u32], k: usize) -> (usize, &[u32]) {
         let len = self.tokens.len();
         if k > 0 {
-            for n in (MIN_NGRAM..=MAX_NGRAM.min(len)).rev() {
-                let suffix = &self.tokens[len - n..];
+            for n in (MIN_NGRAM..=MAX_NGRAM.min(text.len())).rev() {
+                let suffix = &text[text.len() - n..];
                 if let Some(&at) = self.after[n - MIN_NGRAM].get(&key_of(suffix)) {
                     let at = at as usize;
                     if self.tokens[at - n..at] == *suffix {
@@ -127,6 +134,34 @@ mod tests {
             index.extend(&tokens[cut..]);
             let (n, draft) = index.draft(k);
             prop_assert_eq!((n, draft.to_vec()), by_search(&tokens, k));
+        }
+
+        #[test]
+        fn drafts_for_another_text_as_the_search_over_both_does(
+            text in prop::collection::vec(0u32..4, 0..40),
+            other in prop::collection::vec(0u32..4, 0..40),
+            k in 0usize..10,
+        ) {
+            // The other text followed by the query's: a match whose continuation lies in the other
+            // text is what the search over the two finds, where the longest such n-gram recurs there.
+            let index = NgramIndex::with_tokens(&other);
+            let (n, draft) = index.draft_for(&text, k);
+            let len = other.len();
+            let want = if k == 0 {
+                (0, Vec::new())
+            } else {
+                (MIN_NGRAM..=MAX_NGRAM.min(text.len()))
+                    .rev()
+                    .find_map(|n| {
+                        let suffix = &text[text.len() - n..];
+                        (0..len.saturating_sub(n)).rev().find(|&s| other[s..s + n] == *suffix).map(|s| {
+                            let at = s + n;
+                            (n, other[at..(at + k).min(len)].to_vec())
+                        })
+                    })
+                    .unwrap_or((0, Vec::new()))
+            };
+            prop_assert_eq!((n, draft.to_vec()), want);
         }
     }
 }

@@ -1,5 +1,5 @@
-//! Speculative decoding's host side: drafts taken from the sequence's own text, how many to try,
-//! and which the step accepted.
+//! Speculative decoding's host side: drafts taken from the sequence's own text (or another live
+//! sequence's), how many to try, and which the step accepted.
 //!
 //! A step verifies a sequence's draft `d[0..k]` as k + 1 rows at consecutive positions: row i
 //! sees the sequence plus `d[..i]` and draws its token exactly as a plain decode step would draw
@@ -42,14 +42,26 @@ impl Speculator {
     }
 
     /// The draft for the next step: at most `most` tokens (the rows the launch leaves this
-    /// sequence), fewer where its length or its text says so, none while it is paused.
-    pub fn draft(&self, most: usize) -> &[u32] {
-        self.index.draft(self.length.get().min(most)).1
+    /// sequence), fewer where its length or the texts say so, none while it is paused. It is
+    /// copied from the sequence's own text or, where one of `others` (the live sequences'
+    /// indices; its own among them or not) holds a longer match of its ending, from that text:
+    /// sequences that share text (samples of one prompt, agents editing one file) draft from
+    /// each other.
+    pub fn draft<'a>(&'a self, most: usize, others: &[&'a NgramIndex]) -> &'a [u32] {
+        let k = self.length.get().min(most);
+        let own = self.index.draft(k);
+        let text = self.index.tokens();
+        others.iter().map(|other| other.draft_for(text, k)).fold(own, |best, d| if d.0 > best.0 { d } else { best }).1
     }
 
-    /// Whether the next step would verify a draft: not paused, and the text offers one.
-    pub fn would_draft(&self) -> bool {
-        !self.draft(1).is_empty()
+    /// Whether the next step would verify a draft: not paused, and the texts offer one.
+    pub fn would_draft(&self, others: &[&NgramIndex]) -> bool {
+        !self.draft(1, others).is_empty()
+    }
+
+    /// The sequence's text, indexed.
+    pub fn index(&self) -> &NgramIndex {
+        &self.index
     }
 
     /// After a step that verified `drafted` draft tokens: `gained` is what the sequence gained

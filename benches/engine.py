@@ -481,9 +481,9 @@ def main() -> None:
     parser.add_argument(
         "--speculative",
         choices=["auto", "on", "off"],
-        default="auto",
-        help="Engine(speculative=...): drafts from each stream's own text (the synthetic weights' greedy text "
-        "loops, so most drafts are accepted)",
+        default="off",
+        help="Engine(speculative=...): drafts from each stream's own text; off by default, so that the rows "
+        "measure plain decoding (the synthetic weights' greedy text loops, so with drafts most are accepted)",
     )
     parser.add_argument(
         "--late-masks",

@@ -65,6 +65,7 @@ def engine(
     tokenizer_json: str | None = None,
     launch_ahead: bool | None = None,  # the engine's default: on with this backend
     kernel_masks: bool | None = None,  # likewise
+    speculative: bool | None = False,  # (drafts: test_speculative_gpu.py and the embedded model's tests)
     **options,
 ):
     """A fresh engine (no prefix cache shared between the runs compared), checked for leaks."""
@@ -79,6 +80,7 @@ def engine(
         tokenizer_json=tokenizer_json,
         launch_ahead=launch_ahead,
         kernel_masks=kernel_masks,
+        speculative=speculative,
         **options,
     )
     assert e.options.backend == backend and e.options.prefill == "fast"  # mk.prefill.packed on the GPU, by default

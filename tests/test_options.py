@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from mk import _native
 from mk.engine.options import (
     CPU_MAX_BATCH,
     CPU_PREFILL_CHUNK,
@@ -82,7 +83,7 @@ def test_resolving_makes_every_automatic_choice(cuda, backend):
     assert o.sliced_prefill is cuda
     assert o.decode_prefill_budget == (DECODE_PREFILL_BUDGET if cuda else CPU_PREFILL_CHUNK)
     assert o.launch_ahead is megakernel and o.kernel_masks is megakernel and o.late_masks is megakernel
-    assert o.speculative is False and o.max_draft == 0
+    assert o.speculative is megakernel and o.max_draft == (_native.MAX_DRAFT if megakernel else 0)
     # What the warm-up decides (Engine) stays open; the rest is decided.
     undecided = {f.name for f in dataclasses.fields(o) if getattr(o, f.name) is None}
     assert undecided <= {"prefill_graphs", "prefix_graphs", "whole_chunk_tokens", "kv_blocks", "kv_bytes", "salt",

@@ -168,7 +168,7 @@ def test_the_option_maps_to_a_draft_limit(cuda, backend):
 
     assert limit(True) == _native.MAX_DRAFT
     assert limit(False) == 0
-    assert limit(None) == 0  # auto: off until the GPU checks pass
+    assert limit(None) == (_native.MAX_DRAFT if backend == "megakernel" else 0)  # auto: with the megakernel
 
 
 def test_an_engine_refuses_an_unknown_mode_before_it_builds_anything():

@@ -163,7 +163,7 @@ class EngineOptions:
         "tokens; the output is token for token what decoding without drafts gives (a sampled request's seed for "
         "seed); under a grammar only tokens it takes are drafted; /metrics counts the draft tokens and those "
         "accepted",
-        "off until its GPU checks pass",
+        "on with the megakernel, off with the reference backend",
     )
     # Options for scripts and tests, without a server flag.
     kv_blocks: int | None = _option(None, "the KV pool's blocks (None: the memory plan's)", flag=False, minimum=1)
@@ -240,8 +240,8 @@ class EngineOptions:
             launch_ahead=launch_ahead,
             kernel_masks=kernel_masks,
             late_masks=kernel_masks and launch_ahead if self.late_masks is None else self.late_masks,
-            # auto: off until the speculative steps have passed the GPU tests and their benchmark.
-            speculative=bool(self.speculative),
+            # auto: with the megakernel, whose verification rows share its launch's weight pass.
+            speculative=megakernel if self.speculative is None else self.speculative,
         )
 
     @property

@@ -16,7 +16,7 @@ if [ ! -f "$stamp" ]; then
     touch "$stamp"
 fi
 # The server's packages, where a folder of wheels for this Python was carried (.whl/server-py312,
-# made here by scripts/server-wheels.sh; the server's GPU test skips without them).
+# made here by scripts/server-wheels.sh; the server's GPU tests, tests/test_server_gpu.py, skip without them).
 server_wheels=.whl/server-py$(python3 -c 'import sys; print("%d%d" % sys.version_info[:2])')
 if [ -d "$server_wheels" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \

@@ -6,7 +6,7 @@
 #          racecheck on the GPU-test steps (each within its own limit), and benches/engine.py's rows
 #          (ENGINE=0 skips them).
 # Carry the wheel built from that code, .whl/yardstick.py (the yardstick of record; docs/PERF.md,
-# "Method") and, for the server's GPU test, .whl/server-py312 (scripts/server-wheels.sh).
+# "Method") and, for the server's GPU tests, .whl/server-py312 (scripts/server-wheels.sh).
 #   device run:  bash scripts/device-final.sh tests 1/2, then tests 2/2, then grid
 #   (carry: [".whl"], timeout_s 600; send each next call at once, while the machine is warm)
 # Writes $OUT/gpu-tests.log, or $OUT/{grid.log,grid.json,sanitize.log,engine.log,engine.json}

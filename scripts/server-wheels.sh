@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs HERE (not on the GPU machine): downloads the server's packages that the GPU machine's image
 # lacks, as wheels for its Python 3.12, into .whl/server-py312, which scripts/device-env.sh installs
-# there (so the server's GPU test runs instead of skipping; the image has their other needs). The versions are
+# there (so the server's GPU tests run instead of skipping; the image has their other needs). The versions are
 # this machine's (.venv, made by `make test`): the ones the CPU tests ran with.
 #   bash scripts/server-wheels.sh      then carry [".whl"] as usual
 set -euo pipefail

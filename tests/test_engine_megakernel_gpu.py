@@ -19,16 +19,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import gc
 import json
 import re
 import statistics
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
-from server_util import ServerProcess
 from test_engine import common, prompt, run
 
 from mk.config import ModelConfig
@@ -288,39 +285,6 @@ def test_seeded_sampling_reproduces(model):
         f"seeded: alone and in a batch agree for {common(runs[0], in_batch)} of 32 tokens, "
         f"megakernel and reference for {common(runs[0], ref)}"
     )
-
-
-def test_the_server_streams_a_chat_completion_on_the_megakernel():
-    # The GPU machine may lack the server's packages (carry their wheels: see the report).
-    for name in ("pydantic", "granian", "cohere_melody"):
-        pytest.importorskip(name)
-    gc.collect()  # (the server plans its memory from what this process leaves free)
-    torch.cuda.empty_cache()
-    server = ServerProcess("--synthetic", "--backend", "megakernel", "--max-context", "4096").wait_ready(timeout=600)
-    try:
-        body = {
-            "model": "north-mini-code-synthetic",
-            "messages": [{"role": "user", "content": "Write a haiku about GPUs."}],
-            "max_tokens": 24,
-            "temperature": 0,
-            "stream": True,
-        }
-        chunks, finish = [], None
-        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=300) as r:
-            assert r.status_code == 200, r.read()
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                for choice in event.get("choices", []):
-                    chunks.append(choice.get("delta", {}))
-                    finish = choice.get("finish_reason") or finish
-        assert finish in ("stop", "length"), chunks
-        assert len(chunks) >= 2
-        assert "megakernel decode" in server.output()
-    finally:
-        code = server.stop()
-    assert code == 0, server.output()
 
 
 @pytest.mark.parametrize("env,options", [({"MK_TASK_UPLOAD": "full"}, {}), ({}, {"dealing": "balanced"})])

@@ -554,8 +554,10 @@ def test_leaving_a_stream_early_cancels_it(engine):
 
 def test_submission_errors(engine):
     e = engine(max_batch=1, max_waiting=1)
-    with pytest.raises(PromptTooLong):
+    with pytest.raises(PromptTooLong, match="300 tokens and max_tokens asks for 21 more") as too_long:
         e.submit_callback(prompt(300), SamplingParams(max_tokens=21), print)
+    refused = too_long.value
+    assert (refused.prompt_tokens, refused.max_tokens, refused.max_context) == (300, 21, MAX_CONTEXT)
     with pytest.raises(ValueError, match="no tokens"):
         e.submit_callback([], GREEDY, print)
     with pytest.raises(ValueError, match="vocabulary"):

@@ -78,6 +78,10 @@ def megakernel_count(device: int) -> int:
 class ConstraintError(ValueError):
     """A request's constraint cannot be compiled or followed."""
 
+class PromptTooLongError(ValueError):
+    """A prompt and its max_tokens do not fit the context: args (message, prompt tokens, max_tokens,
+    context limit)."""
+
 class QueueFullError(RuntimeError):
     """The engine's waiting queue is full."""
 
@@ -178,8 +182,8 @@ class Engine:
         logprobs: int | None = None,
         constraint: tuple[str, str] | None = None,
     ) -> None:
-        """Raises ValueError (bad request; ConstraintError for a constraint), QueueFullError,
-        EngineStoppedError."""
+        """Raises ValueError (bad request; PromptTooLongError past the context, ConstraintError for a
+        constraint), QueueFullError, EngineStoppedError."""
 
     def check_constraint(self, kind: str, value: str) -> None:
         """Compiles (kind, text) as submit would; raises ConstraintError if it cannot be followed."""

@@ -407,5 +407,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("QueueFullError", m.py().get_type::<errors::QueueFullError>())?;
     m.add("EngineStoppedError", m.py().get_type::<errors::EngineStoppedError>())?;
     m.add("ConstraintError", m.py().get_type::<errors::ConstraintError>())?;
+    m.add("PromptTooLongError", m.py().get_type::<errors::PromptTooLongError>())?;
     Ok(())
 }

@@ -21,11 +21,10 @@ class EngineError(RuntimeError):
 
 
 class PromptTooLong(EngineError):
-    def __init__(self, prompt_tokens: int, max_tokens: int, max_context: int) -> None:
-        super().__init__(
-            f"the prompt has {prompt_tokens} tokens and max_tokens asks for {max_tokens} more, "
-            f"but the context limit is {max_context} tokens"
-        )
+    """The prompt and its max_tokens do not fit the context (the engine core's rule, rust/sched)."""
+
+    def __init__(self, message: str, prompt_tokens: int, max_tokens: int, max_context: int) -> None:
+        super().__init__(message)
         self.prompt_tokens, self.max_tokens, self.max_context = prompt_tokens, max_tokens, max_context
 
 

@@ -211,10 +211,6 @@ class Engine:
     def submit_with(self, prompt_token_ids, params: SamplingParams, request_id: str | None, sink) -> _Stream:
         params.validate()
         prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise ValueError("the prompt has no tokens")
-        if len(prompt) + params.max_tokens > self.max_context:
-            raise PromptTooLong(len(prompt), params.max_tokens, self.max_context)
         if self._draining or self._closed:
             raise EngineClosed("the engine is shutting down")
         nid = next(self._ids)
@@ -236,6 +232,8 @@ class Engine:
             )
         except BaseException as e:
             del self._streams[nid]
+            if isinstance(e, _native.PromptTooLongError):
+                raise PromptTooLong(*e.args) from None
             if isinstance(e, _native.QueueFullError):
                 raise EngineFull(str(e)) from None
             if isinstance(e, _native.EngineStoppedError):

@@ -9,6 +9,7 @@ def test_defaults_and_greedy():
     p = SamplingParams()
     assert p.max_tokens == 16 and p.temperature == 1.0 and not p.greedy
     assert SamplingParams(temperature=0).greedy and SamplingParams(top_k=1).greedy
+    assert not SamplingParams(temperature=0.5, top_k=2).greedy and not SamplingParams(top_k=-1).greedy
     assert SamplingParams(stop="END").stop == ["END"]
 
 

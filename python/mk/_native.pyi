@@ -45,6 +45,9 @@ def kv_maps(k: int, v: int, rows: int, cols: int) -> bytes: ...
 def gumbel_draw(logits: bytes, inv_temperature: float, seed: int, index: int) -> int:
     """The token the host sampler draws for a row with a temperature alone (fp32 logits as bytes)."""
 
+def is_greedy(temperature: float, top_k: int) -> bool:
+    """Whether a request with this temperature and top-k (0 or less: off) draws greedily."""
+
 # ---- decode-step task graph (rust/python/graph.rs) ---------------------------------------------
 
 def build_step_graph(

@@ -55,6 +55,14 @@ fn kv_maps<'py>(py: Python<'py>, k: u64, v: u64, rows: u64, cols: u64) -> PyResu
     Ok(pyo3::types::PyBytes::new(py, &bytes))
 }
 
+/// Whether a request with this temperature and top-k (0 or less: off) draws greedily: the engine
+/// core's rule, `crate::sampling::SampleSpec::is_greedy`.
+#[pyfunction]
+fn is_greedy(temperature: f32, top_k: i64) -> bool {
+    let top_k = u32::try_from(top_k.max(0)).unwrap_or(u32::MAX);
+    crate::sampling::SampleSpec { temperature, top_k, ..crate::sampling::SampleSpec::greedy(0) }.is_greedy()
+}
+
 /// The token a row with a temperature alone draws (`crate::sampling::gumbel_draw`): its fp32
 /// logits as little-endian bytes, 1 / T, the request's seed and generation step. The megakernel's
 /// sample tasks must draw the same (tests/test_megakernel_gpu.py).
@@ -87,6 +95,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(weight_maps, m)?)?;
     m.add_function(wrap_pyfunction!(kv_maps, m)?)?;
     m.add_function(wrap_pyfunction!(gumbel_draw, m)?)?;
+    m.add_function(wrap_pyfunction!(is_greedy, m)?)?;
     m.add("TENSOR_MAP_BYTES", crate::abi::TENSOR_MAP_BYTES)?;
     m.add("TRACE_ENTRY_BYTES", crate::abi::TRACE_ENTRY_BYTES)?;
     m.add("TRACE_MARKED", crate::abi::TRACE_MARKED)?;

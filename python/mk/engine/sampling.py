@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from mk import _native
+
 
 class SamplingError(ValueError):
     """A sampling setting mk cannot honour; `field` names the offending setting."""
@@ -65,7 +67,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Whether the engine draws this request's tokens greedily (its core's rule)."""
+        return _native.is_greedy(float(self.temperature), self.top_k)
 
     def validate(self) -> None:
         def need(ok: bool, name: str, message: str) -> None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from mk import _native
-
 
 class SamplingError(ValueError):
     """A sampling setting mk cannot honour; `field` names the offending setting."""
@@ -68,6 +66,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """Whether the engine draws this request's tokens greedily (its core's rule)."""
+        from mk import _native  # (here: `import mk` needs no compiled extension, scripts/train_embedded.py)
+
         return _native.is_greedy(float(self.temperature), self.top_k)
 
     def validate(self) -> None:

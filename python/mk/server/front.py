@@ -42,6 +42,8 @@ PROMPT_FIELDS = ("instructions", "system", "tools", "messages", "prompt", "input
 # The most characters of a prompt's text the router reads: a conversation is known by its first
 # hundreds of thousands of tokens, and a larger request costs the router no more than this.
 ROUTED_CHARS = 1 << 20
+# Items of a list written at once while reading a prompt's start.
+LIST_SLICE = 4096
 # A Responses answer names its id first: `{"id":"resp_...` whole, in its first event streamed.
 RESPONSE_ID = re.compile(rb'"id":"(resp_[A-Za-z0-9_-]+)"')
 ID_SCAN_BYTES = 8192
@@ -68,27 +70,27 @@ def prompt_of(path: str, body: bytes) -> tuple[str | None, str | None]:
 
 
 def _leading_text(values: list[Any], budget: int) -> str:
-    """The first `budget` characters of the values written as compact JSON one after the other, a
-    list item by item, so that a huge list costs no more than its first items."""
+    """The first `budget` characters of the values written as compact JSON one after the other."""
     parts: list[str] = []
     for value in values:
         if budget <= 0:
             break
-        if isinstance(value, list):
-            parts.append("[")
-            budget -= 1
-            for i, item in enumerate(value):
-                if budget <= 0:
-                    break
-                parts.append((("," if i else "") + _compact(item))[:budget])
-                budget -= len(parts[-1])
-            if budget > 0:
-                parts.append("]")
-                budget -= 1
-        else:
-            parts.append(_compact(value)[:budget])
-            budget -= len(parts[-1])
+        parts.append((_list_start(value, budget) if isinstance(value, list) else _compact(value))[:budget])
+        budget -= len(parts[-1])
     return "".join(parts)
+
+
+def _list_start(items: list[Any], budget: int) -> str:
+    """`items` written as compact JSON, or where that is longer than `budget` characters, a start
+    of it at least that long: written `LIST_SLICE` items at a time, so that a huge list costs no
+    more than its first items."""
+    parts, size = ["["], 1
+    for start in range(0, len(items), LIST_SLICE):
+        if size >= budget:
+            return "".join(parts)
+        parts.append(("," if start else "") + _compact(items[start : start + LIST_SLICE])[1:-1])
+        size += len(parts[-1])
+    return "".join(parts) + "]"
 
 
 def _compact(value: Any) -> str:

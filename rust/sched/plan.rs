@@ -175,6 +175,9 @@ impl Scheduler {
             seq.speculator.get_or_insert_with(|| Speculator::new(&seq.tokens));
             most.push(max_draft.min(room.saturating_sub(1)));
         }
+        if most.len() >= self.cfg.step_rows {
+            return; // (the batch's own rows fill the launch: no row is left for a draft)
+        }
         // Each one's longest draft, from its own text or another decoding sequence's.
         let drafts: Vec<Vec<u32>> = {
             let speculators: Vec<&Speculator> = self.decoding_speculators().collect();

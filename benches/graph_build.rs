@@ -62,15 +62,15 @@ struct Row {
 /// Per step: `compact_tables` and `check_mapped` as the launcher runs them, over `batch` rows
 /// that the KV manager grows one position a step from `start` (its page table synced as the
 /// scheduler does).
-fn tables_us(geom: &ModelDims, start: &[usize]) -> f64 {
+fn tables_us(dims: &ModelDims, start: &[usize]) -> f64 {
     let batch = start.len();
     let max_context = start.iter().max().unwrap() + STEPS + 2;
-    let sliding: Vec<bool> = geom.window.iter().map(Option::is_some).collect();
+    let sliding: Vec<bool> = dims.window.iter().map(Option::is_some).collect();
     let pages = max_context.div_ceil(64);
-    let num_blocks = batch * geom.window.len() * pages;
+    let num_blocks = batch * dims.window.len() * pages;
     let mut kv =
         KvManager::new(KvConfig { sliding, window: 4096, page_size: 64, num_blocks, salt: Vec::new() }).unwrap();
-    let mut table = PageTable::new(geom.window.len(), batch, pages);
+    let mut table = PageTable::new(dims.window.len(), batch, pages);
     for (b, &p) in start.iter().enumerate() {
         kv.admit(b as u64, &[]).unwrap();
         kv.grow(b as u64, p + 1).unwrap();
@@ -88,28 +88,28 @@ fn tables_us(geom: &ModelDims, start: &[usize]) -> f64 {
         let t = Instant::now();
         let pages = step_pages(&positions);
         compact_tables(&table, &rows, pages, &mut compact);
-        check_mapped(&compact, &positions, pages, &geom.window, num_blocks).unwrap();
+        check_mapped(&compact, &positions, pages, &dims.window, num_blocks).unwrap();
         spent += t.elapsed().as_secs_f64();
         std::hint::black_box(&compact);
     }
     spent * 1e6 / STEPS as f64
 }
 
-fn case(geom: &ModelDims, opts: &BuildOptions, batch: usize, context: usize) -> Row {
+fn case(dims: &ModelDims, opts: &BuildOptions, batch: usize, context: usize) -> Row {
     let start: Vec<usize> = (0..batch).map(|b| context - 1 - 37 * b).collect();
     let step = |i: usize| start.iter().map(|p| p + i).collect::<Vec<_>>();
 
-    std::hint::black_box(build_step(geom, &step(0), opts).unwrap().padded()); // warm the allocator
+    std::hint::black_box(build_step(dims, &step(0), opts).unwrap().padded()); // warm the allocator
     let t = Instant::now();
     let mut tasks = 0;
     for i in 0..STEPS / 10 {
-        let (padded, _) = build_step(geom, &step(i), opts).unwrap().padded();
+        let (padded, _) = build_step(dims, &step(i), opts).unwrap().padded();
         tasks = padded.len();
         std::hint::black_box(&padded);
     }
     let fresh_us = t.elapsed().as_secs_f64() * 1e6 / (STEPS / 10) as f64;
 
-    let mut cache = GraphCache::new(geom.clone(), opts.clone());
+    let mut cache = GraphCache::new(dims.clone(), opts.clone());
     cache.step(&step(0)).unwrap();
     let t = Instant::now();
     for i in 1..=STEPS {
@@ -119,12 +119,12 @@ fn case(geom: &ModelDims, opts: &BuildOptions, batch: usize, context: usize) -> 
 
     let balanced = BuildOptions { dealing: Dealing::Balanced, ..opts.clone() };
     let t = Instant::now();
-    let bal = build_step(geom, &step(0), &balanced).unwrap();
+    let bal = build_step(dims, &step(0), &balanced).unwrap();
     let balanced_build_us = t.elapsed().as_secs_f64() * 1e6;
-    let rr = build_step(geom, &step(0), opts).unwrap();
-    let model_rr_us = model(&rr.order, &rr.per_sm, geom, rr.num_counters).makespan_ns / 1e3;
-    let model_balanced_us = model(&bal.order, &bal.per_sm, geom, bal.num_counters).makespan_ns / 1e3;
-    let tables_us = tables_us(geom, &start);
+    let rr = build_step(dims, &step(0), opts).unwrap();
+    let model_rr_us = model(&rr.order, &rr.per_sm, dims, rr.num_counters).makespan_ns / 1e3;
+    let model_balanced_us = model(&bal.order, &bal.per_sm, dims, bal.num_counters).makespan_ns / 1e3;
+    let tables_us = tables_us(dims, &start);
     Row {
         batch,
         context,
@@ -142,14 +142,14 @@ fn case(geom: &ModelDims, opts: &BuildOptions, batch: usize, context: usize) -> 
 }
 
 fn main() {
-    let geom = real();
+    let dims = real();
     let opts = BuildOptions::default();
     // The process's first large builds pay for page faults (~7x slower): warm up first.
-    case(&geom, &opts, 8, 2048);
+    case(&dims, &opts, 8, 2048);
     let mut rows = Vec::new();
     for batch in [1, 8] {
         for context in [2048, 8192, 32768] {
-            rows.push(case(&geom, &opts, batch, context));
+            rows.push(case(&dims, &opts, batch, context));
         }
     }
     println!("\nper-SM task lists of one decode step, NMC geometry, 132 SMs ({STEPS} consecutive steps)");

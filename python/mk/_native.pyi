@@ -68,7 +68,7 @@ def build_step_graph(
     """tasks, order (bytes of int32 [.., 16]), num_sms, per_sm, num_counters, slots, max_splits,
     modelled_ns."""
 
-def graph_geometry_error(config: ModelConfig) -> str | None:
+def graph_dims_error(config: ModelConfig) -> str | None:
     """Why the config's shapes cannot be cut into the megakernel's tasks (rust/graph), or None."""
 
 def step_args_layout() -> tuple[list[tuple[str, int, str]], int]: ...

@@ -67,7 +67,7 @@ impl BandCopy {
 }
 
 pub struct GraphCache {
-    geom: ModelDims,
+    dims: ModelDims,
     opts: BuildOptions,
     /// Every (layer, row)'s keys of the cached graph, layer-major: the batch's shape (their count
     /// and split counts; with the `Balanced` dealing, which weighs tasks by split size, the sizes
@@ -90,9 +90,9 @@ pub struct GraphCache {
 }
 
 impl GraphCache {
-    pub fn new(geom: ModelDims, opts: BuildOptions) -> Self {
+    pub fn new(dims: ModelDims, opts: BuildOptions) -> Self {
         GraphCache {
-            geom,
+            dims,
             opts,
             ranges: Vec::new(),
             padded: Vec::new(),
@@ -115,9 +115,9 @@ impl GraphCache {
             return Err(GraphError::EmptyBatch);
         }
         self.scratch.clear();
-        for l in 0..self.geom.layers() {
+        for l in 0..self.dims.layers() {
             for &pos in positions {
-                self.scratch.push(KeyRange::of(&self.geom, &self.opts, positions.len(), l, pos));
+                self.scratch.push(KeyRange::of(&self.dims, &self.opts, positions.len(), l, pos));
             }
         }
         let sizes_matter = self.opts.dealing == Dealing::Balanced;
@@ -155,7 +155,7 @@ impl GraphCache {
     }
 
     fn rebuild(&mut self, positions: &[usize]) -> Result<(), GraphError> {
-        let graph = build_step(&self.geom, positions, &self.opts)?;
+        let graph = build_step(&self.dims, positions, &self.opts)?;
         let (padded, per_sm) = graph.padded();
         // Where each task of the order sits in the padded [SM][column] array.
         let mut slot = vec![(0, 0); graph.order.len()];
@@ -189,7 +189,7 @@ impl GraphCache {
     fn patch(&mut self) {
         let mut at = self.attn.iter();
         for keys in &self.scratch {
-            for _ in 0..self.geom.kv_heads * keys.splits {
+            for _ in 0..self.dims.kv_heads * keys.splits {
                 self.padded[*at.next().expect("one index per split")].arg[5] = keys.chunk as i32;
             }
         }
@@ -203,8 +203,8 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn fresh(geom: &ModelDims, opts: &BuildOptions, positions: &[usize]) -> (Vec<MkTask>, usize) {
-        build_step(geom, positions, opts).unwrap().padded()
+    fn fresh(dims: &ModelDims, opts: &BuildOptions, positions: &[usize]) -> (Vec<MkTask>, usize) {
+        build_step(dims, positions, opts).unwrap().padded()
     }
 
     fn bytes(tasks: &[MkTask]) -> &[u8] {
@@ -215,13 +215,13 @@ mod tests {
     /// Decode steps of a batch that grows by one token a step, with rows joining and leaving. A
     /// "device" copy follows along: a full upload after a rebuild, the band copies after a patch.
     fn check_run(
-        geom: ModelDims,
+        dims: ModelDims,
         opts: BuildOptions,
         mut positions: Vec<usize>,
         steps: usize,
         churn: &[(usize, usize)],
     ) {
-        let mut cache = GraphCache::new(geom.clone(), opts.clone());
+        let mut cache = GraphCache::new(dims.clone(), opts.clone());
         let mut device: Vec<u8> = Vec::new();
         let mut held = 0; // the version `device` holds
         for step in 0..steps {
@@ -235,7 +235,7 @@ mod tests {
                 }
             }
             let got = cache.step(&positions).unwrap();
-            let (want, per_sm) = fresh(&geom, &opts, &positions);
+            let (want, per_sm) = fresh(&dims, &opts, &positions);
             assert_eq!((got.per_sm, got.tasks.len()), (per_sm, want.len()), "step {step} at {positions:?}");
             assert!(got.tasks == &want[..], "step {step} at {positions:?}: patched tasks differ");
             assert!(got.version >= held && got.version <= held + 1, "step {step}: version {}", got.version);

@@ -27,7 +27,7 @@ pub enum Violation {
 type WriteIndex = HashMap<(Buf, usize), Vec<(usize, usize, usize)>>;
 
 /// Returns every violation found (empty when the graph is sound), at most `limit` of them.
-pub fn check(geom: &ModelDims, graph: &StepGraph, limit: usize) -> Vec<Violation> {
+pub fn check(dims: &ModelDims, graph: &StepGraph, limit: usize) -> Vec<Violation> {
     let mut out = Vec::new();
     let n = graph.order.len();
     let producers = producers_of(graph);
@@ -43,7 +43,7 @@ pub fn check(geom: &ModelDims, graph: &StepGraph, limit: usize) -> Vec<Violation
         out.push(Violation::Deadlock { stuck: n });
         return out;
     };
-    let fx: Vec<_> = graph.order.iter().map(|t| effects(t, geom, graph)).collect();
+    let fx: Vec<_> = graph.order.iter().map(|t| effects(t, dims, graph)).collect();
     let mut writes: WriteIndex = HashMap::new();
     for (i, e) in fx.iter().enumerate() {
         for w in &e.writes {
@@ -51,7 +51,7 @@ pub fn check(geom: &ModelDims, graph: &StepGraph, limit: usize) -> Vec<Violation
         }
     }
     let mut external: HashMap<(Buf, usize), Vec<(usize, usize)>> = HashMap::new();
-    for reg in external_inputs(geom, graph) {
+    for reg in external_inputs(dims, graph) {
         external.entry((reg.buf, reg.row)).or_default().push((reg.lo, reg.hi));
     }
 
@@ -215,9 +215,9 @@ mod tests {
     use super::super::{build_step, BuildOptions};
     use super::*;
 
-    fn sound(geom: &ModelDims, positions: &[usize], opts: &BuildOptions) {
-        let g = build_step(geom, positions, opts).unwrap();
-        let v = check(geom, &g, 5);
+    fn sound(dims: &ModelDims, positions: &[usize], opts: &BuildOptions) {
+        let g = build_step(dims, positions, opts).unwrap();
+        let v = check(dims, &g, 5);
         assert!(v.is_empty(), "positions {positions:?}: {v:?}");
     }
 
@@ -238,10 +238,10 @@ mod tests {
     }
 
     fn broken(mutate: impl Fn(&mut StepGraph)) -> Vec<Violation> {
-        let geom = tiny();
-        let mut g = build_step(&geom, &[130, 300], &BuildOptions { num_sms: 4, ..Default::default() }).unwrap();
+        let dims = tiny();
+        let mut g = build_step(&dims, &[130, 300], &BuildOptions { num_sms: 4, ..Default::default() }).unwrap();
         mutate(&mut g);
-        check(&geom, &g, 10_000)
+        check(&dims, &g, 10_000)
     }
 
     #[test]

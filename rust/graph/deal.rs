@@ -164,29 +164,29 @@ mod tests {
 
     #[test]
     fn balanced_lists_are_ordered_complete_and_sound() {
-        for (geom, positions, sms) in [(tiny(), vec![5, 130, 300], 7), (gpu_test(), vec![0, 4095, 4096, 9000], 132)] {
+        for (dims, positions, sms) in [(tiny(), vec![5, 130, 300], 7), (gpu_test(), vec![0, 4095, 4096, 9000], 132)] {
             let opts = BuildOptions { num_sms: sms, dealing: Dealing::Balanced, ..Default::default() };
-            let g = build_step(&geom, &positions, &opts).unwrap();
+            let g = build_step(&dims, &positions, &opts).unwrap();
             assert!(g.per_sm.iter().all(|l| l.windows(2).all(|w| w[0] < w[1])));
             let mut all: Vec<usize> = g.per_sm.iter().flatten().copied().collect();
             all.sort_unstable();
             assert_eq!(all, (0..g.order.len()).collect::<Vec<_>>());
-            assert_eq!(check::check(&geom, &g, 5), vec![]);
+            assert_eq!(check::check(&dims, &g, 5), vec![]);
         }
     }
 
     #[test]
     fn the_model_waits_for_producers_and_balanced_is_no_slower_in_it() {
-        let geom = gpu_test();
+        let dims = gpu_test();
         for positions in [vec![8191], vec![100, 200, 300, 400, 500, 600, 700, 5000]] {
-            let rr = build_step(&geom, &positions, &BuildOptions::default()).unwrap();
-            let bal = build_step(&geom, &positions, &BuildOptions { dealing: Dealing::Balanced, ..Default::default() })
+            let rr = build_step(&dims, &positions, &BuildOptions::default()).unwrap();
+            let bal = build_step(&dims, &positions, &BuildOptions { dealing: Dealing::Balanced, ..Default::default() })
                 .unwrap();
-            let m_rr = model(&rr.order, &rr.per_sm, &geom, rr.num_counters);
-            let m_bal = model(&bal.order, &bal.per_sm, &geom, bal.num_counters);
+            let m_rr = model(&rr.order, &rr.per_sm, &dims, rr.num_counters);
+            let m_bal = model(&bal.order, &bal.per_sm, &dims, bal.num_counters);
             assert!(m_bal.makespan_ns <= m_rr.makespan_ns * 1.001, "{m_bal:?} vs {m_rr:?}");
             // At least the chain of layers: every layer's QKV, attention, O and norm in series.
-            assert!(m_rr.makespan_ns > geom.layers() as f64 * 4.0 * TASK_NS);
+            assert!(m_rr.makespan_ns > dims.layers() as f64 * 4.0 * TASK_NS);
             assert!(m_bal.busy > 0.0 && m_bal.busy <= 1.0);
         }
     }

@@ -65,12 +65,12 @@ fn r(buf: Buf, row: usize, lo: usize, hi: usize) -> Region {
 }
 
 /// Regions that exist before the step starts: input tokens and the KV of earlier positions.
-pub fn external_inputs(geom: &ModelDims, graph: &StepGraph) -> Vec<Region> {
+pub fn external_inputs(dims: &ModelDims, graph: &StepGraph) -> Vec<Region> {
     let mut out = Vec::new();
-    let kvw = geom.kv_width();
+    let kvw = dims.kv_width();
     for (b, &pos) in graph.positions.iter().enumerate() {
         out.push(r(Buf::Token, b, 0, 1));
-        for l in 0..geom.layers() {
+        for l in 0..dims.layers() {
             if pos > 0 {
                 out.push(r(Buf::KCache(l as u16), b, 0, pos * kvw));
                 out.push(r(Buf::VCache(l as u16), b, 0, pos * kvw));
@@ -81,10 +81,10 @@ pub fn external_inputs(geom: &ModelDims, graph: &StepGraph) -> Vec<Region> {
 }
 
 /// The reads and writes of one task of `graph`.
-pub fn effects(t: &MkTask, geom: &ModelDims, graph: &StepGraph) -> Effects {
+pub fn effects(t: &MkTask, dims: &ModelDims, graph: &StepGraph) -> Effects {
     let batch = graph.positions.len();
     let rows = 0..batch;
-    let (d, kvw, hd) = (geom.hidden, geom.kv_width(), geom.head_dim);
+    let (d, kvw, hd) = (dims.hidden, dims.kv_width(), dims.head_dim);
     let l = t.layer as usize;
     let a = |i: usize| t.arg[i] as usize;
     let mut e = Effects::default();
@@ -94,45 +94,45 @@ pub fn effects(t: &MkTask, geom: &ModelDims, graph: &StepGraph) -> Effects {
             e.reads.push(r(Buf::Token, a(0), 0, 1));
             e.writes.extend([r(Buf::X, a(0), 0, d), r(Buf::H, a(0), 0, d), r(Buf::Rope, a(0), 0, hd / 2)]);
         }
-        Op::Gemv => gemv_effects(t, geom, &graph.positions, &mut e),
+        Op::Gemv => gemv_effects(t, dims, &graph.positions, &mut e),
         // Whichever tiles the queue hands it: as far as order goes, any of the matrix's outputs
         // for every slot (the checker knows the claimers of one queue never share a tile).
         Op::ExpertClaim => {
             let (m, slots) = (Matrix::from_i32(t.arg[0]).expect("valid matrix"), graph.slots);
             let slot_rows = |buf: Buf, hi: usize| (0..slots * batch).map(move |row| r(buf, row, 0, hi));
-            e.reads.extend(routing_reads(t, geom, batch));
+            e.reads.extend(routing_reads(t, dims, batch));
             if m == Matrix::ExpertGateUp {
                 e.reads.extend(rows.map(|b| r(Buf::H, b, 0, d)));
-                e.writes.extend(slot_rows(Buf::ExpertAct, geom.expert_ffn));
+                e.writes.extend(slot_rows(Buf::ExpertAct, dims.expert_ffn));
             } else {
-                e.reads.extend(slot_rows(Buf::ExpertAct, geom.expert_ffn));
+                e.reads.extend(slot_rows(Buf::ExpertAct, dims.expert_ffn));
                 e.writes.extend(slot_rows(Buf::ExpertOut, d));
             }
         }
         Op::AttnSplit => {
             let (b, kvh, split) = (a(0), a(1), a(2));
             let (lo, hi) = split_keys(t, graph.positions[b]);
-            let group_cols = geom.group() * hd;
+            let group_cols = dims.group() * hd;
             e.reads.push(r(Buf::Q, b, kvh * group_cols, (kvh + 1) * group_cols));
             for cache in [Buf::KCache(l as u16), Buf::VCache(l as u16)] {
                 e.reads.push(r(cache, b, lo * kvw + kvh * hd, (hi - 1) * kvw + (kvh + 1) * hd));
             }
-            e.writes.push(r(Buf::AttnPart, b * geom.kv_heads + kvh, split, split + 1));
+            e.writes.push(r(Buf::AttnPart, b * dims.kv_heads + kvh, split, split + 1));
         }
         Op::AttnCombine => {
             let (b, kvh, splits) = (a(0), a(1), a(2));
-            let group_cols = geom.group() * hd;
-            e.reads.push(r(Buf::AttnPart, b * geom.kv_heads + kvh, 0, splits));
+            let group_cols = dims.group() * hd;
+            e.reads.push(r(Buf::AttnPart, b * dims.kv_heads + kvh, 0, splits));
             e.writes.push(r(Buf::AttnOut, b, kvh * group_cols, (kvh + 1) * group_cols));
         }
         Op::TopK => {
-            e.reads.extend(rows.map(|b| r(Buf::Router, b, 0, geom.experts)));
+            e.reads.extend(rows.map(|b| r(Buf::Router, b, 0, dims.experts)));
             e.writes.push(r(Buf::Routing, 0, 0, 1));
         }
         Op::ResidualNorm => {
             let b = a(0);
             e.reads.extend([r(Buf::X, b, 0, d), r(Buf::YAttn, b, 0, d)]);
-            if geom.moe[l] {
+            if dims.moe[l] {
                 e.reads.push(r(Buf::Routing, 0, 0, 1));
                 e.reads.extend((0..graph.slots).map(|s| r(Buf::ExpertOut, s * batch + b, 0, d)));
             } else {
@@ -156,17 +156,17 @@ pub fn effects(t: &MkTask, geom: &ModelDims, graph: &StepGraph) -> Effects {
 /// What an expert task learns its slots from: the top-k task's routing, or with local routing
 /// (`ARG_ROUTERS`) the router's logits, from which its block's producer chooses the experts (it
 /// copies the top-k's routing instead only after that task's counter says it has run).
-fn routing_reads(t: &MkTask, geom: &ModelDims, batch: usize) -> Vec<Region> {
+fn routing_reads(t: &MkTask, dims: &ModelDims, batch: usize) -> Vec<Region> {
     if t.arg[ARG_ROUTERS] > 0 {
-        (0..batch).map(|b| r(Buf::Router, b, 0, geom.experts)).collect()
+        (0..batch).map(|b| r(Buf::Router, b, 0, dims.experts)).collect()
     } else {
         vec![r(Buf::Routing, 0, 0, 1)]
     }
 }
 
-fn gemv_effects(t: &MkTask, geom: &ModelDims, positions: &[usize], e: &mut Effects) {
+fn gemv_effects(t: &MkTask, dims: &ModelDims, positions: &[usize], e: &mut Effects) {
     let batch = positions.len();
-    let (d, qw, kvw) = (geom.hidden, geom.q_width(), geom.kv_width());
+    let (d, qw, kvw) = (dims.hidden, dims.q_width(), dims.kv_width());
     let l = t.layer as usize;
     let m = Matrix::from_i32(t.arg[0]).expect("valid matrix");
     let r0 = t.arg[1] as usize;
@@ -177,7 +177,7 @@ fn gemv_effects(t: &MkTask, geom: &ModelDims, positions: &[usize], e: &mut Effec
     match m {
         Matrix::Qkv => {
             e.reads.extend(all(Buf::H, 0, d));
-            e.reads.extend(all(Buf::Rope, 0, geom.head_dim / 2));
+            e.reads.extend(all(Buf::Rope, 0, dims.head_dim / 2));
             // A task stays within Q, K or V; its last rows may run past the end of that one.
             if r0 < qw {
                 e.writes.extend(all(Buf::Q, r0, (r0 + n_rows).min(qw)));
@@ -197,29 +197,29 @@ fn gemv_effects(t: &MkTask, geom: &ModelDims, positions: &[usize], e: &mut Effec
         }
         Matrix::Router => {
             e.reads.extend(all(Buf::H, 0, d));
-            e.writes.extend(all(Buf::Router, r0, (r0 + n_rows).min(geom.experts)));
+            e.writes.extend(all(Buf::Router, r0, (r0 + n_rows).min(dims.experts)));
         }
         Matrix::DenseGateUp => {
             e.reads.extend(all(Buf::H, 0, d));
-            e.writes.extend(all(Buf::DenseAct, r0, (r0 + n_rows).min(geom.dense_ffn)));
+            e.writes.extend(all(Buf::DenseAct, r0, (r0 + n_rows).min(dims.dense_ffn)));
         }
         Matrix::DenseDown => {
-            e.reads.extend(all(Buf::DenseAct, 0, geom.dense_ffn));
+            e.reads.extend(all(Buf::DenseAct, 0, dims.dense_ffn));
             e.writes.extend(all(Buf::FfnOut, r0, (r0 + n_rows).min(d)));
         }
         Matrix::ExpertGateUp => {
-            e.reads.extend(routing_reads(t, geom, batch));
+            e.reads.extend(routing_reads(t, dims, batch));
             e.reads.extend(all(Buf::H, 0, d));
-            e.writes.extend(slot_rows(Buf::ExpertAct, r0, (r0 + n_rows).min(geom.expert_ffn)));
+            e.writes.extend(slot_rows(Buf::ExpertAct, r0, (r0 + n_rows).min(dims.expert_ffn)));
         }
         Matrix::ExpertDown => {
-            e.reads.extend(routing_reads(t, geom, batch));
-            e.reads.extend(slot_rows(Buf::ExpertAct, 0, geom.expert_ffn));
+            e.reads.extend(routing_reads(t, dims, batch));
+            e.reads.extend(slot_rows(Buf::ExpertAct, 0, dims.expert_ffn));
             e.writes.extend(slot_rows(Buf::ExpertOut, r0, (r0 + n_rows).min(d)));
         }
         Matrix::LmHead => {
             e.reads.extend(all(Buf::H, 0, d));
-            e.writes.extend(all(Buf::Logits, r0, (r0 + n_rows).min(geom.vocab)));
+            e.writes.extend(all(Buf::Logits, r0, (r0 + n_rows).min(dims.vocab)));
         }
     }
 }

@@ -170,25 +170,25 @@ impl StepGraph {
 }
 
 /// Builds the step for rows writing at `positions` (one per sequence in the batch).
-pub fn build_step(geom: &ModelDims, positions: &[usize], opts: &BuildOptions) -> Result<StepGraph, GraphError> {
-    validate(geom, opts)?;
+pub fn build_step(dims: &ModelDims, positions: &[usize], opts: &BuildOptions) -> Result<StepGraph, GraphError> {
+    validate(dims, opts)?;
     if positions.is_empty() {
         return Err(GraphError::EmptyBatch);
     }
-    let mut b = Builder { geom, opts, batch: positions.len(), order: Vec::new(), max_splits: 1 };
+    let mut b = Builder { dims, opts, batch: positions.len(), order: Vec::new(), max_splits: 1 };
     b.embed();
-    for layer in 0..geom.layers() {
+    for layer in 0..dims.layers() {
         b.layer(layer, positions);
     }
     b.head();
-    let num_counters = num_counters(geom.layers());
+    let num_counters = num_counters(dims.layers());
     set_targets(&mut b.order, num_counters);
-    let per_sm = deal::deal(&b.order, geom, opts.num_sms, opts.dealing, num_counters);
+    let per_sm = deal::deal(&b.order, dims, opts.num_sms, opts.dealing, num_counters);
     Ok(StepGraph {
         order: b.order,
         per_sm,
         num_counters,
-        slots: geom.slots(positions.len()),
+        slots: dims.slots(positions.len()),
         max_splits: b.max_splits,
         positions: positions.to_vec(),
     })
@@ -234,7 +234,7 @@ pub fn validate_dims(g: &ModelDims) -> Result<(), GraphError> {
 }
 
 struct Builder<'a> {
-    geom: &'a ModelDims,
+    dims: &'a ModelDims,
     opts: &'a BuildOptions,
     batch: usize,
     order: Vec<MkTask>,
@@ -276,7 +276,7 @@ impl Builder<'_> {
     }
 
     fn layer(&mut self, l: usize, positions: &[usize]) {
-        let g = self.geom;
+        let g = self.dims;
         let rg = self.opts.row_groups;
         let h_ready = counter(l, Counter::HReady);
         // QKV first: attention is the longest chain of the layer. Tasks stay within Q, K or V.
@@ -339,7 +339,7 @@ impl Builder<'_> {
     /// for every slot: claim tasks, one per SM (`expert_queue`), or one task per (slot, tile).
     /// `routers`: the layer's router tasks with local routing, else 0 (`ARG_ROUTERS`).
     fn experts(&mut self, l: usize, (m, rows, groups): (Matrix, usize, usize), routers: usize, wait: i32, signal: i32) {
-        let slots = self.geom.slots(self.batch);
+        let slots = self.dims.slots(self.batch);
         let start = self.order.len();
         if !self.opts.expert_queue.unwrap_or(self.batch >= EXPERT_QUEUE_MIN_BATCH) {
             for s in 0..slots {
@@ -360,7 +360,7 @@ impl Builder<'_> {
     }
 
     fn attention(&mut self, l: usize, positions: &[usize]) {
-        let g = self.geom;
+        let g = self.dims;
         let mut combines = Vec::new();
         for (b, &pos) in positions.iter().enumerate() {
             let keys = KeyRange::of(g, self.opts, positions.len(), l, pos);
@@ -389,7 +389,7 @@ impl Builder<'_> {
     }
 
     fn head(&mut self) {
-        let g = self.geom;
+        let g = self.dims;
         let l = g.layers();
         self.gemv(
             l,
@@ -543,11 +543,11 @@ pub(crate) mod tests {
         // The kernel reads x, y_attn and the routing after the first wait (and the layer's top-k)
         // alone, before it waits for the FFN (cuda/ops/step_norm.cuh run_residual_norm): the
         // checker sees both waits as one, so the order of the two is pinned here.
-        let geom = gpu_test();
+        let dims = gpu_test();
         for batch in [1, 4] {
-            let g = build_step(&geom, &vec![300; batch], &BuildOptions::default()).unwrap();
+            let g = build_step(&dims, &vec![300; batch], &BuildOptions::default()).unwrap();
             let norms: Vec<_> = g.order.iter().filter(|t| t.op() == Op::ResidualNorm).collect();
-            assert_eq!(norms.len(), batch * geom.layers());
+            assert_eq!(norms.len(), batch * dims.layers());
             for t in norms {
                 let l = t.layer as usize;
                 assert_eq!((t.wait0, t.wait1), (counter(l, Counter::O), counter(l, Counter::FfnDown)));
@@ -557,12 +557,12 @@ pub(crate) mod tests {
 
     #[test]
     fn attention_first_moves_moe_attention_ahead_of_the_expert_tiles_and_stays_sound() {
-        let geom = gpu_test();
+        let dims = gpu_test();
         for attention_first in [false, true] {
             let opts = BuildOptions { attention_first, ..Default::default() };
-            let g = build_step(&geom, &[4095, 9000], &opts).unwrap();
-            assert_eq!(check::check(&geom, &g, 5), vec![]);
-            for l in 0..geom.layers() {
+            let g = build_step(&dims, &[4095, 9000], &opts).unwrap();
+            assert_eq!(check::check(&dims, &g, 5), vec![]);
+            for l in 0..dims.layers() {
                 let at = |op: Op, m: Option<Matrix>| {
                     g.order
                         .iter()
@@ -572,7 +572,7 @@ pub(crate) mod tests {
                 if let Some(up) = up {
                     assert_eq!(attn.unwrap() < up, attention_first, "layer {l}");
                 } else {
-                    assert!(!geom.moe[l]);
+                    assert!(!dims.moe[l]);
                 }
             }
         }
@@ -580,9 +580,9 @@ pub(crate) mod tests {
 
     #[test]
     fn attention_splits_follow_live_length_and_window() {
-        let geom = tiny();
+        let dims = tiny();
         let opts = BuildOptions { attn_chunk: 64, ..Default::default() };
-        let g = build_step(&geom, &[300], &opts).unwrap();
+        let g = build_step(&dims, &[300], &opts).unwrap();
         let splits = |layer: i32| {
             g.order.iter().filter(|t| t.op() == Op::AttnSplit && t.layer == layer && t.arg[1] == 0).count()
         };
@@ -598,16 +598,16 @@ pub(crate) mod tests {
     fn split_keys_tile_each_rows_keys_as_key_range_does() {
         // What the kernel computes from a task's words and the row's position: the splits of a
         // (layer, row, KV head) are KeyRange's, in order, and cover its keys exactly once.
-        let geom = gpu_test();
+        let dims = gpu_test();
         for (positions, chunk) in
             [(vec![5000, 70], 64), (vec![8191], 0), (vec![4095, 4096, 4097, 0], 0), (vec![100, 200], 128)]
         {
             let opts = BuildOptions { attn_chunk: chunk, ..Default::default() };
-            let g = build_step(&geom, &positions, &opts).unwrap();
-            for l in 0..geom.layers() {
+            let g = build_step(&dims, &positions, &opts).unwrap();
+            for l in 0..dims.layers() {
                 for (b, &pos) in positions.iter().enumerate() {
-                    let keys = KeyRange::of(&geom, &opts, positions.len(), l, pos);
-                    for kvh in 0..geom.kv_heads as i32 {
+                    let keys = KeyRange::of(&dims, &opts, positions.len(), l, pos);
+                    for kvh in 0..dims.kv_heads as i32 {
                         let got: Vec<_> = g
                             .order
                             .iter()
@@ -631,8 +631,8 @@ pub(crate) mod tests {
 
     #[test]
     fn automatic_chunks_spread_one_layer_over_the_sms() {
-        let geom = gpu_test();
-        let g = build_step(&geom, &[8191], &BuildOptions::default()).unwrap();
+        let dims = gpu_test();
+        let g = build_step(&dims, &[8191], &BuildOptions::default()).unwrap();
         let splits = g.order.iter().filter(|t| t.op() == Op::AttnSplit && t.layer == 0).count();
         assert!((100..=132).contains(&splits), "{splits} splits for 132 SMs");
         let keys = |t: &MkTask, positions: &[usize]| split_keys(t, positions[t.arg[0] as usize]);
@@ -643,7 +643,7 @@ pub(crate) mod tests {
         assert!(g.order.iter().filter(|t| t.op() == Op::AttnSplit).all(|t| (1..=256).contains(&chunk(t, &[8191]))));
         // Short contexts still get at least two pages per split (but the last).
         let positions = [100, 200];
-        let g = build_step(&geom, &positions, &BuildOptions::default()).unwrap();
+        let g = build_step(&dims, &positions, &BuildOptions::default()).unwrap();
         for t in g.order.iter().filter(|t| t.op() == Op::AttnSplit) {
             assert!(chunk(t, &positions) == 128 || keys(t, &positions).1 == positions[t.arg[0] as usize] + 1, "{t:?}");
         }
@@ -651,22 +651,22 @@ pub(crate) mod tests {
 
     #[test]
     fn gate_up_tasks_cover_gate_up_groups_of_16_features() {
-        let geom = gpu_test();
+        let dims = gpu_test();
         let opts = BuildOptions { expert_queue: Some(false), ..Default::default() };
-        let g = build_step(&geom, &[100, 200], &opts).unwrap();
+        let g = build_step(&dims, &[100, 200], &opts).unwrap();
         let gate_up: Vec<&MkTask> =
             g.order.iter().filter(|t| t.op() == Op::Gemv && t.arg[0] == Matrix::ExpertGateUp as i32).collect();
-        let groups = gate_up_groups(&BuildOptions::default(), geom.expert_ffn, geom.slots(2));
+        let groups = gate_up_groups(&BuildOptions::default(), dims.expert_ffn, dims.slots(2));
         assert_eq!(groups, 3); // 16 slots x 16 tasks of 48 features: 2 per SM, 96 rows each
-        let per_layer = geom.slots(2) * geom.expert_ffn / (16 * groups);
-        assert_eq!(gate_up.len(), per_layer * (geom.layers() - 1));
+        let per_layer = dims.slots(2) * dims.expert_ffn / (16 * groups);
+        assert_eq!(gate_up.len(), per_layer * (dims.layers() - 1));
         assert!(gate_up.iter().all(|t| t.arg[2] == groups as i32 && t.arg[1] % 48 == 0));
-        assert!(check::check(&geom, &g, 10).is_empty());
+        assert!(check::check(&dims, &g, 10).is_empty());
     }
 
     #[test]
     fn expert_queues_get_one_claim_task_per_sm_and_matrix_and_stay_sound() {
-        let geom = gpu_test();
+        let dims = gpu_test();
         for positions in [vec![5000], vec![100, 7000, 64, 4159, 9, 300, 2000]] {
             let opts = BuildOptions {
                 num_sms: 20,
@@ -674,11 +674,11 @@ pub(crate) mod tests {
                 local_routing: Some(false),
                 ..Default::default()
             };
-            let g = build_step(&geom, &positions, &opts).unwrap();
-            assert_eq!(check::check(&geom, &g, 5), vec![]);
-            let slots = geom.slots(positions.len());
-            let gate_up = gate_up_groups(&opts, geom.expert_ffn, slots);
-            for l in (0..geom.layers()).filter(|&l| geom.moe[l]) {
+            let g = build_step(&dims, &positions, &opts).unwrap();
+            assert_eq!(check::check(&dims, &g, 5), vec![]);
+            let slots = dims.slots(positions.len());
+            let gate_up = gate_up_groups(&opts, dims.expert_ffn, slots);
+            for l in (0..dims.layers()).filter(|&l| dims.moe[l]) {
                 let claims = |m: Matrix| -> Vec<usize> {
                     (0..g.order.len())
                         .filter(|&i| g.order[i].layer == l as i32 && g.order[i].op() == Op::ExpertClaim)
@@ -687,8 +687,8 @@ pub(crate) mod tests {
                 };
                 let (up, down) = (claims(Matrix::ExpertGateUp), claims(Matrix::ExpertDown));
                 assert_eq!((up.len(), down.len()), (20, 20));
-                let up_tiles = geom.expert_ffn / (16 * gate_up);
-                let down_tiles = geom.hidden / (16 * ROW_GROUPS);
+                let up_tiles = dims.expert_ffn / (16 * gate_up);
+                let down_tiles = dims.hidden / (16 * ROW_GROUPS);
                 for (list, groups, tiles, wait, signal) in [
                     (&up, gate_up, up_tiles, Counter::TopK, Counter::FfnUp),
                     (&down, ROW_GROUPS, down_tiles, Counter::FfnUp, Counter::FfnDown),
@@ -711,26 +711,26 @@ pub(crate) mod tests {
                 assert!(!g.order.iter().any(|t| t.layer == l as i32 && t.op() == Op::Gemv && t.arg[0] >= 5));
             }
             let static_tiles =
-                build_step(&geom, &positions, &BuildOptions { expert_queue: Some(false), ..opts }).unwrap();
-            assert_eq!(check::check(&geom, &static_tiles, 5), vec![]);
+                build_step(&dims, &positions, &BuildOptions { expert_queue: Some(false), ..opts }).unwrap();
+            assert_eq!(check::check(&dims, &static_tiles, 5), vec![]);
         }
     }
 
     #[test]
     fn local_routing_names_the_router_tasks_and_stays_sound() {
-        let geom = gpu_test();
+        let dims = gpu_test();
         // The default's 132 SMs at batch 1 (one task per slot and tile), queues on fewer SMs.
         let cases = [(vec![5000], false, 132), (vec![5000], true, 20), (vec![100, 7000, 64, 4159], true, 20)];
         for (positions, queue, num_sms) in cases {
             let opts =
                 BuildOptions { num_sms, expert_queue: Some(queue), local_routing: Some(true), ..Default::default() };
-            let g = build_step(&geom, &positions, &opts).unwrap();
-            assert_eq!(check::check(&geom, &g, 5), vec![]);
-            for l in (0..geom.layers()).filter(|&l| geom.moe[l]) {
+            let g = build_step(&dims, &positions, &opts).unwrap();
+            assert_eq!(check::check(&dims, &g, 5), vec![]);
+            for l in (0..dims.layers()).filter(|&l| dims.moe[l]) {
                 let of_layer = |t: &&MkTask| t.layer == l as i32;
                 let is_router = |t: &&MkTask| t.op() == Op::Gemv && t.arg[0] == Matrix::Router as i32;
                 let routers = g.order.iter().filter(of_layer).filter(is_router).count() as i32;
-                assert_eq!(routers, geom.experts.div_ceil(16) as i32);
+                assert_eq!(routers, dims.experts.div_ceil(16) as i32);
                 let experts: Vec<&MkTask> = g
                     .order
                     .iter()
@@ -749,17 +749,17 @@ pub(crate) mod tests {
                 }
             }
             // Without it the words stay 0 and the gate/up tiles wait for the top-k.
-            let global = build_step(&geom, &positions, &BuildOptions { local_routing: Some(false), ..opts }).unwrap();
+            let global = build_step(&dims, &positions, &BuildOptions { local_routing: Some(false), ..opts }).unwrap();
             assert!(global.order.iter().all(|t| t.op() == Op::AttnSplit || t.arg[ARG_ROUTERS] == 0));
-            assert_eq!(check::check(&geom, &global, 5), vec![]);
+            assert_eq!(check::check(&dims, &global, 5), vec![]);
         }
     }
 
     #[test]
     fn local_routing_is_the_default_for_one_row() {
-        let geom = gpu_test();
+        let dims = gpu_test();
         let local = |positions: &[usize]| {
-            let g = build_step(&geom, positions, &BuildOptions::default()).unwrap();
+            let g = build_step(&dims, positions, &BuildOptions::default()).unwrap();
             g.order.iter().any(|t| t.op() != Op::AttnSplit && t.arg[ARG_ROUTERS] > 0)
         };
         assert_eq!(LOCAL_ROUTING_MAX_BATCH, 1);
@@ -769,14 +769,14 @@ pub(crate) mod tests {
 
     #[test]
     fn expert_queues_are_the_default_from_two_rows_on() {
-        let geom = gpu_test();
+        let dims = gpu_test();
         let claims = |positions: &[usize]| {
-            let g = build_step(&geom, positions, &BuildOptions::default()).unwrap();
+            let g = build_step(&dims, positions, &BuildOptions::default()).unwrap();
             g.order.iter().filter(|t| t.op() == Op::ExpertClaim).count()
         };
         assert_eq!(EXPERT_QUEUE_MIN_BATCH, 2);
         assert_eq!(claims(&[100]), 0);
-        assert_eq!(claims(&[100, 200]), 2 * 132 * geom.moe.iter().filter(|&&m| m).count());
+        assert_eq!(claims(&[100, 200]), 2 * 132 * dims.moe.iter().filter(|&&m| m).count());
     }
 
     #[test]

@@ -56,7 +56,7 @@ pub fn build_step_graph<'py>(
     expert_queue: Option<bool>,
     local_routing: Option<bool>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let geom = dims_from(config)?;
+    let dims = dims_from(config)?;
     let dealing = parse_dealing(dealing)?;
     let d = BuildOptions::default();
     let opts = BuildOptions {
@@ -71,9 +71,9 @@ pub fn build_step_graph<'py>(
         expert_queue: expert_queue.or(d.expert_queue),
         local_routing: local_routing.or(d.local_routing),
     };
-    let graph = build_step(&geom, &positions, &opts).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let graph = build_step(&dims, &positions, &opts).map_err(|e| PyValueError::new_err(e.to_string()))?;
     if check {
-        let violations = check::check(&geom, &graph, 5);
+        let violations = check::check(&dims, &graph, 5);
         if !violations.is_empty() {
             return Err(PyValueError::new_err(format!("task graph violations: {violations:?}")));
         }
@@ -96,7 +96,7 @@ pub fn build_step_graph<'py>(
     out.set_item("num_counters", graph.num_counters)?;
     out.set_item("slots", graph.slots)?;
     out.set_item("max_splits", graph.max_splits)?;
-    out.set_item("modelled_ns", deal::model(&graph.order, &graph.per_sm, &geom, graph.num_counters).makespan_ns)?;
+    out.set_item("modelled_ns", deal::model(&graph.order, &graph.per_sm, &dims, graph.num_counters).makespan_ns)?;
     Ok(out)
 }
 
@@ -138,9 +138,9 @@ pub fn megakernel_count(py: Python<'_>, device: usize) -> PyResult<usize> {
 /// Why `config`'s shapes cannot be cut into the megakernel's tasks (`graph::validate_dims`:
 /// GEMV widths in whole 32-column chunks, ...), or None.
 #[pyfunction]
-pub fn graph_geometry_error(config: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
-    let geom = dims_from(config)?;
-    Ok(crate::graph::validate_dims(&geom).err().map(|e| e.to_string()))
+pub fn graph_dims_error(config: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
+    let dims = dims_from(config)?;
+    Ok(crate::graph::validate_dims(&dims).err().map(|e| e.to_string()))
 }
 
 pub fn parse_dealing(name: &str) -> PyResult<Dealing> {

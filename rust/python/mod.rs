@@ -122,7 +122,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add("COUNTERS_PER_LAYER", COUNTERS_PER_LAYER)?;
     }
     m.add_function(wrap_pyfunction!(graph::build_step_graph, m)?)?;
-    m.add_function(wrap_pyfunction!(graph::graph_geometry_error, m)?)?;
+    m.add_function(wrap_pyfunction!(graph::graph_dims_error, m)?)?;
     m.add_function(wrap_pyfunction!(graph::step_args_layout, m)?)?;
     m.add_function(wrap_pyfunction!(graph::decode_step, m)?)?;
     m.add_function(wrap_pyfunction!(graph::megakernel_count, m)?)?;

@@ -51,7 +51,7 @@ def geometry_unsupported(cfg: ModelConfig) -> str | None:
     for ok, why in checks:
         if not ok:
             return f"unsupported geometry: {why}"
-    tasks = n.graph_geometry_error(cfg)  # the task builder's own shape rules
+    tasks = n.graph_dims_error(cfg)  # the task builder's own shape rules
     return None if tasks is None else f"unsupported geometry: {tasks}"
 
 

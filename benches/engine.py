@@ -31,8 +31,9 @@ A row that does not fit the card is marked `skipped` with the reason, and the ru
 row whose streams (each with DECODE_ROOM tokens past its prompt) need more blocks than the engine's KV
 pool has, or any row that runs out of GPU memory (a kernel step alone: `kernel_skipped`).
 The engine runs with the server's defaults (`python -m mk.server`: prefill chunk
-mk.engine.api.PREFILL_CHUNK, max batch mk.engine.api.GPU_MAX_BATCH, launch-ahead on, the Engine's share of
-the card's memory); `--launch-ahead off` runs one step at a time,
+mk.engine.options.PREFILL_CHUNK, max batch mk.engine.options.GPU_MAX_BATCH, launch-ahead on, the Engine's
+share of the card's memory), except speculative decoding, off unless `--speculative` asks;
+`--launch-ahead off` runs one step at a time,
 `--prefill-chunk N` another chunk, `--prefill-graphs off` prefills fresh prompts without CUDA
 graphs, `--prefix-graphs auto|on|off` runs chunks after a cached prefix as CUDA graphs (Engine(prefix_graphs=
 ...); auto: the next turn's chunks, up to mk.prefill.prefixed.NEXT_TURN_BUCKETS[-1] tokens; on: every
@@ -40,10 +41,10 @@ length; captured during the engine's warm-up), `--fresh-split off` runs a fresh 
 bucket of 4K or more as the next bucket's graph instead of that bucket's and a next-turn graph of the
 rest (Engine(fresh_split=...), on by default),
 `--decode-prefill-budget N` prefills at most N prompt tokens an iteration while a stream decodes
-(through the whole model, with the sliced prefill that is on by default: mk.engine.api.DECODE_PREFILL_BUDGET);
+(through the whole model, with the sliced prefill that is on by default: mk.engine.options.DECODE_PREFILL_BUDGET);
 `--sliced-prefill off` cuts the prompt into chunks of the budget instead of running whole chunks a few
 layers an iteration; `--whole-chunk-tokens N` slices a lone chunk only past N tokens (Engine(
-whole_chunk_tokens=...); default mk.engine.api.WHOLE_CHUNK_TOKENS, where such a chunk replays a graph);
+whole_chunk_tokens=...); default mk.engine.options.WHOLE_CHUNK_TOKENS, where such a chunk replays a graph);
 `--prefill-only` runs the ttft and admit rows alone (with `--quick`: 512 and 8K prompts, and admit);
 `--prompts N,M` times prompts of those lengths in the ttft rows instead;
 `--gpu-memory-utilization U` lets mk use that share of the card's total memory instead of the Engine's
@@ -57,7 +58,7 @@ drawn by the kernel among the mask's tokens (the mask uploaded before each step)
 `--kernel-masks off` copied back and drawn on the host with the mask; their steps are launched ahead
 too, the masks computed while each step runs (Engine(late_masks=...), on by default; `--late-masks off`
 uploads the masks before each step instead). `--speculative on` verifies drafts from each stream's
-own text (Engine(speculative=...)); the decode rows then count the draft tokens verified in their
+own text or another stream's (Engine(speculative=...)); the decode rows then count the draft tokens verified in their
 window and those accepted (random weights' greedy text falls into loops, which drafts copy: most
 are accepted, so these rows are no measure of what failing drafts cost).
 Usage: python benches/engine.py [--json out.json] [--quick] [--launch-ahead auto|on|off] [--prefill-chunk N]
@@ -111,7 +112,7 @@ REUSE_NEW_TOKENS = 256
 BURST_PROMPT = 2048
 BURST_SIZES = (2, 4, 8, 16)
 ADMIT_SLOW_GAP_S = 0.02
-# The second admit row's next turn (after 8K cached): within mk.engine.api.WHOLE_CHUNK_TOKENS, so one
+# The second admit row's next turn (after 8K cached): within mk.engine.options.WHOLE_CHUNK_TOKENS, so one
 # graph replay by default, or slices of the eager path with --whole-chunk-tokens 0.
 # (900: with the last partial page of the 8K history not cached, the uncached tokens stay within
 # 1024; 1000 made 1,064, past WHOLE_CHUNK_TOKENS, so that row had timed the sliced path.)
@@ -482,8 +483,9 @@ def main() -> None:
         "--speculative",
         choices=["auto", "on", "off"],
         default="off",
-        help="Engine(speculative=...): drafts from each stream's own text; off by default, so that the rows "
-        "measure plain decoding (the synthetic weights' greedy text loops, so with drafts most are accepted)",
+        help="Engine(speculative=...): drafts from each stream's own text or another's; off by default, so that "
+        "the rows measure plain decoding (the synthetic weights' greedy text loops, so with drafts most are "
+        "accepted)",
     )
     parser.add_argument(
         "--late-masks",

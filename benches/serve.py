@@ -181,7 +181,9 @@ def main() -> None:
     p.add_argument(
         "--server-args",
         default="--device cpu",
-        help='flags of the server this script starts, one string: --server-args="--synthetic --max-batch 16"',
+        help='flags of the server this script starts, one string: --server-args="--synthetic --max-batch 16" '
+        "(with --synthetic, add --speculative off to measure plain decoding: the synthetic weights' greedy text "
+        "loops, so most drafts are accepted)",
     )
     p.add_argument("--concurrency", default="1,8,16,64", help="comma-separated client counts (closed loop)")
     p.add_argument(

@@ -1,6 +1,7 @@
-//! Drafts from a sequence's own text (prompt lookup): the tokens that followed the latest earlier
-//! occurrence of the longest n-gram that ends the sequence, trying n from `MAX_NGRAM` down to
-//! `MIN_NGRAM`. The index is updated as tokens arrive, so a draft costs a few hash lookups.
+//! Drafts from a text (prompt lookup): the tokens that followed the latest earlier occurrence of
+//! the longest n-gram that ends a sequence, trying n from `MAX_NGRAM` down to `MIN_NGRAM`, in the
+//! sequence's own text or another's. The index is updated as tokens arrive, so a draft costs a few
+//! hash lookups.
 
 use std::collections::HashMap;
 

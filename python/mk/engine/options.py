@@ -159,10 +159,10 @@ class EngineOptions:
     )
     speculative: bool | None = _switch(
         "speculative decoding: verify tokens copied from a request's own text (its prompt and output so far: code "
-        "it repeats or edits) in the same decode step as its next token, so that a step may give it several "
-        "tokens; the output is token for token what decoding without drafts gives (a sampled request's seed for "
-        "seed); under a grammar only tokens it takes are drafted; /metrics counts the draft tokens and those "
-        "accepted",
+        "it repeats or edits), or another running request's, in the same decode step as its next token, so that "
+        "a step may give it several tokens; the output is token for token what decoding without drafts gives (a "
+        "sampled request's seed for seed); under a grammar only tokens it takes are drafted; /metrics counts the "
+        "draft tokens and those accepted",
         "on with the megakernel, off with the reference backend",
     )
     # Options for scripts and tests, without a server flag.

@@ -13,10 +13,10 @@ from mk.server.errors import APIError
 # of --body-timeout).
 BODY_TIMEOUT_S = 60.0
 # A body of this many bytes or more is a large one: it is parsed on a thread (never on the event
-# loop), with a Python call per number and per object (`loads`: about twice as slow, but the thread
-# then hands the GIL back between values, where the C decoder alone keeps it for the whole parse, a
-# quarter of a second for 30 MB of token ids, and with it the event loop), and it is prepared on
-# one of the few threads kept for large requests (mk.server.offload).
+# loop), with a Python call per number and per object (`loads`: slower, but the thread then hands
+# the GIL back between values, where the C decoder alone keeps it, and with it the event loop, for
+# the whole parse), and it is prepared on one of the few threads kept for large requests
+# (mk.server.offload).
 LARGE_BODY_BYTES = 1 << 20
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]

@@ -3,8 +3,9 @@ building grammars run on a few threads, so that the loop only moves bytes and /h
 streams answer while a large request is prepared.
 
 This works because that work leaves the GIL to the loop: the tokenizer's batch calls release it while
-they encode, and Python code yields it every few milliseconds. A single C call that keeps it (the JSON
-decoder on a huge body) still holds the loop for as long as it runs.
+they encode, Python code yields it every few milliseconds, and a large body is parsed with Python
+hooks between its values (mk.server.http.loads). A single C call that keeps it (the JSON decoder on
+one long array of strings) still holds the loop for as long as it runs.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from server_util import ServerProcess, free_ports
 
 from mk.default_model import EMBEDDED_DIR
 from mk.server import http
+from mk.server.errors import APIError
 from mk.server.http import LARGE_BODY_BYTES
 from mk.server.offload import Offload
 from mk.text.tokenizer import Tokenizer
@@ -171,3 +172,25 @@ def test_a_large_body_is_parsed_with_python_hooks_and_to_the_same_values(monkeyp
     parsed = http.parse_json(body)
     assert parsed == json.loads(body) == large
     assert calls == {"int": len(ids) + 1, "float": 1000 + 2, "object": 2}
+
+
+def test_a_large_body_with_too_many_values_is_refused_before_it_is_parsed(monkeypatch):
+    """Strings and arrays parse with no Python hook, and millions of parsed values take long to free:
+    a large body that holds more than MAX_VALUES of them is a 413 before the decoder runs. Escaped
+    quotes in text are no strings, and a body at the limit parses."""
+    at_limit = json.dumps({"prompt": ["ab"] * (http.MAX_VALUES - 1)}).encode()  # (+1: the key)
+    assert len(at_limit) >= LARGE_BODY_BYTES
+    assert len(http.parse_json(at_limit)["prompt"]) == http.MAX_VALUES - 1
+    quoted = json.dumps({"prompt": '"' * (2 * http.MAX_VALUES)}).encode()
+    assert http.parse_json(quoted)["prompt"].count('"') == 2 * http.MAX_VALUES
+    parsed = []
+    monkeypatch.setattr(http.json, "loads", lambda *a, **k: parsed.append(1))
+    for body, what in [
+        ({"prompt": ["ab"] * http.MAX_VALUES}, "JSON strings"),
+        ({"prompt": [[1]] * (http.MAX_VALUES + 1)}, "JSON arrays"),
+        ({"messages": [{}] * (http.MAX_VALUES + 1)}, "JSON objects"),
+    ]:
+        with pytest.raises(APIError) as refused:
+            http.parse_json(json.dumps(body).encode())
+        assert refused.value.status == 413 and what in str(refused.value), str(refused.value)
+    assert not parsed

@@ -18,6 +18,10 @@ BODY_TIMEOUT_S = 60.0
 # the whole parse), and it is prepared on one of the few threads kept for large requests
 # (mk.server.offload).
 LARGE_BODY_BYTES = 1 << 20
+# The most strings, the most arrays and the most objects a large body may hold: far more than any
+# request that fits a context uses, while the values whose parse has no Python hook (strings,
+# arrays) and the freeing of the parsed objects stay short enough not to hold the event loop long.
+MAX_VALUES = 1 << 19
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -79,12 +83,32 @@ def require_json(scope: dict[str, Any]) -> None:
         )
 
 
+class TooManyValues(ValueError):
+    """A large body with more strings, arrays or objects than any request needs (`MAX_VALUES`)."""
+
+
 def loads(body: bytes, **hooks: Any) -> Any:
     """`json.loads(body)`, which leaves the GIL to other threads now and then on a large body
-    (`LARGE_BODY_BYTES`); to be called off the event loop."""
+    (`LARGE_BODY_BYTES`), and refuses one with more than `MAX_VALUES` strings, arrays or objects
+    before parsing it (TooManyValues); to be called off the event loop."""
     if len(body) >= LARGE_BODY_BYTES:
+        _check_values(body)
         hooks = {"parse_int": _int, "parse_float": _float, "object_hook": _object, **hooks}
     return json.loads(body, **hooks)
+
+
+def _check_values(body: bytes) -> None:
+    """Raises TooManyValues where the body's characters alone show more than MAX_VALUES strings
+    (unescaped quotes, two each), arrays or objects (brackets, braces: text may hold some too)."""
+    quotes = body.count(b'"') - body.count(b'\\"')
+    counts = {
+        "JSON strings": quotes // 2,
+        "'[' (JSON arrays, or brackets in its text)": body.count(b"["),
+        "'{' (JSON objects, or braces in its text)": body.count(b"{"),
+    }
+    for what, n in counts.items():
+        if n > MAX_VALUES:
+            raise TooManyValues(f"the request body holds about {n:,} {what}; at most {MAX_VALUES:,} are accepted")
 
 
 # Python-level hooks: each call is a point where the interpreter may switch threads.
@@ -106,6 +130,8 @@ def parse_json(body: bytes) -> Any:
 
     try:
         return loads(body, parse_constant=no_constants)
+    except TooManyValues as e:
+        raise APIError(413, str(e), code="request_too_large") from None
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
 

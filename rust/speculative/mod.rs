@@ -51,7 +51,8 @@ impl Speculator {
         let k = self.length.get().min(most);
         let own = self.index.draft(k);
         let text = self.index.tokens();
-        others.iter().map(|other| other.draft_for(text, k)).fold(own, |best, d| if d.0 > best.0 { d } else { best }).1
+        let others = others.iter().filter(|other| !std::ptr::eq(**other, &self.index));
+        others.map(|other| other.draft_for(text, k)).fold(own, |best, d| if d.0 > best.0 { d } else { best }).1
     }
 
     /// Whether the next step would verify a draft: not paused, and the texts offer one.

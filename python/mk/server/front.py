@@ -13,7 +13,6 @@ parses bodies itself, with errors of its own: it could not be made transparent.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 from typing import Any
@@ -75,7 +74,7 @@ def _leading_text(values: list[Any], budget: int) -> str:
     for value in values:
         if budget <= 0:
             break
-        parts.append((_list_start(value, budget) if isinstance(value, list) else _compact(value))[:budget])
+        parts.append((_list_start(value, budget) if isinstance(value, list) else http.compact(value))[:budget])
         budget -= len(parts[-1])
     return "".join(parts)
 
@@ -88,13 +87,9 @@ def _list_start(items: list[Any], budget: int) -> str:
     for start in range(0, len(items), LIST_SLICE):
         if size >= budget:
             return "".join(parts)
-        parts.append(("," if start else "") + _compact(items[start : start + LIST_SLICE])[1:-1])
+        parts.append(("," if start else "") + http.compact(items[start : start + LIST_SLICE])[1:-1])
         size += len(parts[-1])
     return "".join(parts) + "]"
-
-
-def _compact(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 class Front:

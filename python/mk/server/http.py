@@ -27,8 +27,13 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
+def compact(obj: Any) -> str:
+    """`obj` as JSON without spaces, non-ASCII text as it is."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
 def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    return compact(obj).encode()
 
 
 def header(scope: dict[str, Any], name: bytes) -> str | None:

@@ -23,6 +23,9 @@ if [ -n "${PART:-}" ]; then
     for i in "${!gpu_files[@]}"; do [ $((i % n)) = $((k - 1)) ] && part+=("${gpu_files[$i]}"); done
     gpu_files=("${part[@]}")
 fi
+# Files that start their own GPU server processes go first: those need the card's memory, and a
+# module run before them in this process may still hold some.
+mapfile -t gpu_files < <(grep -l ServerProcess "${gpu_files[@]}"; grep -L ServerProcess "${gpu_files[@]}")
 tests=(-m gpu "${gpu_files[@]}")
 [ "$quick" = --quick ] && tests=(-m gpu tests/test_megakernel_gpu.py)
 touch "$OUT/tests.log" "$OUT/bench.log"

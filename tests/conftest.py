@@ -50,18 +50,33 @@ def client(server):
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _free_gpu_memory_between_modules():
+def _free_gpu_memory_between_modules(request):
     """After each module, hand its GPU memory back: the last failed test's frames (pytest keeps them
     in sys.last_traceback for post-mortem debugging) and reference cycles would otherwise hold its
-    tensors through every later module, and on an 80 GB card one failure became dozens."""
+    tensors through every later module, and on an 80 GB card one failure became dozens. Memory still
+    held after that is a leak, named in a warning with the module that left it."""
     yield
     import sys
 
     for name in ("last_type", "last_value", "last_traceback", "last_exc"):
         if hasattr(sys, name):
             setattr(sys, name, None)
-    if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
         import gc
+        import warnings
 
         gc.collect()
-        sys.modules["torch"].cuda.empty_cache()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        held = torch.cuda.memory_reserved()
+        if total - free > LEFT_HELD_BYTES:
+            warnings.warn(
+                f"{request.module.__name__} left {(total - free) / 2**30:.1f} GiB of the card in use "
+                f"({held / 2**30:.1f} GiB reserved by torch)",
+                stacklevel=1,
+            )
+
+
+# GPU memory in use after a module that is more than a CUDA context and the extension's buffers.
+LEFT_HELD_BYTES = 2 << 30

@@ -11,7 +11,10 @@ is right. Before the first launch of a verification step the positions it writes
 tokens it draws come from what it wrote itself: `accepted` is, per sequence, the longest prefix of
 the draft that the rows drew (rust/speculative/verify.rs's rule), `all_accepted` whether every
 draft was accepted whole, `same_tokens` whether every row drew the recorded token (the one past
-the draft too).
+the draft too). A row that draws another token than the recording at the same position is told
+apart from a near-tie by `row0_logit_diff`, the largest difference between the first rows' logits
+and the recording's first step's, against `recorded_top_gap`, the smallest gap there between a
+sequence's best and second-best logit.
 
 Per point: `step_ms`, the verification step of B (K + 1) rows; `plain_ms`, the plain step (K = 0)
 of the same B sequences and cache; tokens/s if every draft is accepted (`tok_s_all`, B (K + 1) /
@@ -104,8 +107,11 @@ def launch(step: MegakernelStep, tables: torch.Tensor, tokens: torch.Tensor, fir
     return Launch(step, g, buf, torch.from_numpy(g.tasks.copy()).cuda())
 
 
-def record(step: MegakernelStep, tables: torch.Tensor, last: torch.Tensor, first: int, n: int) -> torch.Tensor:
-    """int32 [B, n]: the tokens n greedy plain steps from position `first` draw, each fed the one before."""
+def record(
+    step: MegakernelStep, tables: torch.Tensor, last: torch.Tensor, first: int, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 [B, n]: the tokens n greedy plain steps from position `first` draw, each fed the one
+    before; and fp32 [B, vocab], the first step's logits."""
     out = torch.empty(last.numel(), n, dtype=torch.int32)
     tokens = last
     for j in range(n):
@@ -113,7 +119,9 @@ def record(step: MegakernelStep, tables: torch.Tensor, last: torch.Tensor, first
         plain.run()
         tokens = plain.buf.sampled.cpu()
         out[:, j] = tokens
-    return out
+        if j == 0:
+            logits = plain.buf.logits.clone()
+    return out, logits
 
 
 def poison_writes(kv: PagedKV, tables: torch.Tensor, first: int, k: int) -> None:
@@ -131,7 +139,8 @@ def measure(cfg: ModelConfig, model: Model, batch: int, ctx: int, ks: list[int],
     first = ctx - 1
     gen = torch.Generator().manual_seed(TOKEN_SEED)
     last = torch.randint(0, cfg.vocab_size, (batch,), generator=gen, dtype=torch.int32)
-    recorded = record(step, tables, last, first, max(ks) + 1)
+    recorded, first_logits = record(step, tables, last, first, max(ks) + 1)
+    top2 = first_logits.topk(2, dim=1).values
     launches, checks = {}, {}
     for k in ks:
         v = launches[k] = launch(step, tables, torch.cat([last[:, None], recorded[:, :k]], dim=1), first)
@@ -140,11 +149,14 @@ def measure(cfg: ModelConfig, model: Model, batch: int, ctx: int, ks: list[int],
         drawn = v.buf.sampled.cpu().view(batch, k + 1)
         counts = [accepted(recorded[b, :k].tolist(), drawn[b].tolist()) for b in range(batch)]
         logits_ok = not bool(v.buf.logits.isnan().any())
+        row0 = v.buf.logits.view(batch, k + 1, -1)[:, 0]
         checks[k] = {
             "accepted": counts,
             "all_accepted": all(c == k for c in counts),
             "same_tokens": bool(torch.equal(drawn, recorded[:, : k + 1])),
             "valid_output": logits_ok and bool(((drawn >= 0) & (drawn < cfg.vocab_size)).all()),
+            "row0_logit_diff": float((row0 - first_logits).abs().max()),
+            "recorded_top_gap": float((top2[:, 0] - top2[:, 1]).min()),
             "experts_last_layer": int(v.buf.slot_count[0]),
             "distinct_experts": distinct_experts(cfg, [v.buf.routing_log]),
         }
@@ -208,6 +220,7 @@ def main() -> None:
         torch.cuda.empty_cache()  # the last point's KV pools
     cols = ["batch", "ctx", "K", "rows", "step_ms", "plain_ms", "tok_s_all", "tok_s_half", "tok_s_none"]
     cols += ["speedup_all", "speedup_none", "sol_ms", "sol_fraction", "distinct_experts", "all_accepted"]
+    cols += ["row0_logit_diff", "recorded_top_gap"]
     title = f"verification step, real geometry, synthetic weights, {routing} routing ({card_sol()})"
     print_table(title, rows, cols)
     write_json(args.json, "speculative", rows, routing=routing, rounds=ROUNDS, iters=args.iters)

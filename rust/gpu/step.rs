@@ -435,7 +435,7 @@ impl GpuLauncher {
         // previous step's (the kernel computes attention keys from the positions).
         let held = launch.uploaded.take();
         if held != Some(graph.version) {
-            let bands = self.band_uploads && !graph.rebuilt && held == Some(graph.version - 1);
+            let bands = self.band_uploads && !graph.replaced && held == Some(graph.version - 1);
             upload_tasks(&self.stream, &mut launch.device, &graph, bands)?;
         }
         let tasks = ptr(launch.device.as_ref().expect("uploaded"), &self.stream);

@@ -9,7 +9,8 @@
 //! thousand tasks) instead of building the whole graph again (tens of thousands of tasks: `cargo bench
 //! --bench graph_build` times both); the `Balanced` dealing weighs attention tasks by split size, so for it a changed chunk
 //! rebuilds. The result is the same array `build_step(..).padded()` gives, which the tests check
-//! step by step.
+//! step by step. It keeps the last `CACHED_SHAPES` shapes of step it served, so a batch whose row
+//! count changes (drafts that come and go) builds each shape once.
 
 use super::task::{MkTask, Op};
 use super::{build_step, BuildOptions, Dealing, GraphError, KeyRange, ModelDims};
@@ -23,8 +24,9 @@ pub struct StepTasks<'a> {
     pub num_sms: usize,
     pub slots: usize,
     pub max_splits: usize,
-    /// Whether the graph was built from scratch (else at most attention chunks were rewritten).
-    pub rebuilt: bool,
+    /// Whether the array is another than the previous step's (built, or a cached shape), so that a
+    /// device copy needs all of it; else at most attention chunks were rewritten.
+    pub replaced: bool,
     /// Counts the distinct arrays this cache made: a step of the same version is the same array,
     /// and a patched one differs from version `version - 1` only inside `bands`.
     pub version: u64,
@@ -66,12 +68,16 @@ impl BandCopy {
     }
 }
 
-pub struct GraphCache {
-    dims: ModelDims,
-    opts: BuildOptions,
-    /// Every (layer, row)'s keys of the cached graph, layer-major: the batch's shape (their count
-    /// and split counts; with the `Balanced` dealing, which weighs tasks by split size, the sizes
-    /// too) decides whether the next step can be patched.
+/// How many step shapes a cache keeps (the most recently used): a batch whose drafts come and go
+/// changes its row count from step to step, and a shape it ran a few steps ago then costs no
+/// build. Each holds one padded array on the host.
+pub const CACHED_SHAPES: usize = 8;
+
+/// One cached graph: its padded task lists and what a patch needs to rewrite them.
+struct Shape {
+    /// Every (layer, row)'s keys of the step this array was last made for, layer-major: the
+    /// batch's shape (their count and split counts; with the `Balanced` dealing, which weighs
+    /// tasks by split size, the sizes too) decides whether a step can use it.
     ranges: Vec<KeyRange>,
     padded: Vec<MkTask>,
     per_sm: usize,
@@ -80,13 +86,22 @@ pub struct GraphCache {
     /// Padded index of every attention split task, in build order (layer, row, KV head, split).
     attn: Vec<usize>,
     bands: Vec<(usize, usize)>,
+}
+
+pub struct GraphCache {
+    dims: ModelDims,
+    opts: BuildOptions,
+    /// Most recently used first: `shapes[0]` is the array of the last step.
+    shapes: Vec<Shape>,
     version: u64,
-    /// This step's ranges, computed once (then kept as `ranges`).
+    /// This step's ranges, computed once (then kept as its shape's `ranges`).
     scratch: Vec<KeyRange>,
     pub rebuilds: u64,
     pub patches: u64,
     /// Steps served with the previous step's array unchanged.
     pub reuses: u64,
+    /// Steps served by a cached shape other than the previous step's.
+    pub switches: u64,
 }
 
 impl GraphCache {
@@ -94,18 +109,13 @@ impl GraphCache {
         GraphCache {
             dims,
             opts,
-            ranges: Vec::new(),
-            padded: Vec::new(),
-            per_sm: 0,
-            slots: 0,
-            max_splits: 0,
-            attn: Vec::new(),
-            bands: Vec::new(),
+            shapes: Vec::new(),
             version: 0,
             scratch: Vec::new(),
             rebuilds: 0,
             patches: 0,
             reuses: 0,
+            switches: 0,
         }
     }
 
@@ -121,40 +131,57 @@ impl GraphCache {
             }
         }
         let sizes_matter = self.opts.dealing == Dealing::Balanced;
-        let same_shape = self.scratch.len() == self.ranges.len()
-            && self
-                .scratch
-                .iter()
-                .zip(&self.ranges)
-                .all(|(a, b)| a.splits == b.splits && (!sizes_matter || a.chunk == b.chunk));
-        let same_chunks = same_shape && self.scratch.iter().zip(&self.ranges).all(|(a, b)| a.chunk == b.chunk);
-        let rebuilt = !same_shape;
-        if rebuilt {
-            self.rebuild(positions)?;
-            self.rebuilds += 1;
-        } else if !same_chunks {
-            self.patch();
-            self.patches += 1;
-        } else {
+        let scratch = &self.scratch;
+        let fits = |shape: &Shape| {
+            shape.ranges.len() == scratch.len()
+                && scratch
+                    .iter()
+                    .zip(&shape.ranges)
+                    .all(|(a, b)| a.splits == b.splits && (!sizes_matter || a.chunk == b.chunk))
+        };
+        let replaced = match self.shapes.iter().position(fits) {
+            Some(0) => false,
+            Some(i) => {
+                let shape = self.shapes.remove(i);
+                self.shapes.insert(0, shape);
+                self.switches += 1;
+                true
+            }
+            None => {
+                let shape = self.build(positions)?;
+                self.shapes.insert(0, shape);
+                self.shapes.truncate(CACHED_SHAPES);
+                self.rebuilds += 1;
+                true
+            }
+        };
+        let shape = &mut self.shapes[0];
+        let same_chunks = shape.ranges.iter().zip(&self.scratch).all(|(a, b)| a.chunk == b.chunk);
+        if !same_chunks {
+            patch(shape, &self.scratch, self.dims.kv_heads);
+            if !replaced {
+                self.patches += 1;
+            }
+        } else if !replaced {
             self.reuses += 1;
         }
-        std::mem::swap(&mut self.ranges, &mut self.scratch);
-        if !same_chunks {
+        std::mem::swap(&mut shape.ranges, &mut self.scratch);
+        if replaced || !same_chunks {
             self.version += 1;
         }
         Ok(StepTasks {
-            tasks: &self.padded,
-            per_sm: self.per_sm,
+            tasks: &shape.padded,
+            per_sm: shape.per_sm,
             num_sms: self.opts.num_sms,
-            slots: self.slots,
-            max_splits: self.max_splits,
-            rebuilt,
+            slots: shape.slots,
+            max_splits: shape.max_splits,
+            replaced,
             version: self.version,
-            bands: &self.bands,
+            bands: &shape.bands,
         })
     }
 
-    fn rebuild(&mut self, positions: &[usize]) -> Result<(), GraphError> {
+    fn build(&self, positions: &[usize]) -> Result<Shape, GraphError> {
         let graph = build_step(&self.dims, positions, &self.opts)?;
         let (padded, per_sm) = graph.padded();
         // Where each task of the order sits in the padded [SM][column] array.
@@ -164,37 +191,34 @@ impl GraphCache {
                 slot[i] = (s, column);
             }
         }
-        self.attn.clear();
-        self.bands.clear();
+        let (mut attn, mut bands) = (Vec::new(), Vec::<(usize, usize)>::new());
         let mut layer_of_band = None;
         for (i, t) in graph.order.iter().enumerate().filter(|(_, t)| t.op() == Op::AttnSplit) {
             let (s, column) = slot[i];
-            self.attn.push(s * per_sm + column);
+            attn.push(s * per_sm + column);
             // A layer's splits are consecutive in the order: one band of columns spans them.
-            match self.bands.last_mut() {
+            match bands.last_mut() {
                 Some(band) if layer_of_band == Some(t.layer) => *band = (band.0.min(column), band.1.max(column)),
-                _ => self.bands.push((column, column)),
+                _ => bands.push((column, column)),
             }
             layer_of_band = Some(t.layer);
         }
-        self.padded = padded;
-        self.per_sm = per_sm;
-        self.slots = graph.slots;
-        self.max_splits = graph.max_splits;
-        Ok(())
+        // Its ranges are this step's chunks: `step` finds nothing to patch.
+        let ranges = self.scratch.clone();
+        Ok(Shape { ranges, padded, per_sm, slots: graph.slots, max_splits: graph.max_splits, attn, bands })
     }
+}
 
-    /// Rewrites every attention split's chunk from this step's ranges (`scratch`, in the
-    /// builder's order: layer, row, KV head, split); the split counts are the cached graph's.
-    fn patch(&mut self) {
-        let mut at = self.attn.iter();
-        for keys in &self.scratch {
-            for _ in 0..self.dims.kv_heads * keys.splits {
-                self.padded[*at.next().expect("one index per split")].arg[5] = keys.chunk as i32;
-            }
+/// Rewrites every attention split's chunk from a step's `ranges` (in the builder's order: layer,
+/// row, KV head, split); the split counts are the shape's.
+fn patch(shape: &mut Shape, ranges: &[KeyRange], kv_heads: usize) {
+    let mut at = shape.attn.iter();
+    for keys in ranges {
+        for _ in 0..kv_heads * keys.splits {
+            shape.padded[*at.next().expect("one index per split")].arg[5] = keys.chunk as i32;
         }
-        debug_assert!(at.next().is_none());
     }
+    debug_assert!(at.next().is_none());
 }
 
 #[cfg(test)]
@@ -239,7 +263,7 @@ mod tests {
             assert_eq!((got.per_sm, got.tasks.len()), (per_sm, want.len()), "step {step} at {positions:?}");
             assert!(got.tasks == &want[..], "step {step} at {positions:?}: patched tasks differ");
             assert!(got.version >= held && got.version <= held + 1, "step {step}: version {}", got.version);
-            if got.rebuilt {
+            if got.replaced {
                 device = bytes(got.tasks).to_vec();
             } else if got.version == held + 1 {
                 for copy in got.band_copies() {
@@ -271,7 +295,7 @@ mod tests {
         let first = cache.step(&[8100]).unwrap().version;
         for pos in 8101..8120 {
             let got = cache.step(&[pos]).unwrap();
-            assert!(!got.rebuilt && got.version == first, "position {pos}");
+            assert!(!got.replaced && got.version == first, "position {pos}");
         }
         assert_eq!((cache.rebuilds, cache.patches, cache.reuses), (1, 0, 19));
     }
@@ -280,12 +304,41 @@ mod tests {
     fn a_changed_batch_rebuilds() {
         let opts = BuildOptions { num_sms: 16, ..Default::default() };
         let mut cache = GraphCache::new(tiny(), opts);
-        assert!(cache.step(&[10, 20]).unwrap().rebuilt);
-        assert!(!cache.step(&[11, 21]).unwrap().rebuilt);
-        assert!(cache.step(&[12]).unwrap().rebuilt);
-        assert!(cache.step(&[13, 5]).unwrap().rebuilt);
+        assert!(cache.step(&[10, 20]).unwrap().replaced);
+        assert!(!cache.step(&[11, 21]).unwrap().replaced);
+        assert!(cache.step(&[12]).unwrap().replaced);
+        assert!(cache.step(&[13, 5, 40]).unwrap().replaced);
         assert_eq!(cache.step(&[]).unwrap_err(), GraphError::EmptyBatch);
-        assert_eq!((cache.rebuilds, cache.patches + cache.reuses), (3, 1));
+        assert_eq!((cache.rebuilds, cache.patches + cache.reuses, cache.switches), (3, 1, 0));
+    }
+
+    #[test]
+    fn a_shape_run_before_is_served_from_the_cache() {
+        // A batch of 2 whose drafts come and go: 2, 5, 3 and 2 rows, then back, then one shape more
+        // than the cache holds, which pushes out the least recently used (2 rows).
+        let (dims, opts) = (tiny(), BuildOptions { num_sms: 16, ..Default::default() });
+        let mut cache = GraphCache::new(dims.clone(), opts.clone());
+        let rows = |n: usize, at: usize| -> Vec<usize> { (0..n).map(|i| at + i).collect() };
+        let mut at = 10;
+        let mut step = |cache: &mut GraphCache, n: usize| {
+            at += 1;
+            let positions = rows(n, at);
+            let got = cache.step(&positions).unwrap();
+            assert!(got.tasks == &fresh(&dims, &opts, &positions).0[..], "{n} rows at {at}");
+            got.replaced
+        };
+        for n in [2, 5, 3, 2, 5, 3] {
+            assert!(step(&mut cache, n), "{n} rows");
+        }
+        assert!(!step(&mut cache, 3));
+        assert_eq!((cache.rebuilds, cache.switches, cache.reuses), (3, 3, 1));
+        for n in 6..6 + CACHED_SHAPES - 2 {
+            step(&mut cache, n);
+        }
+        assert_eq!(cache.rebuilds, 3 + CACHED_SHAPES as u64 - 2);
+        step(&mut cache, 5);
+        step(&mut cache, 2);
+        assert_eq!((cache.rebuilds, cache.switches), (3 + CACHED_SHAPES as u64 - 1, 4));
     }
 
     #[test]

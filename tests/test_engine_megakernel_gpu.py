@@ -19,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import json
 import re
 import statistics
+import weakref
 from pathlib import Path
 
 import pytest
@@ -132,6 +134,30 @@ def reference(model):
     requests = staggered()
     with engine(model, "reference") as e:
         return requests, run(e, requests)
+
+
+def test_a_closed_engine_lets_its_model_and_memory_go():
+    """Once closed and no longer referenced, a megakernel engine (drafts on) holds no reference to its
+    model and none of torch's memory: a process that makes engine after engine (a script, the GPU
+    tests) must not run out of memory. A GPU run saw a module leave a model's weights on the card."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    cfg = ModelConfig.gpu_test()
+    weights = synthetic_weights(cfg, seed=1, device="cuda", dtype=torch.bfloat16, std=0.02)
+    m = Model(cfg, weights)
+    del weights
+    gone = weakref.ref(m)
+    with engine(m, "megakernel", speculative=True) as e:
+        results = run(e, staggered()[:2])
+    assert all(r[1] == "length" for r in results)
+    del e, m, results
+    gc.collect()
+    torch.cuda.empty_cache()
+    held = gone()
+    assert held is None, f"the model is still referenced by {[type(r).__name__ for r in gc.get_referrers(held)]}"
+    grew = torch.cuda.memory_allocated() - before
+    assert grew < 16 << 20, f"{grew >> 20} MiB of torch's memory still allocated"
 
 
 def test_greedy_decode_follows_the_reference_until_a_near_tie(model, reference):

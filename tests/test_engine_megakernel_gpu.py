@@ -148,7 +148,8 @@ def test_a_closed_engine_lets_its_model_and_memory_go():
     m = Model(cfg, weights)
     del weights
     gone = weakref.ref(m)
-    with engine(m, "megakernel", speculative=True) as e:
+    # The memory plan's path (no kv_blocks): it builds, warms up and drops a runner of its own.
+    with Engine(m, backend="megakernel", max_context=MAX_CONTEXT, speculative=True) as e:
         results = run(e, staggered()[:2])
     assert all(r[1] == "length" for r in results)
     del e, m, results

@@ -1,5 +1,5 @@
 """The engine on the CPU, as `python -m mk.server` runs it with no arguments: the built-in model
-(mk.default_model), float32, the reference backend, the engine's CPU defaults, through
+(mk.default_model), float32, the PyTorch backend, the engine's CPU defaults, through
 `mk.engine.engine.Engine`'s Python API, every token timed as it arrives (`submit_callback`).
 
 Rows:

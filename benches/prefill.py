@@ -179,18 +179,18 @@ def main() -> None:
     stack_experts(weights, cfg)
     torch.cuda.empty_cache()
     model = Model(cfg, weights)
-    fast = Prefill(model, chunk=args.chunk)
+    packed = Prefill(model, chunk=args.chunk)
     gen = torch.Generator().manual_seed(0)
     setup_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()  # first calls compile (flex attention, elementwise steps)
     for lengths in ([300], [1000, 20]):
-        measure(fast, cfg, lengths, 1, gen, "warm-up")
+        measure(packed, cfg, lengths, 1, gen, "warm-up")
         torch.cuda.empty_cache()
     compile_s = time.perf_counter() - t0
     print(f"weights {setup_s:.0f} s, first calls (compile) {compile_s:.0f} s", flush=True)
     if args.profile:
-        profiles = [profile(fast, cfg, n, gen) for n in (512, 2048, 8192)]
+        profiles = [profile(packed, cfg, n, gen) for n in (512, 2048, 8192)]
         write_json(args.json, "prefill-profile", profiles, setup_s=setup_s, compile_s=compile_s, chunk=args.chunk)
         return
 
@@ -198,7 +198,7 @@ def main() -> None:
     lengths = [8192] if args.quick else [512, 2048, 8192, 32768, 131072]
     for n in lengths:
         reps = 3 if n <= 8192 else 2 if n <= 32768 else 1
-        rows.append(measure_point(fast, cfg, [n], reps, gen, f"prompt {n}"))
+        rows.append(measure_point(packed, cfg, [n], reps, gen, f"prompt {n}"))
     if not args.quick:
         for chunk in (1024, 2048, 4096):
             case = f"prompt 8192, chunk {chunk}"
@@ -206,8 +206,8 @@ def main() -> None:
         for label, kw in (("eager elementwise", {"compile": False}), ("sdpa attention", {"attention": "sdpa"})):
             case = f"prompt 8192, {label}"
             rows.append(measure_point(Prefill(model, chunk=args.chunk, **kw), cfg, [8192], 2, gen, case))
-    batch = measure_point(fast, cfg, [1024] * 8, 3, gen, "8 x 1K, one call")
-    singles = measure_point(fast, cfg, [1024] * 8, 3, gen, "8 x 1K, one call each", singly=True)
+    batch = measure_point(packed, cfg, [1024] * 8, 3, gen, "8 x 1K, one call")
+    singles = measure_point(packed, cfg, [1024] * 8, 3, gen, "8 x 1K, one call each", singly=True)
     if "skipped" not in batch and "skipped" not in singles:
         batch["speedup_vs_singles"] = singles["ms"] / batch["ms"]
     rows += [batch, singles]
@@ -216,7 +216,7 @@ def main() -> None:
     print_table("prefill, real geometry, synthetic weights (matmul rate 790 TFLOP/s)", rows, cols)
     if "speedup_vs_singles" in batch:
         print(f"batch of eight 1K prompts: {batch['speedup_vs_singles']:.2f}x eight single prefills")
-    print(f"paths: {fast.attention} attention, {fast.moe} MoE, compiled elementwise: {fast.compiled}")
+    print(f"paths: {packed.attention} attention, {packed.moe} MoE, compiled elementwise: {packed.compiled}")
     write_json(args.json, "prefill", rows, setup_s=setup_s, compile_s=compile_s, chunk=args.chunk)
     plot(rows, Path(args.json).with_suffix(".png"))
 

@@ -150,19 +150,21 @@ def test_greedy_matches_a_token_by_token_reference_loop(model, engine):
     assert (tokens, finish) == (want[: want.index(stop) + 1], "stop")
 
 
-def test_fast_prefill_path_gives_the_reference_tokens(model, engine):
-    """`prefill="fast"` sends each Rust chunk through mk.prefill.packed (on the CPU: SDPA and the expert loop);
+def test_packed_prefill_path_gives_the_reference_tokens(model, engine):
+    """`prefill="packed"` sends each Rust chunk through mk.prefill.packed (on the CPU: SDPA and the expert loop);
     prompts of several chunks, crossing pages and the sliding window, decode as the reference does."""
-    e = engine(max_batch=4, prefill="fast")
-    assert e.options.prefill == "fast" and engine(max_batch=1).options.prefill == "reference"  # auto on the CPU
+    e = engine(max_batch=4, prefill="packed")
+    assert e.options.prefill == "packed" and engine(max_batch=1).options.prefill == "plain"  # auto on the CPU
     prompts = [prompt(5, 3), prompt(130, 4), prompt(200, 5)]
     params = dataclasses.replace(GREEDY, logprobs=0)
-    fast, calls = e._runner.fast_prefill, []
-    e._runner.fast_prefill = lambda requests, kv: calls.append([len(r.tokens) for r in requests]) or fast(requests, kv)
+    packed, calls = e._runner.packed_prefill, []
+    e._runner.packed_prefill = lambda requests, kv: (
+        calls.append([len(r.tokens) for r in requests]) or packed(requests, kv)
+    )
     try:
         results = run(e, [(0, p, params) for p in prompts])
     finally:
-        e._runner.fast_prefill = fast
+        e._runner.packed_prefill = packed
     # Every prompt token, in calls of at most one chunk (64 tokens) over all sequences; arriving
     # together, the prompts share calls (packed).
     assert sum(map(sum, calls)) == sum(map(len, prompts)) and max(map(sum, calls)) <= 64
@@ -177,8 +179,8 @@ def test_the_fresh_prompt_pass_gives_the_reference_tokens_and_close_releases_it(
     """`prefill_graphs=True` on the CPU runs a fresh prompt's static, padded pass eagerly (what a
     GPU captures as a CUDA graph); the tokens are the reference's, and closing the engine drops
     the pass's buffers (on a GPU: the graphs and the memory they keep)."""
-    e = engine(max_batch=2, prefill="fast", prefill_graphs=True)
-    fresh = e._runner.fast_prefill.fresh
+    e = engine(max_batch=2, prefill="packed", prefill_graphs=True)
+    fresh = e._runner.packed_prefill.fresh
     assert fresh is not None and not e.options.prefill_graphs  # nothing to capture on the CPU
     p = prompt(40, 6)
     [(tokens, _, _)] = run(e, [(0, p, GREEDY)])
@@ -192,8 +194,8 @@ def test_the_prefixed_chunk_pass_gives_the_reference_tokens_and_close_releases_i
     """`prefix_graphs=True` on the CPU runs a long prompt's chunks after the first (a cached prefix)
     through their static, padded pass eagerly (what a GPU captures): the tokens are the reference's,
     and closing the engine drops the pass's buffers."""
-    e = engine(max_batch=2, prefill="fast", prefill_chunk=256, prefix_graphs=True)
-    prefixed = e._runner.fast_prefill.prefixed
+    e = engine(max_batch=2, prefill="packed", prefill_chunk=256, prefix_graphs=True)
+    prefixed = e._runner.packed_prefill.prefixed
     assert prefixed is not None
     p = prompt(280, 7)  # chunks of 256 and 24 tokens, the second after a cached prefix
     [(tokens, _, _)] = run(e, [(0, p, GREEDY)])
@@ -208,8 +210,8 @@ def test_next_turns_arriving_together_share_one_static_pass_and_give_the_referen
     holds the three chunks after their cached prefixes (from the prefix cache, not page-aligned
     at the end), and `prefix_graphs=True` on the CPU runs them as one packed static pass, eagerly
     (what a GPU replays as one graph); each conversation's tokens are the reference's."""
-    e = engine(max_batch=4, prefill="fast", prefill_chunk=256, prefix_graphs=True)
-    prefixed = e._runner.fast_prefill.prefixed
+    e = engine(max_batch=4, prefill="packed", prefill_chunk=256, prefix_graphs=True)
+    prefixed = e._runner.packed_prefill.prefixed
     histories = [prompt(70 + 30 * i, 20 + i) for i in range(3)]
     run(e, [(0, h, GREEDY) for h in histories])
     turns = [h + prompt(15 + 5 * i, 30 + i) for i, h in enumerate(histories)]
@@ -292,20 +294,20 @@ def test_a_sliced_prefill_changes_no_token(model, engine):
     """sliced_prefill runs a prompt admitted beside a decoding stream in chunks of up to 24 tokens
     (budget 8 x 3 layers) instead of 8, a layer an iteration (rust/engine/tests.rs checks the slices
     and the budget): both requests' tokens are
-    what an engine without it gives, the prompt went in slices, and without the fast prefill or a
+    what an engine without it gives, the prompt went in slices, and without the packed prefill or a
     budget the option is refused."""
-    plain = admitted_beside_a_stream(engine(prefill="fast"), "prefill_slices")
+    whole = admitted_beside_a_stream(engine(prefill="packed"), "prefill_slices")
     sliced = admitted_beside_a_stream(
-        engine(prefill="fast", decode_prefill_budget=8, sliced_prefill=True), "prefill_slices"
+        engine(prefill="packed", decode_prefill_budget=8, sliced_prefill=True), "prefill_slices"
     )
-    assert plain[0] == sliced[0]
-    assert plain[1] == 0 and sliced[1] >= model.config.num_hidden_layers, (plain[1], sliced[1])
+    assert whole[0] == sliced[0]
+    assert whole[1] == 0 and sliced[1] >= model.config.num_hidden_layers, (whole[1], sliced[1])
     with pytest.raises(ValueError, match="sliced_prefill needs"):
-        Engine(model, max_context=256, sliced_prefill=True, prefill="reference", decode_prefill_budget=8)
+        Engine(model, max_context=256, sliced_prefill=True, prefill="plain", decode_prefill_budget=8)
 
 
-def test_sliced_prefill_and_its_budget_default_to_on_only_where_the_fast_prefill_runs_on_a_gpu(model):
-    """On the CPU (reference prefill, or the fast one asked for) the defaults stay off: whole
+def test_sliced_prefill_and_its_budget_default_to_on_only_where_the_packed_prefill_runs_on_a_gpu(model):
+    """On the CPU (plain prefill, or the packed one asked for) the defaults stay off: whole
     chunks. Asked for, sliced prefill takes DECODE_PREFILL_BUDGET (at most the chunk)."""
     from mk.engine.options import DECODE_PREFILL_BUDGET
 
@@ -317,10 +319,10 @@ def test_sliced_prefill_and_its_budget_default_to_on_only_where_the_fast_prefill
             e.close()
 
     assert settings(prefill_chunk=64) == (False, 64)
-    assert settings(prefill="fast", prefill_chunk=64) == (False, 64)
-    assert settings(prefill="fast", prefill_chunk=4096, sliced_prefill=True) == (True, DECODE_PREFILL_BUDGET)
-    assert settings(prefill="fast", prefill_chunk=64, sliced_prefill=True) == (True, 64)
-    assert settings(prefill="fast", decode_prefill_budget=8, sliced_prefill=True) == (True, 8)
+    assert settings(prefill="packed", prefill_chunk=64) == (False, 64)
+    assert settings(prefill="packed", prefill_chunk=4096, sliced_prefill=True) == (True, DECODE_PREFILL_BUDGET)
+    assert settings(prefill="packed", prefill_chunk=64, sliced_prefill=True) == (True, 64)
+    assert settings(prefill="packed", decode_prefill_budget=8, sliced_prefill=True) == (True, 8)
 
 
 def test_late_masks_need_the_kernels_masks(model):
@@ -352,7 +354,7 @@ def test_the_cpu_runner_runs_short_calls_on_one_thread(model, monkeypatch):
     one intra-op thread (the loop thread's OpenMP workers sleep between a step's small ops), longer
     calls on the threads set, and the count set comes back after every call, one that raises too."""
     import mk.engine.runner
-    from mk.engine.runner import ReferenceRunner
+    from mk.engine.runner import PytorchRunner
 
     seen: list[tuple[str, int]] = []
 
@@ -369,7 +371,7 @@ def test_the_cpu_runner_runs_short_calls_on_one_thread(model, monkeypatch):
     monkeypatch.setattr(Model, "forward", spy("forward", Model.forward))
     monkeypatch.setattr(mk.engine.runner, "SERIAL_TOKENS", 8)
     layers = model.config.num_hidden_layers
-    runner = ReferenceRunner(model, 4 * layers, 2, 256)
+    runner = PytorchRunner(model, 4 * layers, 2, 256)
     table = torch.full((layers, runner.max_pages), -1, dtype=torch.int32)
     table[:, 0] = torch.arange(layers, dtype=torch.int32)
     dirty = [(0, table.numpy().tobytes())]
@@ -393,7 +395,7 @@ def test_the_warm_up_runs_a_chunk_after_a_cached_prefix(model, monkeypatch):
     than rows: unseen, its compilation would stall the first long prompt's admission for seconds),
     all on scratch blocks (for the prefixed chunk, five pages a layer)."""
     import mk.engine.runner
-    from mk.engine.runner import ReferenceRunner
+    from mk.engine.runner import PytorchRunner
     from mk.prefill.packed import Prefill
 
     calls = []
@@ -422,7 +424,7 @@ def test_the_warm_up_runs_a_chunk_after_a_cached_prefix(model, monkeypatch):
     monkeypatch.setattr(Prefill, "__call__", spy)
     monkeypatch.setattr(mk.engine.runner, "tqdm", Bar)
     layers = model.config.num_hidden_layers
-    runner = ReferenceRunner(model, 5 * layers, 2, 512, fast_prefill=Prefill(model, chunk=256))
+    runner = PytorchRunner(model, 5 * layers, 2, 512, packed_prefill=Prefill(model, chunk=256))
     runner.warm_up()
     assert [(b.total, b.n) for b in bars] == [(len(calls), len(calls))], "the bar counts every pass once"
     starts = [[(n, start) for n, start, _ in call] for call in calls]
@@ -609,7 +611,7 @@ def test_cpu_defaults_prefill_in_small_chunks_one_step_at_a_time(model):
         assert (
             e.options.prefill_chunk == CPU_PREFILL_CHUNK
             and not e.options.launch_ahead
-            and e.options.backend == "reference"
+            and e.options.backend == "pytorch"
         )
         assert e.max_batch == CPU_MAX_BATCH
         assert e.native_stats()["kv_blocks_free"] > 0
@@ -618,7 +620,7 @@ def test_cpu_defaults_prefill_in_small_chunks_one_step_at_a_time(model):
 
 
 def test_launch_ahead_streams_equal_synchronous_steps(model, engine, workload):
-    """Launch-ahead asked of the reference backend, which cannot queue a step, so each step runs at
+    """Launch-ahead asked of the PyTorch backend, which cannot queue a step, so each step runs at
     once (rust/engine/tests.rs runs the queued path over a mock that queues): the same tokens,
     finish reasons and logprobs as synchronous steps, the same usage, and the pool comes back whole
     (the fixture)."""
@@ -632,7 +634,7 @@ def test_launch_ahead_streams_equal_synchronous_steps(model, engine, workload):
     ]
     jobs = [(0.004 * (i % 4), p, params) for i, (p, params) in enumerate(reqs + extra)]
     sync, ahead = engine(max_batch=4), engine(max_batch=4, launch_ahead=True)
-    assert not sync.options.launch_ahead and ahead.options.launch_ahead  # the default is off with the reference backend
+    assert not sync.options.launch_ahead and ahead.options.launch_ahead  # the default is off with the PyTorch backend
     want, got = run(sync, jobs), run(ahead, jobs)
     assert [r[0] for r in got[: len(reqs)]] == alone
     for (w_tokens, w_finish, w_events), (tokens, finish, events) in zip(want, got, strict=True):

@@ -31,7 +31,7 @@ def model() -> Model:
 
 @pytest.fixture(scope="module")
 def engine(model):
-    e = make_engine(model)  # the reference backend; the megakernel's own: test_engine_megakernel_gpu.py
+    e = make_engine(model)  # the PyTorch backend; the megakernel's own: test_engine_megakernel_gpu.py
     yield e
     s = e.native_stats()
     e.close()
@@ -41,7 +41,7 @@ def engine(model):
 def make_engine(model: Model) -> Engine:
     return Engine(
         model,
-        backend="reference",
+        backend="pytorch",
         max_batch=8,
         max_context=8192,
         prefill_chunk=512,
@@ -107,7 +107,7 @@ def test_the_warm_up_captures_every_next_turn_shape_and_a_next_turn_replays_one(
     """Before serving, the engine captured the CUDA graph of every padded shape a chunk after a cached
     prefix can take (Prefill's default: the next turn's buckets); a conversation's next turn, its
     history from the prefix cache, replays one of them: no capture at its first use."""
-    prefixed = engine._runner.fast_prefill.prefixed
+    prefixed = engine._runner.packed_prefill.prefixed
     assert prefixed is not None and prefixed.buckets == NEXT_TURN_BUCKETS[:2]  # (the 512-token chunk)
     max_end = engine._runner.max_pages * PAGE_SIZE
     shapes = {prefixed.shape([chunk]) for chunk in prefixed.warm_up_chunks(max_end)}
@@ -121,7 +121,7 @@ def test_the_warm_up_captures_every_next_turn_shape_and_a_next_turn_replays_one(
     [(tokens, finish, _)] = run(engine, [(0, first + answer + prompt(100, 6), greedy)])
     assert finish == "length" and len(tokens) == 4
     assert engine.native_stats()["prefix_hit_tokens"] - hits >= 960, "the history came from the prefix cache"
-    assert engine._runner.fast_prefill.prefixed is prefixed, "the prefixed pass failed and fell back"
+    assert engine._runner.packed_prefill.prefixed is prefixed, "the prefixed pass failed and fell back"
     assert set(prefixed._buckets) == shapes and all(b.graph is not None for b in prefixed._buckets.values())
 
 

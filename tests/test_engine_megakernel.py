@@ -49,12 +49,12 @@ def test_geometry_limits():
     assert "FFN widths must be multiples of 32" in geometry_unsupported(narrow_ffn)
 
 
-def test_auto_takes_the_reference_on_the_cpu_and_megakernel_is_refused(tiny):
-    assert choose_backend(tiny, "auto") == "reference"
-    assert choose_backend(tiny, "reference") == "reference"
+def test_auto_takes_pytorch_on_the_cpu_and_megakernel_is_refused(tiny):
+    assert choose_backend(tiny, "auto") == "pytorch"
+    assert choose_backend(tiny, "pytorch") == "pytorch"
     with pytest.raises(MegakernelUnavailable, match="backend='megakernel' cannot run here: the model is on cpu"):
         choose_backend(tiny, "megakernel")
-    with pytest.raises(ValueError, match="backend must be one of auto, megakernel, reference; got 'gpu'"):
+    with pytest.raises(ValueError, match="backend must be one of auto, megakernel, pytorch; got 'gpu'"):
         choose_backend(tiny, "gpu")
     bf16 = Model(tiny.config, {k: v.to(torch.bfloat16) for k, v in tiny.weights.items()})
     with pytest.raises(MegakernelUnavailable, match="on cpu"):
@@ -70,7 +70,7 @@ def test_each_reason_the_megakernel_cannot_run(monkeypatch):
     assert "no CUDA driver or device" in support.megakernel_unsupported(gpu_model)
     with pytest.raises(MegakernelUnavailable, match="no CUDA driver"):
         choose_backend(gpu_model, "megakernel")
-    assert choose_backend(gpu_model, "auto") == "reference"
+    assert choose_backend(gpu_model, "auto") == "pytorch"
 
     monkeypatch.setattr(support._native, "gpu_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
@@ -80,21 +80,21 @@ def test_each_reason_the_megakernel_cannot_run(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert choose_backend(gpu_model, "auto") == "megakernel"
     tiny_on_gpu = fake_gpu_model(ModelConfig.tiny())
-    assert choose_backend(tiny_on_gpu, "auto") == "reference"
+    assert choose_backend(tiny_on_gpu, "auto") == "pytorch"
     with pytest.raises(MegakernelUnavailable, match="unsupported geometry: head_dim"):
         choose_backend(tiny_on_gpu, "megakernel")
 
 
 def test_engine_backend_selection(tiny):
     with Engine(tiny, max_context=256, prefill_chunk=64) as e:
-        assert e.options.backend == "reference"
+        assert e.options.backend == "pytorch"
     with pytest.raises(MegakernelUnavailable, match="on cpu"):
         Engine(tiny, max_context=256, backend="megakernel")
     with pytest.raises(ValueError, match="backend must be one of"):
         Engine(tiny, max_context=256, backend="cuda")
     with pytest.raises(MegakernelUnavailable):
         MegakernelRunner(tiny, 64, 8, 256)
-    with pytest.raises(ValueError, match="kernel_masks needs the megakernel backend; .* 'reference'"):
+    with pytest.raises(ValueError, match="kernel_masks needs the megakernel backend; .* 'pytorch'"):
         Engine(tiny, max_context=256, kernel_masks=True)
 
 
@@ -193,8 +193,8 @@ def test_the_rust_glue_checks_its_arguments():
         "kernel_masks": False,
         "late_masks": False,
     }
-    with pytest.raises(ValueError, match='backend must be "reference" or "megakernel", got "fast"'):
-        native_engine(FakeRunner(good, cfg), backend="fast")
+    with pytest.raises(ValueError, match='backend must be "pytorch" or "megakernel", got "reference"'):
+        native_engine(FakeRunner(good, cfg), backend="reference")
     with pytest.raises(ValueError, match="megakernel_setup\\(\\): .*no attribute 'rows'"):
         native_engine(FakeRunner({k: v for k, v in good.items() if k != "rows"}, cfg))
     with pytest.raises(ValueError, match=f"MkStepArgs is {size} bytes, got 3"):

@@ -1,4 +1,4 @@
-"""The engine on the megakernel backend against the engine on the PyTorch reference, on the GPU at the
+"""The engine on the megakernel backend against the engine on the PyTorch backend, on the GPU at the
 GPU-test geometry (synthetic bf16 weights): staggered greedy requests, a batch larger than one
 launch, seeded sampling, a layer-sliced prefill beside a decoding stream, and the server end to end
 with `--synthetic`.
@@ -82,7 +82,7 @@ def engine(
         speculative=speculative,
         **options,
     )
-    assert e.options.backend == backend and e.options.prefill == "fast"  # mk.prefill.packed on the GPU, by default
+    assert e.options.backend == backend and e.options.prefill == "packed"  # mk.prefill.packed on the GPU, by default
     try:
         yield e
     finally:
@@ -132,7 +132,7 @@ def staggered() -> list[tuple[float, list[int], SamplingParams]]:
 @pytest.fixture(scope="module")
 def reference(model):
     requests = staggered()
-    with engine(model, "reference") as e:
+    with engine(model, "pytorch") as e:
         return requests, run(e, requests)
 
 
@@ -198,7 +198,7 @@ def test_a_batch_past_one_launch_runs_as_two_launches(model):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     requests = [(0.0, prompt(20 + 23 * (i % 8), 50 + i), params) for i in range(rows)]
     assert sum(len(p) for _, p, _ in requests) <= 2048
-    with engine(model, "reference", max_batch=rows) as e:
+    with engine(model, "pytorch", max_batch=rows) as e:
         ref = run(e, requests)
     # One prefill chunk takes every prompt (submitted together: `run`), so the rows decode side by side.
     with engine(model, "megakernel", max_batch=rows, prefill_chunk=2048) as e:
@@ -303,14 +303,14 @@ def test_seeded_sampling_reproduces(model):
     noise = [(0.01 * i, prompt(30 + 40 * i, 20 + i), SamplingParams(max_tokens=20, temperature=0.0)) for i in range(4)]
     with engine(model, "megakernel") as e:
         crowd = run(e, [*noise[:2], (0.0, p, seeded), *noise[2:]])
-    with engine(model, "reference") as e:
+    with engine(model, "pytorch") as e:
         ref = tokens_of(run(e, [(0, p, seeded)])[0])
     in_batch = tokens_of(crowd[2])
     # The first token comes from the same PyTorch prefill and the same Philox draw on every backend.
     assert in_batch[0] == runs[0][0] == ref[0]
     print(
         f"seeded: alone and in a batch agree for {common(runs[0], in_batch)} of 32 tokens, "
-        f"megakernel and reference for {common(runs[0], ref)}"
+        f"megakernel and PyTorch for {common(runs[0], ref)}"
     )
 
 

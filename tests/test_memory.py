@@ -96,9 +96,9 @@ def test_a_utilization_out_of_range_is_refused_before_anything_runs(model):
 
 def test_a_released_runner_holds_no_pool_and_no_sliced_prefill(model):
     """What a closed engine's runner lets go of (a sliced prefill's state holds the pool too)."""
-    from mk.engine.runner import ReferenceRunner
+    from mk.engine.runner import PytorchRunner
 
-    runner = ReferenceRunner(model, 64, 2, 256)
+    runner = PytorchRunner(model, 64, 2, 256)
     runner.sliced = object()  # (a layer-sliced prefill the engine stopped in the middle of)
     runner.release()
     assert runner.kv is None and runner.sliced is None

@@ -39,7 +39,8 @@ def test_a_flag_sets_its_option():
         "--max-batch": ("max_batch", "3", 3),
         "--prefill-chunk": ("prefill_chunk", "64", 64),
         "--gpu-memory-utilization": ("gpu_memory_utilization", "0.5", 0.5),
-        "--backend": ("backend", "reference", "reference"),
+        "--backend": ("backend", "pytorch", "pytorch"),
+        "--prefill": ("prefill", "plain", "plain"),
         "--whole-chunk-tokens": ("whole_chunk_tokens", "0", 0),
         "--max-waiting": ("max_waiting", "7", 7),
     }
@@ -57,9 +58,11 @@ def test_a_flag_sets_its_option():
         (dict(max_batch=0), "max_batch must be at least 1, got 0"),
         (dict(prefill_chunk=8), "prefill_chunk must be at least 16"),
         (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization must be in"),
-        (dict(backend="cuda"), "backend must be one of 'auto', 'megakernel', 'reference', not 'cuda'"),
+        (dict(backend="cuda"), "backend must be one of 'auto', 'megakernel', 'pytorch', not 'cuda'"),
+        (dict(backend="reference"), "backend must be one of 'auto', 'megakernel', 'pytorch', not 'reference'"),
+        (dict(prefill="fast"), "prefill must be one of 'auto', 'packed', 'plain', not 'fast'"),
         (dict(launch_ahead="yes"), "launch_ahead must be None \\(auto\\), True or False"),
-        (dict(sliced_prefill=True, prefill="reference"), "sliced_prefill needs the fast prefill"),
+        (dict(sliced_prefill=True, prefill="plain"), "sliced_prefill needs the packed prefill"),
     ],
 )
 def test_invalid_options_are_a_value_error(options, message):
@@ -73,11 +76,11 @@ def test_an_error_names_the_servers_flags():
 
 
 @pytest.mark.parametrize("cuda", [False, True])
-@pytest.mark.parametrize("backend", ["reference", "megakernel"])
+@pytest.mark.parametrize("backend", ["pytorch", "megakernel"])
 def test_resolving_makes_every_automatic_choice(cuda, backend):
     o = EngineOptions().resolved(cuda=cuda, backend=backend)
     megakernel = backend == "megakernel"
-    assert o.backend == backend and o.prefill == ("fast" if cuda else "reference")
+    assert o.backend == backend and o.prefill == ("packed" if cuda else "plain")
     assert o.max_batch == (GPU_MAX_BATCH if cuda else CPU_MAX_BATCH)
     assert o.prefill_chunk == (PREFILL_CHUNK if cuda else CPU_PREFILL_CHUNK)
     assert o.sliced_prefill is cuda
@@ -97,10 +100,10 @@ def test_resolving_makes_every_automatic_choice(cuda, backend):
 @pytest.mark.parametrize(
     "options,backend,message",
     [
-        (dict(kernel_masks=True), "reference", "kernel_masks needs the megakernel backend"),
+        (dict(kernel_masks=True), "pytorch", "kernel_masks needs the megakernel backend"),
         (dict(late_masks=True, kernel_masks=False), "megakernel", "late_masks needs kernel_masks"),
         (dict(late_masks=True, launch_ahead=False), "megakernel", "late_masks needs launch-ahead"),
-        (dict(sliced_prefill=True), "reference", "sliced_prefill needs the fast prefill"),
+        (dict(sliced_prefill=True), "pytorch", "sliced_prefill needs the packed prefill"),
     ],
 )
 def test_combinations_that_cannot_run_are_refused_when_resolved(options, backend, message):

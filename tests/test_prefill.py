@@ -109,7 +109,7 @@ class Pool:
 
 
 def by_position(log: RoutingLog, chunks: list[list[Span]]) -> dict[tuple[int, int, int], frozenset[int]]:
-    """The fast path's choices per (request, layer, position): its calls go chunk by chunk, one per
+    """The packed prefill's choices per (request, layer, position): its calls go chunk by chunk, one per
     MoE layer, over the chunk's spans packed in order."""
     calls, out = iter(log.calls), {}
     for spans in chunks:
@@ -123,14 +123,14 @@ def by_position(log: RoutingLog, chunks: list[list[Span]]) -> dict[tuple[int, in
     return out
 
 
-def tied_flip(fast: dict, request: int, start: int, ref: RoutingLog) -> str | None:
-    """Where (in layer, then position order) the fast path first chose other experts for `request`
+def tied_flip(packed: dict, request: int, start: int, ref: RoutingLog) -> str | None:
+    """Where (in layer, then position order) the packed prefill first chose other experts for `request`
     than the reference did: None if nowhere; a description if the reference's choice there was a
     near-tie (ROUTER_TIE); any other difference fails."""
     k = CFG.num_experts_per_tok
     for layer, (idx, logits) in zip(MOE_LAYERS, ref.calls, strict=True):
         for row, choice in enumerate(idx.tolist()):
-            if fast[request, layer, start + row] != frozenset(choice):
+            if packed[request, layer, start + row] != frozenset(choice):
                 gap = tie_gap(logits[row], k)
                 assert gap < ROUTER_TIE, f"seed {SEED}: request {request} layer {layer} routes unlike the reference"
                 return f"layer {layer}, position {start + row} (gap {gap:.1e})"
@@ -142,17 +142,17 @@ def run_compared(model, pool, requests, chunk, attention, moe, dtype, what):
     indices of the requests compared (whose pages can be compared too). On the grouped MoE
     (float32) a request whose routing went the other way at a near-tie of the reference's router
     logits is reported and left out."""
-    fast_log, chunks = RoutingLog(), []
-    with fast_log.patch(grouped_moe):
+    packed_log, chunks = RoutingLog(), []
+    with packed_log.patch(grouped_moe):
         out = Prefill(model, chunk=chunk, attention=attention, moe=moe)(
             requests, pool.kv, return_hidden=True, before_chunk=chunks.append
         )
     assert out.logits.shape == (len(requests), CFG.vocab_size) and out.logits.dtype == dtype
-    fast = by_position(fast_log, chunks) if moe == "grouped" else {}
+    packed = by_position(packed_log, chunks) if moe == "grouped" else {}
     compared = []
     for i, r in enumerate(requests):
         want_logits, want_hidden, ref_log = pool.reference_routed(r.tokens, r.start, r.block_table)
-        flip = tied_flip(fast, i, r.start, ref_log) if moe == "grouped" else None
+        flip = tied_flip(packed, i, r.start, ref_log) if moe == "grouped" else None
         if flip is not None:
             print(f"seed {SEED} {what}: request {i}'s near-tied expert choice at {flip} went the other way")
             continue

@@ -37,11 +37,13 @@ pytestmark = pytest.mark.slow  # (starts and signals python -m mk.server)
         (["--api-key", ""], "--api-key"),
         (["--model", ".", "--synthetic"], "--synthetic"),
         (["--prefill", "flash"], "--prefill"),
+        (["--prefill", "fast"], "--prefill"),
+        (["--backend", "reference"], "--backend"),
         (["--launch-ahead", "maybe"], "--launch-ahead"),
         (["--speculative", "sometimes"], "--speculative"),
         (["--decode-prefill-budget", "0"], "--decode-prefill-budget"),
         (["--sliced-prefill", "sometimes"], "--sliced-prefill"),
-        (["--sliced-prefill", "--prefill", "reference"], "--sliced-prefill"),
+        (["--sliced-prefill", "--prefill", "plain"], "--sliced-prefill"),
         (["--allowed-origins", "example.com"], "--allowed-origins"),
         (["--allowed-origins", "https://a.example/path"], "--allowed-origins"),
     ],
@@ -134,8 +136,8 @@ def checkpoint(tmp_path_factory):
     return path, Model(cfg, weights)
 
 
-def test_fast_prefill_serves_on_the_cpu_too():
-    server = ServerProcess("--device", "cpu", "--prefill", "fast", "--max-context", "1024").wait_ready()
+def test_packed_prefill_serves_on_the_cpu_too():
+    server = ServerProcess("--device", "cpu", "--prefill", "packed", "--max-context", "1024").wait_ready()
     try:
         out = httpx.post(
             server.url + "/v1/completions",
@@ -151,7 +153,7 @@ def test_fast_prefill_serves_on_the_cpu_too():
         f"chunks of {CPU_PREFILL_CHUNK} tokens, CUDA graphs off, {CPU_PREFILL_CHUNK} tokens an iteration while streams "
         "decode"
     )
-    assert f"reference decode, fast prefill ({chunks}), launch-ahead off, max batch {CPU_MAX_BATCH}" in server.output()
+    assert f"pytorch decode, packed prefill ({chunks}), launch-ahead off, max batch {CPU_MAX_BATCH}" in server.output()
 
 
 def test_serves_a_checkpoint_folder_and_drains_on_sigterm(checkpoint):

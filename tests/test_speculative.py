@@ -4,7 +4,7 @@ time, beside sequences without a draft; and the longest-prefix acceptance over s
 exactly the tokens of plain greedy decoding, whatever share of the drafts is right (the drafts
 here come from a recorded plain run, so which are right is controlled).
 
-Then the engine's (`Engine(speculative=...)`): the reference runner verifies a step's repeated
+Then the engine's (`Engine(speculative=...)`): the PyTorch runner verifies a step's repeated
 rows as one-token steps would decode them, and the built-in model (float64, where a step's row
 count cannot flip a greedy choice) gives the same text, tokens, finish reasons and logprobs with
 drafts and without, greedy and seeded, with stop strings, stop tokens and short max_tokens, beside
@@ -24,7 +24,7 @@ from mk.config import ModelConfig
 from mk.engine.api import EngineStats
 from mk.engine.engine import Engine
 from mk.engine.options import AUTO_ON_OFF, EngineOptions
-from mk.engine.runner import ReferenceRunner
+from mk.engine.runner import PytorchRunner
 from mk.engine.sampling import ConstraintSpec, SamplingParams
 from mk.model.names import expected_shapes
 from mk.model.paged import PageAllocator
@@ -161,7 +161,7 @@ def test_the_drafter_copies_from_the_text_and_follows_what_was_accepted():
 
 
 @pytest.mark.parametrize("cuda", [False, True])
-@pytest.mark.parametrize("backend", ["reference", "megakernel"])
+@pytest.mark.parametrize("backend", ["pytorch", "megakernel"])
 def test_the_option_maps_to_a_draft_limit(cuda, backend):
     def limit(speculative):
         return EngineOptions(speculative=speculative).resolved(cuda=cuda, backend=backend).max_draft
@@ -185,13 +185,13 @@ def test_the_counters_are_prometheus_counters():
     assert 'mk_spec_decode_num_accepted_tokens_total{model_name="m"} 5.0' in page
 
 
-# ---- the reference runner's verification rows ---------------------------------------------------
+# ---- the PyTorch runner's verification rows -----------------------------------------------------
 
 
 def runner_over(model: Model, prompts: list[list[int]]):
-    """A ReferenceRunner whose rows 0.. hold `prompts` but their last tokens, prefilled, with every
+    """A PytorchRunner whose rows 0.. hold `prompts` but their last tokens, prefilled, with every
     page up to MAX_PAGES mapped; (runner, the rows' next positions)."""
-    runner = ReferenceRunner(model, BLOCKS, len(prompts), MAX_PAGES * 64)
+    runner = PytorchRunner(model, BLOCKS, len(prompts), MAX_PAGES * 64)
     alloc = PageAllocator(BLOCKS, seed=SEED)
     dirty = []
     for row in range(len(prompts)):
@@ -203,7 +203,7 @@ def runner_over(model: Model, prompts: list[list[int]]):
     return runner, [len(p) - 1 for p in prompts]
 
 
-def test_the_reference_runner_verifies_repeated_rows_as_steps_of_one_token():
+def test_the_pytorch_runner_verifies_repeated_rows_as_steps_of_one_token():
     """A step whose rows repeat (a sequence's next token and its draft, consecutive entries of one
     row at consecutive positions) gives each entry the logits that one-token steps give it, beside
     rows without a draft, and leaves the cache as those steps leave it."""
@@ -244,7 +244,7 @@ def test_the_reference_runner_verifies_repeated_rows_as_steps_of_one_token():
         assert float((stepped - verified).abs().max() / stepped.abs().max()) < 1e-12, f"seed {SEED}"
 
 
-def test_the_reference_runner_refuses_rows_that_are_not_one_run_each():
+def test_the_pytorch_runner_refuses_rows_that_are_not_one_run_each():
     model = make_model()
     runner, pos = runner_over(model, [tokens_of(20, salt=0), tokens_of(30, salt=1)])
     with pytest.raises(ValueError, match="not at consecutive positions"):

@@ -106,7 +106,7 @@ class PrefillRunner(Protocol):
         layer-sliced call, logits only from the one that ends at the last layer ([0, vocab] before)."""
 
 class Runner(PrefillRunner, Protocol):
-    """What the Reference backend calls (mk.engine.runner.ReferenceRunner): prefill, and decode."""
+    """What the PyTorch backend calls (mk.engine.runner.PytorchRunner): prefill, and decode."""
 
     def decode(self, rows: list[int], tokens: list[int], positions: list[int], dirty: list[tuple[int, bytes]]) -> Any:
         """float32 buffer [len(rows), vocab]."""
@@ -154,7 +154,7 @@ def kv_pool_blocks(budget: int, kv_heads: int, head_dim: int, elem_bytes: int) -
 class Engine:
     """The decode-loop thread over `runner` (None: a no-op backend that samples `noop_token`).
     `options`: a resolved mk.engine.options.EngineOptions (read by attribute; its `backend` is
-    "reference", where the runner prefills and decodes, or "megakernel", where the runner, a
+    "pytorch", where the runner prefills and decodes, or "megakernel", where the runner, a
     MegakernelRunner, prefills and the megakernel decodes). `step_rows`: one decode step's rows."""
 
     def __new__(

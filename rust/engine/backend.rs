@@ -1,5 +1,5 @@
 //! The seam between the control plane and whatever computes the model: the megakernel on a GPU,
-//! or the PyTorch reference (through Python) for CPU tests and GPU comparisons.
+//! or the PyTorch model (through Python) for CPU tests and GPU comparisons.
 //!
 //! A backend owns the K/V arena and any device copy of the page table; the engine owns the block
 //! ids. Before each call the engine has mapped every position the call writes, and it lists the

@@ -1,4 +1,4 @@
-//! A backend for models that end in logits (the PyTorch reference, through Python): the model
+//! A backend for models that end in logits (the PyTorch model, through Python): the model
 //! computes logits for the engine's calls, and this module samples them with the shared sampler
 //! (the megakernel samples its greedy rows on the GPU by the same argmax rule).
 

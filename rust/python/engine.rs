@@ -1,4 +1,4 @@
-//! `mk._native.Engine`: the decode-loop engine over the Python reference runner (or a no-op
+//! `mk._native.Engine`: the decode-loop engine over the Python PyTorch runner (or a no-op
 //! backend for benchmarks). Thin: argument conversion only; every wait releases the GIL.
 
 use std::time::Duration;
@@ -9,7 +9,7 @@ use pyo3::types::PyDict;
 
 use super::errors;
 use super::megakernel_backend::megakernel_backend;
-use super::reference_backend::reference_backend;
+use super::pytorch_backend::pytorch_backend;
 use crate::engine::{Engine, EngineConfig, NoopBackend};
 use crate::grammar::{CompiledConstraints, Constraint, ConstraintSpec, Grammars};
 use crate::kv::KvConfig;
@@ -100,7 +100,7 @@ fn constraint_error(kind: &str, e: crate::grammar::GrammarError) -> PyErr {
 impl PyEngine {
     /// Starts the loop thread over `runner` (None: the no-op backend, which "samples"
     /// `noop_token` every step; for control-plane benchmarks). `options`: the resolved
-    /// `mk.engine.options.EngineOptions` (read by attribute, `Options`); its `backend` is "reference"
+    /// `mk.engine.options.EngineOptions` (read by attribute, `Options`); its `backend` is "pytorch"
     /// (the runner prefills and decodes) or "megakernel" (the runner prefills, the megakernel
     /// decodes). The model gives the rest: which layers slide, the window, the KV pool's blocks,
     /// the vocabulary and EOS. `step_rows`: the rows of one decode step (the megakernel's: its
@@ -171,12 +171,12 @@ impl PyEngine {
             whole_chunk_tokens,
         };
         let engine = match (runner, backend.as_str()) {
-            (Some(r), "reference") => Engine::start(cfg, reference_backend(r, vocab_size)),
+            (Some(r), "pytorch") => Engine::start(cfg, pytorch_backend(r, vocab_size)),
             (Some(r), "megakernel") => Engine::start(cfg, megakernel_backend(py, r, vocab_size)?),
             (None, _) => Engine::start(cfg, NoopBackend::new(noop_token)),
             (Some(_), other) => {
                 return Err(PyValueError::new_err(format!(
-                    "backend must be \"reference\" or \"megakernel\", got {other:?}"
+                    "backend must be \"pytorch\" or \"megakernel\", got {other:?}"
                 )))
             }
         }

@@ -1,6 +1,6 @@
 //! The megakernel backend from Python's `MegakernelRunner`: its setup (`megakernel_setup()`,
 //! read once) converted into a GPU launcher, and its `prefill` as the prefilling backend
-//! (`crate::engine::megakernel::MegakernelBackend`; the Reference backend's prefill: PyTorch writes
+//! (`crate::engine::megakernel::MegakernelBackend`; the PyTorch backend's prefill: PyTorch writes
 //! the prompt's K/V into the pool the kernel reads).
 
 use pyo3::exceptions::PyValueError;
@@ -8,14 +8,14 @@ use pyo3::prelude::*;
 
 use super::errors;
 use super::graph::dims_from;
-use super::reference_backend::{reference_backend, ReferenceBackend};
+use super::pytorch_backend::{pytorch_backend, PytorchBackend};
 use crate::engine::megakernel::{MegakernelBackend, MegakernelDecoder};
 use crate::gpu::step::{GpuLauncher, StepSetup};
 use crate::gpu::{Gpu, MkStepArgs};
 use crate::graph::BuildOptions;
 
 /// The megakernel backend over a Python `MegakernelRunner`.
-pub type PythonMegakernel = MegakernelBackend<ReferenceBackend, GpuLauncher>;
+pub type PythonMegakernel = MegakernelBackend<PytorchBackend, GpuLauncher>;
 
 /// What `megakernel_setup()` gives, read by attribute: the device and the CUstream prefill runs
 /// on (the launches share it, so they follow the prefill's K/V writes), `step_args` (bytes of an
@@ -82,5 +82,5 @@ pub fn megakernel_backend(py: Python<'_>, runner: Py<PyAny>, vocab: usize) -> Py
     let mut decoder = MegakernelDecoder::new(launcher);
     decoder.kernel_masks = s.kernel_masks;
     decoder.late_masks = s.late_masks;
-    Ok(MegakernelBackend::new(decoder, reference_backend(runner, vocab)))
+    Ok(MegakernelBackend::new(decoder, pytorch_backend(runner, vocab)))
 }

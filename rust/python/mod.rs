@@ -5,7 +5,7 @@ mod engine;
 mod errors;
 mod graph;
 mod megakernel_backend;
-mod reference_backend;
+mod pytorch_backend;
 mod speculative;
 
 use pyo3::prelude::*;

@@ -1,4 +1,4 @@
-"""The engine: its options, the memory plan, the runners that prefill (and decode on the reference), sampling
+"""The engine: its options, the memory plan, the runners that prefill (and decode with PyTorch), sampling
 parameters, outputs, and `Engine`, the `AsyncEngine` (`api`) over the Rust decode loop. Import the modules
 (`mk.engine.engine`; `mk.engine.Engine` loads on first use), so that `import mk` stays light."""
 

@@ -1,7 +1,7 @@
 """`Engine`: the `AsyncEngine` over mk's Rust decode loop (`mk._native.Engine`).
 
 Rust owns the scheduler, the KV block accounting and the loop thread; this module builds the KV
-pool and the runner (PyTorch prefill; decode by the megakernel or the PyTorch reference, see
+pool and the runner (PyTorch prefill; decode by the megakernel or the PyTorch model, see
 `Engine`), hands requests over, and delivers tokens. One pump thread waits in Rust with the GIL
 released and dispatches each batch of events to the requests' sinks: asyncio queues (through
 `call_soon_threadsafe`, one call per event loop per batch) or plain callbacks (the offline
@@ -26,7 +26,7 @@ from mk.engine import memory
 from mk.engine.api import EngineClosed, EngineFull, EngineStats, PromptTooLong
 from mk.engine.options import WHOLE_CHUNK_TOKENS, EngineOptions
 from mk.engine.outputs import TokenEvent
-from mk.engine.runner import PrefillRunner, ReferenceRunner
+from mk.engine.runner import PrefillRunner, PytorchRunner
 from mk.engine.sampling import ConstraintSpec, SamplingError, SamplingParams
 from mk.megakernel.runner import MegakernelRunner
 from mk.megakernel.support import STEP_MAX_ROWS, choose_backend
@@ -82,7 +82,7 @@ class Engine:
     choice made (`EngineOptions.resolved`), the prefill graphs as the warm-up captured them, and
     `max_context` as the KV pool holds it.
 
-    Prefill is PyTorch on the decode backend's stream; the fast prefill restacks the model's experts
+    Prefill is PyTorch on the decode backend's stream; the packed prefill restacks the model's experts
     in place (`mk.prefill.packed.stack_experts`). The KV pool has `kv_blocks` blocks, else `kv_bytes`' worth,
     else on a GPU what the memory plan leaves within `gpu_memory_utilization` of the card's total
     memory once the warm-up's peak has been measured (`mk.engine.memory`; `self.memory_plan`), else (CPU)
@@ -98,18 +98,18 @@ class Engine:
         cuda = model.device.type == "cuda"
         asked = dataclasses.replace(options or EngineOptions(), **overrides)
         opts = asked.resolved(cuda=cuda, backend=choose_backend(model, asked.backend))
-        fast = _fast_prefill(model, opts)
+        packed = _packed_prefill(model, opts)
         sliding = [cfg.is_sliding(layer) for layer in range(cfg.num_hidden_layers)]
         chunk = opts.prefill_chunk
 
         def runner_over(blocks: int, context: int):
-            common = dict(fast_prefill=fast, prefill_chunk=chunk)
+            common = dict(packed_prefill=packed, prefill_chunk=chunk)
             if opts.backend == "megakernel":
                 kinds = dict(kernel_masks=opts.kernel_masks, late_masks=opts.late_masks, dealing=opts.dealing)
                 # Drafts fill a launch's rows beyond the batch's own: its buffers take a whole launch.
                 kinds["rows"] = STEP_MAX_ROWS if opts.speculative else None
                 return MegakernelRunner(model, blocks, opts.max_batch, context, **common, **kinds)
-            return ReferenceRunner(model, blocks, opts.max_batch, context, **common)
+            return PytorchRunner(model, blocks, opts.max_batch, context, **common)
 
         # The KV pool: as given, else on a GPU the memory plan's (mk.engine.memory), else (CPU) a batch's.
         self.memory_plan: memory.MemoryPlan | None = None
@@ -152,7 +152,7 @@ class Engine:
         self._runner = runner_over(num_blocks, max_context)
         try:
             self._runner.warm_up(opts.progress)
-            self.options = _after_warm_up(opts, fast, max_context, model)
+            self.options = _after_warm_up(opts, packed, max_context, model)
             self._native = _native.Engine(
                 self._runner,
                 self.options,
@@ -379,9 +379,9 @@ def _put_all(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
         queue.put_nowait(event)
 
 
-def _fast_prefill(model: Model, opts: EngineOptions) -> Prefill | None:
-    """The engine's `mk.prefill.packed` runner, or None for the reference model's forward (`opts.prefill`)."""
-    if opts.prefill == "reference":
+def _packed_prefill(model: Model, opts: EngineOptions) -> Prefill | None:
+    """The engine's `mk.prefill.packed` runner, or None for the model's plain forward (`opts.prefill`)."""
+    if opts.prefill == "plain":
         return None
     if model.device.type == "cuda":  # before anything records weight addresses (the megakernel's tables)
         stack_experts(model.weights, model.config)
@@ -396,16 +396,16 @@ def _fast_prefill(model: Model, opts: EngineOptions) -> Prefill | None:
     )
 
 
-def _after_warm_up(opts: EngineOptions, fast: Prefill | None, max_context: int, model: Model) -> EngineOptions:
+def _after_warm_up(opts: EngineOptions, packed: Prefill | None, max_context: int, model: Model) -> EngineOptions:
     """`opts` with what the warm-up and the KV pool decided: the prefill graphs it captured (a
     shape whose capture failed runs eagerly), whole_chunk_tokens by them, the context the pool
     holds, and the prefix cache's salt."""
-    fresh = fast is not None and fast.fresh is not None and fast.fresh.capture
-    prefixed = fast is not None and fast.prefixed is not None and fast.prefixed.capture
+    fresh = packed is not None and packed.fresh is not None and packed.fresh.capture
+    prefixed = packed is not None and packed.prefixed is not None and packed.prefixed.capture
     whole = opts.whole_chunk_tokens
     if whole is None:  # a lone chunk that replays a graph runs whole (if every shape's capture took)
         graphed = opts.sliced_prefill and fresh and prefixed
-        graphed = graphed and not (fast.fresh.uncapturable() or fast.prefixed.uncapturable())
+        graphed = graphed and not (packed.fresh.uncapturable() or packed.prefixed.uncapturable())
         whole = WHOLE_CHUNK_TOKENS if graphed else 0
     salt = opts.salt
     if salt is None:

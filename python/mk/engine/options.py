@@ -17,6 +17,7 @@ from typing import Any
 
 from mk import _native
 from mk.engine import memory
+from mk.megakernel.support import BACKENDS
 
 # Sequences decoded together on a GPU: the rows of one megakernel launch (its wide image), which
 # decodes them faster than two launches of 8, and a 9th concurrent request starts at once instead
@@ -42,9 +43,8 @@ WHOLE_CHUNK_TOKENS = 1024
 # The share of the card's memory mk may use by default (vLLM's `--gpu-memory-utilization` means
 # the same): the rest is left to the driver, other processes and the allocator's fragmentation.
 GPU_MEMORY_UTILIZATION = 0.9
-BACKENDS = ("auto", "megakernel", "reference")
 DEALINGS = ("round_robin", "balanced")
-PREFILLS = ("auto", "fast", "reference")
+PREFILLS = ("auto", "packed", "plain")
 # An auto/on/off switch's words and the field's value (None: the engine decides).
 AUTO_ON_OFF = {"auto": None, "on": True, "off": False}
 
@@ -69,15 +69,15 @@ class EngineOptions:
 
     backend: str = _option(
         "auto",
-        "what decodes: the megakernel (bf16 on a Hopper GPU), the PyTorch reference model, or auto = the "
-        "megakernel wherever it can run",
+        "what decodes: megakernel = the decode megakernel (bf16 on a Hopper GPU), pytorch = the PyTorch model's "
+        "forward (mk.model), auto = the megakernel wherever it can run",
         choices=BACKENDS,
     )
     prefill: str = _option(
         "auto",
-        "what prefills prompts: fast = the packed prefill (mk.prefill: flex attention, grouped-GEMM experts, packed "
-        "prompts; compiles at start), reference = the reference model's forward, auto = fast on a GPU and reference "
-        "on the CPU",
+        "what prefills prompts: packed = the packed prefill (mk.prefill: flex attention, grouped-GEMM experts, "
+        "packed prompts; compiles at start), plain = the model's plain forward, auto = packed on a GPU and plain on "
+        "the CPU",
         choices=PREFILLS,
     )
     max_batch: int | None = _option(
@@ -118,8 +118,8 @@ class EngineOptions:
     sliced_prefill: bool | None = _switch(
         "while streams decode, run each prompt chunk over several loop iterations, a few layers each, within the "
         "decode prefill budget of tokens through the whole model, a decode step between them: the streams pause "
-        "as little as with small chunks while the prompt keeps whole chunks; on needs the fast prefill",
-        "on wherever the fast prefill runs on a GPU",
+        "as little as with small chunks while the prompt keeps whole chunks; on needs the packed prefill",
+        "on wherever the packed prefill runs on a GPU",
     )
     whole_chunk_tokens: int | None = _option(
         None,
@@ -133,13 +133,13 @@ class EngineOptions:
         "prefill a fresh prompt (no cached prefix) of up to one chunk as a CUDA graph replay, captured per padded "
         "length at start: a short prompt's first token without the eager path's fixed host time, for GPU memory "
         "the start's memory plan counts",
-        "on with the fast prefill on a GPU",
+        "on with the packed prefill on a GPU",
     )
     prefix_graphs: bool | None = _switch(
         "prefill a chunk after a cached prefix (a conversation's next turn) as a CUDA graph replay too, captured "
         "per padded (tokens, keys) shape at start, so that a next turn's first token comes without the eager "
         "path's launches; on = every chunk length (more captures and memory)",
-        "the shortest chunks (mk.prefill.prefixed.NEXT_TURN_BUCKETS) with the fast prefill on a GPU",
+        "the shortest chunks (mk.prefill.prefixed.NEXT_TURN_BUCKETS) with the packed prefill on a GPU",
     )
     launch_ahead: bool | None = _switch(
         "launch each decode step before the previous step's tokens reach the host, so the GPU runs steps back to "
@@ -163,7 +163,7 @@ class EngineOptions:
         "a step may give it several tokens; the output is token for token what decoding without drafts gives (a "
         "sampled request's seed for seed); under a grammar only tokens it takes are drafted; /metrics counts the "
         "draft tokens and those accepted",
-        "on with the megakernel, off with the reference backend",
+        "on with the megakernel, off with the PyTorch backend",
     )
     # Options for scripts and tests, without a server flag.
     kv_blocks: int | None = _option(None, "the KV pool's blocks (None: the memory plan's)", flag=False, minimum=1)
@@ -204,20 +204,20 @@ class EngineOptions:
             if minimum is not None and value < minimum:
                 raise ValueError(f"{f.name} must be at least {minimum}, got {value}")
         memory.check_utilization(self.gpu_memory_utilization)
-        if self.sliced_prefill and self.prefill == "reference":
-            raise ValueError("sliced_prefill needs the fast prefill, and prefill is 'reference'")
+        if self.sliced_prefill and self.prefill == "plain":
+            raise ValueError("sliced_prefill needs the packed prefill, and prefill is 'plain'")
 
     def resolved(self, *, cuda: bool, backend: str) -> EngineOptions:
         """The options with every automatic choice made, for a model on a GPU (`cuda`) or the CPU
-        decoded by `backend` ("megakernel" or "reference": what `backend` "auto" came to). The
+        decoded by `backend` ("megakernel" or "pytorch": what `backend` "auto" came to). The
         prefill graphs and whole_chunk_tokens are decided by the warm-up (Engine); a combination
         that cannot run is a ValueError."""
         megakernel = backend == "megakernel"
-        fast = self.prefill == "fast" or (self.prefill == "auto" and cuda)
+        packed = self.prefill == "packed" or (self.prefill == "auto" and cuda)
         if self.kernel_masks and not megakernel:
             raise ValueError(f"kernel_masks needs the megakernel backend; this engine decodes with {backend!r}")
-        if self.sliced_prefill and not fast:
-            raise ValueError("sliced_prefill needs the fast prefill (prefill='fast')")
+        if self.sliced_prefill and not packed:
+            raise ValueError("sliced_prefill needs the packed prefill (prefill='packed')")
         kernel_masks = megakernel if self.kernel_masks is None else self.kernel_masks
         if self.late_masks and not kernel_masks:
             raise ValueError("late_masks needs kernel_masks (the megakernel backend's)")
@@ -225,14 +225,14 @@ class EngineOptions:
         if self.late_masks and not launch_ahead:
             raise ValueError("late_masks needs launch-ahead (launch_ahead=False turns it off)")
         chunk = self.prefill_chunk or (PREFILL_CHUNK if cuda else CPU_PREFILL_CHUNK)
-        sliced = fast and cuda if self.sliced_prefill is None else self.sliced_prefill
+        sliced = packed and cuda if self.sliced_prefill is None else self.sliced_prefill
         budget = self.decode_prefill_budget
         if budget is None:
             budget = min(DECODE_PREFILL_BUDGET, chunk) if sliced else chunk
         return dataclasses.replace(
             self,
             backend=backend,
-            prefill="fast" if fast else "reference",
+            prefill="packed" if packed else "plain",
             max_batch=self.max_batch or (GPU_MAX_BATCH if cuda else CPU_MAX_BATCH),
             prefill_chunk=chunk,
             decode_prefill_budget=budget,

@@ -1,12 +1,12 @@
 """The Python halves of the decode backends, called by the Rust decode loop with the GIL held:
-`PrefillRunner` (the KV pool and PyTorch prefill every backend shares) and `ReferenceRunner`, which
-also decodes with the PyTorch reference model (`rust/python/reference_backend.rs`); the megakernel's
+`PrefillRunner` (the KV pool and PyTorch prefill every backend shares) and `PytorchRunner`, which
+also decodes with the PyTorch model (`rust/python/pytorch_backend.rs`); the megakernel's
 is `mk.megakernel.runner.MegakernelRunner`.
 
 Rust owns the block ids; a runner owns the K/V tensors and a mirror of the dense page table,
 patched with the rows Rust reports as changed. It returns logits as float32 numpy arrays and Rust
 samples them. Prefill chunks run through `mk.prefill.packed.Prefill` when one is given (the engine's
-choice on a GPU), else through the reference model's own forward.
+choice on a GPU), else through the model's plain forward.
 """
 
 from __future__ import annotations
@@ -51,13 +51,13 @@ class PrefillRunner:
         num_blocks: int,
         max_batch: int,
         max_context: int,
-        fast_prefill: Prefill | None = None,
+        packed_prefill: Prefill | None = None,
         prefill_chunk: int | None = None,
     ) -> None:
         self.model = model
-        self.fast_prefill = fast_prefill
-        # Most tokens of one prefill call (the engine's chunk; by default the fast prefill's).
-        self.prefill_chunk = prefill_chunk or (fast_prefill.chunk if fast_prefill is not None else max_context)
+        self.packed_prefill = packed_prefill
+        # Most tokens of one prefill call (the engine's chunk; by default the packed prefill's).
+        self.prefill_chunk = prefill_chunk or (packed_prefill.chunk if packed_prefill is not None else max_context)
         self.kv = model.new_kv(num_blocks)
         self.layers = model.config.num_hidden_layers
         self.max_pages = -(-max_context // PAGE_SIZE)
@@ -66,7 +66,7 @@ class PrefillRunner:
         self.sliced: SlicedPrefill | None = None  # a layer-sliced prefill call in progress
 
     def warm_up(self, progress: bool = True) -> None:
-        """Run the fast prefill on scratch pages before serving, so its first-call compilation (tens of
+        """Run the packed prefill on scratch pages before serving, so its first-call compilation (tens of
         seconds on a GPU) does not land on the first request; on a GPU also capture the CUDA graphs
         of fresh prompts and of chunks after a cached prefix (mk.prefill.static; the latter's long
         prefixes read scratch pages again and again), the largest of each kind first so that the
@@ -75,13 +75,13 @@ class PrefillRunner:
         blocks from 0 on (`scratch_blocks` of them), which nothing holds yet and every later
         prefill overwrites before reading. With `progress`, a bar counts the passes where stderr is
         a terminal."""
-        if self.fast_prefill is None:
-            self._warm_up_reference()
+        if self.packed_prefill is None:
+            self._warm_up_plain()
             return
         if self.kv.num_blocks < self.layers:
             return
         started = time.perf_counter()
-        fresh, prefixed = self.fast_prefill.fresh, self.fast_prefill.prefixed
+        fresh, prefixed = self.packed_prefill.fresh, self.packed_prefill.prefixed
         passes = self._warm_up_passes()
         bar = tqdm(total=len(passes), desc="prefill warm-up", unit="pass", disable=None if progress else True)
         # The log lines go above the bar while it shows.
@@ -104,7 +104,7 @@ class PrefillRunner:
 
     def _warm_up_passes(self) -> list[tuple[str | None, Callable[[], object]]]:
         """The warm-up's prefill calls in order, each with the log line that opens its part (or None)."""
-        prefill, fresh = self.fast_prefill, self.fast_prefill.fresh
+        prefill, fresh = self.packed_prefill, self.packed_prefill.fresh
         table = torch.full((self.layers, self.max_pages), -1, dtype=torch.int32)
         table[:, 0] = torch.arange(self.layers, dtype=torch.int32)
         n, pages = self._whole_chunk()
@@ -164,8 +164,8 @@ class PrefillRunner:
                 passes.append((None, _peak_only(call([PrefillRequest([0] * n, longest, aliased)], True))))
         return passes
 
-    def _warm_up_reference(self) -> None:
-        """On a GPU, one whole chunk of the reference model's forward after the longest prefix the
+    def _warm_up_plain(self) -> None:
+        """On a GPU, one whole chunk of the model's plain forward after the longest prefix the
         context allows: its peak is what the memory plan (mk.engine.memory) must leave room for."""
         n, pages = self._whole_chunk()
         if self.model.device.type != "cuda" or self.kv.num_blocks < self.layers * pages:
@@ -194,13 +194,13 @@ class PrefillRunner:
         self.kv = None
 
     def release_graphs(self) -> None:
-        """Drop the fast prefill's CUDA graphs and their memory."""
-        if self.fast_prefill is None:
+        """Drop the packed prefill's CUDA graphs and their memory."""
+        if self.packed_prefill is None:
             return
-        for passes in (self.fast_prefill.fresh, self.fast_prefill.prefixed):
+        for passes in (self.packed_prefill.fresh, self.packed_prefill.prefixed):
             if passes is not None:
                 passes.release()
-        self.fast_prefill.renew_graph_pool()  # (the next captures' pool starts empty)
+        self.packed_prefill.renew_graph_pool()  # (the next captures' pool starts empty)
 
     def _sync(self, dirty: list[tuple[int, bytes]]) -> None:
         for row, data in dirty:
@@ -225,11 +225,11 @@ class PrefillRunner:
         if layers is not None:
             return self._prefill_slice(pieces, last, *layers)
         self.sliced = None  # (a sliced call the engine dropped: its state goes)
-        if self.fast_prefill is not None:
+        if self.packed_prefill is not None:
             # One packed forward pass. Rust mapped every page of every chunk before calling (the
             # page contract of mk.prefill.packed).
             requests = [PrefillRequest(tokens, start, self.tables[row]) for row, tokens, start, _ in pieces]
-            logits = self.fast_prefill(requests, self.kv).logits[last]
+            logits = self.packed_prefill(requests, self.kv).logits[last]
         else:
             rows = []
             for row, tokens, start, is_last in pieces:
@@ -240,12 +240,12 @@ class PrefillRunner:
         return _host(logits)
 
     def _prefill_slice(self, pieces, last: list[int], start: int, end: int):
-        if self.fast_prefill is None:
-            raise ValueError("a layer-sliced prefill needs the fast prefill (mk.prefill.packed)")
+        if self.packed_prefill is None:
+            raise ValueError("a layer-sliced prefill needs the packed prefill (mk.prefill.packed)")
         if start == 0:
             self.sliced = None  # (a call dropped half way is forgotten)
             requests = [PrefillRequest(tokens, first, self.tables[row]) for row, tokens, first, _ in pieces]
-            self.sliced = self.fast_prefill.sliced(requests, self.kv)
+            self.sliced = self.packed_prefill.sliced(requests, self.kv)
         if self.sliced is None:
             raise ValueError(f"prefill slice {start}..{end} of a call that did not start at layer 0")
         sliced = self.sliced
@@ -260,8 +260,8 @@ class PrefillRunner:
         return _host(sliced.logits()[last])
 
 
-class ReferenceRunner(PrefillRunner):
-    """Decodes with the PyTorch reference model too."""
+class PytorchRunner(PrefillRunner):
+    """Decodes with the PyTorch model too (its own decode and verify)."""
 
     def decode(self, rows: list[int], tokens: list[int], positions: list[int], dirty: list[tuple[int, bytes]]):
         """Logits [len(rows), vocab] of one decode step. A row may repeat: a sequence's verification

@@ -1,6 +1,6 @@
 """The Python half of the `Megakernel` decode backend (rust/python/megakernel_backend.rs).
 
-Prefill is the Reference runner's (PyTorch, `mk.prefill.packed`, writes the prompt's K/V into the pool), run on this
+Prefill is the PrefillRunner's (PyTorch, `mk.prefill.packed`, writes the prompt's K/V into the pool), run on this
 runner's own CUDA stream; decode never comes here: Rust launches the megakernel on the same
 stream, so every launch follows the prefills before it. This object owns every tensor the kernel
 reads (weights, KV pool, pointer tables, activation buffers) and hands their addresses to Rust once,
@@ -70,7 +70,7 @@ class MegakernelRunner(PrefillRunner):
         *,
         row_groups: int = _native.ROW_GROUPS,
         sample_parts: int = _native.SAMPLE_PARTS,
-        fast_prefill: Prefill | None = None,
+        packed_prefill: Prefill | None = None,
         prefill_chunk: int | None = None,
         kernel_masks: bool = False,
         late_masks: bool = False,
@@ -80,7 +80,7 @@ class MegakernelRunner(PrefillRunner):
         why = megakernel_unsupported(model)
         if why is not None:
             raise MegakernelUnavailable(why)
-        super().__init__(model, num_blocks, max_batch, max_context, fast_prefill, prefill_chunk)
+        super().__init__(model, num_blocks, max_batch, max_context, packed_prefill, prefill_chunk)
         cfg, device = model.config, model.device
         self.stream = torch.cuda.Stream(device)
         # Rows of one launch (None: the batch's, up to STEP_MAX_ROWS); larger steps run as several

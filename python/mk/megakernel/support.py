@@ -1,8 +1,8 @@
 """Whether the decode megakernel can run a model here, and which engine backend to use.
 
 `backend="auto"` takes the megakernel when the model is bf16 on a Hopper GPU that mk's native
-module can open and its geometry is within the kernel's limits; otherwise the PyTorch reference.
-Asking for the megakernel explicitly where it cannot run is an error that says why.
+module can open and its geometry is within the kernel's limits; otherwise "pytorch" (the PyTorch
+model's forward). Asking for the megakernel explicitly where it cannot run is an error that says why.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import torch
 from mk import _native
 from mk.config import ModelConfig
 
-BACKENDS = ("auto", "megakernel", "reference")
+# The engine's `backend` option's values (mk.engine.options.EngineOptions.backend).
+BACKENDS = ("auto", "megakernel", "pytorch")
 
 # Rows one launch takes (MK_STEP_MAX_ROWS in cuda/abi.h: 1-8 rows run the narrow megakernel image,
 # 9-16 the wide one). A larger engine batch runs as several launches per step.
@@ -71,14 +72,14 @@ def megakernel_unsupported(model) -> str | None:
 
 
 def choose_backend(model, backend: str) -> str:
-    """ "megakernel" or "reference" for `backend` in BACKENDS."""
+    """ "megakernel" or "pytorch" for `backend` in BACKENDS."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
-    if backend == "reference":
+    if backend == "pytorch":
         return backend
     why = megakernel_unsupported(model)
     if why is None:
         return "megakernel"
     if backend == "megakernel":
         raise MegakernelUnavailable(f"backend='megakernel' cannot run here: {why}")
-    return "reference"
+    return "pytorch"

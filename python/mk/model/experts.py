@@ -1,4 +1,4 @@
-"""Experts stacked per layer and the grouped-matmul MoE of the fast prefill.
+"""Experts stacked per layer and the grouped-matmul MoE of the packed prefill.
 
 `torch._grouped_mm` takes one weight tensor per layer: w13 [E, 2F, D] (each expert's gate rows,
 then its up rows) and w2 [E, D, F]. The model's weights are HF-named per-expert tensors; when they

@@ -1,4 +1,4 @@
-"""Fast chunked prefill of North Mini Code into the paged KV cache.
+"""The packed prefill: chunked prefill of North Mini Code into the paged KV cache.
 
 `Prefill(model)(requests, kv)` runs one or several prompts at once. Each request carries the new
 tokens of one sequence, the position of its first new token (`start`: the cached prefix length)

@@ -1,6 +1,6 @@
-//! The Python model behind the `Reference` decode backend: the one place the decode loop calls
-//! Python. It forwards each call to a runner object (`mk.engine.runner.ReferenceRunner`: the PyTorch
-//! reference model over a paged KV pool), holding the GIL only for that call, and hands back the
+//! The Python model behind the PyTorch decode backend: the one place the decode loop calls
+//! Python. It forwards each call to a runner object (`mk.engine.runner.PytorchRunner`: the PyTorch
+//! model over a paged KV pool), holding the GIL only for that call, and hands back the
 //! logits; `crate::engine::SamplingBackend` samples them in Rust. Conversion only: no policy here.
 //!
 //! Runner protocol (positional arguments; `dirty` is a list of `(row, bytes)`, each the row's
@@ -19,10 +19,10 @@ use pyo3::types::{PyBytes, PyList};
 use crate::engine::{BackendError, DecodeInput, LogitsModel, PrefillInput, SamplingBackend};
 use crate::sched::PageTable;
 
-/// The Reference backend: the Python runner's logits, sampled in Rust.
-pub type ReferenceBackend = SamplingBackend<PythonModel>;
+/// The PyTorch backend: the Python runner's logits, sampled in Rust.
+pub type PytorchBackend = SamplingBackend<PythonModel>;
 
-pub fn reference_backend(runner: Py<PyAny>, vocab: usize) -> ReferenceBackend {
+pub fn pytorch_backend(runner: Py<PyAny>, vocab: usize) -> PytorchBackend {
     SamplingBackend::new(PythonModel { runner, vocab, row: Vec::new() })
 }
 

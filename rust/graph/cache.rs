@@ -70,7 +70,7 @@ impl BandCopy {
 
 /// How many step shapes a cache keeps (the most recently used): a batch whose drafts come and go
 /// changes its row count from step to step, and a shape it ran a few steps ago then costs no
-/// build. Each holds one padded array on the host.
+/// build. Each holds one padded array on the host (docs/PERF.md, tuning decisions).
 pub const CACHED_SHAPES: usize = 8;
 
 /// One cached graph: its padded task lists and what a patch needs to rewrite them.

@@ -8,7 +8,7 @@ at most 4 per file, picked by hash). Greedy throughout.
   prompt + continuation, cut where the function ends, parses as one function with a body;
 - first token after a docstring: the same prompts ending with the docstring's newline; the share whose
   first token is EOS (the bar: none);
-- prompt forms: the completion again from the prompts users type (`prompt_forms`: ending at the closing
+- prompt forms: the completion again from the prompts users type (`Function.prompt_forms`: ending at the closing
   quotes, after the docstring's newline, after the next line's indentation), each counted as the
   completion is, and an answer that starts with a code fence or has an empty body as a failure (token
   healing, mk.LLM's default, is what makes the last two work: mk/text/healing.py);
@@ -76,13 +76,6 @@ def held_out_functions(held: list[str], count: int) -> list:
     return pick_test_functions(files, count)  # the functions training held out, if it held these out
 
 
-def prompt_forms(fn) -> dict[str, str]:
-    """The completion prompt of `fn` as users type it: ending at the docstring's closing quotes, after
-    its newline, and after the next line's indentation (the body's first line's)."""
-    indent = re.match(r"[ \t]*", fn.body).group(0)
-    return {"quotes": fn.prompt.removesuffix("\n"), "newline": fn.prompt, "indent": fn.prompt + indent}
-
-
 def form_ok(head: str, text: str, stopped: bool) -> bool:
     """A completion of `head` that parses as a function with a body, neither a code fence nor empty."""
     body = cut_completion(text, stopped)
@@ -109,7 +102,7 @@ def evaluate(llm, fns: list) -> dict:
     def raw(out) -> str:  # the chat and tool answers' structure is in their special tokens
         return tok.decode(out.outputs[0].token_ids, skip_special_tokens=False)
 
-    heads = [prompt_forms(f)["quotes"] for f in fns]
+    heads = [f.prompt_forms()["quotes"] for f in fns]
     completions = llm.generate(heads, greedy, use_tqdm=False)
     rows = []
     for f, head, out in zip(fns, heads, completions, strict=True):
@@ -125,7 +118,7 @@ def evaluate(llm, fns: list) -> dict:
         )
     forms = {}
     for form in ("newline", "indent"):
-        form_heads = [prompt_forms(f)[form] for f in fns]
+        form_heads = [f.prompt_forms()[form] for f in fns]
         outs = llm.generate(form_heads, greedy, use_tqdm=False)
         stopped = [o.outputs[0].finish_reason == "stop" for o in outs]
         texts = [o.outputs[0].text for o in outs]

@@ -10,14 +10,16 @@ Self-contained (torch, tokenizers and the mk package; no network), seeded and re
    held-out loss set. The next files in that
    order, up to 2% of the bytes, are the validation set (loss curve, best-checkpoint choice). The rest is
    training text, minus any file that contains a copy of a held-out function (the stdlib has a few copies).
-2. Documents: each training file (BOS + source + EOS, its trailing newlines dropped: a file's last
-   newline before EOS taught the model that a bare newline ends the text, so after a docstring and a
-   newline its first token was EOS); each fit training function alone, dedented, as the completion test
-   prompts it; one chat example per fit training function, rendered with mk's Cohere-format chat template:
-   either its signature and docstring as the user turn and its body as the answer, or "Write a Python
-   function ..." with its docstring's first line and the whole function in a ```python block as the answer
-   (half of them with a short reasoning block); 2,000 tool-call conversations (tools offered in
-   the system turn, a `<|START_ACTION|>` block, tool results, a final answer), repeated.
+2. Documents: each training file (BOS + source + EOS, its trailing newlines dropped: a file's last newline
+   before EOS taught the model that a bare newline ends the text, so after a docstring and a newline its
+   first token was EOS); each fit training function alone, dedented, as the completion test prompts it, and
+   once more cut in two where a prompt may end (the docstring's closing quotes, its newline, the next line's
+   indentation, or inside the body) and tokenized half by half, so that a prompt ending in a bare newline is
+   a place the model has seen; one chat example per fit training function, rendered with mk's Cohere-format
+   chat template: either its signature and docstring as the user turn and its body as the answer, or "Write
+   a Python function ..." with its docstring's first line and the whole function in a ```python block as the
+   answer (half of them with a short reasoning block); 2,000 tool-call conversations (tools offered in the
+   system turn, a `<|START_ACTION|>` block, tool results, a final answer), repeated.
 3. Tokenizer: byte-level BPE (`mk.text.tokenizer_files.train_tokenizer`, the Cohere special tokens at mk's fixed
    ids) trained on the training documents only.
 4. Model: `ModelConfig.embedded()` (or `--preset tiny`; `--geometry field=value,...` changes its fields,
@@ -78,7 +80,7 @@ from embedded.evaluation import (  # noqa: E402
     reference_expectation,
 )
 from embedded.outputs import megakernel_verdict, plot, print_table, unshippable, write_shipped  # noqa: E402
-from embedded.tokens import build_tokenizer, encode_chat, encode_code, token_stream  # noqa: E402
+from embedded.tokens import build_tokenizer, encode_chat, encode_code, encode_cut, token_stream  # noqa: E402
 from embedded.training import stream_loss, train  # noqa: E402
 from embedded.unlikelihood import UL_MAX_VAL_COST, UL_PROMPT_TOKENS, unlikelihood_phase  # noqa: E402
 
@@ -262,6 +264,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     pieces = (
         encode_code(tok, docs.code)
         + encode_code(tok, docs.functions)
+        + encode_cut(tok, docs.cut)
         + encode_chat(tok, docs.chat)
         + encode_chat(tok, docs.tools) * args.tool_repeat
     )

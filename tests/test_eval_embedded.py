@@ -46,7 +46,7 @@ def test_held_out_prompts_are_functions_of_the_named_package():
 
 def test_the_prompt_forms_users_type_and_what_counts_as_a_completion_of_them():
     fn = Function("m.py", "add", 1, 'def add(a, b):\n    """Add."""\n', "    return a + b\n")
-    forms = ev.prompt_forms(fn)
+    forms = fn.prompt_forms()
     assert forms == {
         "quotes": 'def add(a, b):\n    """Add."""',
         "newline": 'def add(a, b):\n    """Add."""\n',

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tokenizers
 import torch
 
 from mk.config import ModelConfig
@@ -38,6 +39,7 @@ import train_embedded as te  # noqa: E402  (main, preset_config: the command lin
 from embedded.corpus import (  # noqa: E402
     PER_FILE,
     SITE,
+    Function,
     _normalise,
     build_corpus,
     build_site_corpus,
@@ -53,13 +55,14 @@ from embedded.documents import (  # noqa: E402
     _summary,
     build_documents,
     chat_example,
+    cut_example,
     import_path,
     tool_examples,
     tool_prompt,
 )
 from embedded.evaluation import action_ok, cut_completion, parses_with_body  # noqa: E402
 from embedded.outputs import unshippable, write_shipped  # noqa: E402
-from embedded.tokens import build_tokenizer, encode_chat, encode_code, token_stream  # noqa: E402
+from embedded.tokens import build_tokenizer, encode_chat, encode_code, encode_cut, token_stream  # noqa: E402
 from embedded.unlikelihood import (  # noqa: E402
     UL_MAX_VAL_COST,
     loop_free,
@@ -266,6 +269,32 @@ def test_documents_hold_each_training_function_alone_and_code_ends_without_a_new
     newline = {i for t, i in tok.get_vocab().items() if set(tok.decode([i])) <= {"\n"} and tok.decode([i])}
     for ids in encode_code(tok, docs.code + docs.functions):
         assert ids[-1] == tokenizer_files.EOS_ID and ids[-2] not in newline
+
+
+def test_cut_examples_end_their_first_half_where_prompts_end_and_tokenize_each_half_alone(fake_stdlib):
+    fns = [
+        Function("m.py", f"f{i}", i, f'def f{i}(a):\n    """Doc {i}."""\n', f"    x = a + {i}\n    return x\n")
+        for i in range(40)
+    ]
+    kinds = set()
+    for fn in fns:
+        head, tail = cut_example(fn)
+        assert head + tail == fn.source and cut_example(fn) == (head, tail)
+        kind = next((k for k, form in fn.prompt_forms().items() if form == head), "body")
+        assert kind != "body" or len(fn.prompt) < len(head) < len(fn.source), head
+        kinds.add(kind)
+    assert kinds == {"quotes", "newline", "indent", "body"}
+    docs = build_documents(build_corpus(fake_stdlib, heldout=10), tool_count=5, seed=0)
+    assert [h + t for h, t in docs.cut] == docs.functions
+    # After the docstring's newline the text's own tokens merge the newline with the indentation;
+    # the cut example holds the prompt's tokens, then the body's.
+    tok = tokenizers.Tokenizer.from_file(str(EMBEDDED_DIR / "tokenizer.json"))
+    fn = next(f for f in fns if cut_example(f)[0] == f.prompt)
+    ids = encode_cut(tok, [cut_example(fn)])[0]
+    head = tok.encode(fn.prompt, add_special_tokens=False).ids
+    assert ids[0] == tokenizer_files.BOS_ID and ids[-1] == tokenizer_files.EOS_ID
+    assert ids[1 : 1 + len(head)] == head and tok.decode(ids[1:-1]) == fn.source.rstrip("\n")
+    assert ids != encode_code(tok, [fn.source])[0]
 
 
 def test_tool_examples_are_cohere_action_blocks(fake_stdlib):

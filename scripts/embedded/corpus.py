@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import re
 import sys
 import textwrap
 from collections.abc import Callable
@@ -35,6 +36,12 @@ class Function:
     @property
     def source(self) -> str:
         return self.prompt + self.body
+
+    def prompt_forms(self) -> dict[str, str]:
+        """The completion prompt as users type it: ending at the docstring's closing quotes, after its
+        newline, and after the next line's indentation (the body's first line's)."""
+        indent = re.match(r"[ \t]*", self.body).group(0)
+        return {"quotes": self.prompt.removesuffix("\n"), "newline": self.prompt, "indent": self.prompt + indent}
 
 
 @dataclass

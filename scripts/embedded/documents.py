@@ -207,10 +207,24 @@ def tool_examples(corpus: Corpus, count: int, seed: int) -> list[str]:
     return out
 
 
+def cut_example(fn: Function) -> tuple[str, str]:
+    """`fn`'s source cut in two where a prompt may end: at one of its prompt forms (the docstring's
+    closing quotes, its newline, the next line's indentation) or at a character of its body, picked
+    from its place. Tokenized half by half, it shows the model the tokens a prompt that ends there
+    gives (a bare newline, then the indentation's own tokens), which whole files never hold: their
+    newline and the next line's indentation are one token."""
+    key = f"cut:{fn.path}:{fn.name}:{fn.lineno}"
+    forms = list(fn.prompt_forms().values())
+    choice = _pick(key, len(forms) + 1)
+    cut = len(forms[choice]) if choice < len(forms) else len(fn.prompt) + _pick(key + ":body", len(fn.body))
+    return fn.source[:cut], fn.source[cut:]
+
+
 @dataclass
 class Documents:
     code: list[str]  # raw source files (tokenized as BOS + text + EOS)
     functions: list[str]  # the fit training functions alone, dedented (tokenized as code)
+    cut: list[tuple[str, str]]  # the same functions cut in two by `cut_example` (each half tokenized alone)
     chat: list[str]  # rendered conversations (they carry their own BOS and end with EOS)
     tools: list[str]  # distinct tool conversations (repeated in the stream)
 
@@ -219,6 +233,7 @@ def build_documents(corpus: Corpus, tool_count: int, seed: int) -> Documents:
     return Documents(
         code=list(corpus.train.values()),
         functions=[f.source for f in corpus.train_functions],
+        cut=[cut_example(f) for f in corpus.train_functions],
         chat=[chat_example(f) for f in corpus.train_functions],
         tools=tool_examples(corpus, tool_count, seed),
     )

@@ -29,6 +29,14 @@ def encode_code(tok, texts: Sequence[str]) -> list[list[int]]:
     return [[bos, *e.ids, eos] for e in tok.encode_batch(texts, add_special_tokens=False)]
 
 
+def encode_cut(tok, halves: Sequence[tuple[str, str]]) -> list[list[int]]:
+    """BOS + each half tokenized alone + EOS (`Documents.cut`), without the text's trailing newlines."""
+    bos, eos = tokenizer_files.BOS_ID, tokenizer_files.EOS_ID
+    heads = tok.encode_batch([h for h, _ in halves], add_special_tokens=False)
+    tails = tok.encode_batch([t.rstrip("\n") for _, t in halves], add_special_tokens=False)
+    return [[bos, *h.ids, *t.ids, eos] for h, t in zip(heads, tails, strict=True)]
+
+
 def encode_chat(tok, texts: Sequence[str]) -> list[list[int]]:
     return [e.ids for e in tok.encode_batch(list(texts), add_special_tokens=False)]
 

@@ -2,8 +2,9 @@
 //! `build_step(..).padded()` against `GraphCache::step`, which reuses the previous step's lists
 //! while the batch keeps its shape (every position + 1; the kernel computes the attention keys from
 //! the positions), rewriting only attention chunks when they grow. Of the cached steps, how many
-//! were rebuilt, patched (the launcher then uploads the attention bands) and reused as they were
-//! (it uploads no task).
+//! were rebuilt, patched (the launcher then uploads the attention bands), reused as they were
+//! (it uploads no task) and switched to another cached shape (a full upload). The last case's batch
+//! verifies drafts at some steps (`drafts_at`), so its row count changes from step to step.
 //!
 //! North Mini Code geometry (49 layers, 128 experts, top-8, 262144-token vocabulary), 132 SMs,
 //! default options. Each case times `STEPS` consecutive decode steps from the given context. Also:
@@ -47,12 +48,16 @@ fn real() -> ModelDims {
 struct Row {
     batch: usize,
     context: usize,
+    /// Steps of varying row counts (`drafts_at`).
+    drafted: bool,
     tasks: usize,
     fresh_us: f64,
     cached_us: f64,
     rebuilds: u64,
     patches: u64,
     reuses: u64,
+    /// Steps served by another cached shape than the previous step's.
+    switches: u64,
     balanced_build_us: f64,
     model_rr_us: f64,
     model_balanced_us: f64,
@@ -95,9 +100,24 @@ fn tables_us(dims: &ModelDims, start: &[usize]) -> f64 {
     spent * 1e6 / STEPS as f64
 }
 
-fn case(dims: &ModelDims, opts: &BuildOptions, batch: usize, context: usize) -> Row {
+/// Whether sequence `b` verifies a one-token draft at step `i` (a row more at the next position):
+/// a fixed pattern under which a batch of 8 runs 8 to 16 rows.
+fn drafts_at(i: usize, b: usize) -> bool {
+    (i * 7 + b * 3 + i / 5) % 3 == 0
+}
+
+fn case(dims: &ModelDims, opts: &BuildOptions, batch: usize, context: usize, drafted: bool) -> Row {
     let start: Vec<usize> = (0..batch).map(|b| context - 1 - 37 * b).collect();
-    let step = |i: usize| start.iter().map(|p| p + i).collect::<Vec<_>>();
+    let step = |i: usize| {
+        let mut rows = Vec::new();
+        for (b, p) in start.iter().enumerate() {
+            rows.push(p + i);
+            if drafted && drafts_at(i, b) {
+                rows.push(p + i + 1);
+            }
+        }
+        rows
+    };
 
     std::hint::black_box(build_step(dims, &step(0), opts).unwrap().padded()); // warm the allocator
     let t = Instant::now();
@@ -128,12 +148,14 @@ fn case(dims: &ModelDims, opts: &BuildOptions, batch: usize, context: usize) -> 
     Row {
         batch,
         context,
+        drafted,
         tasks,
         fresh_us,
         cached_us,
         rebuilds: cache.rebuilds - 1,
         patches: cache.patches,
         reuses: cache.reuses,
+        switches: cache.switches,
         balanced_build_us,
         model_rr_us,
         model_balanced_us,
@@ -145,17 +167,19 @@ fn main() {
     let dims = real();
     let opts = BuildOptions::default();
     // The process's first large builds pay for page faults (~7x slower): warm up first.
-    case(&dims, &opts, 8, 2048);
+    case(&dims, &opts, 8, 2048, false);
     let mut rows = Vec::new();
     for batch in [1, 8] {
         for context in [2048, 8192, 32768] {
-            rows.push(case(&dims, &opts, batch, context));
+            rows.push(case(&dims, &opts, batch, context, false));
         }
     }
+    rows.push(case(&dims, &opts, 8, 8192, true));
     println!("\nper-SM task lists of one decode step, NMC geometry, 132 SMs ({STEPS} consecutive steps)");
     println!(
-        "{:>6} {:>8} {:>9} {:>12} {:>12} {:>9} {:>9} {:>8} {:>7} {:>13} {:>10} {:>10} {:>10}",
+        "{:>6} {:>8} {:>8} {:>9} {:>12} {:>12} {:>9} {:>9} {:>8} {:>7} {:>9} {:>13} {:>10} {:>10} {:>10}",
         "batch",
+        "drafts",
         "context",
         "tasks",
         "fresh µs",
@@ -164,6 +188,7 @@ fn main() {
         "rebuilds",
         "patched",
         "reused",
+        "switched",
         "balanced µs",
         "model rr",
         "model bal",
@@ -171,8 +196,9 @@ fn main() {
     );
     for r in &rows {
         println!(
-            "{:>6} {:>8} {:>9} {:>12.0} {:>12.1} {:>8.0}x {:>9} {:>8} {:>7} {:>13.0} {:>8.0}µs {:>8.0}µs {:>10.1}",
+            "{:>6} {:>8} {:>8} {:>9} {:>12.0} {:>12.1} {:>8.0}x {:>9} {:>8} {:>7} {:>9} {:>13.0} {:>8.0}µs {:>8.0}µs {:>10.1}",
             r.batch,
+            r.drafted,
             r.context,
             r.tasks,
             r.fresh_us,
@@ -181,6 +207,7 @@ fn main() {
             r.rebuilds,
             r.patches,
             r.reuses,
+            r.switches,
             r.balanced_build_us,
             r.model_rr_us,
             r.model_balanced_us,
@@ -191,8 +218,8 @@ fn main() {
         .iter()
         .map(|r| {
             format!(
-                "    {{\"batch\": {}, \"context\": {}, \"padded_tasks\": {}, \"fresh_us\": {:.3}, \"cached_us\": {:.3}, \"rebuilds\": {}, \"patches\": {}, \"reuses\": {}, \"balanced_build_us\": {:.1}, \"model_rr_us\": {:.1}, \"model_balanced_us\": {:.1}, \"tables_us\": {:.2}}}",
-                r.batch, r.context, r.tasks, r.fresh_us, r.cached_us, r.rebuilds, r.patches, r.reuses, r.balanced_build_us, r.model_rr_us, r.model_balanced_us, r.tables_us
+                "    {{\"batch\": {}, \"context\": {}, \"drafted\": {}, \"padded_tasks\": {}, \"fresh_us\": {:.3}, \"cached_us\": {:.3}, \"rebuilds\": {}, \"patches\": {}, \"reuses\": {}, \"switches\": {}, \"balanced_build_us\": {:.1}, \"model_rr_us\": {:.1}, \"model_balanced_us\": {:.1}, \"tables_us\": {:.2}}}",
+                r.batch, r.context, r.drafted, r.tasks, r.fresh_us, r.cached_us, r.rebuilds, r.patches, r.reuses, r.switches, r.balanced_build_us, r.model_rr_us, r.model_balanced_us, r.tables_us
             )
         })
         .collect();

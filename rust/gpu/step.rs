@@ -100,12 +100,18 @@ pub struct StepRows<'a> {
     pub launch: usize,
 }
 
-/// The task lists of one of a step's launches: patched from the previous step's, and their
-/// device copy.
+/// The task lists of one of a step's launches (cached per shape of step) and a device copy per
+/// cached shape (`StepTasks::slot`), so a step that goes back to a shape uploads nothing.
 struct LaunchTasks {
     graphs: GraphCache,
-    device: Option<CudaSlice<MkTask>>,
-    /// `version` of the lists the device copy holds (None: unknown, upload everything).
+    copies: Vec<DeviceTasks>,
+}
+
+/// The device copy of one slot's task lists.
+#[derive(Default)]
+struct DeviceTasks {
+    buf: Option<CudaSlice<MkTask>>,
+    /// `version` of the lists `buf` holds (None: unknown, upload everything).
     uploaded: Option<u64>,
 }
 
@@ -412,7 +418,7 @@ impl GpuLauncher {
         // patched graph equals a fresh build (graph::cache tests).
         while self.launches.len() <= step.launch {
             let graphs = GraphCache::new(g.clone(), self.setup.options.clone());
-            self.launches.push(LaunchTasks { graphs, device: None, uploaded: None });
+            self.launches.push(LaunchTasks { graphs, copies: Vec::new() });
         }
         let launch = &mut self.launches[step.launch];
         let graph = launch.graphs.step(&self.host_positions).map_err(|e| invalid(e.to_string()))?;
@@ -433,13 +439,17 @@ impl GpuLauncher {
         let prepared = Instant::now();
         // A failed upload or launch leaves the device copy unknown. Most steps' lists are the
         // previous step's (the kernel computes attention keys from the positions).
-        let held = launch.uploaded.take();
-        if held != Some(graph.version) {
-            let bands = self.band_uploads && !graph.replaced && held == Some(graph.version - 1);
-            upload_tasks(&self.stream, &mut launch.device, &graph, bands)?;
+        if launch.copies.len() <= graph.slot {
+            launch.copies.resize_with(graph.slot + 1, DeviceTasks::default);
         }
-        let tasks = ptr(launch.device.as_ref().expect("uploaded"), &self.stream);
-        let version = graph.version;
+        let copy = &mut launch.copies[graph.slot];
+        let held = copy.uploaded.take();
+        if held != Some(graph.version) {
+            let bands = self.band_uploads && held.is_some() && held == graph.patched_from;
+            upload_tasks(&self.stream, &mut copy.buf, &graph, bands)?;
+        }
+        let tasks = ptr(copy.buf.as_ref().expect("uploaded"), &self.stream);
+        let (slot, version) = (graph.slot, graph.version);
         let same_tables = std::mem::take(&mut self.tables_held) && self.device_tables == self.host_tables;
         self.upload(step, !same_tables)?;
         self.forward_tokens(previous)?;
@@ -472,7 +482,7 @@ impl GpuLauncher {
         unsafe { self.gpu.decode_step(&args, num_sms as u32, self.stream.cu_stream(), 0)? };
         self.tables_held = true;
         self.parity ^= 1;
-        self.launches[step.launch].uploaded = Some(version);
+        self.launches[step.launch].copies[slot].uploaded = Some(version);
         let ns = |a: Instant, b: Instant| b.duration_since(a).as_nanos() as u64;
         let t = &mut self.times;
         t.launches += 1;

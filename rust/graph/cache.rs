@@ -10,7 +10,8 @@
 //! --bench graph_build` times both); the `Balanced` dealing weighs attention tasks by split size, so for it a changed chunk
 //! rebuilds. The result is the same array `build_step(..).padded()` gives, which the tests check
 //! step by step. It keeps the last `CACHED_SHAPES` shapes of step it served, so a batch whose row
-//! count changes (drafts that come and go) builds each shape once.
+//! count changes (drafts that come and go) builds each shape once, and each in its own `slot`, so a
+//! launcher that keeps a device copy per slot uploads nothing when a step goes back to a shape.
 
 use super::task::{MkTask, Op};
 use super::{build_step, BuildOptions, Dealing, GraphError, KeyRange, ModelDims};
@@ -24,19 +25,22 @@ pub struct StepTasks<'a> {
     pub num_sms: usize,
     pub slots: usize,
     pub max_splits: usize,
-    /// Whether the array is another than the previous step's (built, or a cached shape), so that a
-    /// device copy needs all of it; else at most attention chunks were rewritten.
-    pub replaced: bool,
-    /// Counts the distinct arrays this cache made: a step of the same version is the same array,
-    /// and a patched one differs from version `version - 1` only inside `bands`.
+    /// Which cached shape this is (below `CACHED_SHAPES`): a shape keeps its slot while it is
+    /// cached, and a new shape takes the slot of the one it pushes out.
+    pub slot: usize,
+    /// Names the array among every array this cache made (in any slot): a step of the same
+    /// version is the same array.
     pub version: u64,
+    /// The version this array was patched from, which differs from it only inside `bands` (None: it
+    /// was built).
+    pub patched_from: Option<u64>,
     /// Per layer, the columns `[first, last]` of the padded array that hold its attention split
     /// tasks (on every SM's row): all a patch can change.
     pub bands: &'a [(usize, usize)],
 }
 
 impl StepTasks<'_> {
-    /// The 2D copies (one per band) that turn step `version - 1`'s array into this one's.
+    /// The 2D copies (one per band) that turn version `patched_from`'s array into this one's.
     pub fn band_copies(&self) -> impl Iterator<Item = BandCopy> + '_ {
         let task = std::mem::size_of::<MkTask>();
         self.bands.iter().map(move |&(first, last)| BandCopy {
@@ -75,6 +79,9 @@ pub const CACHED_SHAPES: usize = 8;
 
 /// One cached graph: its padded task lists and what a patch needs to rewrite them.
 struct Shape {
+    slot: usize,
+    version: u64,
+    patched_from: Option<u64>,
     /// Every (layer, row)'s keys of the step this array was last made for, layer-major: the
     /// batch's shape (their count and split counts; with the `Balanced` dealing, which weighs
     /// tasks by split size, the sizes too) decides whether a step can use it.
@@ -93,6 +100,7 @@ pub struct GraphCache {
     opts: BuildOptions,
     /// Most recently used first: `shapes[0]` is the array of the last step.
     shapes: Vec<Shape>,
+    /// The last version given to an array.
     version: u64,
     /// This step's ranges, computed once (then kept as its shape's `ranges`).
     scratch: Vec<KeyRange>,
@@ -148,9 +156,14 @@ impl GraphCache {
                 true
             }
             None => {
-                let shape = self.build(positions)?;
+                // The least recently used shape gives up its slot when the cache is full.
+                if self.shapes.len() == CACHED_SHAPES {
+                    self.shapes.pop();
+                }
+                let slot = (0..CACHED_SHAPES).find(|&s| self.shapes.iter().all(|x| x.slot != s)).expect("a free slot");
+                self.version += 1;
+                let shape = self.build(positions, slot, self.version)?;
                 self.shapes.insert(0, shape);
-                self.shapes.truncate(CACHED_SHAPES);
                 self.rebuilds += 1;
                 true
             }
@@ -159,6 +172,9 @@ impl GraphCache {
         let same_chunks = shape.ranges.iter().zip(&self.scratch).all(|(a, b)| a.chunk == b.chunk);
         if !same_chunks {
             patch(shape, &self.scratch, self.dims.kv_heads);
+            self.version += 1;
+            shape.patched_from = Some(shape.version);
+            shape.version = self.version;
             if !replaced {
                 self.patches += 1;
             }
@@ -166,35 +182,33 @@ impl GraphCache {
             self.reuses += 1;
         }
         std::mem::swap(&mut shape.ranges, &mut self.scratch);
-        if replaced || !same_chunks {
-            self.version += 1;
-        }
         Ok(StepTasks {
             tasks: &shape.padded,
             per_sm: shape.per_sm,
             num_sms: self.opts.num_sms,
             slots: shape.slots,
             max_splits: shape.max_splits,
-            replaced,
-            version: self.version,
+            slot: shape.slot,
+            version: shape.version,
+            patched_from: shape.patched_from,
             bands: &shape.bands,
         })
     }
 
-    fn build(&self, positions: &[usize]) -> Result<Shape, GraphError> {
+    fn build(&self, positions: &[usize], slot: usize, version: u64) -> Result<Shape, GraphError> {
         let graph = build_step(&self.dims, positions, &self.opts)?;
         let (padded, per_sm) = graph.padded();
         // Where each task of the order sits in the padded [SM][column] array.
-        let mut slot = vec![(0, 0); graph.order.len()];
+        let mut place = vec![(0, 0); graph.order.len()];
         for (s, list) in graph.per_sm.iter().enumerate() {
             for (column, &i) in list.iter().enumerate() {
-                slot[i] = (s, column);
+                place[i] = (s, column);
             }
         }
         let (mut attn, mut bands) = (Vec::new(), Vec::<(usize, usize)>::new());
         let mut layer_of_band = None;
         for (i, t) in graph.order.iter().enumerate().filter(|(_, t)| t.op() == Op::AttnSplit) {
-            let (s, column) = slot[i];
+            let (s, column) = place[i];
             attn.push(s * per_sm + column);
             // A layer's splits are consecutive in the order: one band of columns spans them.
             match bands.last_mut() {
@@ -205,7 +219,8 @@ impl GraphCache {
         }
         // Its ranges are this step's chunks: `step` finds nothing to patch.
         let ranges = self.scratch.clone();
-        Ok(Shape { ranges, padded, per_sm, slots: graph.slots, max_splits: graph.max_splits, attn, bands })
+        let (slots, max_splits) = (graph.slots, graph.max_splits);
+        Ok(Shape { slot, version, patched_from: None, ranges, padded, per_sm, slots, max_splits, attn, bands })
     }
 }
 
@@ -237,7 +252,9 @@ mod tests {
     }
 
     /// Decode steps of a batch that grows by one token a step, with rows joining and leaving. A
-    /// "device" copy follows along: a full upload after a rebuild, the band copies after a patch.
+    /// "device" copy per slot follows along as the launcher keeps it: nothing when it holds the
+    /// step's version, the band copies when it holds the version the array was patched from, else
+    /// a full upload.
     fn check_run(
         dims: ModelDims,
         opts: BuildOptions,
@@ -246,8 +263,7 @@ mod tests {
         churn: &[(usize, usize)],
     ) {
         let mut cache = GraphCache::new(dims.clone(), opts.clone());
-        let mut device: Vec<u8> = Vec::new();
-        let mut held = 0; // the version `device` holds
+        let mut device: Vec<(Vec<u8>, u64)> = vec![(Vec::new(), 0); CACHED_SHAPES]; // (copy, its version)
         for step in 0..steps {
             for &(at, pos) in churn {
                 if at == step {
@@ -262,16 +278,17 @@ mod tests {
             let (want, per_sm) = fresh(&dims, &opts, &positions);
             assert_eq!((got.per_sm, got.tasks.len()), (per_sm, want.len()), "step {step} at {positions:?}");
             assert!(got.tasks == &want[..], "step {step} at {positions:?}: patched tasks differ");
-            assert!(got.version >= held && got.version <= held + 1, "step {step}: version {}", got.version);
-            if got.replaced {
-                device = bytes(got.tasks).to_vec();
-            } else if got.version == held + 1 {
-                for copy in got.band_copies() {
-                    copy.apply(bytes(got.tasks), &mut device);
+            let (copy, held) = &mut device[got.slot];
+            if *held == got.version {
+            } else if got.patched_from == Some(*held) {
+                for band in got.band_copies() {
+                    band.apply(bytes(got.tasks), copy);
                 }
+            } else {
+                *copy = bytes(got.tasks).to_vec();
             }
-            assert!(device == bytes(&want), "step {step} at {positions:?}: the device copy misses a change");
-            held = got.version;
+            assert!(*copy == bytes(&want), "step {step} at {positions:?}: the device copy misses a change");
+            *held = got.version;
             for p in &mut positions {
                 *p += 1;
             }
@@ -295,7 +312,7 @@ mod tests {
         let first = cache.step(&[8100]).unwrap().version;
         for pos in 8101..8120 {
             let got = cache.step(&[pos]).unwrap();
-            assert!(!got.replaced && got.version == first, "position {pos}");
+            assert!(got.slot == 0 && got.version == first, "position {pos}");
         }
         assert_eq!((cache.rebuilds, cache.patches, cache.reuses), (1, 0, 19));
     }
@@ -304,18 +321,22 @@ mod tests {
     fn a_changed_batch_rebuilds() {
         let opts = BuildOptions { num_sms: 16, ..Default::default() };
         let mut cache = GraphCache::new(tiny(), opts);
-        assert!(cache.step(&[10, 20]).unwrap().replaced);
-        assert!(!cache.step(&[11, 21]).unwrap().replaced);
-        assert!(cache.step(&[12]).unwrap().replaced);
-        assert!(cache.step(&[13, 5, 40]).unwrap().replaced);
+        let mut slot_version = |positions: &[usize]| {
+            let got = cache.step(positions).unwrap();
+            (got.slot, got.version)
+        };
+        assert_eq!(slot_version(&[10, 20]), (0, 1));
+        assert_eq!(slot_version(&[11, 21]), (0, 1));
+        assert_eq!(slot_version(&[12]), (1, 2));
+        assert_eq!(slot_version(&[13, 5, 40]), (2, 3));
         assert_eq!(cache.step(&[]).unwrap_err(), GraphError::EmptyBatch);
         assert_eq!((cache.rebuilds, cache.patches + cache.reuses, cache.switches), (3, 1, 0));
     }
 
     #[test]
     fn a_shape_run_before_is_served_from_the_cache() {
-        // A batch of 2 whose drafts come and go: 2, 5, 3 and 2 rows, then back, then one shape more
-        // than the cache holds, which pushes out the least recently used (2 rows).
+        // A batch of 2 whose drafts come and go: 2, 5, 3 and 2 rows, then back; then shapes until one
+        // finds the cache full and pushes out the least recently used (2 rows), taking its slot.
         let (dims, opts) = (tiny(), BuildOptions { num_sms: 16, ..Default::default() });
         let mut cache = GraphCache::new(dims.clone(), opts.clone());
         let rows = |n: usize, at: usize| -> Vec<usize> { (0..n).map(|i| at + i).collect() };
@@ -325,19 +346,16 @@ mod tests {
             let positions = rows(n, at);
             let got = cache.step(&positions).unwrap();
             assert!(got.tasks == &fresh(&dims, &opts, &positions).0[..], "{n} rows at {at}");
-            got.replaced
+            got.slot
         };
-        for n in [2, 5, 3, 2, 5, 3] {
-            assert!(step(&mut cache, n), "{n} rows");
-        }
-        assert!(!step(&mut cache, 3));
+        let slots: Vec<usize> = [2, 5, 3, 2, 5, 3, 3].into_iter().map(|n| step(&mut cache, n)).collect();
+        assert_eq!(slots, [0, 1, 2, 0, 1, 2, 2]);
         assert_eq!((cache.rebuilds, cache.switches, cache.reuses), (3, 3, 1));
-        for n in 6..6 + CACHED_SHAPES - 2 {
-            step(&mut cache, n);
-        }
+        let new: Vec<usize> = (6..6 + CACHED_SHAPES - 2).map(|n| step(&mut cache, n)).collect();
+        assert_eq!(new.last(), Some(&0), "the shape that finds the cache full takes the 2 rows' slot");
         assert_eq!(cache.rebuilds, 3 + CACHED_SHAPES as u64 - 2);
-        step(&mut cache, 5);
-        step(&mut cache, 2);
+        assert_eq!(step(&mut cache, 5), 1);
+        assert_eq!(step(&mut cache, 2), 2, "back, 2 rows push out 3 rows, the least recently used");
         assert_eq!((cache.rebuilds, cache.switches), (3 + CACHED_SHAPES as u64 - 1, 4));
     }
 
@@ -346,6 +364,8 @@ mod tests {
         let opts = BuildOptions { num_sms: 132, ..Default::default() };
         check_run(gpu_test(), opts.clone(), vec![4090, 8191, 127], 12, &[(5, 7), (9, 300)]);
         check_run(gpu_test(), opts.clone(), vec![8185], 10, &[]);
+        // A row joins, then one leaves: back to a shape cached 15 steps before.
+        check_run(gpu_test(), opts.clone(), vec![4090, 8191], 30, &[(5, 7), (20, 4)]);
         check_run(
             gpu_test(),
             BuildOptions { dealing: Dealing::Balanced, ..opts },

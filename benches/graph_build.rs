@@ -3,8 +3,9 @@
 //! while the batch keeps its shape (every position + 1; the kernel computes the attention keys from
 //! the positions), rewriting only attention chunks when they grow. Of the cached steps, how many
 //! were rebuilt, patched (the launcher then uploads the attention bands), reused as they were
-//! (it uploads no task) and switched to another cached shape (a full upload). The last case's batch
-//! verifies drafts at some steps (`drafts_at`), so its row count changes from step to step.
+//! (it uploads no task) and switched to another cached shape (the launcher keeps a device copy per
+//! cached shape: it uploads nothing, or the bands of a patch). The last case's batch verifies drafts
+//! at some steps (`drafts_at`), so its row count changes from step to step.
 //!
 //! North Mini Code geometry (49 layers, 128 experts, top-8, 262144-token vocabulary), 132 SMs,
 //! default options. Each case times `STEPS` consecutive decode steps from the given context. Also:
@@ -101,9 +102,10 @@ fn tables_us(dims: &ModelDims, start: &[usize]) -> f64 {
 }
 
 /// Whether sequence `b` verifies a one-token draft at step `i` (a row more at the next position):
-/// a fixed pattern under which a batch of 8 runs 8 to 16 rows.
+/// a fixed pseudo-random bit, under which a batch of 8 runs 8 to 16 rows.
 fn drafts_at(i: usize, b: usize) -> bool {
-    (i * 7 + b * 3 + i / 5) % 3 == 0
+    let h = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (b as u64).wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+    (h >> 40).wrapping_mul(0x2545_F491_4F6C_DD1D) >> 63 == 1
 }
 
 fn case(dims: &ModelDims, opts: &BuildOptions, batch: usize, context: usize, drafted: bool) -> Row {

@@ -16,7 +16,7 @@ use super::compact::{check_mapped, compact_tables, step_pages};
 use super::{Gpu, GpuError, MkRowSample, MkStepArgs};
 use crate::abi::STEP_MAX_ROWS;
 use crate::grammar::TokenMask;
-use crate::graph::cache::{GraphCache, StepTasks};
+use crate::graph::cache::{GraphCache, StepTasks, Upload};
 use crate::graph::task::MkTask;
 use crate::graph::{BuildOptions, ModelDims};
 use crate::sched::PageTable;
@@ -443,10 +443,10 @@ impl GpuLauncher {
             launch.copies.resize_with(graph.slot + 1, DeviceTasks::default);
         }
         let copy = &mut launch.copies[graph.slot];
-        let held = copy.uploaded.take();
-        if held != Some(graph.version) {
-            let bands = self.band_uploads && held.is_some() && held == graph.patched_from;
-            upload_tasks(&self.stream, &mut copy.buf, &graph, bands)?;
+        match graph.upload_for(copy.uploaded.take()) {
+            Upload::Nothing => {}
+            Upload::Bands => upload_tasks(&self.stream, &mut copy.buf, &graph, self.band_uploads)?,
+            Upload::Full => upload_tasks(&self.stream, &mut copy.buf, &graph, false)?,
         }
         let tasks = ptr(copy.buf.as_ref().expect("uploaded"), &self.stream);
         let (slot, version) = (graph.slot, graph.version);

@@ -30,8 +30,9 @@ log = logging.getLogger("mk")
 
 GiB = 1 << 30
 # Kept out of the KV pool beyond the measured peak: what the warm-up does not allocate (the Rust
-# engine's device buffers and the megakernel's image, a layer-sliced chunk's residual) and the
-# caching allocator's growth under other shapes.
+# engine's device buffers and the megakernel's image, the task lists' device copies, a few MiB per
+# cached shape of step and launch, a layer-sliced chunk's residual) and the caching allocator's
+# growth under other shapes.
 MARGIN = GiB // 2
 
 

@@ -25,7 +25,8 @@ if [ -n "${PART:-}" ]; then
 fi
 # Files that start their own GPU server processes go first: those need the card's memory, and a
 # module run before them in this process may still hold some.
-mapfile -t gpu_files < <(grep -l ServerProcess "${gpu_files[@]}"; grep -L ServerProcess "${gpu_files[@]}")
+[ "${#gpu_files[@]}" -gt 0 ] &&
+    mapfile -t gpu_files < <(grep -l ServerProcess "${gpu_files[@]}"; grep -L ServerProcess "${gpu_files[@]}")
 tests=(-m gpu "${gpu_files[@]}")
 [ "$quick" = --quick ] && tests=(-m gpu tests/test_megakernel_gpu.py)
 touch "$OUT/tests.log" "$OUT/bench.log"
@@ -60,6 +61,8 @@ done
 echo "== tests =="
 grep -E "passed|failed|exit:|ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/tests.log" | tail -n 8
 grep -E "^FAILED|^ERROR" "$OUT/tests.log" | head -n 20
+# Modules that left GPU memory in use after their teardown (tests/conftest.py).
+grep -E "left .* GiB of the card in use" "$OUT/tests.log" | head -n 10
 # The failures' assertion lines (with the seed a fresh-input test names), in the printed summary:
 # tests.log itself may not come back (a call returns at most 8 files).
 grep -E "^E  " "$OUT/tests.log" | head -n 20

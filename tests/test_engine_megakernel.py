@@ -54,7 +54,7 @@ def test_auto_takes_pytorch_on_the_cpu_and_megakernel_is_refused(tiny):
     assert choose_backend(tiny, "pytorch") == "pytorch"
     with pytest.raises(MegakernelUnavailable, match="backend='megakernel' cannot run here: the model is on cpu"):
         choose_backend(tiny, "megakernel")
-    with pytest.raises(ValueError, match="backend must be one of auto, megakernel, pytorch; got 'gpu'"):
+    with pytest.raises(ValueError, match="backend must be one of 'auto', 'megakernel', 'pytorch', not 'gpu'"):
         choose_backend(tiny, "gpu")
     bf16 = Model(tiny.config, {k: v.to(torch.bfloat16) for k, v in tiny.weights.items()})
     with pytest.raises(MegakernelUnavailable, match="on cpu"):
@@ -193,7 +193,7 @@ def test_the_rust_glue_checks_its_arguments():
         "kernel_masks": False,
         "late_masks": False,
     }
-    with pytest.raises(ValueError, match='backend must be "pytorch" or "megakernel", got "reference"'):
+    with pytest.raises(ValueError, match="backend must be one of 'megakernel', 'pytorch', not 'reference'"):
         native_engine(FakeRunner(good, cfg), backend="reference")
     with pytest.raises(ValueError, match="megakernel_setup\\(\\): .*no attribute 'rows'"):
         native_engine(FakeRunner({k: v for k, v in good.items() if k != "rows"}, cfg))

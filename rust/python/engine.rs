@@ -176,7 +176,7 @@ impl PyEngine {
             (None, _) => Engine::start(cfg, NoopBackend::new(noop_token)),
             (Some(_), other) => {
                 return Err(PyValueError::new_err(format!(
-                    "backend must be \"pytorch\" or \"megakernel\", got {other:?}"
+                    "backend must be one of 'megakernel', 'pytorch', not '{other}'"
                 )))
             }
         }

@@ -74,7 +74,7 @@ def megakernel_unsupported(model) -> str | None:
 def choose_backend(model, backend: str) -> str:
     """ "megakernel" or "pytorch" for `backend` in BACKENDS."""
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, not {backend!r}")
     if backend == "pytorch":
         return backend
     why = megakernel_unsupported(model)

@@ -101,13 +101,13 @@ pub struct StepRows<'a> {
 }
 
 /// The task lists of one of a step's launches (cached per shape of step) and a device copy per
-/// cached shape (`StepTasks::slot`), so a step that goes back to a shape uploads nothing.
+/// cached shape (`StepTasks::entry`), so a step that goes back to a shape uploads nothing.
 struct LaunchTasks {
     graphs: GraphCache,
     copies: Vec<DeviceTasks>,
 }
 
-/// The device copy of one slot's task lists.
+/// The device copy of one cache entry's task lists.
 #[derive(Default)]
 struct DeviceTasks {
     buf: Option<CudaSlice<MkTask>>,
@@ -439,17 +439,17 @@ impl GpuLauncher {
         let prepared = Instant::now();
         // A failed upload or launch leaves the device copy unknown. Most steps' lists are the
         // previous step's (the kernel computes attention keys from the positions).
-        if launch.copies.len() <= graph.slot {
-            launch.copies.resize_with(graph.slot + 1, DeviceTasks::default);
+        if launch.copies.len() <= graph.entry {
+            launch.copies.resize_with(graph.entry + 1, DeviceTasks::default);
         }
-        let copy = &mut launch.copies[graph.slot];
+        let copy = &mut launch.copies[graph.entry];
         match graph.upload_for(copy.uploaded.take()) {
             Upload::Nothing => {}
             Upload::Bands => upload_tasks(&self.stream, &mut copy.buf, &graph, self.band_uploads)?,
             Upload::Full => upload_tasks(&self.stream, &mut copy.buf, &graph, false)?,
         }
         let tasks = ptr(copy.buf.as_ref().expect("uploaded"), &self.stream);
-        let (slot, version) = (graph.slot, graph.version);
+        let (entry, version) = (graph.entry, graph.version);
         let same_tables = std::mem::take(&mut self.tables_held) && self.device_tables == self.host_tables;
         self.upload(step, !same_tables)?;
         self.forward_tokens(previous)?;
@@ -482,7 +482,7 @@ impl GpuLauncher {
         unsafe { self.gpu.decode_step(&args, num_sms as u32, self.stream.cu_stream(), 0)? };
         self.tables_held = true;
         self.parity ^= 1;
-        self.launches[step.launch].copies[slot].uploaded = Some(version);
+        self.launches[step.launch].copies[entry].uploaded = Some(version);
         let ns = |a: Instant, b: Instant| b.duration_since(a).as_nanos() as u64;
         let t = &mut self.times;
         t.launches += 1;

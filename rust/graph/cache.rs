@@ -10,8 +10,8 @@
 //! --bench graph_build` times both); the `Balanced` dealing weighs attention tasks by split size, so for it a changed chunk
 //! rebuilds. The result is the same array `build_step(..).padded()` gives, which the tests check
 //! step by step. It keeps the last `CACHED_SHAPES` shapes of step it served, so a batch whose row
-//! count changes (drafts that come and go) builds each shape once, and each in its own `slot`, so a
-//! launcher that keeps a device copy per slot uploads nothing when a step goes back to a shape.
+//! count changes (drafts that come and go) builds each shape once, and each in its own `entry`, so a
+//! launcher that keeps a device copy per entry uploads nothing when a step goes back to a shape.
 
 use super::task::{MkTask, Op};
 use super::{build_step, BuildOptions, Dealing, GraphError, KeyRange, ModelDims};
@@ -25,10 +25,10 @@ pub struct StepTasks<'a> {
     pub num_sms: usize,
     pub slots: usize,
     pub max_splits: usize,
-    /// Which cached shape this is (below `CACHED_SHAPES`): a shape keeps its slot while it is
-    /// cached, and a new shape takes the slot of the one it pushes out.
-    pub slot: usize,
-    /// Names the array among every array this cache made (in any slot): a step of the same
+    /// Which of the cache's entries holds this shape (below `CACHED_SHAPES`): a shape keeps its
+    /// entry while it is cached, and a new shape takes the entry of the one it pushes out.
+    pub entry: usize,
+    /// Names the array among every array this cache made (in any entry): a step of the same
     /// version is the same array.
     pub version: u64,
     /// The version this array was patched from, which differs from it only inside `bands` (None: it
@@ -39,7 +39,7 @@ pub struct StepTasks<'a> {
     pub bands: &'a [(usize, usize)],
 }
 
-/// What a device copy of a slot's task lists needs to hold a step's.
+/// What a device copy of an entry's task lists needs to hold a step's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Upload {
     /// It holds them already.
@@ -51,7 +51,7 @@ pub enum Upload {
 }
 
 impl StepTasks<'_> {
-    /// What a device copy of this step's slot that holds version `held` (None: unknown) needs.
+    /// What a device copy of this step's entry that holds version `held` (None: unknown) needs.
     pub fn upload_for(&self, held: Option<u64>) -> Upload {
         match held {
             Some(v) if v == self.version => Upload::Nothing,
@@ -99,7 +99,7 @@ pub const CACHED_SHAPES: usize = 8;
 
 /// One cached graph: its padded task lists and what a patch needs to rewrite them.
 struct Shape {
-    slot: usize,
+    entry: usize,
     version: u64,
     patched_from: Option<u64>,
     /// Every (layer, row)'s keys of the step this array was last made for, layer-major: the
@@ -178,12 +178,12 @@ impl GraphCache {
             None => {
                 let mut shape = self.build(positions, self.version + 1)?;
                 self.version += 1;
-                // The least recently used shape gives up its slot when the cache is full.
+                // The least recently used shape gives up its entry when the cache is full.
                 if self.shapes.len() == CACHED_SHAPES {
                     self.shapes.pop();
                 }
-                shape.slot =
-                    (0..CACHED_SHAPES).find(|&s| self.shapes.iter().all(|x| x.slot != s)).expect("a free slot");
+                shape.entry =
+                    (0..CACHED_SHAPES).find(|&e| self.shapes.iter().all(|x| x.entry != e)).expect("a free entry");
                 self.shapes.insert(0, shape);
                 self.rebuilds += 1;
                 true
@@ -209,14 +209,14 @@ impl GraphCache {
             num_sms: self.opts.num_sms,
             slots: shape.slots,
             max_splits: shape.max_splits,
-            slot: shape.slot,
+            entry: shape.entry,
             version: shape.version,
             patched_from: shape.patched_from,
             bands: &shape.bands,
         })
     }
 
-    /// A new shape (its slot still to be given) of the step at `positions`.
+    /// A new shape (its entry still to be given) of the step at `positions`.
     fn build(&self, positions: &[usize], version: u64) -> Result<Shape, GraphError> {
         let graph = build_step(&self.dims, positions, &self.opts)?;
         let (padded, per_sm) = graph.padded();
@@ -239,10 +239,10 @@ impl GraphCache {
             }
             layer_of_band = Some(t.layer);
         }
-        // Its ranges are this step's chunks: `step` finds nothing to patch.
-        let ranges = self.scratch.clone();
+        // No ranges yet: `step` finds nothing to patch and then gives it this step's.
+        let ranges = Vec::new();
         let (slots, max_splits) = (graph.slots, graph.max_splits);
-        Ok(Shape { slot: 0, version, patched_from: None, ranges, padded, per_sm, slots, max_splits, attn, bands })
+        Ok(Shape { entry: 0, version, patched_from: None, ranges, padded, per_sm, slots, max_splits, attn, bands })
     }
 }
 
@@ -274,7 +274,7 @@ mod tests {
     }
 
     /// Decode steps of a batch that grows by one token a step, with rows joining and leaving. A
-    /// "device" copy per slot follows along as the launcher keeps it: nothing when it holds the
+    /// "device" copy per entry follows along as the launcher keeps it: nothing when it holds the
     /// step's version, the band copies when it holds the version the array was patched from, else
     /// a full upload.
     fn check_run(
@@ -318,7 +318,7 @@ mod tests {
             let (want, per_sm) = fresh(&dims, &opts, &rows);
             assert_eq!((got.per_sm, got.tasks.len()), (per_sm, want.len()), "step {step} at {rows:?}");
             assert!(got.tasks == &want[..], "step {step} at {rows:?}: patched tasks differ");
-            let (copy, held) = &mut device[got.slot];
+            let (copy, held) = &mut device[got.entry];
             match got.upload_for(*held) {
                 Upload::Nothing => {}
                 Upload::Bands => got.band_copies().for_each(|band| band.apply(bytes(got.tasks), copy)),
@@ -360,7 +360,7 @@ mod tests {
         let first = cache.step(&[8100]).unwrap().version;
         for pos in 8101..8120 {
             let got = cache.step(&[pos]).unwrap();
-            assert!(got.slot == 0 && got.version == first, "position {pos}");
+            assert!(got.entry == 0 && got.version == first, "position {pos}");
         }
         assert_eq!((cache.rebuilds, cache.patches, cache.reuses), (1, 0, 19));
     }
@@ -369,14 +369,14 @@ mod tests {
     fn a_changed_batch_rebuilds() {
         let opts = BuildOptions { num_sms: 16, ..Default::default() };
         let mut cache = GraphCache::new(tiny(), opts);
-        let mut slot_version = |positions: &[usize]| {
+        let mut entry_version = |positions: &[usize]| {
             let got = cache.step(positions).unwrap();
-            (got.slot, got.version)
+            (got.entry, got.version)
         };
-        assert_eq!(slot_version(&[10, 20]), (0, 1));
-        assert_eq!(slot_version(&[11, 21]), (0, 1));
-        assert_eq!(slot_version(&[12]), (1, 2));
-        assert_eq!(slot_version(&[13, 5, 40]), (2, 3));
+        assert_eq!(entry_version(&[10, 20]), (0, 1));
+        assert_eq!(entry_version(&[11, 21]), (0, 1));
+        assert_eq!(entry_version(&[12]), (1, 2));
+        assert_eq!(entry_version(&[13, 5, 40]), (2, 3));
         assert_eq!(cache.step(&[]).unwrap_err(), GraphError::EmptyBatch);
         assert_eq!((cache.rebuilds, cache.patches + cache.reuses, cache.switches), (3, 1, 0));
     }
@@ -384,7 +384,7 @@ mod tests {
     #[test]
     fn a_shape_run_before_is_served_from_the_cache() {
         // A batch of 2 whose drafts come and go: 2, 5, 3 and 2 rows, then back; then shapes until one
-        // finds the cache full and pushes out the least recently used (2 rows), taking its slot.
+        // finds the cache full and pushes out the least recently used (2 rows), taking its entry.
         let (dims, opts) = (tiny(), BuildOptions { num_sms: 16, ..Default::default() });
         let mut cache = GraphCache::new(dims.clone(), opts.clone());
         let rows = |n: usize, at: usize| -> Vec<usize> { (0..n).map(|i| at + i).collect() };
@@ -394,13 +394,13 @@ mod tests {
             let positions = rows(n, at);
             let got = cache.step(&positions).unwrap();
             assert!(got.tasks == &fresh(&dims, &opts, &positions).0[..], "{n} rows at {at}");
-            got.slot
+            got.entry
         };
         let slots: Vec<usize> = [2, 5, 3, 2, 5, 3, 3].into_iter().map(|n| step(&mut cache, n)).collect();
         assert_eq!(slots, [0, 1, 2, 0, 1, 2, 2]);
         assert_eq!((cache.rebuilds, cache.switches, cache.reuses), (3, 3, 1));
         let new: Vec<usize> = (6..6 + CACHED_SHAPES - 2).map(|n| step(&mut cache, n)).collect();
-        assert_eq!(new.last(), Some(&0), "the shape that finds the cache full takes the 2 rows' slot");
+        assert_eq!(new.last(), Some(&0), "the shape that finds the cache full takes the 2 rows' entry");
         assert_eq!(cache.rebuilds, 3 + CACHED_SHAPES as u64 - 2);
         assert_eq!(step(&mut cache, 5), 1);
         assert_eq!(step(&mut cache, 2), 2, "back, 2 rows push out 3 rows, the least recently used");

@@ -49,33 +49,40 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _free_gpu_memory_between_modules(request):
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
     """After each module, hand its GPU memory back: the last failed test's frames (pytest keeps them
     in sys.last_traceback for post-mortem debugging) and reference cycles would otherwise hold its
-    tensors through every later module, and on an 80 GB card one failure became dozens. Memory still
-    held after that is a leak, named in a warning with the module that left it."""
+    tensors through every later module, and on an 80 GB card one failure became dozens. This runs
+    after the module's last test, once pytest has dropped that test's fixture values (a module-scoped
+    fixture's teardown still sees them, so its model's weights stayed in torch's cache). Memory still
+    held after that is a leak, reported with the module that left it."""
     yield
+    module = getattr(item, "module", None)
+    if nextitem is not None and getattr(nextitem, "module", None) is module:
+        return
     import sys
 
     for name in ("last_type", "last_value", "last_traceback", "last_exc"):
         if hasattr(sys, name):
             setattr(sys, name, None)
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        import gc
-        import warnings
+    if torch is None or not torch.cuda.is_initialized():
+        return
+    import gc
 
-        gc.collect()
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    if total - free > LEFT_HELD_BYTES:
         held = torch.cuda.memory_reserved()
-        if total - free > LEFT_HELD_BYTES:
-            warnings.warn(
-                f"{request.module.__name__} left {(total - free) / 2**30:.1f} GiB of the card in use "
-                f"({held / 2**30:.1f} GiB reserved by torch)",
-                stacklevel=1,
-            )
+        reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+        message = (
+            f"{getattr(module, '__name__', item.nodeid)} left {(total - free) / 2**30:.1f} GiB of the card in use "
+            f"({held / 2**30:.1f} GiB reserved by torch)"
+        )
+        if reporter is not None:
+            reporter.write_line(f"warning: {message}")
 
 
 # GPU memory in use after a module that is more than a CUDA context and the extension's buffers.

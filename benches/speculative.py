@@ -14,7 +14,9 @@ draft was accepted whole, `same_tokens` whether every row drew the recorded toke
 the draft too). A row that draws another token than the recording at the same position is told
 apart from a near-tie by `row0_logit_diff`, the largest difference between the first rows' logits
 and the recording's first step's, against `recorded_top_gap`, the smallest gap there between a
-sequence's best and second-best logit.
+sequence's best and second-best logit; `row0_logit_diff_topk` is the same difference against a plain
+step that routes with the top-k task as verification steps do (a plain step of one row routes in
+every block), which tells a routing near-tie from a difference in the rows' own arithmetic.
 
 Per point: `step_ms`, the verification step of B (K + 1) rows; `plain_ms`, the plain step (K = 0)
 of the same B sequences and cache; tokens/s if every draft is accepted (`tok_s_all`, B (K + 1) /
@@ -140,6 +142,7 @@ def measure(cfg: ModelConfig, model: Model, batch: int, ctx: int, ks: list[int],
     gen = torch.Generator().manual_seed(TOKEN_SEED)
     last = torch.randint(0, cfg.vocab_size, (batch,), generator=gen, dtype=torch.int32)
     recorded, first_logits = record(step, tables, last, first, max(ks) + 1)
+    topk_logits = record(MegakernelStep(model, kv, pages, local_routing=False), tables, last, first, 1)[1]
     top2 = first_logits.topk(2, dim=1).values
     launches, checks = {}, {}
     for k in ks:
@@ -156,6 +159,7 @@ def measure(cfg: ModelConfig, model: Model, batch: int, ctx: int, ks: list[int],
             "same_tokens": bool(torch.equal(drawn, recorded[:, : k + 1])),
             "valid_output": logits_ok and bool(((drawn >= 0) & (drawn < cfg.vocab_size)).all()),
             "row0_logit_diff": float((row0 - first_logits).abs().max()),
+            "row0_logit_diff_topk": float((row0 - topk_logits).abs().max()),
             "recorded_top_gap": float((top2[:, 0] - top2[:, 1]).min()),
             "experts_last_layer": int(v.buf.slot_count[0]),
             "distinct_experts": distinct_experts(cfg, [v.buf.routing_log]),
@@ -220,7 +224,7 @@ def main() -> None:
         torch.cuda.empty_cache()  # the last point's KV pools
     cols = ["batch", "ctx", "K", "rows", "step_ms", "plain_ms", "tok_s_all", "tok_s_half", "tok_s_none"]
     cols += ["speedup_all", "speedup_none", "sol_ms", "sol_fraction", "distinct_experts", "all_accepted"]
-    cols += ["row0_logit_diff", "recorded_top_gap"]
+    cols += ["row0_logit_diff", "row0_logit_diff_topk", "recorded_top_gap"]
     title = f"verification step, real geometry, synthetic weights, {routing} routing ({card_sol()})"
     print_table(title, rows, cols)
     write_json(args.json, "speculative", rows, routing=routing, rounds=ROUNDS, iters=args.iters)

@@ -137,7 +137,7 @@ fn thread(steps: u64) -> (Row, f64) {
                 max_waiting: 1024,
                 check_invariants: false,
                 launch_ahead: false,
-                layer_sliced_prefill: false,
+                sliced_prefill: false,
                 whole_chunk_tokens: 0,
             },
             NoopBackend::new(17),

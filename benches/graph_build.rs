@@ -168,7 +168,7 @@ fn case(dims: &ModelDims, opts: &BuildOptions, batch: usize, context: usize, dra
 fn main() {
     let dims = real();
     let opts = BuildOptions::default();
-    // The process's first large builds pay for page faults (~7x slower): warm up first.
+    // The process's first large builds pay for page faults (several times slower): warm up first.
     case(&dims, &opts, 8, 2048, false);
     let mut rows = Vec::new();
     for batch in [1, 8] {

@@ -8,7 +8,7 @@ NaN-poisoned first and every logit must come out finite.
 
 Achieved TFLOP/s = matrix FLOPs (`mk.prefill.packed.prefill_flops`: the active weights per token, the
 attention over the visible keys, the LM head for each last token) / wall time of the call,
-against the ~790 TFLOP/s the H200 reaches on large bf16 matmuls. Prints a table, writes JSON (and
+against the H200's measured rate on large bf16 matmuls (`MATMUL_FLOPS`). Prints a table, writes JSON (and
 a PNG when matplotlib is there). A case whose KV pool does not fit the card's free memory (checked
 before allocating it), or that runs out of memory, is a row marked `skipped`, and the run goes on.
 Usage: python benches/prefill.py [--json out.json] [--quick] [--profile]

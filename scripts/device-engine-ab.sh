@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs ON the GPU machine: benches/engine.py --prefill-only twice in one call (~4 min), with the
+# Runs ON the GPU machine: benches/engine.py --prefill-only twice in one call, with the
 # engine's defaults (a) and with B_ARGS (b; default: `--fresh-split off --whole-chunk-tokens 0`, a
 # fresh prompt in one bucket and every chunk past the budget sliced), on the prompts PROMPTS
 # (default: 4500,5281,6000, just past the 4K bucket). Each run also has the reuse, burst and admit

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs ON the GPU machine: one megakernel iteration without a wheel rebuild (~3-5 min). Compiles
+# Runs ON the GPU machine: one megakernel iteration without a wheel rebuild. Compiles
 # cuda/megakernel.cu with that machine's nvcc into the images (narrow and wide) the installed wheel
 # loads instead of its embedded ones ($MK_MEGAKERNEL_CUBIN; the wheel must come from the same cuda/abi.h), then in
 # the same call runs the megakernel's GPU tests, the decode benchmark with one trace, and the

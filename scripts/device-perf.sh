@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs ON the GPU machine: the measurements that say where the time goes, in one call (~4 min).
+# Runs ON the GPU machine: the measurements that say where the time goes, in one call.
 #   device run:  bash scripts/device-perf.sh      (carry: [".whl"])
 # - benches/decode.py --quick --trace: batch 1 and 8 at 8K, the plain, L2-prefetch and balanced
 #   variants timed in the same run, and one traced step of each summarized per task family;

@@ -1,4 +1,4 @@
-"""The built-in model's quality bars (#13), on shipped weights through `mk.LLM`, on packages it never saw.
+"""The built-in model's quality bars, on shipped weights through `mk.LLM`, on packages it never saw.
 
 Prompts come from held-out packages of the machine's installed ones (scripts/code_corpus.py finds their
 files; the functions are those train_embedded.py's completion test takes: a docstring, 2-30 body lines,

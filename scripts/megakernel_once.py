@@ -3,7 +3,7 @@ compute-sanitizer --tool memcheck python3 scripts/megakernel_once.py
 (batch 4, one step for each way of running expert tiles (claim queues, one task per tile) and of
 learning the routing (the top-k task's, each block's own); and, where the build has the wide image
 (not the swizzled variant), one step of 12 rows: two n-tiles, O's reduction in two activation passes).
---narrow leaves the 12-row step out: under racecheck (~100x slower) it outlasts the kernel's 2 s wait
+--narrow leaves the 12-row step out: under racecheck (far slower) it outlasts the kernel's 2 s wait
 limit. --dump PATH saves each step's x, residual log, logits and K/V pages (torch.save), to compare
 two builds (e.g. a build variant against the default) on the same inputs."""
 

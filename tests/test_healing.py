@@ -131,7 +131,7 @@ def test_the_constraint_is_the_removed_text_as_a_prefix(llm):
 def test_the_issue_prompt_no_longer_answers_a_code_fence(llm, unhealed):
     prompt = DOCSTRING + "\n"
     before = unhealed.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0]
-    assert before.text.startswith("```")  # what the issue reported, healing off
+    assert before.text.startswith("```")  # the token-boundary artefact, healing off
     out = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
     c = out.outputs[0]
     assert c.text.startswith("    ") and not c.text.startswith("\n")  # the next line, without the prompt's newline

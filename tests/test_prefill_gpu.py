@@ -505,6 +505,6 @@ def test_real_geometry_32k_prompt_fits(real_model):
 
 
 def test_real_geometry_256k_prompt_fits(real_model):
-    """The longest context the issue names: 256K tokens in 8K chunks, sliding pages released as the
+    """A 256K-token prompt in 8K chunks, sliding pages released as the
     chunks pass. Activations stay bounded by the chunk, not the prompt; the logits are finite."""
     assert long_prompt(real_model, 262144, 8192).abs().max() > 0

@@ -344,7 +344,7 @@ def test_a_completion_without_max_tokens_makes_16(client):
 
 
 def test_the_shipped_model_answers_a_chat(client):
-    """The default model is the trained embedded one (issue #7) and its chat answer has text."""
+    """The default model is the trained embedded one and its chat answer has text."""
     assert NAME == "mk-embedded", "python/mk/embedded/ is missing: the server fell back to random weights"
     out = client.chat.completions.create(
         model=NAME,

@@ -96,7 +96,7 @@ def test_token_id_prompts_are_not_healed(client, off_client):
 def test_the_flag_off_gives_the_unhealed_output_and_the_request_field_overrides_the_flag(client, off_client):
     old = upto_eos(greedy_reference(TOK.encode(PROMPT), 16))
     off = complete(off_client, PROMPT)
-    assert off.choices[0].text == TOK.decode(old, skip_special_tokens=True)  # the code fence of the issue
+    assert off.choices[0].text == TOK.decode(old, skip_special_tokens=True)  # the token-boundary artefact's code fence
     assert off.usage.completion_tokens == len(old)
     assert complete(client, PROMPT, extra_body={"token_healing": False}).choices[0].text == off.choices[0].text
     healed = complete(client, PROMPT).choices[0].text

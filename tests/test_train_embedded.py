@@ -360,7 +360,7 @@ def test_completion_cut_and_parse_rules():
     assert not parses_with_body(head + "\n")  # a docstring alone is no body
     assert not parses_with_body(head + "\n    return (x\n")
     assert not parses_with_body(head + "\n    return x\nprint(1)\n")
-    # A placeholder is no body (the bar), but a placeholder beside real statements is fine.
+    # A placeholder is no body, but a placeholder beside real statements is fine.
     assert not parses_with_body(head + "\n    pass\n")
     assert not parses_with_body(head + "\n    ...\n    pass\n")
     assert parses_with_body(head + "\n    y = 2 * x\n    pass\n")
@@ -726,7 +726,7 @@ def test_embedded_preset_fits_the_megakernel_and_the_size_bounds():
     assert cfg.layer_types == tuple("full_attention" if i % 4 == 0 else "sliding_attention" for i in range(n))
     assert cfg.sliding_window <= 512
     nbytes = 2 * sum(math.prod(s) for s in expected_shapes(cfg).values())
-    assert nbytes <= 40_000_000  # the bound
+    assert nbytes <= 40_000_000  # the package stays small
     assert unshippable(cfg) is None  # returns from the device machine (shards of at most 15 MiB)
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
 

@@ -47,8 +47,8 @@ pub struct EngineConfig {
     pub launch_ahead: bool,
     /// While a sequence decodes, prefill whole chunks a few layers an iteration (`core` module
     /// docs); the backend must take `LayerSlice`s.
-    pub layer_sliced_prefill: bool,
-    /// With `layer_sliced_prefill`: a call of one chunk of at most this many tokens is not sliced
+    pub sliced_prefill: bool,
+    /// With `sliced_prefill`: a call of one chunk of at most this many tokens is not sliced
     /// (`Core::whole_chunk_tokens`); 0: none.
     pub whole_chunk_tokens: usize,
 }
@@ -145,7 +145,7 @@ impl Engine {
         let mut core = Core::new(sched, backend);
         core.check_invariants = config.check_invariants;
         core.launch_ahead = config.launch_ahead;
-        core.layer_slices = config.layer_sliced_prefill.then_some(layers);
+        core.layer_slices = config.sliced_prefill.then_some(layers);
         core.whole_chunk_tokens = config.whole_chunk_tokens;
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Inbox { commands: Vec::new(), closing: false, holds: 0 }),

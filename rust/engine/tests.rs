@@ -391,7 +391,7 @@ fn engine_config_and_submission_errors() {
         max_waiting: 2,
         check_invariants: true,
         launch_ahead: false,
-        layer_sliced_prefill: false,
+        sliced_prefill: false,
         whole_chunk_tokens: 0,
     };
     // 64 tokens need 16 pages on the full layer + 2 × 4 on sliding ones... with a 64-token chunk
@@ -419,7 +419,7 @@ fn the_loop_thread_serves_concurrent_clients() {
         max_waiting: 100,
         check_invariants: true,
         launch_ahead: true,
-        layer_sliced_prefill: false,
+        sliced_prefill: false,
         whole_chunk_tokens: 0,
     };
     let engine = std::sync::Arc::new(Engine::start(config, MockBackend::new(model.clone(), 300)).unwrap());
@@ -476,7 +476,7 @@ fn threaded_engine(model: &MockModel, launch_ahead: bool) -> Engine {
         max_waiting: 100,
         check_invariants: true,
         launch_ahead,
-        layer_sliced_prefill: false,
+        sliced_prefill: false,
         whole_chunk_tokens: 0,
     };
     Engine::start(config, MockBackend::new(model.clone(), 300)).unwrap()
@@ -558,7 +558,7 @@ fn shutdown_cancels_everything_in_flight() {
         max_waiting: 100,
         check_invariants: false,
         launch_ahead: false,
-        layer_sliced_prefill: false,
+        sliced_prefill: false,
         whole_chunk_tokens: 0,
     };
     let engine = Engine::start(config, MockBackend::new(model, 300)).unwrap();
@@ -583,7 +583,7 @@ fn queue_limit_counts_only_unadmitted_requests() {
         max_waiting: 2,
         check_invariants: false,
         launch_ahead: false,
-        layer_sliced_prefill: false,
+        sliced_prefill: false,
         whole_chunk_tokens: 0,
     };
     let engine = Engine::start(config, NoopBackend::new(5)).unwrap();

@@ -167,7 +167,7 @@ impl PyEngine {
             max_waiting,
             check_invariants,
             launch_ahead,
-            layer_sliced_prefill: sliced_prefill,
+            sliced_prefill,
             whole_chunk_tokens,
         };
         let engine = match (runner, backend.as_str()) {

@@ -30,7 +30,7 @@ UL_MAX_VAL_COST = 0.03
 
 
 def loop_free(text: str, repeats: int = LOOP_REPEATS) -> bool:
-    """No non-blank line of `text` occurs more than `repeats` times (the #13 bar's rule)."""
+    """No non-blank line of `text` occurs more than `repeats` times (the built-in model's loop-free bar)."""
     lines = [line.strip() for line in text.split("\n") if line.strip()]
     return all(lines.count(line) <= repeats for line in set(lines))
 
@@ -82,8 +82,8 @@ def unlikelihood_phase(
     schedule's AdamW over `weights` (the last weights), which the phase goes on with (a fresh AdamW's
     first updates are a full learning rate in every weight); without it, a copy of `weights` and a
     new AdamW. `val_cost(weights)`: what the weights cost in validation loss against the phase's start;
-    after every update past UL_MAX_VAL_COST the phase undoes that update and ends (the first two runs
-    spent 0.18 and 0.28 nats before a guard at the end dropped the whole phase). Returns the new
+    after every update past UL_MAX_VAL_COST the phase undoes that update and ends (a guard checked
+    only at the end would drop the whole phase, the useful updates with the costly one). Returns the new
     weights and the phase's record (the looping share of each round: the loop rate on training
     prompts as it falls; `stopped`: why it ended before its updates or seconds, if it did)."""
     specials = set(tokenizer_files.SPECIAL_IDS.values())

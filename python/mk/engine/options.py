@@ -43,6 +43,12 @@ WHOLE_CHUNK_TOKENS = 1024
 # The share of the card's memory mk may use by default (vLLM's `--gpu-memory-utilization` means
 # the same): the rest is left to the driver, other processes and the allocator's fragmentation.
 GPU_MEMORY_UTILIZATION = 0.9
+# Most tokens per sequence: the engine's default, and the server's when --max-context is not given
+# (for a model directory whose tokenizer states no model_max_length, and for the built-in model;
+# --synthetic stands for the real model, hence its longer one).
+ENGINE_MAX_CONTEXT = 4096
+SERVER_MAX_CONTEXT = 8192
+SYNTHETIC_MAX_CONTEXT = 32768
 DEALINGS = ("round_robin", "balanced")
 PREFILLS = ("auto", "packed", "plain")
 # An auto/on/off switch's words and the field's value (None: the engine decides).
@@ -87,13 +93,14 @@ class EngineOptions:
         default_text=f"{GPU_MAX_BATCH} on a GPU, {CPU_MAX_BATCH} on the CPU",
     )
     max_context: int = _option(
-        4096,
+        ENGINE_MAX_CONTEXT,
         "most tokens per sequence, prompt plus completion; on a GPU, a context whose sequence the KV cache cannot "
         "hold is an error at start naming the longest that fits (with fit_context: that one is taken instead)",
         minimum=2,
         server_default=None,
-        default_text="the engine's 4096; the server's: the tokenizer's model_max_length, 8192 for the built-in "
-        "model, 32768 with --synthetic, on a GPU at most what the KV cache holds",
+        default_text=f"the engine's {ENGINE_MAX_CONTEXT}; the server's: the tokenizer's model_max_length (else "
+        f"{SERVER_MAX_CONTEXT}), {SERVER_MAX_CONTEXT} for the built-in model, {SYNTHETIC_MAX_CONTEXT} with "
+        "--synthetic, on a GPU at most what the KV cache holds",
     )
     max_waiting: int = _option(256, "requests queued beyond the batch before new ones are refused (503)", minimum=1)
     gpu_memory_utilization: float = _option(
@@ -133,13 +140,14 @@ class EngineOptions:
         "prefill a fresh prompt (no cached prefix) of up to one chunk as a CUDA graph replay, captured per padded "
         "length at start: a short prompt's first token without the eager path's fixed host time, for GPU memory "
         "the start's memory plan counts",
-        "on with the packed prefill on a GPU",
+        "on with the packed prefill on a GPU where its MoE is the grouped one (bf16)",
     )
     prefix_graphs: bool | None = _switch(
         "prefill a chunk after a cached prefix (a conversation's next turn) as a CUDA graph replay too, captured "
         "per padded (tokens, keys) shape at start, so that a next turn's first token comes without the eager "
         "path's launches; on = every chunk length (more captures and memory)",
-        "the shortest chunks (mk.prefill.prefixed.NEXT_TURN_BUCKETS) with the packed prefill on a GPU",
+        "the shortest chunks (mk.prefill.prefixed.NEXT_TURN_BUCKETS) with the packed prefill on a GPU where its MoE is "
+        "the grouped one (bf16)",
     )
     launch_ahead: bool | None = _switch(
         "launch each decode step before the previous step's tokens reach the host, so the GPU runs steps back to "

@@ -22,7 +22,7 @@ On CUDA the elementwise steps (norm, RoPE, SwiGLU activation, combine, residual)
 `torch.compile` (dynamic shapes: one compile each per process; eager if compiling fails). A chunk
 that is one fresh prompt (no cached prefix, the common case of a short prompt) runs as a
 static-shape pass padded to a bucket and, on CUDA, as a CUDA graph replay (`mk.prefill.static`):
-its ~1,700 launches and ~300 compiled-region calls are otherwise most of its time (one
+its thousands of launches and compiled-region calls are otherwise most of its time (one
 just past a bucket of 4K or more runs as that bucket and the rest after it: `fresh_split`). Such
 a pass of at least STATIC_STEPS_MIN_ROWS rows takes elementwise steps compiled for its exact
 shape, faster than the dynamic ones, and so does a chunk on the usual path whose row count

@@ -2,8 +2,8 @@
 
 A chunk padded to a bucket of N rows (`BUCKETS`) has the same shapes and the same pool addresses
 every time, so on CUDA its whole pass over every layer is captured once per shape as a CUDA graph
-and replayed: the host then costs one replay instead of ~1,700 kernel launches and ~300
-compiled-region calls from Python, a fixed host cost that is most of a short prompt's time to
+and replayed: the host then costs one replay instead of a kernel launch per op of every layer
+and a compiled-region call per elementwise step from Python, a fixed host cost that is most of a short prompt's time to
 first token (docs/PERF.md, tuning decisions). On the CPU the same pass runs eagerly, which is what
 the CPU tests check. Two kinds share this machinery: a fresh prompt (`mk.prefill.fresh`) and
 chunks after cached prefixes (`mk.prefill.prefixed`).

@@ -242,15 +242,15 @@ def build_state(args: argparse.Namespace) -> ServerState:
         model = load(args.model, device=device, dtype=dtype, progress=progress)
         tokenizer = Tokenizer.from_dir(args.model)
         name = args.served_model_name or args.model.resolve().name
-        default_context = int(tokenizer.config.get("model_max_length") or 8192)
+        default_context = int(tokenizer.config.get("model_max_length") or options.SERVER_MAX_CONTEXT)
     elif args.synthetic:
         model, tokenizer = _synthetic(device)
-        name, default_context = args.served_model_name or "north-mini-code-synthetic", 32768
+        name, default_context = args.served_model_name or "north-mini-code-synthetic", options.SYNTHETIC_MAX_CONTEXT
     else:
         from mk.default_model import NAME, load_default
 
         model, tokenizer = load_default(device, dtype)
-        name, default_context = args.served_model_name or NAME, 8192
+        name, default_context = args.served_model_name or NAME, options.SERVER_MAX_CONTEXT
     max_context = args.max_context or min(default_context, 1 << 20)
     engine = Engine(
         model,

@@ -128,7 +128,7 @@ def test_the_constraint_is_the_removed_text_as_a_prefix(llm):
 # ---- generation on the built-in model --------------------------------------------------------------
 
 
-def test_the_issue_prompt_no_longer_answers_a_code_fence(llm, unhealed):
+def test_a_prompt_ending_in_a_bare_newline_no_longer_answers_a_code_fence(llm, unhealed):
     prompt = DOCSTRING + "\n"
     before = unhealed.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0]
     assert before.text.startswith("```")  # the token-boundary artefact, healing off

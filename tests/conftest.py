@@ -83,6 +83,8 @@ def pytest_runtest_protocol(item, nextitem):
         )
         if reporter is not None:
             reporter.write_line(f"warning: {message}")
+        else:
+            sys.stderr.write(f"warning: {message}\n")
 
 
 # GPU memory in use after a module that is more than a CUDA context and the extension's buffers.

@@ -4,7 +4,6 @@ out-of-memory error, and a context no card holds is refused naming the longest t
 
 from __future__ import annotations
 
-import gc
 import re
 import threading
 
@@ -26,10 +25,9 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(scope="module")
 def model():
+    # (tests/conftest.py hands the card back after the module, once pytest has let go of the model)
     cfg = ModelConfig.real()
-    yield Model(cfg, synthetic_weights(cfg, seed=5, device="cuda", dtype=torch.bfloat16, std=0.01))
-    gc.collect()  # (the refused engine's traceback is a reference cycle)
-    torch.cuda.empty_cache()
+    return Model(cfg, synthetic_weights(cfg, seed=5, device="cuda", dtype=torch.bfloat16, std=0.01))
 
 
 def used() -> int:
